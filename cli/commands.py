@@ -1,0 +1,1 @@
+"""Format-core commands: synth, inspect, verify."""

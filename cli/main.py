@@ -1,0 +1,11 @@
+"""Entry point of the ``shardckpt`` console script: imports every command module, exposes ``app``."""
+
+from __future__ import annotations
+
+from shardckpt.cli.app import app
+from shardckpt.cli import commands  # noqa: F401  (registers commands)
+
+__all__ = ["app"]
+
+if __name__ == "__main__":
+    app()

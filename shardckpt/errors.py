@@ -1,0 +1,63 @@
+"""The exception hierarchy of shardckpt.
+
+Every error a user can meet derives from :class:`ShardckptError`. Messages say what was found, what
+was expected and, where there is one, what to do next; they name the file or object involved.
+"""
+
+from __future__ import annotations
+
+
+class ShardckptError(Exception):
+    """Base class of every error shardckpt raises on purpose."""
+
+
+class ManifestError(ShardckptError):
+    """A manifest is missing, malformed, hostile, of a newer major version, or self-inconsistent."""
+
+
+class IncompatibleLayoutError(ShardckptError):
+    """Two layouts cannot be mapped onto each other (missing, unexpected or reshaped parameters)."""
+
+    def __init__(
+        self,
+        message: str,
+        missing: tuple[str, ...] = (),
+        unexpected: tuple[str, ...] = (),
+        mismatched: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched = mismatched
+
+
+class IncompleteCheckpointError(ShardckptError):
+    """A checkpoint never committed, or its files do not match what its manifest says."""
+
+
+class IntegrityError(IncompleteCheckpointError):
+    """Bytes read back do not match their recorded checksum or size."""
+
+
+class StorageError(ShardckptError):
+    """An I/O operation failed; the original OSError (or client error) is kept as ``__cause__``."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CommitConflictError(StorageError):
+    """A create-only write found the object already there: another save committed first."""
+
+
+class CollectiveError(ShardckptError):
+    """One or more ranks failed inside a collective operation; ``failures`` maps rank to message."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ConfigError(ShardckptError, ValueError):
+    """An option or combination of options is invalid."""

@@ -1,0 +1,1 @@
+"""The ZeRO-1/2/3 training runtime on torch.distributed."""
