@@ -1,0 +1,541 @@
+"""The manifest: the versioned JSON that describes one checkpoint, and its strict codec.
+
+``docs/FORMAT.md`` is the specification; this module is its reference implementation. Parsing
+validates every field before anything is trusted: types, bounds, that the parameters of each flat
+group tile it exactly, that every file name is a plain relative path, and that every shard file's
+recorded size equals the size its tensors imply. Duplicate JSON keys are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from shardckpt.errors import ManifestError
+from shardckpt.layout import (
+    DTYPES, SHARD_ALIGN, SHARD_AXIS, FlatGroup, Layout, Mesh, ParamSpec, itemsize, prod,
+)
+
+FORMAT_NAME = "shardckpt"
+VERSION = (0, 1)
+MANIFEST_NAME = "manifest.json"
+#: A manifest larger than this is refused before it is read (a 70B, 1024-rank manifest is ~10 MB).
+MAX_MANIFEST_BYTES = 512 << 20
+#: Largest size, offset or element count accepted anywhere (2**53: exact in JSON doubles too).
+MAX_INT = 1 << 53
+DEFAULT_CHUNK_SIZE = 4 << 20
+ROLES = ("shard", "buffers", "rank")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of the checkpoint, relative to the checkpoint directory, with its checksums."""
+
+    path: str
+    role: str                 # "shard" | "buffers" | "rank"
+    size: int
+    header_size: int          # safetensors JSON header length (the u64 at byte 0)
+    crc32c: int
+    chunk_crc32c: tuple[int, ...]
+    index: int | None = None  # shard rank for "shard", global rank for "rank"
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_size
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named part of a checkpoint: a layout, the state kinds per group, aliases and buffers."""
+
+    name: str
+    layout: Layout
+    states: Mapping[str, tuple[tuple[str, str], ...]]  # group -> ((kind, dtype), ...)
+    aliases: Mapping[str, str] = field(default_factory=dict)  # alias fqn -> canonical fqn
+    buffers: tuple[BufferSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    name: str
+    param_groups: tuple[Mapping[str, Any], ...]  # each: {"params": [fqn], "hparams": {...}, "step": int}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: tuple[int, int]
+    save_id: str
+    created_at: str
+    mesh: Mesh
+    chunk_size: int
+    components: Mapping[str, Component]
+    optimizer: OptimizerInfo | None
+    extras: Mapping[str, Any]
+    per_rank_state: Mapping[str, Any]
+    files: tuple[FileEntry, ...]
+
+    def file(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+    def shard_file(self, shard: int) -> FileEntry:
+        for f in self.files:
+            if f.role == "shard" and f.index == shard:
+                return f
+        raise KeyError(f"shard {shard}")
+
+    def buffers_file(self) -> FileEntry | None:
+        return next((f for f in self.files if f.role == "buffers"), None)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+# ---------------------------------------------------------------------- tensor positions (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    """Where one tensor lies inside a file's data section (byte offsets relative to data start)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def shard_slots(components: Mapping[str, Component], mesh: Mesh) -> list[TensorSlot]:
+    """Tensors of every shard file, in file order: components, then groups, then state kinds.
+
+    Every shard file of a checkpoint has the same slots; tensor ``"<group>.<kind>"`` is 1-D.
+    """
+    out: list[TensorSlot] = []
+    pos = 0
+    for comp in components.values():
+        for g in comp.layout.groups:
+            s = g.padded_numel // mesh.shard_degree
+            for kind, dtype in comp.states[g.name]:
+                n = s * itemsize(dtype)
+                out.append(TensorSlot(f"{g.name}.{kind}", dtype, (s,), pos, pos + n))
+                pos += n
+    return out
+
+
+def buffer_slots(components: Mapping[str, Component]) -> list[TensorSlot]:
+    """Tensors of ``buffers.safetensors`` by FQN, in manifest order."""
+    out: list[TensorSlot] = []
+    pos = 0
+    for comp in components.values():
+        for b in comp.buffers:
+            out.append(TensorSlot(b.fqn, b.dtype, b.shape, pos, pos + b.nbytes))
+            pos += b.nbytes
+    return out
+
+
+# ------------------------------------------------------------------------------------ encode
+
+
+def to_json(m: Manifest) -> bytes:
+    """Encode a manifest; ``parse`` of the result gives back an equal manifest."""
+    doc = {
+        "format": FORMAT_NAME,
+        "version": f"{m.version[0]}.{m.version[1]}",
+        "save_id": m.save_id,
+        "created_at": m.created_at,
+        "mesh": {"axes": [{"name": n, "size": s} for n, s in m.mesh.axes]},
+        "chunk_size": m.chunk_size,
+        "components": {name: _component_doc(c) for name, c in m.components.items()},
+        "optimizer": None if m.optimizer is None else {
+            "name": m.optimizer.name,
+            "param_groups": [dict(pg) for pg in m.optimizer.param_groups],
+        },
+        "extras": dict(m.extras),
+        "per_rank_state": dict(m.per_rank_state),
+        "files": [_file_doc(f) for f in m.files],
+    }
+    return json.dumps(doc, indent=1, allow_nan=False).encode()
+
+
+def _component_doc(c: Component) -> dict[str, Any]:
+    return {
+        "groups": [
+            {"name": g.name, "unit": g.unit, "dtype": g.dtype, "requires_grad": g.requires_grad,
+             "numel": g.numel, "padded_numel": g.padded_numel,
+             "states": [{"kind": k, "dtype": d} for k, d in c.states[g.name]]}
+            for g in c.layout.groups
+        ],
+        "params": [{"fqn": p.fqn, "shape": list(p.shape), "group": p.group, "offset": p.offset}
+                   for p in c.layout.params],
+        "aliases": dict(c.aliases),
+        "buffers": [{"fqn": b.fqn, "shape": list(b.shape), "dtype": b.dtype} for b in c.buffers],
+    }
+
+
+def _file_doc(f: FileEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = {"path": f.path, "role": f.role}
+    if f.index is not None:
+        doc["index"] = f.index
+    doc.update(size=f.size, header_size=f.header_size, crc32c=f"{f.crc32c:08x}",
+               chunk_crc32c="".join(f"{c:08x}" for c in f.chunk_crc32c))
+    return doc
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+class _Ctx:
+    """Validation context: the manifest's name for messages."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, what: str) -> ManifestError:
+        return ManifestError(f"{self.source}: {where}: {what}")
+
+    def obj(self, v: Any, where: str) -> dict[str, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(where, f"expected an object, found {type(v).__name__}")
+        return v
+
+    def lst(self, v: Any, where: str) -> list[Any]:
+        if not isinstance(v, list):
+            raise self.fail(where, f"expected a list, found {type(v).__name__}")
+        return v
+
+    def str_(self, v: Any, where: str) -> str:
+        if not isinstance(v, str):
+            raise self.fail(where, f"expected a string, found {type(v).__name__}")
+        return v
+
+    def bool_(self, v: Any, where: str) -> bool:
+        if not isinstance(v, bool):
+            raise self.fail(where, f"expected true or false, found {v!r}")
+        return v
+
+    def int_(self, v: Any, where: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise self.fail(where, f"expected an integer, found {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise self.fail(where, f"{v} is outside [{lo}, {hi}]")
+        return v
+
+    def key(self, d: dict[str, Any], k: str, where: str) -> Any:
+        if k not in d:
+            raise self.fail(where, f"missing field {k!r}")
+        return d[k]
+
+    def dtype(self, v: Any, where: str) -> str:
+        s = self.str_(v, where)
+        if s not in DTYPES:
+            raise self.fail(where, f"unknown dtype {s!r}")
+        return s
+
+    def shape(self, v: Any, where: str) -> tuple[int, ...]:
+        dims = self.lst(v, where)
+        if len(dims) > 16:
+            raise self.fail(where, f"{len(dims)} dimensions; at most 16 are allowed")
+        out = tuple(self.int_(d, f"{where}[{i}]") for i, d in enumerate(dims))
+        n = 1
+        for d in out:
+            n *= d
+            if n > MAX_INT:
+                raise self.fail(where, f"shape {list(out)} has more than 2**53 elements")
+        return out
+
+    def hex32(self, v: Any, where: str) -> int:
+        s = self.str_(v, where)
+        if len(s) != 8 or not all(c in "0123456789abcdef" for c in s):
+            raise self.fail(where, f"expected 8 lowercase hex digits, found {s[:20]!r}")
+        return int(s, 16)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse(data: bytes | str, source: str = MANIFEST_NAME) -> Manifest:
+    """Decode and validate a manifest; raise :class:`ManifestError` naming ``source`` and the field."""
+    ctx = _Ctx(source)
+    if isinstance(data, bytes) and len(data) > MAX_MANIFEST_BYTES:
+        raise ctx.fail("size", f"{len(data)} bytes; at most {MAX_MANIFEST_BYTES} are accepted")
+    try:
+        doc = json.loads(data, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ManifestError(f"{source}: not valid manifest JSON: {e}") from e
+    doc = ctx.obj(doc, "top level")
+    if doc.get("format") != FORMAT_NAME:
+        raise ctx.fail("format", f"expected {FORMAT_NAME!r}, found {doc.get('format')!r}")
+    version = _parse_version(ctx, ctx.key(doc, "version", "top level"))
+    save_id = ctx.str_(ctx.key(doc, "save_id", "top level"), "save_id")
+    if not _SAFE_NAME.match(save_id) or save_id in (".", ".."):
+        raise ctx.fail("save_id", f"{save_id!r} is not a plain name (letters, digits, _ . -)")
+    created_at = ctx.str_(doc.get("created_at", ""), "created_at")
+    mesh = _parse_mesh(ctx, ctx.key(doc, "mesh", "top level"))
+    chunk_size = ctx.int_(ctx.key(doc, "chunk_size", "top level"), "chunk_size", 4096, 1 << 30)
+    comps_doc = ctx.obj(ctx.key(doc, "components", "top level"), "components")
+    components = {name: _parse_component(ctx, name, c, mesh) for name, c in comps_doc.items()}
+    _check_unique_groups(ctx, components)
+    optimizer = _parse_optimizer(ctx, doc.get("optimizer"), components)
+    extras = ctx.obj(doc.get("extras", {}), "extras")
+    per_rank = ctx.obj(doc.get("per_rank_state", {}), "per_rank_state")
+    files = tuple(_parse_file(ctx, i, f, chunk_size)
+                  for i, f in enumerate(ctx.lst(ctx.key(doc, "files", "top level"), "files")))
+    m = Manifest(version, save_id, created_at, mesh, chunk_size, components, optimizer, extras,
+                 per_rank, files)
+    _check_files(ctx, m)
+    return m
+
+
+def _parse_version(ctx: _Ctx, v: Any) -> tuple[int, int]:
+    s = ctx.str_(v, "version")
+    m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", s)
+    if not m:
+        raise ctx.fail("version", f"expected 'MAJOR.MINOR', found {s!r}")
+    major, minor = int(m.group(1)), int(m.group(2))
+    if major > VERSION[0]:
+        raise ctx.fail(
+            "version",
+            f"format {major}.{minor} is newer than this shardckpt reads "
+            f"({VERSION[0]}.x); upgrade shardckpt to read it",
+        )
+    if major < VERSION[0]:
+        raise ctx.fail("version", f"format {major}.{minor} is older than any this shardckpt reads")
+    return major, minor
+
+
+def _parse_mesh(ctx: _Ctx, v: Any) -> Mesh:
+    axes_doc = ctx.lst(ctx.key(ctx.obj(v, "mesh"), "axes", "mesh"), "mesh.axes")
+    axes = []
+    for i, a in enumerate(axes_doc):
+        a = ctx.obj(a, f"mesh.axes[{i}]")
+        axes.append((ctx.str_(ctx.key(a, "name", f"mesh.axes[{i}]"), f"mesh.axes[{i}].name"),
+                     ctx.int_(ctx.key(a, "size", f"mesh.axes[{i}]"), f"mesh.axes[{i}].size", 1, 1 << 24)))
+    try:
+        return Mesh(tuple(axes))
+    except Exception as e:
+        raise ctx.fail("mesh", str(e)) from e
+
+
+def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
+    w = f"components.{name}"
+    if not _SAFE_NAME.match(name):
+        raise ctx.fail(w, "component names are letters, digits, _ . -")
+    c = ctx.obj(v, w)
+    groups: list[FlatGroup] = []
+    states: dict[str, tuple[tuple[str, str], ...]] = {}
+    quantum = SHARD_ALIGN * mesh.shard_degree
+    for i, gd in enumerate(ctx.lst(ctx.key(c, "groups", w), f"{w}.groups")):
+        gw = f"{w}.groups[{i}]"
+        gd = ctx.obj(gd, gw)
+        gname = ctx.str_(ctx.key(gd, "name", gw), f"{gw}.name")
+        if not _SAFE_NAME.match(gname):
+            raise ctx.fail(f"{gw}.name", f"{gname!r} is not letters, digits, _ . -")
+        numel = ctx.int_(ctx.key(gd, "numel", gw), f"{gw}.numel")
+        padded = ctx.int_(ctx.key(gd, "padded_numel", gw), f"{gw}.padded_numel")
+        if padded < numel or padded % quantum or padded == 0:
+            raise ctx.fail(f"{gw}.padded_numel", f"{padded} is not a positive multiple of 16 x "
+                           f"{mesh.shard_degree} shards that holds {numel} elements")
+        kinds = []
+        for j, sd in enumerate(ctx.lst(ctx.key(gd, "states", gw), f"{gw}.states")):
+            sd = ctx.obj(sd, f"{gw}.states[{j}]")
+            kind = ctx.str_(ctx.key(sd, "kind", f"{gw}.states[{j}]"), f"{gw}.states[{j}].kind")
+            if not re.fullmatch(r"[A-Za-z0-9_]+", kind):
+                raise ctx.fail(f"{gw}.states[{j}].kind", f"{kind!r} is not letters, digits and _")
+            kinds.append((kind, ctx.dtype(ctx.key(sd, "dtype", f"{gw}.states[{j}]"), f"{gw}.states[{j}].dtype")))
+        if len({k for k, _ in kinds}) != len(kinds):
+            raise ctx.fail(f"{gw}.states", "state kinds repeat")
+        groups.append(FlatGroup(gname, ctx.str_(gd.get("unit", ""), f"{gw}.unit"),
+                                ctx.dtype(ctx.key(gd, "dtype", gw), f"{gw}.dtype"),
+                                ctx.bool_(ctx.key(gd, "requires_grad", gw), f"{gw}.requires_grad"),
+                                numel, padded, ()))
+        if gname in states:
+            raise ctx.fail(f"{gw}.name", f"group {gname!r} appears twice")
+        states[gname] = tuple(kinds)
+    by_name = {g.name: g for g in groups}
+    members: dict[str, list[ParamSpec]] = {g.name: [] for g in groups}
+    specs: list[ParamSpec] = []
+    seen: set[str] = set()
+    for i, pd in enumerate(ctx.lst(ctx.key(c, "params", w), f"{w}.params")):
+        pw = f"{w}.params[{i}]"
+        pd = ctx.obj(pd, pw)
+        fqn = ctx.str_(ctx.key(pd, "fqn", pw), f"{pw}.fqn")
+        if fqn in seen:
+            raise ctx.fail(pw, f"parameter {fqn!r} appears twice")
+        seen.add(fqn)
+        gname = ctx.str_(ctx.key(pd, "group", pw), f"{pw}.group")
+        if gname not in by_name:
+            raise ctx.fail(f"{pw}.group", f"{fqn!r} names group {gname!r}, which does not exist")
+        spec = ParamSpec(fqn, ctx.shape(ctx.key(pd, "shape", pw), f"{pw}.shape"),
+                         by_name[gname].dtype, gname, ctx.int_(ctx.key(pd, "offset", pw), f"{pw}.offset"))
+        specs.append(spec)
+        members[gname].append(spec)
+    final_groups = []
+    for g in groups:
+        ps = sorted(members[g.name], key=lambda p: p.offset)
+        pos = 0
+        for p in ps:
+            if p.offset != pos:
+                what = "overlaps the parameter before it" if p.offset < pos else "leaves a gap before it"
+                raise ctx.fail(f"{w}.params", f"{p.fqn!r} at offset {p.offset} in group {g.name!r} {what} "
+                               f"(expected offset {pos})")
+            pos += p.numel
+        if pos != g.numel:
+            raise ctx.fail(f"{w}.groups", f"group {g.name!r} says {g.numel} elements but its "
+                           f"parameters hold {pos}")
+        final_groups.append(FlatGroup(g.name, g.unit, g.dtype, g.requires_grad, g.numel,
+                                      g.padded_numel, tuple(p.fqn for p in ps)))
+    layout = Layout(mesh, tuple(final_groups), tuple(specs))
+    aliases = {}
+    for a, t in ctx.obj(c.get("aliases", {}), f"{w}.aliases").items():
+        t = ctx.str_(t, f"{w}.aliases.{a}")
+        if t not in seen or a in seen:
+            raise ctx.fail(f"{w}.aliases.{a}", f"alias must name an existing parameter and not be one; "
+                           f"{a!r} -> {t!r}")
+        aliases[a] = t
+    buffers = []
+    for i, bd in enumerate(ctx.lst(c.get("buffers", []), f"{w}.buffers")):
+        bw = f"{w}.buffers[{i}]"
+        bd = ctx.obj(bd, bw)
+        buffers.append(BufferSpec(ctx.str_(ctx.key(bd, "fqn", bw), f"{bw}.fqn"),
+                                  ctx.shape(ctx.key(bd, "shape", bw), f"{bw}.shape"),
+                                  ctx.dtype(ctx.key(bd, "dtype", bw), f"{bw}.dtype")))
+    if len({b.fqn for b in buffers}) != len(buffers):
+        raise ctx.fail(f"{w}.buffers", "buffer names repeat")
+    return Component(name, layout, states, aliases, tuple(buffers))
+
+
+def _check_unique_groups(ctx: _Ctx, components: Mapping[str, Component]) -> None:
+    seen: dict[str, str] = {}
+    for c in components.values():
+        for g in c.layout.groups:
+            if g.name in seen:
+                raise ctx.fail("components", f"group {g.name!r} is in both {seen[g.name]!r} and {c.name!r}")
+            seen[g.name] = c.name
+
+
+def _parse_optimizer(ctx: _Ctx, v: Any, components: Mapping[str, Component]) -> OptimizerInfo | None:
+    if v is None:
+        return None
+    d = ctx.obj(v, "optimizer")
+    name = ctx.str_(ctx.key(d, "name", "optimizer"), "optimizer.name")
+    known = {p.fqn for c in components.values() for p in c.layout.params}
+    groups = []
+    claimed: set[str] = set()
+    for i, pg in enumerate(ctx.lst(ctx.key(d, "param_groups", "optimizer"), "optimizer.param_groups")):
+        w = f"optimizer.param_groups[{i}]"
+        pg = ctx.obj(pg, w)
+        params = [ctx.str_(p, f"{w}.params") for p in ctx.lst(ctx.key(pg, "params", w), f"{w}.params")]
+        bad = [p for p in params if p not in known]
+        if bad:
+            raise ctx.fail(f"{w}.params", f"unknown parameters: {', '.join(bad[:10])}")
+        dup = [p for p in params if p in claimed]
+        if dup:
+            raise ctx.fail(f"{w}.params", f"parameters in two param groups: {', '.join(dup[:10])}")
+        claimed.update(params)
+        ctx.obj(pg.get("hparams", {}), f"{w}.hparams")
+        ctx.int_(pg.get("step", 0), f"{w}.step")
+        groups.append(pg)
+    return OptimizerInfo(name, tuple(groups))
+
+
+def _parse_file(ctx: _Ctx, i: int, v: Any, chunk_size: int) -> FileEntry:
+    w = f"files[{i}]"
+    d = ctx.obj(v, w)
+    path = ctx.str_(ctx.key(d, "path", w), f"{w}.path")
+    parts = path.split("/")
+    if (path.startswith("/") or "\\" in path or ":" in path
+            or any(p in ("", ".", "..") or not _SAFE_NAME.match(p) for p in parts)):
+        raise ctx.fail(f"{w}.path", f"{path!r} is not a plain relative path inside the checkpoint")
+    role = ctx.str_(ctx.key(d, "role", w), f"{w}.role")
+    if role not in ROLES:
+        raise ctx.fail(f"{w}.role", f"{role!r} is not one of {ROLES}")
+    index = None
+    if role in ("shard", "rank"):
+        index = ctx.int_(ctx.key(d, "index", w), f"{w}.index", 0, 1 << 24)
+    size = ctx.int_(ctx.key(d, "size", w), f"{w}.size")
+    header_size = ctx.int_(ctx.key(d, "header_size", w), f"{w}.header_size", 2, 100_000_000)
+    if 8 + header_size > size:
+        raise ctx.fail(f"{w}.header_size", f"{path}: header of {header_size} bytes does not fit in {size} bytes")
+    crc = ctx.hex32(ctx.key(d, "crc32c", w), f"{w}.crc32c")
+    chunks = ctx.str_(ctx.key(d, "chunk_crc32c", w), f"{w}.chunk_crc32c")
+    n_chunks = -(-size // chunk_size)
+    if len(chunks) != 8 * n_chunks:
+        raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: {len(chunks) // 8} chunk checksums for "
+                       f"{n_chunks} chunks of {chunk_size} bytes")
+    try:
+        chunk_crcs = tuple(int(chunks[k:k + 8], 16) for k in range(0, len(chunks), 8))
+    except ValueError:
+        raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: not hex digits") from None
+    return FileEntry(path, role, size, header_size, crc, chunk_crcs, index)
+
+
+def _check_files(ctx: _Ctx, m: Manifest) -> None:
+    paths = [f.path for f in m.files]
+    if len(set(paths)) != len(paths):
+        raise ctx.fail("files", "a path appears twice")
+    S = m.mesh.shard_degree
+    shards = sorted(f.index for f in m.files if f.role == "shard")  # type: ignore[type-var]
+    if shards != list(range(S)):
+        raise ctx.fail("files", f"expected one shard file for each of {S} shard ranks, found "
+                       f"shard indices {shards[:20]}")
+    data_bytes = shard_slots(m.components, m.mesh)
+    shard_data = data_bytes[-1].end if data_bytes else 0
+    bufs = buffer_slots(m.components)
+    buf_data = bufs[-1].end if bufs else 0
+    for f in m.files:
+        if f.role == "shard" and f.size != f.data_start + shard_data:
+            raise ctx.fail("files", f"{f.path}: size {f.size} does not match its header of "
+                           f"{f.header_size} bytes plus {shard_data} bytes of tensors")
+        if f.role == "buffers" and f.size != f.data_start + buf_data:
+            raise ctx.fail("files", f"{f.path}: size {f.size} does not match its header of "
+                           f"{f.header_size} bytes plus {buf_data} bytes of buffers")
+    if bufs and m.buffers_file() is None:
+        raise ctx.fail("files", "the manifest lists buffers but no buffers file")
+    if sum(1 for f in m.files if f.role == "buffers") > 1:
+        raise ctx.fail("files", "more than one buffers file")
+
+
+def iter_param_groups(m: Manifest) -> Iterator[tuple[Component, FlatGroup]]:
+    for c in m.components.values():
+        for g in c.layout.groups:
+            yield c, g
+
+
+def default_states(group: FlatGroup, optimizer_kinds: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``master`` plus the optimizer's per-element kinds (fp32) for trained groups; frozen: master."""
+    kinds = [("master", group.master_dtype)]
+    if group.requires_grad:
+        kinds += [(k, "float32") for k in optimizer_kinds]
+    return tuple(kinds)
+
+
+def check_mesh(mesh: Mesh) -> None:
+    if mesh.shard_degree < 1 or SHARD_AXIS not in [n for n, _ in mesh.axes]:
+        raise ManifestError(f"mesh {mesh.describe()} has no shard axis")
