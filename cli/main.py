@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from shardckpt.cli.app import app
 from shardckpt.cli import commands  # noqa: F401  (registers commands)
+from shardckpt.cli import estimate  # noqa: F401  (registers `estimate`)
+from shardckpt.cli import reshard  # noqa: F401  (registers `reshard`)
 
 __all__ = ["app"]
 

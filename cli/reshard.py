@@ -1,0 +1,53 @@
+"""`shardckpt reshard`: N ranks -> M ranks (or another HSDP mesh), streaming, bounded memory."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from shardckpt.cli.app import app
+from shardckpt.cli.common import (
+    StorageOptionArg, echo_json, guarded, human_bytes, parse_storage_options, progress,
+)
+
+
+@app.command()
+@guarded
+def reshard(
+    src: str = typer.Argument(..., help="Source checkpoint (path or fsspec URL)."),
+    dst: str = typer.Argument(..., help="Destination directory (path or fsspec URL)."),
+    to: int = typer.Option(..., "--to", help="Target world size M."),
+    from_: Optional[int] = typer.Option(None, "--from", help="Guard: the source's world size N."),
+    replicate: int = typer.Option(1, "--replicate", help="Target HSDP replicate degree R (mesh R x M/R)."),
+    workers: int = typer.Option(1, "--workers", help="Processes that split the target shards."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST once the new checkpoint is complete."),
+    buffer: str = typer.Option("64MB", "--buffer", help="Bytes held per read batch (bounds memory)."),
+    storage_option: Optional[list[str]] = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last."""
+    from shardckpt.checkpoint import read_manifest, as_storage
+    from shardckpt.cli.common import parse_count
+    from shardckpt.reshard import reshard as run
+
+    opts = parse_storage_options(storage_option)
+    total = 0
+    if workers <= 1:
+        try:
+            total = read_manifest(as_storage(src, opts)).total_bytes
+        except Exception:  # noqa: BLE001 - the real error is raised by run() below
+            total = 0
+    with progress(total, "reshard", enabled=workers <= 1) as tick:
+        r = run(src, dst, to, from_, replicate, workers, overwrite, opts,
+                buffer_bytes=parse_count(buffer, "--buffer"), progress=tick)
+    m = r.manifest
+    if json_out:
+        echo_json({"src": src, "dst": dst, "from": r.source_world_size, "to": m.mesh.world_size,
+                   "mesh": {a: s for a, s in m.mesh.axes}, "save_id": m.save_id,
+                   "bytes_written": r.bytes_written, "bytes_read": r.bytes_read,
+                   "seconds": round(r.seconds, 3),
+                   "gb_per_s": round(r.bytes_written / 1e9 / max(r.seconds, 1e-9), 3)})
+    else:
+        typer.echo(f"resharded {src} ({r.source_world_size} ranks) -> {dst} ({m.mesh.describe()}): "
+                   f"{human_bytes(r.bytes_written)} in {r.seconds:.2f} s")

@@ -1,0 +1,245 @@
+"""Offline resharding: turn a checkpoint of N ranks into one of M ranks (or another HSDP mesh).
+
+Streams through the pure :func:`~shardckpt.layout.plan_reshard` plan: each target shard file is
+written front to back, its bytes read from the source shards with checked ranged reads in pieces of
+at most ``buffer_bytes``; memory is bounded by that buffer (plus a few cached boundary chunks), not
+by the checkpoint. Target shards can be split over K worker processes. The target's manifest is
+created last, so an interrupted or failed reshard leaves nothing a reader takes for whole.
+Per-rank state (RNG) cannot follow a change of world size: it is dropped, and the manifest says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from shardckpt.checkpoint import CheckpointReader, CheckpointSpec, CheckpointWriter, as_storage
+from shardckpt.chunkcache import CachedRangeReader
+from shardckpt.errors import ConfigError, IncompatibleLayoutError, ShardckptError, StorageError
+from shardckpt.layout import Copy, Mesh, ReshardPlan, itemsize, plan_reshard
+from shardckpt.manifest import MANIFEST_NAME, Component, FileEntry, Manifest, TensorSlot, parse, to_json
+from shardckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUFFER = 64 << 20
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    manifest: Manifest
+    source_world_size: int
+    bytes_written: int
+    bytes_read: int
+    seconds: float
+
+
+def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, ReshardPlan]]:
+    """The target's manifest-to-be and one plan per component. Pure."""
+    components: dict[str, Component] = {}
+    plans: dict[str, ReshardPlan] = {}
+    for name, c in src.components.items():
+        layout = c.layout.with_mesh(mesh)
+        plans[name] = plan_reshard(c.layout, layout)
+        components[name] = replace(c, layout=layout)
+    per_rank = {"world_size": mesh.world_size,
+                "dropped_from_world_size": src.mesh.world_size,
+                "note": "per-rank state (RNG) cannot follow a change of world size; reshard dropped it"}
+    spec = CheckpointSpec(mesh, components, src.optimizer, dict(src.extras), per_rank, src.chunk_size)
+    return spec, plans
+
+
+def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
+                   shard: int, buffer_bytes: int,
+                   on_bytes: Callable[[int], None] | None) -> Callable[[TensorSlot], Iterator[Any]]:
+    """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``, pieces <= buffer_bytes."""
+    by_group: dict[str, list[Copy]] = {}
+    for plan in plans.values():
+        for c in plan.for_dst_shard(shard):
+            by_group.setdefault(c.dst_group, []).append(c)
+
+    def produce(slot: TensorSlot) -> Iterator[Any]:
+        group, kind = slot.name.rsplit(".", 1)
+        n = itemsize(slot.dtype)
+        total = slot.shape[0]
+        max_elems = max(1, buffer_bytes // n)
+        pos = 0
+        batch: list[tuple[FileEntry, int, int]] = []
+        batch_elems = 0
+
+        def flush() -> Iterator[bytes]:
+            nonlocal batch, batch_elems
+            if batch:
+                for data in ranged.read_many(batch):
+                    if on_bytes:
+                        on_bytes(len(data))
+                    yield data
+            batch, batch_elems = [], 0
+
+        for c in by_group.get(group, ()):
+            if c.dst_offset > pos:  # padding between params cannot happen; tail padding can
+                yield from flush()
+                yield bytes((c.dst_offset - pos) * n)
+            done = 0
+            while done < c.numel:
+                take = min(c.numel - done, max_elems - batch_elems)
+                batch.append(reader.state_range(c.src_shard, c.src_group, kind,
+                                                c.src_offset + done, c.src_offset + done + take))
+                batch_elems += take
+                done += take
+                if batch_elems >= max_elems:
+                    yield from flush()
+            pos = c.dst_offset + c.numel
+        yield from flush()
+        if pos < total:
+            yield bytes((total - pos) * n)
+
+    return produce
+
+
+def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: str,
+                  dst_options: Mapping[str, Any] | None, mesh: Mesh, save_id: str,
+                  shards: Sequence[int], buffer_bytes: int,
+                  on_bytes: Callable[[int], None] | None = None) -> tuple[list[FileEntry], int]:
+    reader = CheckpointReader(src_url, src_options)
+    spec, plans = target_spec(reader.manifest, mesh)
+    writer = CheckpointWriter(as_storage(dst_url, dst_options), spec, save_id)
+    ranged = CachedRangeReader(reader.storage, reader.manifest.chunk_size)
+    entries = []
+    for t in shards:
+        produce = _slot_producer(reader, ranged, plans, t, buffer_bytes, on_bytes)
+        entries.append(writer.write_shard(t, produce))
+    return entries, ranged.bytes_read
+
+
+def _worker(args: dict[str, Any], conn: Any) -> None:
+    """Entry point of a worker process: write some target shards, send their entries as JSON."""
+    try:
+        entries, nread = _write_shards(args["src"], args["src_options"], args["dst"], args["dst_options"],
+                                       Mesh(tuple((a, s) for a, s in args["mesh"])), args["save_id"],
+                                       args["shards"], args["buffer_bytes"])
+        conn.send(json.dumps({"ok": True, "read": nread, "entries": [
+            {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
+             "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index} for e in entries]}))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+    finally:
+        conn.close()
+
+
+def _prepare_dst(dst: Storage, src: Storage, overwrite: bool) -> Manifest | None:
+    """Refuse an existing DST unless ``overwrite``; return DST's current manifest, if any."""
+    if dst.url.rstrip("/") == src.url.rstrip("/"):
+        raise ConfigError(f"{dst.url}: the destination is the source; choose another directory")
+    existing = dst.ls("")
+    if not existing:
+        return None
+    if not overwrite:
+        raise ConfigError(f"{dst.url} already exists and is not empty; pass --overwrite to replace it "
+                          "(the current checkpoint there stays until the new one commits)")
+    if MANIFEST_NAME in existing:
+        try:
+            return parse(dst.read_limited(MANIFEST_NAME, 1 << 29), dst.url_of(MANIFEST_NAME))
+        except ShardckptError:
+            return None
+    return None
+
+
+def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: int = 1,
+            workers: int = 1, overwrite: bool = False,
+            storage_options: Mapping[str, Any] | None = None,
+            dst_storage_options: Mapping[str, Any] | None = None,
+            buffer_bytes: int = DEFAULT_BUFFER,
+            progress: Callable[[int], None] | None = None) -> ReshardResult:
+    """Reshard ``src`` to a world of ``to`` ranks (mesh ``replicate`` x ``to/replicate``) at ``dst``.
+
+    ``from_`` is a guard: it must equal the source's world size. With ``overwrite``, an existing
+    checkpoint at ``dst`` is replaced only once the new one is complete.
+    """
+    t0 = time.perf_counter()
+    if to is None or to < 1:
+        raise ConfigError(f"--to {to}: the target world size must be >= 1")
+    if replicate < 1 or to % replicate:
+        raise ConfigError(f"--to {to} is not divisible by --replicate {replicate}")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be >= 1")
+    reader = CheckpointReader(src, storage_options)
+    m = reader.manifest
+    if from_ is not None and from_ != m.mesh.world_size:
+        raise IncompatibleLayoutError(
+            f"{reader.storage.url_of(MANIFEST_NAME)}: --from {from_} does not match the checkpoint's "
+            f"world size {m.mesh.world_size} (mesh {m.mesh.describe()})")
+    mesh = Mesh.for_world(to, replicate)
+    dst_storage = as_storage(dst, dst_storage_options if dst_storage_options is not None else storage_options)
+    old = _prepare_dst(dst_storage, reader.storage, overwrite)
+    spec, _ = target_spec(m, mesh)
+    writer = CheckpointWriter(dst_storage, spec)
+    S = mesh.shard_degree
+    k = min(workers, S)
+    dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
+    if k <= 1:
+        entries, nread = _write_shards(src, storage_options, dst, dst_opts, mesh,
+                                       writer.save_id, list(range(S)), buffer_bytes, progress)
+    else:
+        entries, nread = _run_workers(src, storage_options, dst, dst_opts, mesh, writer.save_id,
+                                      S, k, buffer_bytes)
+    if m.buffers_file() is not None:
+        b = writer.write_buffers(lambda slot: iter([reader.read_buffer(slot.name)[1]]))
+        if b is not None:
+            entries.append(b)
+    if old is not None:
+        new = writer.manifest(entries)
+        dst_storage.put(MANIFEST_NAME, to_json(new))
+        for f in old.files:
+            if f.path.split("/", 1)[0] != writer.save_id:
+                dst_storage.rm(f.path)
+        dst_storage.rm(old.save_id, recursive=True)
+        manifest = new
+    else:
+        manifest = writer.commit(entries)
+    written = sum(e.size for e in entries)
+    return ReshardResult(manifest, m.mesh.world_size, written, nread, time.perf_counter() - t0)
+
+
+def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
+                 dst_options: Mapping[str, Any] | None, mesh: Mesh, save_id: str, S: int, k: int,
+                 buffer_bytes: int) -> tuple[list[FileEntry], int]:
+    """Split target shards round-robin over ``k`` spawned processes; fail if any fails."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for w in range(k):
+        parent, child = ctx.Pipe(duplex=False)
+        args = {"src": src, "src_options": dict(src_options or {}), "dst": dst,
+                "dst_options": dict(dst_options or {}), "mesh": [list(a) for a in mesh.axes],
+                "save_id": save_id, "shards": list(range(w, S, k)), "buffer_bytes": buffer_bytes}
+        p = ctx.Process(target=_worker, args=(args, child), daemon=True)
+        p.start()
+        child.close()
+        procs.append((p, parent))
+    entries: list[FileEntry] = []
+    errors: list[str] = []
+    nread = 0
+    for w, (p, conn) in enumerate(procs):
+        try:
+            msg = json.loads(conn.recv())
+        except EOFError:
+            p.join(5)
+            errors.append(f"worker {w} died (exit code {p.exitcode})")
+            continue
+        p.join(30)
+        if not msg["ok"]:
+            errors.append(f"worker {w}: {msg['error']}")
+            continue
+        nread += msg["read"]
+        entries += [FileEntry(e["path"], e["role"], e["size"], e["header_size"], e["crc32c"],
+                              tuple(e["chunks"]), e["index"]) for e in msg["entries"]]
+    if errors:
+        for p, _ in procs:
+            if p.is_alive():
+                p.kill()
+        raise StorageError("reshard failed; nothing was committed: " + "; ".join(errors))
+    return entries, nread

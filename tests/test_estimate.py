@@ -1,0 +1,242 @@
+"""The memory / communication estimator against the ZeRO paper, its limits, and its CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import typer
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner, Result
+
+from shardckpt.errors import ConfigError
+from shardckpt.estimate import (
+    GB, PRECISIONS, EstimateError, estimate, estimate_all, parse_count,
+)
+
+PSI = 7_500_000_000
+ZERO = ("ddp", "zero1", "zero2", "zero3")
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+def test_paper_figure_1() -> None:
+    """Ψ = 7.5B, N = 64, K = 12: 120, 31.4, 16.6 and 1.9 GB (ZeRO paper, Figure 1)."""
+    rows = estimate_all(7.5e9, 64)
+    assert [r.label for r in rows] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    assert [round(r.model_state_gb, 1) for r in rows] == [120.0, 31.4, 16.6, 1.9]
+    assert [r.model_state_bytes for r in rows] == [120e9, 31.40625e9, 16.640625e9, 1.875e9]
+
+
+def test_paper_breakdown_per_kind() -> None:
+    z1 = estimate(PSI, "zero1", 64)
+    assert [(k.kind, k.bytes_per_param, k.placement, k.divisor) for k in z1.kinds] == [
+        ("params", 2, "replicated", 1), ("grads", 2, "replicated", 1),
+        ("master", 4, "sharded", 64), ("optim", 8, "sharded", 64),
+    ]
+    assert z1.kind("params").bytes == 2 * PSI
+    assert z1.kind("optim").bytes == 8 * PSI / 64
+    z2 = estimate(PSI, "zero2", 64)
+    assert z2.kind("grads").placement == "sharded" and z2.kind("params").placement == "replicated"
+    z3 = estimate(PSI, "zero3", 64)
+    assert all(k.placement == "sharded" for k in z3.kinds)
+    assert PRECISIONS["paper"].k == 12
+
+
+def test_fsdp2_bf16_holds_fp32_shards_and_gathers_bf16_units() -> None:
+    z3 = estimate(PSI, "zero3", 64, precision="fsdp2-bf16", largest_unit=200_000_000)
+    assert z3.model_state_bytes == 16 * PSI / 64
+    assert z3.kind("params").placement == "transient" and z3.kind("params").bytes == 0
+    assert z3.kind("master").bytes == 4 * PSI / 64 and z3.kind("grads").bytes == 4 * PSI / 64
+    assert z3.kind("optim").bytes == 8 * PSI / 64
+    assert z3.gathered_bytes == 2 * 200_000_000
+    # While params are replicated, the bf16 compute copy is resident: 18Ψ, 6Ψ + 12Ψ/N, 2Ψ + 16Ψ/N.
+    got = [estimate(PSI, s, 64, precision="fsdp2-bf16").model_state_bytes for s in ZERO[:3]]
+    assert got == [18 * PSI, 6 * PSI + 12 * PSI / 64, 2 * PSI + 16 * PSI / 64]
+    assert estimate(PSI, "zero2", 64, precision="fsdp2-bf16", largest_unit=10).gathered_bytes == 0
+
+
+def test_fp32_has_no_master() -> None:
+    rows = estimate_all(PSI, 8, precision="fp32", largest_unit=1000)
+    assert [r.model_state_bytes for r in rows] == [16 * PSI, 8 * PSI + PSI, 4 * PSI + 1.5 * PSI,
+                                                   2 * PSI]
+    assert all(r.kind("master").placement == "absent" for r in rows)
+    assert rows[3].gathered_bytes == 4000 and PRECISIONS["fp32"].k == 8
+
+
+def test_hsdp_shards_over_s_only() -> None:
+    h = estimate(PSI, "hsdp", 64, replicate=4)
+    assert (h.label, h.replicate, h.shard, h.world_size) == ("HSDP-4×16", 4, 16, 64)
+    assert h.model_state_bytes == estimate(PSI, "zero3", 16).model_state_bytes == PSI
+    assert estimate_all(PSI, 64, replicate=4)[-1] == h
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+def test_comm_headline_is_logical_volume() -> None:
+    assert estimate(PSI, "ddp", 64).comm_elements == 2 * PSI
+    assert estimate(PSI, "zero1", 64).comm_elements == 2 * PSI
+    assert estimate(PSI, "zero2", 64).comm_elements == 2 * PSI
+    z3 = estimate(PSI, "zero3", 64)
+    assert z3.comm_elements == 3 * PSI
+    assert [c.op for c in z3.collectives] == ["all_gather", "all_gather", "reduce_scatter"]
+    h = estimate(PSI, "hsdp", 64, replicate=4)
+    assert h.comm_elements == 3 * PSI + 2 * PSI / 16
+    assert h.collectives[-1].op == "all_reduce" and h.collectives[-1].axis == "dp_replicate"
+
+
+def test_comm_sent_per_rank_ring() -> None:
+    assert estimate(PSI, "ddp", 64).comm_sent_per_rank == 2 * PSI * 63 / 64
+    assert estimate(PSI, "zero3", 64).comm_sent_per_rank == 3 * PSI * 63 / 64
+    h = estimate(1600, "hsdp", 8, replicate=2)
+    assert h.comm_sent_per_rank == 3 * 1600 * 3 / 4 + 2 * 400 * 1 / 2
+
+
+def test_one_rank_communicates_nothing() -> None:
+    assert all(estimate(PSI, s, 1).comm_elements == 0 for s in ZERO)
+    # HSDP R×1 is DDP: only the all-reduce over R moves data.
+    hsdp_8x1 = estimate(PSI, "hsdp", 8, replicate=8)
+    assert hsdp_8x1.comm_elements == estimate(PSI, "ddp", 8).comm_elements == 2 * PSI
+
+
+# --------------------------------------------------------------------------------- properties
+
+counts = st.integers(min_value=1, max_value=10**13)
+ranks = st.integers(min_value=1, max_value=1 << 16)
+presets = st.sampled_from(sorted(PRECISIONS))
+
+
+@given(counts, ranks, presets)
+def test_sharding_never_costs_memory(psi: int, n: int, precision: str) -> None:
+    ddp, z1, z2, z3 = (estimate(psi, s, n, precision=precision).model_state_bytes for s in ZERO)
+    assert z3 <= z2 <= z1 <= ddp
+
+
+@given(counts, presets)
+def test_one_rank_all_strategies_equal(psi: int, precision: str) -> None:
+    ddp, z1, z2, z3 = (estimate(psi, s, 1, precision=precision) for s in ZERO)
+    assert ddp.model_state_bytes == z1.model_state_bytes == z2.model_state_bytes
+    # fsdp2-bf16 alone drops the resident compute copy once params are sharded.
+    transient = PRECISIONS[precision].params * psi if PRECISIONS[precision].transient_params else 0
+    assert z3.model_state_bytes == ddp.model_state_bytes - transient
+
+
+@given(counts, ranks, presets, st.one_of(st.none(), st.integers(min_value=1, max_value=10**6)))
+def test_hsdp_with_one_replica_is_zero3(psi: int, n: int, precision: str, unit: int | None) -> None:
+    unit = min(unit, psi) if unit is not None else None
+    h = estimate(psi, "hsdp", n, replicate=1, precision=precision, largest_unit=unit)
+    z3 = estimate(psi, "zero3", n, precision=precision, largest_unit=unit)
+    assert h.kinds == z3.kinds and h.gathered_bytes == z3.gathered_bytes
+    assert h.comm_elements == z3.comm_elements == (3 * psi if n > 1 else 0)
+
+
+# ----------------------------------------------------------------------------- inputs, values
+
+
+@pytest.mark.parametrize("text,value", [
+    ("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("70B", 70_000_000_000),
+    ("125M", 125_000_000), ("125m", 125_000_000), ("1.2T", 1_200_000_000_000), ("350k", 350_000),
+    ("1_000", 1000), (" 42 ", 42), ("7.5G", 7_500_000_000),
+])
+def test_parse_count(text: str, value: int) -> None:
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "0", "-5", "7.5X", "1e999", "B", "0.1"])
+def test_parse_count_refuses(text: str) -> None:
+    with pytest.raises(EstimateError) as info:
+        parse_count(text)
+    assert info.value.option == "params" and isinstance(info.value, ConfigError)
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(params=0, strategy="ddp", ranks=4), "params"),
+    (dict(params=10, strategy="ddp", ranks=0), "ranks"),
+    (dict(params=10, strategy="hsdp", ranks=6, replicate=4), "replicate"),
+    (dict(params=10, strategy="zero3", ranks=8, replicate=2), "replicate"),
+    (dict(params=10, strategy="zero3", ranks=8, precision="fp8"), "precision"),
+    (dict(params=10, strategy="zero4", ranks=8), "strategy"),
+    (dict(params=10, strategy="zero3", ranks=8, largest_unit=11), "largest_unit"),
+    (dict(params=10, strategy="zero3", ranks=True), "ranks"),
+])
+def test_estimate_refuses(kwargs: dict, option: str) -> None:
+    with pytest.raises(EstimateError) as info:
+        estimate(**kwargs)
+    assert info.value.option == option
+
+
+def test_results_are_frozen_values() -> None:
+    e = estimate(PSI, "zero3", 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.params = 1  # type: ignore[misc]
+    assert e == estimate(7.5e9, "zero3", 64)
+    assert json.loads(json.dumps(e.to_dict()))["comm_elements"] == 3 * PSI
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+runner = CliRunner()
+
+
+def run_cli(*args: str) -> Result:
+    from shardckpt.cli.main import app  # registers every command
+
+    # Typer runs a lone command as the app itself; mounting the app's commands under a root with a
+    # callback keeps `shardckpt estimate ...` a subcommand however many commands exist yet.
+    root = typer.Typer(callback=lambda: None)
+    root.registered_commands.extend(app.registered_commands)
+    return runner.invoke(root, ["estimate", *args])
+
+
+def test_cli_table() -> None:
+    result = run_cli("--params", "7.5B", "--ranks", "64")
+    assert result.exit_code == 0, result.output
+    for text in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "120.0", "31.4", "16.6", "1.9", "2.25e+10"):
+        assert text in result.stdout
+    assert "HSDP" not in result.stdout
+    hsdp = run_cli("-p", "7.5e9", "-n", "64", "--replicate", "4")
+    assert hsdp.exit_code == 0 and "HSDP-4×16" in hsdp.stdout
+
+
+def test_cli_json() -> None:
+    result = run_cli("--params", "70B", "--ranks", "1024", "--replicate", "8",
+                     "--precision", "fsdp2-bf16", "--largest-unit", "1B", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert (doc["params"], doc["ranks"], doc["replicate"]) == (70 * 10**9, 1024, 8)
+    assert doc["precision"]["bytes_per_param"] == {"params": 2, "grads": 4, "master": 4, "optim": 8}
+    assert [s["label"] for s in doc["strategies"]] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3",
+                                                      "HSDP-8×128"]
+    z3 = doc["strategies"][3]
+    assert z3["model_state_bytes"] == 16 * 70e9 / 1024 and z3["comm_elements"] == 3 * 70e9
+    assert z3["gathered_bytes"] == 2e9 and doc["gb_bytes"] == GB
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--params", "1B", "--ranks", "0"], "--ranks 0"),
+    (["--params", "1B", "--ranks", "-3"], "--ranks -3"),
+    (["--params", "1B", "--ranks", "many"], "--ranks many"),
+    (["--params", "1B", "--ranks", "6", "--replicate", "4"], "--replicate 4"),
+    (["--params", "0", "--ranks", "8"], "--params 0"),
+    (["--params", "lots", "--ranks", "8"], "--params lots"),
+    (["--params", "1B", "--ranks", "8", "--precision", "fp8"], "--precision fp8"),
+    (["--params", "1B", "--ranks", "8", "--largest-unit", "2B"], "--largest-unit 2B"),
+])
+def test_cli_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
+    result = run_cli(*args)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_cli_module_imports_nothing_heavy() -> None:
+    code = ("import sys, shardckpt.cli.estimate; "
+            "heavy = {'torch', 'numpy'} & set(sys.modules); assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
