@@ -22,7 +22,7 @@ def reshard(
     replicate: int = typer.Option(1, "--replicate", help="Target HSDP replicate degree R (mesh R x M/R)."),
     workers: int = typer.Option(1, "--workers", help="Processes that split the target shards."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST once the new checkpoint is complete."),
-    buffer: str = typer.Option("64MB", "--buffer", help="Bytes held per read batch (bounds memory)."),
+    buffer: str = typer.Option("32MB", "--buffer", help="Bytes held per read batch (bounds memory)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:

@@ -24,7 +24,7 @@ class CachedRangeReader:
     Thread-safe. ``bytes_read`` counts what was actually fetched from storage.
     """
 
-    def __init__(self, storage: Storage, chunk_size: int, capacity: int = 64, prefix: str = "") -> None:
+    def __init__(self, storage: Storage, chunk_size: int, capacity: int = 16, prefix: str = "") -> None:
         self.storage, self.chunk_size, self.capacity, self.prefix = storage, chunk_size, capacity, prefix
         self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
@@ -44,7 +44,7 @@ class CachedRangeReader:
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
 
-    def read(self, entry: FileEntry, start: int, end: int) -> bytes:
+    def read(self, entry: FileEntry, start: int, end: int) -> "bytes | memoryview":
         rel = self.prefix + entry.path
         cs = self.chunk_size
         if not 0 <= start <= end <= entry.size:
@@ -78,17 +78,20 @@ class CachedRangeReader:
                     chunks[k] = piece  # type: ignore[assignment]
             for k in {lo, hi - 1}:
                 self._put((entry.path, c0 + k), bytes(view[(k - lo) * cs:(k - lo + 1) * cs]))
+            if lo == 0 and hi == len(chunks):  # all fetched in one piece: no copy
+                return view[start - a:end - a]
         if len(chunks) == 1:
             return bytes(memoryview(chunks[0])[start - c0 * cs:end - c0 * cs])  # type: ignore[arg-type]
         joined = b"".join(chunks)  # type: ignore[arg-type]
-        return joined[start - c0 * cs:end - c0 * cs]
+        return memoryview(joined)[start - c0 * cs:end - c0 * cs]
 
-    def read_many(self, requests: Sequence[tuple[FileEntry, int, int]], workers: int = 4) -> list[bytes]:
+    def read_many(self, requests: Sequence[tuple[FileEntry, int, int]],
+                  workers: int = 4) -> "list[bytes | memoryview]":
         """Read several ranges; ranges of different files go concurrently, each file in order."""
         by_file: dict[str, list[int]] = {}
         for i, (e, _, _) in enumerate(requests):
             by_file.setdefault(e.path, []).append(i)
-        out: list[bytes] = [b""] * len(requests)
+        out: list[bytes | memoryview] = [b""] * len(requests)
 
         def run(indices: list[int]) -> None:
             for i in indices:

@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing as mp
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUFFER = 64 << 20
+DEFAULT_BUFFER = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,13 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
 
 
 def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
-                   shard: int, buffer_bytes: int,
+                   shard: int, buffer_bytes: int, prefetch: ThreadPoolExecutor,
                    on_bytes: Callable[[int], None] | None) -> Callable[[TensorSlot], Iterator[Any]]:
-    """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``, pieces <= buffer_bytes."""
+    """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``.
+
+    Reads go in batches of at most ``buffer_bytes``; the next batch is read on the ``prefetch``
+    thread while the current one is written, so at most two batches are held at once.
+    """
     by_group: dict[str, list[Copy]] = {}
     for plan in plans.values():
         for c in plan.for_dst_shard(shard):
@@ -65,38 +70,45 @@ def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: M
     def produce(slot: TensorSlot) -> Iterator[Any]:
         group, kind = slot.name.rsplit(".", 1)
         n = itemsize(slot.dtype)
-        total = slot.shape[0]
         max_elems = max(1, buffer_bytes // n)
-        pos = 0
-        batch: list[tuple[FileEntry, int, int]] = []
+        # Each batch: a list of pieces, each either an int (that many zero bytes) or a read request.
+        batches: list[list[Any]] = [[]]
         batch_elems = 0
+        pos = 0
 
-        def flush() -> Iterator[bytes]:
-            nonlocal batch, batch_elems
-            if batch:
-                for data in ranged.read_many(batch):
-                    if on_bytes:
-                        on_bytes(len(data))
-                    yield data
-            batch, batch_elems = [], 0
+        def add(piece: Any, elems: int) -> None:
+            nonlocal batch_elems
+            if batch_elems + elems > max_elems and batches[-1]:
+                batches.append([])
+                batch_elems = 0
+            batches[-1].append(piece)
+            batch_elems += elems
 
         for c in by_group.get(group, ()):
-            if c.dst_offset > pos:  # padding between params cannot happen; tail padding can
-                yield from flush()
-                yield bytes((c.dst_offset - pos) * n)
-            done = 0
-            while done < c.numel:
-                take = min(c.numel - done, max_elems - batch_elems)
-                batch.append(reader.state_range(c.src_shard, c.src_group, kind,
-                                                c.src_offset + done, c.src_offset + done + take))
-                batch_elems += take
-                done += take
-                if batch_elems >= max_elems:
-                    yield from flush()
+            if c.dst_offset > pos:
+                add((c.dst_offset - pos) * n, 0)
+            for x in range(0, c.numel, max_elems):
+                take = min(c.numel - x, max_elems)
+                add(reader.state_range(c.src_shard, c.src_group, kind,
+                                       c.src_offset + x, c.src_offset + x + take), take)
             pos = c.dst_offset + c.numel
-        yield from flush()
-        if pos < total:
-            yield bytes((total - pos) * n)
+        if pos < slot.shape[0]:
+            add((slot.shape[0] - pos) * n, 0)
+
+        def fetch(batch: list[Any]) -> list[Any]:
+            reads = [p for p in batch if not isinstance(p, int)]
+            data = iter(ranged.read_many(reads, workers=1))
+            return [bytes(p) if isinstance(p, int) else next(data) for p in batch]
+
+        pending = prefetch.submit(fetch, batches[0])
+        for i in range(len(batches)):
+            pieces = pending.result()
+            if i + 1 < len(batches):
+                pending = prefetch.submit(fetch, batches[i + 1])
+            for piece in pieces:
+                if on_bytes:
+                    on_bytes(len(piece))
+                yield piece
 
     return produce
 
@@ -110,9 +122,10 @@ def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: 
     writer = CheckpointWriter(as_storage(dst_url, dst_options), spec, save_id)
     ranged = CachedRangeReader(reader.storage, reader.manifest.chunk_size)
     entries = []
-    for t in shards:
-        produce = _slot_producer(reader, ranged, plans, t, buffer_bytes, on_bytes)
-        entries.append(writer.write_shard(t, produce))
+    with ThreadPoolExecutor(1) as prefetch:
+        for t in shards:
+            produce = _slot_producer(reader, ranged, plans, t, buffer_bytes, prefetch, on_bytes)
+            entries.append(writer.write_shard(t, produce))
     return entries, ranged.bytes_read
 
 

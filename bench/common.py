@@ -1,0 +1,66 @@
+"""Shared benchmark helpers: run a command while sampling the RSS of its whole process tree."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import threading
+import time
+from typing import Sequence
+
+import psutil
+
+
+def run_measured(cmd: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Run ``cmd``; return (wall seconds, peak RSS in bytes summed over the process tree)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(list(cmd), env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        try:
+            root = psutil.Process(proc.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not stop.is_set():
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.NoSuchProcess:
+                        pass
+            except psutil.NoSuchProcess:
+                break
+            peak = max(peak, total)
+            time.sleep(0.01)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    _, err = proc.communicate()
+    dt = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return dt, peak
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def drop_tree(path: str) -> None:
+    subprocess.run(["rm", "-rf", path], check=True)
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
