@@ -25,7 +25,7 @@ MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 512 << 20
 #: Largest size, offset or element count accepted anywhere (2**53: exact in JSON doubles too).
 MAX_INT = 1 << 53
-DEFAULT_CHUNK_SIZE = 4 << 20
+DEFAULT_CHUNK_SIZE = 1 << 20
 ROLES = ("shard", "buffers", "rank")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 

@@ -1,0 +1,42 @@
+"""kill -9 of a running `shardckpt reshard`: DST has no manifest; a rerun with --overwrite works."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from shardckpt.checkpoint import verify
+from shardckpt.manifest import MANIFEST_NAME
+from shardckpt.synth import synthesize
+
+
+def test_kill_9_midway_leaves_no_manifest(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    synthesize(src, 8_000_000, ranks=8, units=4)  # ~100 MB
+    proc = subprocess.Popen([sys.executable, "-m", "shardckpt.cli.main", "reshard", src, dst,
+                             "--to", "16", "--buffer", "64KB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    killed = False
+    while time.monotonic() < deadline and proc.poll() is None:
+        # kill once the first target shard is complete and the second has begun
+        files = [f for _, _, fs in os.walk(dst) for f in fs if f.startswith("shard-")]
+        if len(files) >= 2:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.005)
+    proc.wait(30)
+    assert killed, "reshard finished before it could be killed; make the checkpoint bigger"
+    assert proc.returncode == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(dst, MANIFEST_NAME))
+    _, _, problems = verify(dst)
+    assert problems and "never committed" in problems[0]
+    r = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "reshard", src, dst, "--to", "16",
+                        "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _, reports, problems = verify(dst)
+    assert not problems and all(x.ok for x in reports)

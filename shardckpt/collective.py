@@ -1,0 +1,118 @@
+"""Small torch.distributed helpers for checkpointing: bytes over collectives (no pickle) and
+"every rank raises the same error".
+
+``torch.distributed``'s ``*_object`` collectives pickle; these send raw bytes in uint8 tensors.
+Without an initialized process group everything degrades to the single-process case.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from typing import Any, Callable, TypeVar
+
+from shardckpt.errors import CollectiveError
+
+T = TypeVar("T")
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def is_distributed() -> bool:
+    dist = _dist()
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world(group: Any = None) -> tuple[int, int]:
+    if not is_distributed():
+        return 0, 1
+    dist = _dist()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _device(group: Any) -> Any:
+    import torch
+
+    dist = _dist()
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
+    """Every rank's ``data``, in group rank order, on every rank."""
+    if not is_distributed():
+        return [data]
+    import torch
+
+    dist = _dist()
+    dev = _device(group)
+    world = dist.get_world_size(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths) or 1
+    buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(out, buf, group=group)
+    return [bytes(o[:k].cpu().numpy().tobytes()) for o, k in zip(out, lengths)]
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> bytes:
+    """``data`` from global rank ``src`` on every rank."""
+    if not is_distributed():
+        assert data is not None
+        return data
+    import torch
+
+    dist = _dist()
+    dev = _device(group)
+    me = dist.get_rank()
+    n = torch.tensor([len(data) if me == src and data is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(n, src=src, group=group)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    if me == src and data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.cpu().numpy().tobytes())
+
+
+def agree(fn: Callable[[], T], what: str, group: Any = None) -> tuple[T | None, list[dict[str, Any]]]:
+    """Run ``fn`` on every rank, then exchange outcomes; raise the same error everywhere on failure.
+
+    Returns this rank's result and every rank's report (``{"ok": bool, "payload": ...}``, where
+    the payload is ``fn``'s result if it is JSON-serializable, else None). A rank that died makes
+    the exchange itself fail (gloo/NCCL raise when the peer goes away or the group timeout
+    passes); that too becomes a :class:`CollectiveError` naming ``what``.
+    """
+    result: T | None = None
+    report: dict[str, Any]
+    try:
+        result = fn()
+        payload = result if isinstance(result, (dict, list, str, int, float, type(None))) else None
+        report = {"ok": True, "payload": payload}
+    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+        report = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                  "trace": traceback.format_exc(limit=8)}
+        local = e
+    else:
+        local = None
+    try:
+        reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode(), group)]
+    except Exception as e:  # noqa: BLE001 - a peer died or timed out
+        raise CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); nothing was committed") from (local or e)
+    failures = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
+    if failures:
+        first = min(failures)
+        raise CollectiveError(
+            f"{what} failed on rank(s) {sorted(failures)}; rank {first}: {failures[first]}",
+            failures) from local
+    return result, reports

@@ -1,0 +1,203 @@
+"""Save from a running job and load into a job of any world size, mesh or unit policy.
+
+A sharded model (the runtime's engine) offers the small protocol :class:`Sharded`. Save: every
+shard is written once, straight from the owning rank's memory (with HSDP the writers are spread
+across replicas), buffers once by rank 0; one exchange of file entries and rank 0 creates the
+manifest. Load: each rank plans its own part from the checkpoint's layout to its own and reads only
+the byte ranges it needs, checked chunk by chunk, into its live shards; then the compute parameters
+are re-derived. Every rank raises the same error if any rank fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Protocol
+
+from shardckpt.checkpoint import CheckpointReader, CheckpointSpec, CheckpointWriter, as_storage, new_save_id
+from shardckpt.collective import agree, broadcast_bytes, rank_and_world
+from shardckpt.errors import IncompatibleLayoutError, ManifestError
+from shardckpt.layout import Layout, itemsize, plan_reshard
+from shardckpt.manifest import BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot
+
+log = logging.getLogger(__name__)
+
+
+class Sharded(Protocol):
+    """What save/load need from a sharded model (the runtime engine implements it)."""
+
+    layout: Layout
+
+    def local_shards(self) -> dict[str, dict[str, Any]]: ...        # group -> kind -> 1-D tensor
+    def refresh_params(self) -> None: ...
+    def optimizer_metadata(self) -> dict[str, Any] | None: ...
+    def load_optimizer_metadata(self, meta: Mapping[str, Any]) -> None: ...
+    def buffers(self) -> dict[str, Any]: ...                          # fqn -> tensor
+    def load_buffers(self, buffers: Mapping[str, Any]) -> None: ...
+
+
+def _bytes_of(t: Any) -> Any:
+    """A CPU uint8 numpy view of a tensor's bytes (zero-copy for contiguous CPU tensors)."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
+                    aliases: Mapping[str, str] | None = None, chunk_size: int | None = None) -> CheckpointSpec:
+    """The manifest-to-be of ``model`` (the same on every rank)."""
+    layout = model.layout
+    shards = model.local_shards()
+    states = {g.name: tuple((k, _dtype_name(t)) for k, t in shards[g.name].items()) for g in layout.groups}
+    buffers = tuple(BufferSpec(f, tuple(t.shape), _dtype_name(t)) for f, t in model.buffers().items())
+    comp = Component("model", layout, states, dict(aliases or getattr(model, "aliases", {}) or {}), buffers)
+    meta = model.optimizer_metadata()
+    optim = None if meta is None else OptimizerInfo(meta["name"], tuple(meta["param_groups"]))
+    per_rank = {"world_size": layout.mesh.world_size, "dropped_from_world_size": None}
+    spec = CheckpointSpec(layout.mesh, {"model": comp}, optim, dict(extras or {}), per_rank)
+    if chunk_size:
+        spec.chunk_size = chunk_size
+    return spec
+
+
+def _entry_doc(e: FileEntry) -> dict[str, Any]:
+    return {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
+            "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index}
+
+
+def _entry(d: Mapping[str, Any]) -> FileEntry:
+    return FileEntry(d["path"], d["role"], d["size"], d["header_size"], d["crc32c"],
+                     tuple(d["chunks"]), d["index"])
+
+
+def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
+         storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+         group: Any = None) -> Manifest:
+    """Save ``model`` to ``url`` from every rank; returns the committed manifest on every rank.
+
+    Called on every rank. Each shard is written once (HSDP: shard s by replica ``s % R``),
+    buffers by rank 0; the manifest is created by rank 0 after every file is durable.
+    """
+    rank, _ = rank_and_world(group)
+    mesh = model.layout.mesh
+    shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
+    save_id = broadcast_bytes(new_save_id().encode() if rank == 0 else None, 0, group).decode()
+    spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
+    writer = CheckpointWriter(as_storage(url, storage_options), spec, save_id)
+
+    def write_mine() -> list[dict[str, Any]]:
+        entries = []
+        if replica == shard % mesh.replicate_degree:
+            shards = model.local_shards()
+
+            def produce(slot: TensorSlot) -> Iterator[Any]:
+                gname, kind = slot.name.rsplit(".", 1)
+                yield _bytes_of(shards[gname][kind])
+
+            entries.append(writer.write_shard(shard, produce))
+        if rank == 0 and writer.buffer_slots:
+            bufs = model.buffers()
+            b = writer.write_buffers(lambda slot: iter([_bytes_of(bufs[slot.name])]))
+            if b is not None:
+                entries.append(b)
+        return [_entry_doc(e) for e in entries]
+
+    _, reports = agree(write_mine, f"save to {url}", group)
+    entries = [_entry(d) for rep in reports for d in rep["payload"]]
+
+    def commit() -> str | None:
+        if rank == 0:
+            return writer.commit(entries).save_id
+        return None
+
+    agree(commit, f"commit of {url}", group)
+    return writer.manifest(entries)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[str, ...]
+    manifest: Manifest
+    bytes_read: int
+
+
+def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = False,
+         storage_options: Mapping[str, Any] | None = None, group: Any = None) -> LoadResult:
+    """Load ``url`` into ``model`` on every rank, whatever world size, mesh or unit policy wrote it.
+
+    ``strict`` (default) refuses missing, unexpected or reshaped parameters, listing all of them
+    in one error; otherwise what matches is loaded and the lists are returned. ``weights_only``
+    loads the masters and buffers and leaves optimizer state and step alone.
+    """
+    rank, _ = rank_and_world(group)
+    counter: dict[str, Any] = {"bytes": 0}
+
+    def work() -> dict[str, Any]:
+        reader = CheckpointReader(url, storage_options)
+        m = counter["manifest"] = reader.manifest
+        if "model" not in m.components:
+            raise ManifestError(f"{reader.url}: no 'model' component (found {sorted(m.components)})")
+        src = m.components["model"]
+        plan = plan_reshard(src.layout, model.layout, strict=strict)
+        my_shard = model.layout.mesh.shard_rank(rank)
+        shards = model.local_shards()
+        src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
+        requests, targets = [], []
+        missing_kinds: set[str] = set()
+        for c in plan.for_dst_shard(my_shard):
+            for kind, tensor in shards[c.dst_group].items():
+                if weights_only and kind != "master":
+                    continue
+                if kind not in src_kinds[c.src_group]:
+                    missing_kinds.add(kind)
+                    continue
+                requests.append(reader.state_range(c.src_shard, c.src_group, kind,
+                                                   c.src_offset, c.src_offset + c.numel))
+                targets.append((tensor, c.dst_offset, c.numel))
+        if missing_kinds:
+            raise IncompatibleLayoutError(
+                f"{reader.url}: the checkpoint has no {', '.join(sorted(missing_kinds))} state; "
+                "load with weights_only=True to take the weights alone")
+        for (tensor, off, n), data in zip(targets, reader.read_ranges(requests)):
+            view = _bytes_of(tensor)
+            k = itemsize(_dtype_name(tensor))
+            view[off * k:(off + n) * k] = memoryview(data).cast("B")
+            counter["bytes"] += len(data)
+        if m.components["model"].buffers:
+            bufs = {}
+            for b in src.buffers:
+                slot, data = reader.read_buffer(b.fqn)
+                bufs[b.fqn] = (slot, bytes(data))
+            model.load_buffers(_to_tensors(bufs))
+        if not weights_only and m.optimizer is not None:
+            model.load_optimizer_metadata({"name": m.optimizer.name,
+                                           "param_groups": [dict(pg) for pg in m.optimizer.param_groups]})
+        model.refresh_params()
+        return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
+                "mismatched": list(plan.mismatched), "save_id": m.save_id}
+
+    out, _ = agree(work, f"load of {url}", group)
+    assert out is not None
+    return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
+                      counter["manifest"], counter["bytes"])
+
+
+def _to_tensors(bufs: Mapping[str, tuple[TensorSlot, bytes]]) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for fqn, (slot, data) in bufs.items():
+        dt = getattr(torch, slot.dtype)
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(slot.shape) if data \
+            else torch.empty(slot.shape, dtype=dt)
+        out[fqn] = t
+    return out
