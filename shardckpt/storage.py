@@ -480,3 +480,41 @@ def iter_file_chunks(storage: Storage, rel: str, chunk_size: int, limit: int | N
             if remaining is not None:
                 remaining -= len(data)
             yield data
+
+
+# ------------------------------------------------------------------------ multipart uploads
+
+
+@dataclass(frozen=True, slots=True)
+class OpenUpload:
+    key: str          # object path relative to the storage root
+    upload_id: str
+    initiated: float  # POSIX seconds
+
+
+def list_open_uploads(storage: Storage, rel: str = "") -> list[OpenUpload]:
+    """Multipart uploads started below ``rel`` and never completed or aborted (object stores only)."""
+    protocol = storage.fs.protocol if isinstance(storage.fs.protocol, str) else storage.fs.protocol[0]
+    if protocol not in ("s3", "s3a"):
+        return []
+    bucket, key, _ = storage.fs.split_path(storage.full(rel))
+    prefix = key.rstrip("/") + "/" if key else ""
+    root_key = storage.fs.split_path(storage.root)[1].rstrip("/")
+    out: list[OpenUpload] = []
+    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+    for _ in range(10_000):  # pages; bounded
+        resp = storage.call("list uploads", rel, lambda: storage.fs.call_s3("list_multipart_uploads", **kwargs))
+        for u in resp.get("Uploads", []):
+            k = u["Key"]
+            relk = k[len(root_key) + 1:] if root_key and k.startswith(root_key + "/") else k
+            out.append(OpenUpload(relk, u["UploadId"], u["Initiated"].timestamp()))
+        if not resp.get("IsTruncated"):
+            break
+        kwargs.update(KeyMarker=resp.get("NextKeyMarker"), UploadIdMarker=resp.get("NextUploadIdMarker"))
+    return out
+
+
+def abort_upload(storage: Storage, upload: OpenUpload) -> None:
+    bucket, key, _ = storage.fs.split_path(storage.full(upload.key))
+    storage.call("abort upload", upload.key, lambda: storage.fs.call_s3(
+        "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id))

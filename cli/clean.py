@@ -1,0 +1,44 @@
+"""`shardckpt clean`: remove debris of uncommitted saves; list and abort stale multipart uploads."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from shardckpt.cli.app import app
+from shardckpt.cli.common import StorageOptionArg, echo_json, guarded, parse_storage_options
+
+
+@app.command()
+@guarded
+def clean(
+    prefix: str = typer.Argument(..., help="A checkpoint, or a run directory of step-* checkpoints."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed; remove nothing."),
+    min_age: float = typer.Option(3600.0, "--min-age",
+                                  help="Seconds a save or upload must be old before it counts as debris "
+                                       "(protects saves in progress)."),
+    storage_option: Optional[list[str]] = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
+) -> None:
+    """Remove save directories no manifest names; abort multipart uploads left open."""
+    from shardckpt.clean import clean as run
+
+    r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=parse_storage_options(storage_option))
+    if json_out:
+        echo_json({"prefix": prefix, "dry_run": dry_run, "debris": r.debris, "kept_young": r.kept_young,
+                   "committed": r.committed,
+                   "open_uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated}
+                                    for u in r.uploads],
+                   "aborted_uploads": [u.key for u in r.aborted]})
+        return
+    verb = "would remove" if dry_run else "removed"
+    for d in r.debris:
+        typer.echo(f"{verb} {d}")
+    for d in r.kept_young:
+        typer.echo(f"kept {d} (younger than --min-age {min_age:g} s: may be a save in progress)")
+    for u in r.uploads:
+        state = "aborted" if u in r.aborted else "open"
+        typer.echo(f"{state} multipart upload {u.key} ({u.upload_id})")
+    typer.echo(f"{len(r.committed)} committed checkpoint(s) left alone; {len(r.debris)} debris "
+               f"{verb.split()[-1] if dry_run else 'removed'}, {len(r.aborted)} upload(s) aborted")
