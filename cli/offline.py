@@ -1,0 +1,124 @@
+"""Offline commands: ``consolidate`` (shards -> Hugging Face safetensors) and ``diff``.
+
+Thin: parse options, call :mod:`shardckpt.consolidate` / :mod:`shardckpt.diff`, print a line, a
+table or JSON. Errors become one line on stderr and a non-zero exit (``guarded``); ``diff`` exits
+0 only when the checkpoints are equal and 1 when they differ.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import typer
+
+from shardckpt.cli.app import app
+from shardckpt.cli.common import (
+    EXIT_FAILED, EXIT_USAGE, StorageOptionArg, echo_json, fail, guarded, human_bytes,
+    parse_storage_options, progress,
+)
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+
+
+def parse_size(text: str, what: str) -> int:
+    """'5GB' / '5G' / '500MB' / '1e9' / '2GiB' -> bytes (KB, MB, GB, TB: 1000s; KiB...: 1024s)."""
+    m = _SIZE.match(text)
+    if not m or (m.group(3) and not m.group(2)):
+        fail(f"{what} {text!r}: expected a size such as 5GB, 500MB, 2GiB or 1e9", EXIT_USAGE)
+    base = 1024 if m.group(3) else 1000  # type: ignore[union-attr]
+    power = " kmgt".index(m.group(2).lower() or " ")  # type: ignore[union-attr]
+    value = int(round(float(m.group(1)) * base ** power))  # type: ignore[union-attr]
+    if value <= 0:
+        fail(f"{what} {text!r}: must be positive", EXIT_USAGE)
+    return value
+
+
+@app.command()
+@guarded
+def consolidate(
+    src: str = typer.Argument(..., help="Source checkpoint (path or fsspec URL)."),
+    dst: str = typer.Argument(..., help="Output directory (path or fsspec URL)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 (floating tensors)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output file: 5GB, 500MB, 1e9."),
+    component: str = typer.Option("model", "--component", help="Which component to consolidate."),
+    optimizer: bool = typer.Option(False, "--optimizer", help="Also write optimizer states (fp32)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace consolidated files already in DST."),
+    buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time (bounds memory)."),
+    storage_option: Optional[list[str]] = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Write SRC as Hugging Face safetensors in DST; its index is written last."""
+    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.consolidate import plan_consolidation, write_consolidation
+
+    size = parse_size(max_shard_size, "--max-shard-size")
+    buffer_bytes = parse_size(buffer, "--buffer")
+    opts = parse_storage_options(storage_option)
+    reader = CheckpointReader(src, opts)
+    plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src)
+    with progress(plan.source_bytes, "consolidate") as tick:
+        r = write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick)
+    if json_out:
+        echo_json({"src": src, "dst": dst, "save_id": r.save_id, "step": r.step, "dtype": r.dtype,
+                   "component": r.component, "tensors": r.tensors, "total_size": r.total_size,
+                   "files": [{"name": n, "size": s} for n, s in r.files],
+                   "optimizer_files": [{"name": n, "size": s} for n, s in r.optimizer_files],
+                   "omitted_aliases": dict(r.omitted_aliases), "bytes_read": r.bytes_read,
+                   "bytes_written": r.bytes_written, "seconds": round(r.seconds, 3)})
+    else:
+        extra = f" + {len(r.optimizer_files)} optimizer files" if r.optimizer_files else ""
+        typer.echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "
+                   f"files{extra}, {human_bytes(r.bytes_written)} in {r.seconds:.2f} s")
+
+
+@app.command()
+@guarded
+def diff(
+    a: str = typer.Argument(..., help="First checkpoint (path or fsspec URL)."),
+    b: str = typer.Argument(..., help="Second checkpoint (path or fsspec URL)."),
+    buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time."),
+    limit: int = typer.Option(50, "--limit", help="Rows shown in the table (JSON lists all)."),
+    storage_option: Optional[list[str]] = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
+) -> None:
+    """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal."""
+    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.diff import plan_diff, run_diff
+
+    opts = parse_storage_options(storage_option)
+    ra, rb = CheckpointReader(a, opts), CheckpointReader(b, opts)
+    plan = plan_diff(ra.manifest, rb.manifest)
+    with progress(plan.total_bytes, "diff") as tick:
+        r = run_diff(ra, rb, plan, parse_size(buffer, "--buffer"), tick)
+    if json_out:
+        echo_json(r.to_dict())
+    elif r.equal:
+        typer.echo(f"equal: {r.compared} tensors, {r.elements:,} elements per side, bit for bit")
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        shown = r.differences[:limit]
+        many = any(d.component != "model" for d in shown)  # a component column only if needed
+        t = Table(title=f"{len(r.differences)} of {r.compared + sum(d.status != 'different' for d in r.differences)} "
+                        "tensors differ")
+        detail = any(d.detail for d in shown)
+        cols = (["component"] if many else []) + ["tensor", "kind", "status", "numel", "differing",
+                                                  "max abs diff"] + (["detail"] if detail else [])
+        for col in cols:
+            t.add_column(col, no_wrap=col == "tensor")
+        for d in shown:
+            row = [d.name, d.kind, d.status, f"{d.numel:,}", f"{d.differing:,}",
+                   f"{d.max_abs_diff:.6g}" if d.status == "different" else ""] + ([d.detail] if detail else [])
+            t.add_row(*(([d.component] if many else []) + row))
+        import sys
+
+        con = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs: no wrapping
+        con.print(t)
+        if len(r.differences) > limit:
+            con.print(f"... and {len(r.differences) - limit} more (use --json for all)")
+        for note in r.metadata:
+            con.print(f"metadata: {note}")
+    if not r.equal:
+        raise typer.Exit(EXIT_FAILED)
