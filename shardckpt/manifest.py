@@ -9,6 +9,7 @@ recorded size equals the size its tensors imply. Duplicate JSON keys are refused
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -28,6 +29,7 @@ MAX_INT = 1 << 53
 DEFAULT_CHUNK_SIZE = 1 << 20
 ROLES = ("shard", "buffers", "rank")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_LOWER_HEX = re.compile(r"[0-9a-f]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,13 +282,22 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    # ``1e400`` parses to inf: as hostile as ``Infinity``, and ``to_json`` could not re-encode it
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text} is out of range for a JSON number")
+    return v
+
+
 def parse(data: bytes | str, source: str = MANIFEST_NAME) -> Manifest:
     """Decode and validate a manifest; raise :class:`ManifestError` naming ``source`` and the field."""
     ctx = _Ctx(source)
     if isinstance(data, bytes) and len(data) > MAX_MANIFEST_BYTES:
         raise ctx.fail("size", f"{len(data)} bytes; at most {MAX_MANIFEST_BYTES} are accepted")
     try:
-        doc = json.loads(data, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+        doc = json.loads(data, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+                         parse_float=_finite_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise ManifestError(f"{source}: not valid manifest JSON: {e}") from e
     doc = ctx.obj(doc, "top level")
@@ -489,10 +500,9 @@ def _parse_file(ctx: _Ctx, i: int, v: Any, chunk_size: int) -> FileEntry:
     if len(chunks) != 8 * n_chunks:
         raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: {len(chunks) // 8} chunk checksums for "
                        f"{n_chunks} chunks of {chunk_size} bytes")
-    try:
-        chunk_crcs = tuple(int(chunks[k:k + 8], 16) for k in range(0, len(chunks), 8))
-    except ValueError:
-        raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: not hex digits") from None
+    if not _LOWER_HEX.fullmatch(chunks):  # int(x, 16) alone would take "0x12", " 1_2", "ABCD"
+        raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: expected 8 lowercase hex digits per chunk")
+    chunk_crcs = tuple(int(chunks[k:k + 8], 16) for k in range(0, len(chunks), 8))
     return FileEntry(path, role, size, header_size, crc, chunk_crcs, index)
 
 
@@ -520,6 +530,10 @@ def _check_files(ctx: _Ctx, m: Manifest) -> None:
         raise ctx.fail("files", "the manifest lists buffers but no buffers file")
     if sum(1 for f in m.files if f.role == "buffers") > 1:
         raise ctx.fail("files", "more than one buffers file")
+    ranks = sorted(f.index for f in m.files if f.role == "rank")  # type: ignore[type-var]
+    if len(set(ranks)) != len(ranks) or any(r >= m.mesh.world_size for r in ranks):  # type: ignore[operator]
+        raise ctx.fail("files", f"rank files need distinct indices below the world size "
+                       f"{m.mesh.world_size}; found {ranks[:20]}")
 
 
 def iter_param_groups(m: Manifest) -> Iterator[tuple[Component, FlatGroup]]:

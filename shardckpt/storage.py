@@ -277,24 +277,25 @@ class Storage:
         url = self.url_of(rel)
         path = self.full(rel)
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+            with mapped_errors("commit", url):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
                 try:
-                    os.link(tmp, path)
-                except FileExistsError as e:
-                    raise CommitConflictError(f"{url} already exists: another save committed here "
-                                              "first; nothing was overwritten", url) from e
-                except OSError as e:
-                    raise _map_error(e, "commit", url) from e
-                _fsync_dir(os.path.dirname(path))
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError as e:
+                        raise CommitConflictError(f"{url} already exists: another save committed here "
+                                                  "first; nothing was overwritten", url) from e
+                    except OSError as e:
+                        raise _map_error(e, "commit", url) from e
+                    _fsync_dir(os.path.dirname(path))
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
             return
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         if protocol in ("s3", "s3a"):
@@ -320,18 +321,19 @@ class Storage:
         """Replace ``rel`` with ``data`` atomically where the filesystem allows (local: rename)."""
         path = self.full(rel)
         if self.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-                _fsync_dir(os.path.dirname(path))
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            with mapped_errors("write", self.url_of(rel)):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                    _fsync_dir(os.path.dirname(path))
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
             return
         self.call("write", rel, lambda: self.fs.pipe_file(path, data))
 
@@ -372,8 +374,10 @@ class StreamWriter:
         self._closed = False
         path = storage.full(rel)
         if storage.is_local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._f = storage.call("open", rel, lambda: open(path, "wb"))  # noqa: SIM115
+            def open_local() -> Any:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                return open(path, "wb")  # noqa: SIM115
+            self._f = storage.call("open", rel, open_local)
         else:
             self._f = storage.call("open", rel, lambda: storage.fs.open(path, "wb"))
 
@@ -429,8 +433,10 @@ class StreamWriter:
                 discard = getattr(f, "discard", None)
                 if discard is not None:
                     discard()
-                    if hasattr(f, "closed"):
-                        f.closed = True
+                    try:
+                        f.closed = True  # keeps S3File.__del__ from completing the upload
+                    except AttributeError:
+                        pass  # io.BytesIO (memory://): read-only, and nothing to complete
                 self.storage.rm(self.rel)
         except Exception:  # noqa: BLE001 - cleanup is best effort; the original error propagates
             log.warning("could not clean up partial %s", self.storage.url_of(self.rel), exc_info=True)

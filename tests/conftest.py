@@ -1,0 +1,23 @@
+"""Fixtures shared by the format-core tests; the helpers behind them are in ``ckpt_helpers.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_helpers import make_ckpt, manifest_doc_of_tiny
+from shardckpt.manifest import Manifest
+
+
+@pytest.fixture
+def manifest_doc() -> dict[str, Any]:
+    """The JSON document of a small valid manifest (2 shards, buffers, one rank file), to mutate."""
+    return manifest_doc_of_tiny()
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path: Path) -> tuple[str, Manifest]:
+    """A committed 2-rank synthetic checkpoint with 4 KiB chunks (several chunks per shard)."""
+    return make_ckpt(tmp_path)
