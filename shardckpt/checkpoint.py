@@ -183,7 +183,11 @@ def read_manifest(storage: Storage) -> Manifest:
     """Load and validate ``manifest.json``; a missing one means the save never committed."""
     url = storage.url_of(MANIFEST_NAME)
     try:
-        data = storage.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        size = storage.size(MANIFEST_NAME)
+        if size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{url}: {size} bytes; a manifest of more than {MAX_MANIFEST_BYTES} "
+                                "bytes is refused before it is read")
+        data = storage.read(MANIFEST_NAME)
     except NotFoundError:
         if not storage.exists(""):
             raise IncompleteCheckpointError(f"{storage.url}: no such checkpoint (nothing is there)") from None

@@ -382,6 +382,8 @@ def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
             kinds.append((kind, ctx.dtype(ctx.key(sd, "dtype", f"{gw}.states[{j}]"), f"{gw}.states[{j}].dtype")))
         if len({k for k, _ in kinds}) != len(kinds):
             raise ctx.fail(f"{gw}.states", "state kinds repeat")
+        if not kinds or kinds[0][0] != "master":
+            raise ctx.fail(f"{gw}.states", "the first state kind of every group must be 'master'")
         groups.append(FlatGroup(gname, ctx.str_(gd.get("unit", ""), f"{gw}.unit"),
                                 ctx.dtype(ctx.key(gd, "dtype", gw), f"{gw}.dtype"),
                                 ctx.bool_(ctx.key(gd, "requires_grad", gw), f"{gw}.requires_grad"),
@@ -439,6 +441,9 @@ def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
                                   ctx.dtype(ctx.key(bd, "dtype", bw), f"{bw}.dtype")))
     if len({b.fqn for b in buffers}) != len(buffers):
         raise ctx.fail(f"{w}.buffers", "buffer names repeat")
+    clash = sorted({b.fqn for b in buffers} & seen)
+    if clash:
+        raise ctx.fail(f"{w}.buffers", f"names used by both a buffer and a parameter: {', '.join(clash[:10])}")
     return Component(name, layout, states, aliases, tuple(buffers))
 
 
@@ -548,8 +553,3 @@ def default_states(group: FlatGroup, optimizer_kinds: tuple[str, ...]) -> tuple[
     if group.requires_grad:
         kinds += [(k, "float32") for k in optimizer_kinds]
     return tuple(kinds)
-
-
-def check_mesh(mesh: Mesh) -> None:
-    if mesh.shard_degree < 1 or SHARD_AXIS not in [n for n, _ in mesh.axes]:
-        raise ManifestError(f"mesh {mesh.describe()} has no shard axis")

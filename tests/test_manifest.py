@@ -215,7 +215,18 @@ def _dup_buffer(doc: Doc) -> None:
     b.append(dict(b[0]))
 
 
+def _master_not_first(doc: Doc) -> None:
+    st_ = doc["components"]["model"]["groups"][0]["states"]
+    st_[0], st_[1] = st_[1], st_[0]
+
+
+def _buffer_named_like_param(doc: Doc) -> None:
+    doc["components"]["model"]["buffers"][0]["fqn"] = _params(doc)[0]["fqn"]
+
+
 HOSTILE: list[tuple[str, Callable[[Doc], None], tuple[str, ...]]] = [
+    ("master not first", _master_not_first, ("groups[0].states", "'master'")),
+    ("buffer named like a param", _buffer_named_like_param, ("buffers", "both a buffer and a parameter")),
     # wrong types
     ("format", _set("format", "safetensors"), ("format", "'shardckpt'")),
     ("save_id type", _set("save_id", 5), ("save_id", "expected a string")),
@@ -420,7 +431,7 @@ def test_oversized_manifest_refused_before_parsing(monkeypatch: pytest.MonkeyPat
     reads: list[str] = []
     real_read = st_.read
     st_.read = lambda rel, *a, **k: reads.append(rel) or real_read(rel, *a, **k)  # type: ignore[method-assign]
-    with pytest.raises(ShardckptError, match=r"manifest.json: 5000 bytes, more than the 1000 allowed"):
+    with pytest.raises(ManifestError, match=r"manifest.json: 5000 bytes; a manifest of more than 1000 bytes is refused"):
         read_manifest(st_)
     assert reads == []
 
