@@ -330,3 +330,18 @@ def test_mixed_dtype_groups_train_with_fp32_masters():
     assert shards["master"].dtype == torch.float32 and shards["exp_avg"].abs().sum() > 0
     compute = engine.groups["model.u0001.bfloat16"].compute
     assert compute.dtype == torch.bfloat16 and torch.equal(compute, shards["master"].bfloat16())
+
+
+def test_clip_grad_norm_matches_torch():
+    engine = _engine(seed=4)
+    tokens = _tokens()
+    causal_lm_loss(engine(tokens), tokens).backward()
+    torch.manual_seed(4)
+    ref = LlamaForCausalLM(CFG)
+    causal_lm_loss(ref(tokens), tokens).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    norm = engine.clip_grad_norm_(0.1)
+    assert norm == pytest.approx(expected.item(), rel=1e-5) and norm > 0.1
+    for name, g in engine.groups.items():
+        flat = torch.cat([ref.get_parameter(s.fqn).grad.reshape(-1) for s in g.param_specs])
+        assert torch.allclose(g.grad[:flat.numel()], flat, rtol=1e-5, atol=1e-9)

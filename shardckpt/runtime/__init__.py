@@ -1,1 +1,61 @@
-"""The ZeRO-1/2/3 training runtime on torch.distributed."""
+"""The ZeRO-3 training runtime on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Typical use, on every rank (launched by ``torchrun``)::
+
+    from shardckpt.runtime import (ZeroEngine, ShardedAdamW, decay_param_groups,
+                                   init_distributed)
+    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, LLAMA_POLICY, causal_lm_loss
+
+    pm = init_distributed()                          # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig())
+    engine = ZeroEngine(model, policy=LLAMA_POLICY, process_mesh=pm, init_seed=0)
+    opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-3)
+    for tokens in batches:
+        causal_lm_loss(engine(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+Checkpoints read and write ``engine.local_shards()``, ``opt.optimizer_metadata()`` and
+``engine.buffers()``; see :class:`ZeroEngine` for the contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Lazy (PEP 562): importing a torch-free submodule such as ``llama_config`` must not import torch.
+_EXPORTS = {
+    "ZeroEngine": "engine",
+    "shard_model": "engine",
+    "ProcessMesh": "mesh",
+    "TorchrunEnv": "mesh",
+    "init_distributed": "mesh",
+    "ShardedAdamW": "optim",
+    "ShardedOptimizer": "optim",
+    "ShardedSGD": "optim",
+    "build_optimizer": "optim",
+    "decay_param_groups": "optim",
+    "units_by_type": "units",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from shardckpt.runtime.engine import ZeroEngine, shard_model  # noqa: F401
+    from shardckpt.runtime.mesh import ProcessMesh, TorchrunEnv, init_distributed  # noqa: F401
+    from shardckpt.runtime.optim import (  # noqa: F401
+        ShardedAdamW,
+        ShardedOptimizer,
+        ShardedSGD,
+        build_optimizer,
+        decay_param_groups,
+    )
+    from shardckpt.runtime.units import units_by_type  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"shardckpt.runtime.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'shardckpt.runtime' has no attribute {name!r}")

@@ -1,0 +1,189 @@
+"""Run a function on N real processes over torch.distributed (gloo, 127.0.0.1, a free port).
+
+Reusable by every multi-process test::
+
+    from distutil import run_distributed, run_ranks
+
+    def case(rank: int, world_size: int, scale: float) -> dict:   # module level: spawn imports it
+        ...                                  # the default process group is initialized
+        return {"loss": 1.0}                 # JSON-serializable
+
+    values = run_distributed(case, 4, args=(2.0,))   # one value per rank, or DistributedFailure
+    results = run_ranks(case, 4, args=(2.0,))        # RankResult per rank, never raises for ranks
+
+Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (as
+torchrun sets them), one intra-op thread (``torch.set_num_threads(threads)``, for bit-exact tests)
+and, unless ``init_process_group=False``, an initialized default group whose collectives raise
+after ``pg_timeout_s``. Results travel back as JSON files (never pickles; spawn itself pickles
+only the target's qualified name and ``args``), written before a child exits; children end with ``os._exit`` after every rank has reported (bounded by the process-group
+timeout), so a broken group cannot abort or hang interpreter shutdown. The parent joins with
+``timeout_s`` and kills what is left: a hung rank is reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+_EXIT_KEY = "distutil/exited"
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank reported (or what the parent saw if it reported nothing)."""
+
+    rank: int
+    ok: bool
+    value: Any = None
+    error_type: str = ""
+    error: str = ""
+    traceback: str = ""
+    exitcode: int | None = None
+    elapsed_s: float = 0.0
+
+    def describe(self) -> str:
+        head = f"rank {self.rank}: {self.error_type}: {self.error} (exit code {self.exitcode})"
+        return head + ("\n" + self.traceback if self.traceback else "")
+
+
+class DistributedFailure(AssertionError):
+    """One or more ranks failed; ``results`` holds every rank's :class:`RankResult`."""
+
+    def __init__(self, results: Sequence[RankResult]) -> None:
+        self.results = list(results)
+        failed = [r for r in self.results if not r.ok]
+        super().__init__(f"{len(failed)} of {len(self.results)} ranks failed:\n\n"
+                         + "\n\n".join(r.describe() for r in failed))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(rank: int, world_size: int, port: int, target: Callable[..., Any], args: tuple,
+           result_dir: str, pg_timeout_s: float, backend: str, threads: int,
+           env: dict[str, str], init_pg: bool) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    start = time.monotonic()
+    store = None
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        if init_pg:
+            timeout = datetime.timedelta(seconds=pg_timeout_s)
+            store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        value = target(rank, world_size, *args)
+        json.dumps(value)  # fail here, with a traceback, if it cannot travel
+        out.update(ok=True, value=value)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        out.update(ok=False, error_type=type(exc).__name__, error=str(exc),
+                   traceback=traceback.format_exc())
+    out["elapsed_s"] = time.monotonic() - start
+    path = Path(result_dir) / f"rank-{rank:05d}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, path)
+    if store is not None:  # rank 0 hosts the store: it leaves last, even after a failure
+        _wait_for_everyone(store, world_size, wait=out["ok"] or rank == 0,
+                           deadline_s=pg_timeout_s)
+    os._exit(0 if out["ok"] else 1)
+
+
+def _wait_for_everyone(store: Any, world_size: int, wait: bool, deadline_s: float) -> None:
+    """Count this rank out; with ``wait``, stay until every rank is out (or the deadline)."""
+    try:
+        store.add(_EXIT_KEY, 1)
+        end = time.monotonic() + deadline_s
+        while wait and time.monotonic() < end and store.add(_EXIT_KEY, 0) < world_size:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - the store host is gone: nobody is left to wait for
+        pass
+
+
+def run_ranks(target: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *,
+              timeout_s: float = 120.0, pg_timeout_s: float = 30.0, backend: str = "gloo",
+              threads: int = 1, env: dict[str, str] | None = None,
+              init_process_group: bool = True) -> list[RankResult]:
+    """Spawn ``world_size`` processes running ``target(rank, world_size, *args)``; one result each.
+
+    ``target`` must be a module-level function of an importable module. Retries once on a
+    different port if the rendezvous port was taken in the meantime.
+    """
+    results = _run_once(target, world_size, tuple(args), timeout_s, pg_timeout_s, backend,
+                        threads, dict(env or {}), init_process_group)
+    if any("address already in use" in r.error.lower() for r in results):
+        results = _run_once(target, world_size, tuple(args), timeout_s, pg_timeout_s, backend,
+                            threads, dict(env or {}), init_process_group)
+    return results
+
+
+def _run_once(target: Callable[..., Any], world_size: int, args: tuple, timeout_s: float,
+              pg_timeout_s: float, backend: str, threads: int, env: dict[str, str],
+              init_pg: bool) -> list[RankResult]:
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="distutil-") as result_dir:
+        procs = [ctx.Process(target=_child, name=f"rank-{r}",
+                             args=(r, world_size, port, target, args, result_dir, pg_timeout_s,
+                                   backend, threads, env, init_pg))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for i in hung:
+            procs[i].terminate()
+        for i in hung:
+            procs[i].join(5)
+            if procs[i].is_alive():
+                procs[i].kill()
+                procs[i].join()
+        results = []
+        for r, p in enumerate(procs):
+            path = Path(result_dir) / f"rank-{r:05d}.json"
+            if path.exists():
+                d = json.loads(path.read_text())
+                results.append(RankResult(r, d["ok"], d.get("value"), d.get("error_type", ""),
+                                          d.get("error", ""), d.get("traceback", ""),
+                                          p.exitcode, d.get("elapsed_s", 0.0)))
+            elif r in hung:
+                results.append(RankResult(r, False, error_type="Hung",
+                                          error=f"still running after {timeout_s:g}s; killed",
+                                          exitcode=p.exitcode))
+            else:
+                results.append(RankResult(r, False, error_type="Crashed",
+                                          error="exited without reporting a result",
+                                          exitcode=p.exitcode))
+        return results
+
+
+def run_distributed(target: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                    **kwargs: Any) -> list[Any]:
+    """:func:`run_ranks`, then each rank's return value; raises :class:`DistributedFailure`
+    (every failed rank's traceback in the message) if any rank failed."""
+    results = run_ranks(target, world_size, args, **kwargs)
+    if not all(r.ok for r in results):
+        raise DistributedFailure(results)
+    return [r.value for r in results]

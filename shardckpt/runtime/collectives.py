@@ -1,0 +1,128 @@
+"""The collectives of the ZeRO runtime: all-gather a shard, reduce-scatter a gradient.
+
+Every function here is called on every rank of the group it uses, in the same order, and moves
+whole flat groups (1-D, contiguous, padded to a multiple of ``16 * S``). A failure inside
+``torch.distributed`` (a peer that died, a process-group timeout) becomes a
+:class:`~shardckpt.errors.CollectiveError` naming the operation and this rank.
+
+``torch.distributed`` functions are looked up at call time, so a test can wrap them to count bytes.
+
+Deterministic reduction (DESIGN.md, "Deterministic mode"): rank ``r`` receives every rank's slice
+``r`` of the gradient through one all-to-all (same volume as a reduce-scatter), then sums them in
+global rank order in fp32 and divides by the world size: ``(((g0 + g1) + g2) + ...) / W``. The
+result does not depend on the backend's reduction order, so it equals a single-process reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from shardckpt.errors import CollectiveError
+from shardckpt.runtime.mesh import ProcessMesh
+
+FP32 = torch.float32
+
+
+@contextlib.contextmanager
+def collective_guard(op: str, pm: ProcessMesh) -> Iterator[None]:
+    """Turn a failure of the wrapped ``torch.distributed`` call into a :class:`CollectiveError`."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:  # DistBackendError, gloo timeouts, closed pairs
+        raise CollectiveError(
+            f"{op} failed on rank {pm.rank} of {pm.world_size}: {exc}. Another rank probably "
+            f"raised or stalled (the process-group timeout is {pm.timeout_s:g}s); that rank's "
+            "own error says why.",
+            {pm.rank: f"{type(exc).__name__}: {exc}"},
+        ) from exc
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous tensor as raw bytes (so any dtype travels through any backend)."""
+    return t.view(torch.uint8)
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor) -> None:
+    """Fill ``full`` (``S * s`` elements) with every shard rank's ``shard`` (``s`` elements), in order.
+
+    A byte copy: the result is exact whatever the dtype. Called on every rank of the shard group.
+    """
+    if pm.shard_degree == 1:
+        full.copy_(shard)
+        return
+    with collective_guard("all-gather of a flat group", pm):
+        _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group)
+
+
+def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """This rank's slice of the mean of ``grad`` over all ranks, in fp32 (``s`` elements).
+
+    ``grad`` is the full padded flat-group gradient (``S * s`` elements) of this rank. With
+    ``deterministic`` the sum runs in global rank order then divides by the world size (see the
+    module docstring); otherwise the backend's reduce-scatter (and all-reduce over replicas) is
+    used. Called on every rank of the world.
+    """
+    S, W = pm.shard_degree, pm.world_size
+    s = grad.numel() // S
+    if W == 1:
+        return grad.to(FP32, copy=True).div_(W)
+    if deterministic:
+        return _ordered_mean(pm, grad, s)
+    # Gloo has no bf16/fp16 reductions worth trusting; reduce in fp32 there.
+    red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
+    out = torch.empty(s, dtype=red.dtype, device=red.device)
+    with collective_guard("reduce-scatter of a gradient", pm):
+        if S > 1:
+            _reduce_scatter_single(out, red, pm.shard_group)
+        else:
+            out.copy_(red)
+        if pm.replicate_group is not None:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
+    return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
+
+
+def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int) -> torch.Tensor:
+    W, mesh = pm.world_size, pm.mesh
+    if mesh.shard_degree == W:
+        send = grad  # chunk r is already rank r's slice
+    else:  # HSDP: every world rank j gets the slice of its shard rank
+        send = torch.cat([grad[mesh.shard_rank(j) * s:(mesh.shard_rank(j) + 1) * s]
+                          for j in range(W)])
+    recv = torch.empty(W * s, dtype=grad.dtype, device=grad.device)
+    with collective_guard("ordered gradient exchange (all-to-all)", pm):
+        dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group)
+    acc = recv[:s].to(FP32, copy=True)
+    for k in range(1, W):  # global rank order: ((g0 + g1) + g2) + ...
+        acc.add_(recv[k * s:(k + 1) * s])
+    return acc.div_(W)
+
+
+def all_gather_flat(pm: ProcessMesh, shard: torch.Tensor) -> torch.Tensor:
+    """The whole flat group (``S * s`` elements) from every shard rank's ``shard``; allocates."""
+    full = torch.empty(shard.numel() * pm.shard_degree, dtype=shard.dtype, device=shard.device)
+    all_gather_shard(pm, full, shard)
+    return full
+
+
+def all_reduce_shard_sum(pm: ProcessMesh, t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the shard group, in place (replicas hold the same shards, so not over them)."""
+    if pm.shard_degree > 1:
+        with collective_guard("all-reduce over the shard group", pm):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pm.shard_group)
+    return t

@@ -1,0 +1,332 @@
+"""Sharded element-wise optimizers over the fp32 master shards.
+
+A :class:`ShardedOptimizer` is a ``torch.optim.Optimizer``: its ``param_groups`` hold the module's
+parameters and their hyper-parameters, so stock LR schedulers work. Each rank updates only its own
+slice: for every parameter it intersects the parameter's element range with the rank's shard range
+of the parameter's flat group and applies the update to those views of ``master``, ``grad`` and the
+state shards, with the hyper-parameters of the parameter's param group. The arithmetic copies the
+single-tensor (``foreach=False``) code of ``torch.optim.AdamW`` / ``torch.optim.SGD`` op for op, so
+an element gets the same bits as in PyTorch (element-wise ops do not care how a tensor is sliced).
+
+State: per trained flat group, per-element kinds named as in the checkpoint format (``exp_avg``,
+``exp_avg_sq`` [, ``max_exp_avg_sq``] for AdamW; ``momentum_buffer`` for SGD with momentum),
+allocated as zeros at construction so a checkpoint loader can fill them in place; per param group,
+hyper-parameters and the step count (:meth:`ShardedOptimizer.optimizer_metadata`). Frozen
+parameters have no state and are skipped. Optimizers that need whole tensors are refused
+(:func:`build_optimizer`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping
+
+import torch
+
+from shardckpt.errors import ConfigError, ShardckptError
+from shardckpt.runtime.engine import ZeroEngine
+from shardckpt.runtime.flat import FlatParamGroup
+
+log = logging.getLogger(__name__)
+
+#: Optimizers whose update of an element depends on whole tensors, with the reason.
+WHOLE_TENSOR_OPTIMIZERS = {
+    "shampoo": "preconditions each matrix with its own row and column statistics",
+    "distributedshampoo": "preconditions each matrix with its own row and column statistics",
+    "soap": "runs Adam in each matrix's Shampoo eigenbasis",
+    "muon": "orthogonalizes each whole matrix update (Newton-Schulz)",
+    "lamb": "scales each tensor's update by its trust ratio ||w|| / ||update||",
+    "lars": "scales each tensor's update by its trust ratio ||w|| / ||grad||",
+    "adafactor": "factors the second moment into each matrix's row and column means",
+    "lbfgs": "takes line-search steps along a direction built from whole-model history",
+    "galore": "projects each matrix's gradient onto its low-rank subspace",
+}
+
+
+def is_no_decay(fqn: str, shape: tuple[int, ...]) -> bool:
+    """Norm weights, biases and other vectors get no weight decay (the usual LLM recipe)."""
+    return len(shape) < 2 or fqn.endswith(".bias") or "norm" in fqn.lower()
+
+
+def decay_param_groups(engine: ZeroEngine, weight_decay: float,
+                       no_decay: Callable[[str, tuple[int, ...]], bool] = is_no_decay
+                       ) -> list[dict[str, Any]]:
+    """Two param groups of the trained parameters: ``weight_decay`` and ``0.0`` (norms, biases).
+
+    Uses the layout's shapes (parameters are placeholders between steps).
+    """
+    decay, plain = [], []
+    for fqn, p in engine.named_parameters():
+        if p.requires_grad:
+            (plain if no_decay(fqn, engine.layout.param(fqn).shape) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": plain, "weight_decay": 0.0}]
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """The part of one parameter inside this rank's shard: ``[lo, hi)`` of the group's shard."""
+
+    group: FlatParamGroup
+    lo: int
+    hi: int
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base of the sharded element-wise optimizers (see module docstring).
+
+    Subclasses set ``name`` and implement :meth:`_state_kinds` and :meth:`_update`. ``step()`` is
+    local to each rank (no collectives) and ends with ``engine.refresh_params()``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, engine: ZeroEngine, params: Iterable[Any] | None,
+                 defaults: dict[str, Any]) -> None:
+        self._engine = engine
+        self._ready = False
+        if params is None:
+            params = [p for _, p in engine.named_parameters()]
+        super().__init__(params, defaults)
+        self._fqns: list[list[str]] = []
+        self._segments: list[list[_Segment]] = []
+        self._flat_groups: list[list[FlatParamGroup]] = []
+        self._steps: list[int] = []
+        for group in self.param_groups:
+            self._index_group(group)
+        self.state_kinds: tuple[str, ...] = self._state_kinds()
+        self._state: dict[str, dict[str, torch.Tensor]] = {
+            name: {k: torch.zeros_like(g.master) for k in self.state_kinds}
+            for name, g in engine.groups.items() if g.trainable
+        }
+        self._ready = True
+        engine.attach_optimizer(self)
+
+    # ----------------------------------------------------------------- param groups
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_ready", False):
+            self._index_group(self.param_groups[-1])
+            kinds = self._state_kinds()
+            if kinds != self.state_kinds:
+                raise ConfigError(f"the new param group changes the state kinds from "
+                                  f"{self.state_kinds} to {kinds}; set it at construction")
+
+    def _index_group(self, group: dict[str, Any]) -> None:
+        eng = self._engine
+        fqns = [eng.fqn_of(p) for p in group["params"]]
+        segments, flats = [], {}
+        for fqn in fqns:
+            spec = eng.layout.param(fqn)
+            fg = eng.groups[spec.group]
+            if not fg.trainable:
+                continue
+            flats[fg.name] = fg
+            lo, hi = max(spec.offset, fg.shard_start), min(spec.offset + spec.numel, fg.shard_end)
+            if lo < hi:
+                segments.append(_Segment(fg, lo - fg.shard_start, hi - fg.shard_start))
+        self._fqns.append(fqns)
+        self._segments.append(segments)
+        self._flat_groups.append(list(flats.values()))
+        self._steps.append(0)
+
+    def local_state(self, group_name: str) -> dict[str, torch.Tensor]:
+        """State kind -> this rank's live shard of the flat group (empty for frozen groups)."""
+        return dict(self._state.get(group_name, {}))
+
+    # ------------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for i, group in enumerate(self.param_groups):
+            # The same on every rank: a flat group's gradient exists after a collective reduce.
+            if not any(fg.grad is not None for fg in self._flat_groups[i]):
+                continue
+            self._steps[i] += 1
+            hyper = {k: (float(v) if isinstance(v, torch.Tensor) else v)
+                     for k, v in group.items() if k != "params"}
+            for seg in self._segments[i]:
+                fg = seg.group
+                if fg.grad is None:
+                    continue
+                state = {k: v[seg.lo:seg.hi] for k, v in self._state[fg.name].items()}
+                self._update(fg.master[seg.lo:seg.hi], fg.grad[seg.lo:seg.hi], state,
+                             self._steps[i], hyper)
+        self._engine.refresh_params()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad(set_to_none)
+
+    def _state_kinds(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+                step: int, hyper: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------- metadata
+
+    def optimizer_metadata(self) -> dict[str, Any]:
+        """JSON-serializable: name, state kinds, and per param group its FQNs, step and
+        hyper-parameters (every key but ``params``, tuples as lists)."""
+        groups = []
+        for i, group in enumerate(self.param_groups):
+            hyper = {}
+            for k, v in group.items():
+                if k == "params":
+                    continue
+                v = float(v) if isinstance(v, torch.Tensor) else v
+                v = list(v) if isinstance(v, tuple) else v
+                try:
+                    json.dumps(v)
+                except TypeError:
+                    raise ConfigError(f"param group {i} has hyper-parameter {k!r} = {v!r}, which "
+                                      "is not JSON-serializable") from None
+                hyper[k] = v
+            groups.append({"fqns": list(self._fqns[i]), "step": self._steps[i], "hyper": hyper})
+        return {"name": self.name, "state_kinds": list(self.state_kinds), "param_groups": groups}
+
+    def load_optimizer_metadata(self, metadata: Mapping[str, Any]) -> None:
+        """Restore hyper-parameters and steps, matching param groups by their FQN sets."""
+        if metadata.get("name") != self.name:
+            raise ConfigError(f"optimizer metadata is for {metadata.get('name')!r}, but this "
+                              f"optimizer is {self.name!r}")
+        by_fqns = {frozenset(f): i for i, f in enumerate(self._fqns)}
+        saved = list(metadata.get("param_groups", []))
+        keys = [frozenset(g.get("fqns", [])) for g in saved]
+        if sorted(map(sorted, keys)) != sorted(map(sorted, by_fqns)):
+            raise ConfigError(
+                "optimizer param groups do not match: saved groups hold "
+                f"{[sorted(k)[:3] for k in keys]}..., this optimizer's hold "
+                f"{[sorted(k)[:3] for k in by_fqns]}...; build the same groups before loading")
+        for key, g in zip(keys, saved):
+            i = by_fqns[key]
+            for k, v in g.get("hyper", {}).items():
+                old = self.param_groups[i].get(k)
+                self.param_groups[i][k] = tuple(v) if isinstance(old, tuple) else v
+            self._steps[i] = int(g.get("step", 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        raise ShardckptError(
+            "a sharded optimizer has no whole-tensor state_dict; save engine.local_shards() "
+            "and optimizer.optimizer_metadata() (shardckpt's checkpoint does both)")
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        raise ShardckptError(
+            "a sharded optimizer loads through engine.local_shards() and "
+            "load_optimizer_metadata(); see shardckpt's checkpoint module")
+
+
+class ShardedAdamW(ShardedOptimizer):
+    """AdamW (decoupled weight decay), element for element as ``torch.optim.AdamW(foreach=False)``."""
+
+    name = "adamw"
+
+    def __init__(self, engine: ZeroEngine, params: Iterable[Any] | None = None, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
+                              f"weight_decay={weight_decay}")
+        super().__init__(engine, params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                              weight_decay=weight_decay, amsgrad=amsgrad,
+                                              maximize=maximize))
+
+    def _state_kinds(self) -> tuple[str, ...]:
+        ams = any(g.get("amsgrad") for g in self.param_groups)
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if ams else ())
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+                step: int, hyper: dict[str, Any]) -> None:
+        # Mirrors torch.optim.adam._single_tensor_adam (decoupled, not capturable).
+        lr, (beta1, beta2) = hyper["lr"], hyper["betas"]
+        weight_decay, eps = hyper["weight_decay"], hyper["eps"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if hyper["maximize"]:
+            grad = -grad
+        if weight_decay != 0:
+            param.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        t = float(step)
+        bias_correction1 = 1 - beta1**t
+        bias_correction2 = 1 - beta2**t
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        if hyper["amsgrad"]:
+            max_sq = state["max_exp_avg_sq"]
+            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+            denom = (max_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class ShardedSGD(ShardedOptimizer):
+    """SGD with momentum, element for element as ``torch.optim.SGD(foreach=False)``."""
+
+    name = "sgd"
+
+    def __init__(self, engine: ZeroEngine, params: Iterable[Any] | None = None, lr: float = 1e-3,
+                 momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                 nesterov: bool = False, maximize: bool = False) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ConfigError(f"invalid SGD hyper-parameters: lr={lr}, momentum={momentum}, "
+                              f"weight_decay={weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ConfigError("Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(engine, params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                              weight_decay=weight_decay, nesterov=nesterov,
+                                              maximize=maximize))
+
+    def _state_kinds(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if any(g.get("momentum") for g in self.param_groups) else ()
+
+    def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+                step: int, hyper: dict[str, Any]) -> None:
+        # Mirrors torch.optim.sgd._single_tensor_sgd.
+        weight_decay, momentum = hyper["weight_decay"], hyper["momentum"]
+        if hyper["maximize"]:
+            grad = -grad
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        if momentum != 0:
+            buf = state["momentum_buffer"]
+            if step == 1:  # torch starts the buffer as a copy of the first gradient
+                buf.copy_(grad)
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - hyper["dampening"])
+            grad = grad.add(buf, alpha=momentum) if hyper["nesterov"] else buf
+        param.add_(grad, alpha=-hyper["lr"])
+
+
+_ELEMENTWISE: dict[str, type[ShardedOptimizer]] = {"adamw": ShardedAdamW, "sgd": ShardedSGD}
+
+
+def build_optimizer(engine: ZeroEngine, optimizer: str | type, params: Iterable[Any] | None = None,
+                    **hyper: Any) -> ShardedOptimizer:
+    """A sharded optimizer by name (``"adamw"``, ``"sgd"``) or torch class (``torch.optim.AdamW``).
+
+    Refuses optimizers that need whole tensors (Shampoo, Muon, LAMB, ...) with the reason.
+    """
+    name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "")
+    key = name.lower().replace("_", "").replace("-", "")
+    if key.startswith("sharded"):
+        key = key[len("sharded"):]
+    if key in _ELEMENTWISE:
+        return _ELEMENTWISE[key](engine, params, **hyper)
+    supported = ", ".join(sorted(_ELEMENTWISE))
+    if key in WHOLE_TENSOR_OPTIMIZERS:
+        raise ConfigError(
+            f"{name} needs whole tensors: it {WHOLE_TENSOR_OPTIMIZERS[key]}. ZeRO-3 splits every "
+            f"parameter into flat slices across ranks, so only element-wise optimizers work here "
+            f"({supported}); use one of those or a runtime that gathers whole tensors.")
+    raise ConfigError(f"unsupported optimizer {name!r}; supported: {supported}")
