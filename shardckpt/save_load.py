@@ -24,16 +24,36 @@ log = logging.getLogger(__name__)
 
 
 class Sharded(Protocol):
-    """What save/load need from a sharded model (the runtime engine implements it)."""
+    """What save/load need from a sharded model (the runtime's ``ZeroEngine`` implements it)."""
 
     layout: Layout
+    tied_aliases: Mapping[str, str]
+    optimizer: Any  # None, or a sharded optimizer with optimizer_metadata()/load_optimizer_metadata()
 
     def local_shards(self) -> dict[str, dict[str, Any]]: ...        # group -> kind -> 1-D tensor
     def refresh_params(self) -> None: ...
-    def optimizer_metadata(self) -> dict[str, Any] | None: ...
-    def load_optimizer_metadata(self, meta: Mapping[str, Any]) -> None: ...
     def buffers(self) -> dict[str, Any]: ...                          # fqn -> tensor
-    def load_buffers(self, buffers: Mapping[str, Any]) -> None: ...
+    def load_buffers(self, buffers: Mapping[str, Any], strict: bool = True) -> None: ...
+
+
+def optimizer_info(model: Sharded) -> OptimizerInfo | None:
+    """The optimizer's name, param groups (FQNs, hyper-parameters, step) in manifest form."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return None
+    meta = opt.optimizer_metadata()
+    return OptimizerInfo(meta["name"], tuple(
+        {"params": list(g["fqns"]), "hparams": dict(g["hyper"]), "step": int(g["step"])}
+        for g in meta["param_groups"]))
+
+
+def load_optimizer_info(model: Sharded, info: OptimizerInfo) -> None:
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return
+    opt.load_optimizer_metadata({"name": info.name, "param_groups": [
+        {"fqns": list(g["params"]), "hyper": dict(g.get("hparams", {})), "step": int(g.get("step", 0))}
+        for g in info.param_groups]})
 
 
 def _bytes_of(t: Any) -> Any:
@@ -57,9 +77,9 @@ def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
     shards = model.local_shards()
     states = {g.name: tuple((k, _dtype_name(t)) for k, t in shards[g.name].items()) for g in layout.groups}
     buffers = tuple(BufferSpec(f, tuple(t.shape), _dtype_name(t)) for f, t in model.buffers().items())
-    comp = Component("model", layout, states, dict(aliases or getattr(model, "aliases", {}) or {}), buffers)
-    meta = model.optimizer_metadata()
-    optim = None if meta is None else OptimizerInfo(meta["name"], tuple(meta["param_groups"]))
+    comp = Component("model", layout, states, dict(aliases or getattr(model, "tied_aliases", {}) or {}),
+                     buffers)
+    optim = optimizer_info(model)
     per_rank = {"world_size": layout.mesh.world_size, "dropped_from_world_size": None}
     spec = CheckpointSpec(layout.mesh, {"model": comp}, optim, dict(extras or {}), per_rank)
     if chunk_size:
@@ -179,8 +199,7 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
                 bufs[b.fqn] = (slot, bytes(data))
             model.load_buffers(_to_tensors(bufs))
         if not weights_only and m.optimizer is not None:
-            model.load_optimizer_metadata({"name": m.optimizer.name,
-                                           "param_groups": [dict(pg) for pg in m.optimizer.param_groups]})
+            load_optimizer_info(model, m.optimizer)
         model.refresh_params()
         return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
                 "mismatched": list(plan.mismatched), "save_id": m.save_id}

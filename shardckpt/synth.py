@@ -121,7 +121,7 @@ def synth_spec(params: int, ranks: int, replicate: int = 1, units: int = 2, step
     decay = [i.fqn for i in trained if len(i.shape) >= 2]
     no_decay = [i.fqn for i in trained if len(i.shape) < 2]
     base = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "amsgrad": False}
-    optim = OptimizerInfo("AdamW", (
+    optim = OptimizerInfo("adamw", (
         {"params": decay, "hparams": {**base, "weight_decay": 0.1}, "step": step},
         {"params": no_decay, "hparams": {**base, "weight_decay": 0.0}, "step": step},
     ))

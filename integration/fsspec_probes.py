@@ -1,0 +1,71 @@
+"""fsspec filesystems for tests: count the bytes each process reads, or die after N bytes written.
+
+``countfile://`` and ``killfile://`` behave like the local filesystem. They are not "local" to
+shardckpt's storage layer, so they exercise its generic (object-store-like) code path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import register_implementation
+
+
+class _Prefixed(LocalFileSystem):
+    prefix = ""
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        if path.startswith(cls.prefix):
+            path = path[len(cls.prefix):]
+        return super()._strip_protocol(path)
+
+
+class CountingFS(_Prefixed):
+    """Counts every byte returned by ``cat_file`` (shardckpt's ranged reads) in this process."""
+
+    protocol = ("countfile",)
+    prefix = "countfile://"
+    bytes_read = 0
+    reads = 0
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+        data = super().cat_file(path, start=start, end=end, **kw)
+        CountingFS.bytes_read += len(data)
+        CountingFS.reads += 1
+        return data
+
+
+class KillingFS(_Prefixed):
+    """SIGKILLs this process once ``SHARDCKPT_TEST_KILL_AFTER`` bytes of a shard file are written
+    (only where that variable is set, i.e. on the victim rank)."""
+
+    protocol = ("killfile",)
+    prefix = "killfile://"
+
+    def _open(self, path: str, mode: str = "rb", **kw: Any) -> Any:
+        f = super()._open(path, mode, **kw)
+        limit = os.environ.get("SHARDCKPT_TEST_KILL_AFTER")
+        if "w" in mode and limit and "/shard-" in path:
+            written = [0]
+            real_write = f.write
+
+            def write(data: Any) -> int:
+                n = real_write(data)
+                written[0] += memoryview(data).nbytes
+                if written[0] >= int(limit):
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return n
+
+            f.write = write  # type: ignore[method-assign]
+        return f
+
+
+def register() -> None:
+    register_implementation("countfile", CountingFS, clobber=True)
+    register_implementation("killfile", KillingFS, clobber=True)
