@@ -17,6 +17,10 @@ from fsspec.registry import register_implementation
 class _Prefixed(LocalFileSystem):
     prefix = ""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("auto_mkdir", True)  # like an object store: no directories to make
+        super().__init__(*args, **kwargs)
+
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
         path = str(path)

@@ -47,13 +47,26 @@ def optimizer_info(model: Sharded) -> OptimizerInfo | None:
         for g in meta["param_groups"]))
 
 
-def load_optimizer_info(model: Sharded, info: OptimizerInfo) -> None:
+def load_optimizer_info(model: Sharded, info: OptimizerInfo, strict: bool = True) -> None:
+    """Restore hyper-parameters and steps. Param groups match by their FQN sets; when not
+    ``strict``, by the FQNs both sides know (a group with no counterpart keeps its own)."""
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return
-    opt.load_optimizer_metadata({"name": info.name, "param_groups": [
-        {"fqns": list(g["params"]), "hyper": dict(g.get("hparams", {})), "step": int(g.get("step", 0))}
-        for g in info.param_groups]})
+    saved = [{"fqns": list(g["params"]), "hyper": dict(g.get("hparams", {})),
+              "step": int(g.get("step", 0))} for g in info.param_groups]
+    if not strict:
+        current = opt.optimizer_metadata()["param_groups"]
+        known_saved = {f for g in saved for f in g["fqns"]}
+        known_now = {f for g in current for f in g["fqns"]}
+        merged = []
+        for g in current:
+            mine = set(g["fqns"]) & known_saved
+            match = next((s for s in saved if mine and set(s["fqns"]) & known_now == mine), None)
+            merged.append({"fqns": g["fqns"], "hyper": (match or g)["hyper"],
+                           "step": (match or g)["step"]})
+        saved = merged
+    opt.load_optimizer_metadata({"name": info.name, "param_groups": saved})
 
 
 def _bytes_of(t: Any) -> Any:
@@ -199,7 +212,7 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
                 bufs[b.fqn] = (slot, bytes(data))
             model.load_buffers(_to_tensors(bufs))
         if not weights_only and m.optimizer is not None:
-            load_optimizer_info(model, m.optimizer)
+            load_optimizer_info(model, m.optimizer, strict)
         model.refresh_params()
         return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
                 "mismatched": list(plan.mismatched), "save_id": m.save_id}
