@@ -7,6 +7,7 @@ from shardckpt.cli import commands  # noqa: F401  (registers commands)
 from shardckpt.cli import estimate  # noqa: F401  (registers `estimate`)
 from shardckpt.cli import reshard  # noqa: F401  (registers `reshard`)
 from shardckpt.cli import clean  # noqa: F401  (registers `clean`)
+from shardckpt.cli import demo  # noqa: F401  (registers `demo`)
 from shardckpt.cli import offline  # noqa: F401
 
 __all__ = ["app"]

@@ -73,3 +73,53 @@ class KillingFS(_Prefixed):
 def register() -> None:
     register_implementation("countfile", CountingFS, clobber=True)
     register_implementation("killfile", KillingFS, clobber=True)
+
+
+class SlowFS(_Prefixed):
+    """Sleeps ``SHARDCKPT_TEST_WRITE_DELAY`` seconds per write; records when the last write ended
+    in ``SlowFS.last_write_end`` (time.monotonic())."""
+
+    protocol = ("slowfile",)
+    prefix = "slowfile://"
+    last_write_end = 0.0
+
+    def _open(self, path: str, mode: str = "rb", **kw: Any) -> Any:
+        import time
+
+        f = super()._open(path, mode, **kw)
+        delay = float(os.environ.get("SHARDCKPT_TEST_WRITE_DELAY", "0"))
+        if "w" in mode and delay:
+            real_write = f.write
+
+            def write(data: Any) -> int:
+                time.sleep(delay)
+                n = real_write(data)
+                SlowFS.last_write_end = time.monotonic()
+                return n
+
+            f.write = write  # type: ignore[method-assign]
+        return f
+
+
+class FailingFS(_Prefixed):
+    """Writes of shard files fail with ENOSPC while ``SHARDCKPT_TEST_FAIL_WRITES`` is set."""
+
+    protocol = ("failfile",)
+    prefix = "failfile://"
+
+    def _open(self, path: str, mode: str = "rb", **kw: Any) -> Any:
+        import errno
+
+        f = super()._open(path, mode, **kw)
+        if "w" in mode and "/shard-" in path and os.environ.get("SHARDCKPT_TEST_FAIL_WRITES"):
+            def write(data: Any) -> int:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+            f.write = write  # type: ignore[method-assign]
+        return f
+
+
+def register_all() -> None:
+    register()
+    register_implementation("slowfile", SlowFS, clobber=True)
+    register_implementation("failfile", FailingFS, clobber=True)

@@ -110,48 +110,125 @@ def _entry(d: Mapping[str, Any]) -> FileEntry:
                      tuple(d["chunks"]), d["index"])
 
 
-def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
-         storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
-         group: Any = None) -> Manifest:
-    """Save ``model`` to ``url`` from every rank; returns the committed manifest on every rank.
+@dataclass
+class SaveJob:
+    """One save attempt after its snapshot was taken: :meth:`run` writes, agrees and commits.
 
-    Called on every rank. Each shard is written once (HSDP: shard s by replica ``s % R``),
-    buffers by rank 0; the manifest is created by rank 0 after every file is durable.
+    :func:`begin_save` (collective on ``group``) fixes the save id and what each rank writes;
+    ``run`` may go on in a background thread (async save) as long as ``group`` is used by nobody
+    else meanwhile.
+    """
+
+    url: str
+    writer: CheckpointWriter
+    rank: int
+    shard: int | None                       # shard rank this rank writes, if any
+    shards: Mapping[str, Mapping[str, Any]]  # group -> kind -> 1-D tensor (live or staged)
+    buffers: Mapping[str, Any]               # fqn -> tensor (rank 0 only)
+    rank_state: Mapping[str, Any]            # name -> tensor, written to rank-XXXXX.safetensors
+    group: Any = None
+
+    def write_files(self) -> list[dict[str, Any]]:
+        w, entries = self.writer, []
+        if self.shard is not None:
+            shards = self.shards
+
+            def produce(slot: TensorSlot) -> Iterator[Any]:
+                gname, kind = slot.name.rsplit(".", 1)
+                yield _bytes_of(shards[gname][kind])
+
+            entries.append(w.write_shard(self.shard, produce))
+        if self.rank == 0 and w.buffer_slots:
+            bufs = self.buffers
+            b = w.write_buffers(lambda slot: iter([_bytes_of(bufs[slot.name])]))
+            if b is not None:
+                entries.append(b)
+        if self.rank_state:
+            slots, pos = [], 0
+            for name, t in self.rank_state.items():
+                n = t.numel() * t.element_size()
+                slots.append(TensorSlot(name, _dtype_name(t), tuple(t.shape), pos, pos + n))
+                pos += n
+            state = self.rank_state
+            entries.append(w.write_rank_state(self.rank, slots,
+                                              lambda slot: iter([_bytes_of(state[slot.name])])))
+        return [_entry_doc(e) for e in entries]
+
+    def run(self) -> Manifest:
+        """Write this rank's files, exchange entries, commit on rank 0; collective on ``group``."""
+        _, reports = agree(self.write_files, f"save to {self.url}", self.group)
+        entries = [_entry(d) for rep in reports for d in rep["payload"]]
+
+        def commit() -> str | None:
+            return self.writer.commit(entries).save_id if self.rank == 0 else None
+
+        agree(commit, f"commit of {self.url}", self.group)
+        return self.writer.manifest(entries)
+
+
+def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
+               storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+               group: Any = None, rank_state: Mapping[str, Any] | None = None,
+               staging: dict[str, dict[str, Any]] | None = None) -> SaveJob:
+    """Fix the save id (collective on ``group``) and snapshot what this rank will write.
+
+    With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller), the
+    shards are copied into it, so training may change the live state while the files are
+    written; without it, the files are written from the live tensors.
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
     shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
     save_id = broadcast_bytes(new_save_id().encode() if rank == 0 else None, 0, group).decode()
     spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
+    if rank_state:
+        spec.per_rank_state = dict(spec.per_rank_state, files=True)
     writer = CheckpointWriter(as_storage(url, storage_options), spec, save_id)
+    writes = replica == shard % mesh.replicate_degree
+    shards: Mapping[str, Mapping[str, Any]] = {}
+    if writes:
+        shards = model.local_shards()
+        if staging is not None:
+            for g, kinds in shards.items():
+                for k, t in kinds.items():
+                    staging[g][k].copy_(t)
+            shards = staging
+    buffers = {}
+    if rank == 0:
+        buffers = {f: t.detach().clone() for f, t in model.buffers().items()}
+    state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
+    return SaveJob(url, writer, rank, shard if writes else None, shards, buffers, state, group)
 
-    def write_mine() -> list[dict[str, Any]]:
-        entries = []
-        if replica == shard % mesh.replicate_degree:
-            shards = model.local_shards()
 
-            def produce(slot: TensorSlot) -> Iterator[Any]:
-                gname, kind = slot.name.rsplit(".", 1)
-                yield _bytes_of(shards[gname][kind])
+def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
+         storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+         group: Any = None, rank_state: Mapping[str, Any] | None = None) -> Manifest:
+    """Save ``model`` to ``url`` from every rank; returns the committed manifest on every rank.
 
-            entries.append(writer.write_shard(shard, produce))
-        if rank == 0 and writer.buffer_slots:
-            bufs = model.buffers()
-            b = writer.write_buffers(lambda slot: iter([_bytes_of(bufs[slot.name])]))
-            if b is not None:
-                entries.append(b)
-        return [_entry_doc(e) for e in entries]
+    Called on every rank. Each shard is written once (HSDP: shard s by replica ``s % R``),
+    buffers by rank 0, ``rank_state`` (e.g. RNG states) by each rank; the manifest is created
+    by rank 0 after every file is durable.
+    """
+    return begin_save(model, url, extras, storage_options, chunk_size, group, rank_state).run()
 
-    _, reports = agree(write_mine, f"save to {url}", group)
-    entries = [_entry(d) for rep in reports for d in rep["payload"]]
 
-    def commit() -> str | None:
-        if rank == 0:
-            return writer.commit(entries).save_id
+def read_rank_state(reader: CheckpointReader, rank: int) -> dict[str, Any] | None:
+    """Tensors of ``rank-XXXXX.safetensors`` (None if the checkpoint has none for ``rank``)."""
+    import torch
+
+    from shardckpt.stheader import parse_header
+
+    entry = next((f for f in reader.manifest.files if f.role == "rank" and f.index == rank), None)
+    if entry is None:
         return None
-
-    agree(commit, f"commit of {url}", group)
-    return writer.manifest(entries)
+    data = reader.storage.read_checked(entry, reader.manifest.chunk_size, 0, entry.size)
+    tensors, _ = parse_header(bytes(data[8:entry.data_start]), entry.size, reader.storage.url_of(entry.path))
+    out = {}
+    for name, slot in tensors.items():
+        raw = bytearray(data[entry.data_start + slot.begin:entry.data_start + slot.end])
+        t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(getattr(torch, slot.dtype)).reshape(slot.shape)
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,145 @@
+"""The training-loop API: async save, application state, resume on another world size."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+try:
+    from .distutil import run_distributed
+    from .fsspec_probes import SlowFS, register_all
+    from .test_save_load import build, batches, train
+except ImportError:
+    from distutil import run_distributed
+    from fsspec_probes import SlowFS, register_all
+    from test_save_load import build, batches, train
+
+pytestmark = pytest.mark.slow
+
+
+def job_async(rank: int, world: int, root: str) -> dict:
+    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.manager import CheckpointManager, step_dir
+    from shardckpt.runtime import init_distributed
+
+    register_all()
+    pm = init_distributed(timeout_s=60)
+    cfg, engine, opt = build(pm, seed=0)
+    data = batches(cfg, pm.rank, world)
+    out: dict = {}
+    # 1. snapshot isolation and overlap: writes are slowed down, training goes on meanwhile
+    os.environ["SHARDCKPT_TEST_WRITE_DELAY"] = "0.05"
+    ckpt = Checkpointer(f"slowfile://{root}/run", engine, async_save=True)
+    train(engine, opt, data, range(1))
+    snapshot = {g: {k: t.clone() for k, t in kinds.items()} for g, kinds in engine.local_shards().items()}
+    t0 = time.monotonic()
+    ckpt.save(1)
+    out["blocking_s"] = time.monotonic() - t0
+    train(engine, opt, data, range(1, 2))  # changes the live masters and moments
+    out["step_done"] = time.monotonic()
+    out["in_flight_after_step"] = ckpt.in_flight
+    ckpt.wait()
+    out["write_done"] = SlowFS.last_write_end
+    os.environ["SHARDCKPT_TEST_WRITE_DELAY"] = "0"
+    reader = CheckpointReader(f"{root}/run/{step_dir(1)}")
+    shard = pm.shard_rank
+    bad = []
+    for g, kinds in snapshot.items():
+        for k, t in kinds.items():
+            saved = bytes(reader.read_state(shard, g, k))
+            if saved != t.numpy().tobytes():
+                bad.append(f"{g}.{k}")
+            if saved == engine.local_shards()[g][k].numpy().tobytes():
+                bad.append(f"{g}.{k} equals the state after the next step")
+    out["snapshot_problems"] = bad
+    # 2. an injected write error surfaces at the next call; the previous checkpoint stays good
+    fail = Checkpointer(f"failfile://{root}/run", engine, async_save=True)
+    os.environ["SHARDCKPT_TEST_FAIL_WRITES"] = "1"
+    fail.save(2)
+    try:
+        fail.wait()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        out["error"] = f"{type(e).__name__}: {e}"
+    os.environ.pop("SHARDCKPT_TEST_FAIL_WRITES")
+    mgr = CheckpointManager(f"{root}/run")
+    out["latest"] = mgr.read_latest()
+    out["resume_step"] = mgr.resume_point(full_verify=True).step
+    ckpt.close()
+    return out
+
+
+def test_async_save(tmp_path):
+    from shardckpt.manager import step_dir
+
+    out = run_distributed(job_async, 2, args=(str(tmp_path),), timeout_s=150)
+    for o in out:
+        assert o["snapshot_problems"] == [], o["snapshot_problems"]
+        assert o["in_flight_after_step"], "the write finished before the next step did"
+        assert o["step_done"] < o["write_done"]
+        assert o["error"] and "ENOSPC" in o["error"] or "No space left" in (o["error"] or ""), o["error"]
+        assert o["latest"] == step_dir(1) and o["resume_step"] == 1
+    assert not os.path.exists(tmp_path / "run" / step_dir(2) / "manifest.json")
+
+
+# --------------------------------------------------------------------- application state
+
+
+def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int) -> dict:
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from shardckpt.checkpointer import Checkpointer, JsonState
+    from shardckpt.runtime import init_distributed
+    from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
+
+    pm = init_distributed(timeout_s=60)
+    cfg, engine, opt = build(pm, seed=0)
+    sched = LambdaLR(opt, lambda s: 0.5 ** s)
+    data = TokenBatches(SyntheticCorpus(cfg.vocab_size, seed=1), seq_len=16, micro_batch=micro_batch,
+                        rank=pm.rank, world_size=world)
+    user = JsonState({"note": "hello", "evals": []})
+    ckpt = Checkpointer(run, engine, app_state={"scheduler": sched, "data": data, "user": user}, seed=11)
+    start = ckpt.resume()
+    out = {"start": start, "lr_at_start": sched.get_last_lr(), "samples_at_start": data.state_dict(),
+           "user_at_start": user.state_dict(), "rand_after_resume": torch.rand(3).tolist()}
+    from shardckpt.runtime.llama import causal_lm_loss
+
+    for step in range(start, start + steps):
+        tokens = next(data)
+        causal_lm_loss(engine(tokens), tokens).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        user.data["evals"].append(step)
+    ckpt.save(start + steps)
+    out["lr_at_end"] = sched.get_last_lr()
+    out["rand_after_save"] = torch.rand(3).tolist()
+    return out
+
+
+def test_app_state_round_trip_and_resume_on_other_world_size(tmp_path):
+    from shardckpt.manager import step_dir
+    from shardckpt.reshard import reshard
+
+    run2, run1 = str(tmp_path / "run2"), str(tmp_path / "run1")
+    first = run_distributed(job_app_state, 2, args=(run2, 3, 2), timeout_s=120)
+    assert first[0]["start"] == 0
+    # same world size: everything, RNG included, continues where it stopped
+    same = run_distributed(job_app_state, 2, args=(run2, 1, 2), timeout_s=120)
+    for a, b in zip(first, same):
+        assert b["start"] == 3
+        assert b["lr_at_start"] == a["lr_at_end"] == [3e-3 * 0.5 ** 3] * 2
+        assert b["samples_at_start"]["samples_seen"] == 3 * 4
+        assert b["user_at_start"] == {"note": "hello", "evals": [0, 1, 2]}
+        assert b["rand_after_resume"] == a["rand_after_save"]
+    # another world size: app state carries over; RNG re-seeded from seed + rank
+    reshard(f"{run2}/{step_dir(3)}", f"{run1}/{step_dir(3)}", to=1)
+    other = run_distributed(job_app_state, 1, args=(run1, 1, 4), timeout_s=120)[0]
+    assert other["start"] == 3 and other["lr_at_start"] == first[0]["lr_at_end"]
+    assert other["samples_at_start"]["samples_seen"] == 12
+    torch.manual_seed(11 + 0)
+    assert other["rand_after_resume"] == torch.rand(3).tolist()
