@@ -73,6 +73,7 @@ class KillingFS(_Prefixed):
 def register() -> None:
     register_implementation("countfile", CountingFS, clobber=True)
     register_implementation("killfile", KillingFS, clobber=True)
+    register_implementation("recordfile", RecordingFS, clobber=True)
 
 
 class SlowFS(_Prefixed):
@@ -123,3 +124,16 @@ def register_all() -> None:
     register()
     register_implementation("slowfile", SlowFS, clobber=True)
     register_implementation("failfile", FailingFS, clobber=True)
+
+
+class RecordingFS(_Prefixed):
+    """Records every path this process opens for writing in ``RecordingFS.written``."""
+
+    protocol = ("recordfile",)
+    prefix = "recordfile://"
+    written: list[str] = []
+
+    def _open(self, path: str, mode: str = "rb", **kw: Any) -> Any:
+        if "w" in mode:
+            RecordingFS.written.append(path)
+        return super()._open(path, mode, **kw)

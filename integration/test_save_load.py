@@ -18,11 +18,11 @@ import torch
 
 try:
     from .distutil import run_distributed
-    from .fsspec_probes import CountingFS, register
+    from .fsspec_probes import CountingFS, RecordingFS, register
     from .test_runtime_parity import LLAMA, compare_shards, optimizer_tensors, reference_train
 except ImportError:
     from distutil import run_distributed
-    from fsspec_probes import CountingFS, register
+    from fsspec_probes import CountingFS, RecordingFS, register
     from test_runtime_parity import LLAMA, compare_shards, optimizer_tensors, reference_train
 
 pytestmark = pytest.mark.slow
@@ -218,3 +218,39 @@ def check_hf_round_trip(root: str) -> None:
     with torch.no_grad():
         logits = model(saved["tokens"]).logits
     assert torch.equal(logits, saved["logits"])
+
+
+def job_save_hsdp(rank: int, world: int, root: str) -> dict:
+    from shardckpt.runtime import init_distributed
+    from shardckpt.save_load import save
+
+    register()
+    pm = init_distributed(timeout_s=60, replicate=2)
+    cfg, engine, opt = build(pm, seed=0)
+    train(engine, opt, batches(cfg, pm.rank, world), range(2))
+    save(engine, f"recordfile://{root}/hsdp")
+    return {"written": [os.path.basename(p) for p in RecordingFS.written],
+            "shard": pm.shard_rank, "replica": pm.replicate_rank}
+
+
+def test_save_from_hsdp_writes_each_shard_once_spread_over_replicas(tmp_path):
+    from shardckpt.checkpoint import CheckpointReader, verify
+
+    out = run_distributed(job_save_hsdp, 4, args=(str(tmp_path),), timeout_s=120)
+    m = CheckpointReader(f"{tmp_path}/hsdp").manifest
+    assert dict(m.mesh.axes) == {"dp_replicate": 2, "dp_shard": 2}
+    shards = [f for f in m.files if f.role == "shard"]
+    assert sorted(f.index for f in shards) == [0, 1]
+    _, reports, problems = verify(f"{tmp_path}/hsdp")
+    assert not problems and all(r.ok for r in reports)
+    # what each rank actually opened for writing: every shard once, spread over both replicas
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for rank, o in enumerate(out):
+        for name in o["written"]:
+            if not name.startswith("manifest.json"):
+                by_file.setdefault(name, []).append((rank, o["replica"]))
+    shard_writers = {n: w for n, w in by_file.items() if n.startswith("shard-")}
+    assert sorted(shard_writers) == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert all(len(w) == 1 for w in shard_writers.values()), shard_writers
+    assert {w[0][1] for w in shard_writers.values()} == {0, 1}, shard_writers
+    assert [r for r, _ in by_file.get("buffers.safetensors", [])] == [0]
