@@ -11,6 +11,12 @@ Reusable by every multi-process test::
     values = run_distributed(case, 4, args=(2.0,))   # one value per rank, or DistributedFailure
     results = run_ranks(case, 4, args=(2.0,))        # RankResult per rank, never raises for ranks
 
+Test modules whose cases run in one job per world size can share that job (one spawn, one
+``torch`` import and one process group per world size for all of them)::
+
+    register_suite(__name__, "_job", cases_for)     # at import; _job(rank, world, names) -> dict
+    reports = shared_reports(__name__, world, selected_modules(request.session))
+
 Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (as
 torchrun sets them), one intra-op thread (``torch.set_num_threads(threads)``, for bit-exact tests)
 and, unless ``init_process_group=False``, an initialized default group whose collectives raise
@@ -23,6 +29,7 @@ timeout), so a broken group cannot abort or hang interpreter shutdown. The paren
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import multiprocessing
 import os
@@ -32,7 +39,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 _EXIT_KEY = "distutil/exited"
 
@@ -187,3 +194,64 @@ def run_distributed(target: Callable[..., Any], world_size: int, args: Sequence[
     if not all(r.ok for r in results):
         raise DistributedFailure(results)
     return [r.value for r in results]
+
+
+# ------------------------------------------------------------------- suites sharing one job
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A test module's cases: ``module.runner(rank, world, names)`` returns case -> value."""
+
+    module: str
+    runner: str
+    cases_for: Callable[[int], list[str]]
+    timeout_s: float
+    pg_timeout_s: float
+
+
+#: Registered suites and the reports of jobs already run, for this test session (the cache is
+#: what lets several modules share one job per world size).
+_SUITES: dict[str, Suite] = {}
+_SHARED: dict[tuple[int, frozenset[str]], dict[str, dict[str, list[Any]]]] = {}
+
+
+def register_suite(module: str, runner: str, cases_for: Callable[[int], list[str]],
+                   timeout_s: float = 120.0, pg_timeout_s: float = 60.0) -> None:
+    """Let the shared job of each world size run ``module``'s cases (call at import time)."""
+    _SUITES[module] = Suite(module, runner, cases_for, timeout_s, pg_timeout_s)
+
+
+def selected_modules(session: Any) -> set[str]:
+    """Names of the modules that have selected test items in a pytest session."""
+    return {item.module.__name__ for item in getattr(session, "items", ())
+            if getattr(item, "module", None) is not None}
+
+
+def _suite_job(rank: int, world_size: int, plan: list[tuple[str, str, list[str]]]
+               ) -> dict[str, Any]:
+    return {module: getattr(importlib.import_module(module), runner)(rank, world_size, names)
+            for module, runner, names in plan}
+
+
+def shared_reports(module: str, world_size: int, selected: Iterable[str] | None = None
+                   ) -> dict[str, list[Any]]:
+    """case -> per-rank values of ``module``'s cases on ``world_size`` ranks.
+
+    The first request for a world size runs one job with the cases of every registered suite
+    whose module is in ``selected`` (default: all; ``module`` always), suite after suite in
+    registration order, and remembers the result for the session. Raises
+    :class:`DistributedFailure` if any rank fails.
+    """
+    wanted = set(_SUITES) if selected is None else set(selected) & set(_SUITES)
+    wanted.add(module)
+    key = (world_size, frozenset(wanted))
+    if key not in _SHARED:
+        suites = [s for name, s in _SUITES.items() if name in wanted]
+        plan = [(s.module, s.runner, s.cases_for(world_size)) for s in suites]
+        values = run_distributed(_suite_job, world_size, args=(plan,),
+                                 timeout_s=sum(s.timeout_s for s in suites),
+                                 pg_timeout_s=max(s.pg_timeout_s for s in suites))
+        _SHARED[key] = {s.module: {case: [v[s.module][case] for v in values]
+                                   for case in s.cases_for(world_size)} for s in suites}
+    return _SHARED[key][module]

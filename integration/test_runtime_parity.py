@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_distributed
+    from .distutil import register_suite, selected_modules, shared_reports
 except ImportError:
-    from distutil import run_distributed
+    from distutil import register_suite, selected_modules, shared_reports
 
 
 class ToyBlock(nn.Module):
@@ -342,6 +342,9 @@ def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
     return {name: CASES[name](pm) for name in names}
 
 
+register_suite(__name__, "_job", cases_for, timeout_s=170, pg_timeout_s=60)
+
+
 # ------------------------------------------------------------------------------- the tests
 
 pytestmark = pytest.mark.slow
@@ -349,10 +352,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
 def reports(request) -> dict[str, list[list[str]]]:
-    """case -> per-rank problem lists, from one job on ``world`` gloo processes."""
-    world = request.param
-    values = run_distributed(_job, world, args=(cases_for(world),), timeout_s=170)
-    return {name: [v[name] for v in values] for name in cases_for(world)}
+    """case -> per-rank problem lists, from one job on ``world`` gloo processes (shared with the
+    other runtime suites selected in this session)."""
+    return shared_reports(__name__, request.param, selected_modules(request.session))
 
 
 def _check(reports: dict, case: str) -> None:
