@@ -269,7 +269,8 @@ class _Ctx:
         return int(s, 16)
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` hook that refuses duplicate keys (the stdlib keeps the last one)."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
@@ -296,7 +297,7 @@ def parse(data: bytes | str, source: str = MANIFEST_NAME) -> Manifest:
     if isinstance(data, bytes) and len(data) > MAX_MANIFEST_BYTES:
         raise ctx.fail("size", f"{len(data)} bytes; at most {MAX_MANIFEST_BYTES} are accepted")
     try:
-        doc = json.loads(data, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+        doc = json.loads(data, object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
                          parse_float=_finite_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise ManifestError(f"{source}: not valid manifest JSON: {e}") from e

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 from shardckpt.errors import IntegrityError
 from shardckpt.layout import DTYPES, SAFETENSORS_TO_DTYPE
-from shardckpt.manifest import TensorSlot
+from shardckpt.manifest import TensorSlot, no_duplicate_keys
 
 #: Largest header we accept (the safetensors library's own cap).
 MAX_HEADER = 100_000_000
@@ -46,15 +46,6 @@ def header_length(prefix: bytes, file_size: int, source: str) -> int:
     return n
 
 
-def _no_dupes(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 def parse_header(raw: bytes, file_size: int, source: str) -> tuple[dict[str, TensorSlot], dict[str, str]]:
     """Validate the JSON header ``raw`` (without the 8-byte length) of a ``file_size``-byte file.
 
@@ -63,7 +54,7 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[dict[str, Ten
     spans that disagree with shape x dtype.
     """
     try:
-        doc = json.loads(raw, object_pairs_hook=_no_dupes)
+        doc = json.loads(raw, object_pairs_hook=no_duplicate_keys)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise IntegrityError(f"{source}: malformed safetensors header: {e}") from e
     if not isinstance(doc, dict):
