@@ -1,23 +1,30 @@
-"""The ZeRO-3 training runtime on torch.distributed (gloo on CPU, NCCL on CUDA).
+"""The ZeRO-1/2/3 training runtime on torch.distributed (gloo on CPU, NCCL on CUDA).
 
 Typical use, on every rank (launched by ``torchrun``)::
 
-    from shardckpt.runtime import (ZeroEngine, ShardedAdamW, decay_param_groups,
-                                   init_distributed)
+    from shardckpt.runtime import (MixedPrecisionPolicy, ZeroEngine, ShardedAdamW,
+                                   decay_param_groups, init_distributed)
     from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, LLAMA_POLICY, causal_lm_loss
 
     pm = init_distributed()                          # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig())
-    engine = ZeroEngine(model, policy=LLAMA_POLICY, process_mesh=pm, init_seed=0)
+    engine = ZeroEngine(model, policy=LLAMA_POLICY, process_mesh=pm, init_seed=0,
+                        stage=3, mixed_precision=MixedPrecisionPolicy(torch.bfloat16))
     opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-3)
-    for tokens in batches:
-        causal_lm_loss(engine(tokens), tokens).backward()
+    for micro_batches in batches:                  # gradient accumulation: reduce once
+        with engine.no_sync():
+            for tokens in micro_batches[:-1]:
+                causal_lm_loss(engine(tokens), tokens).backward()
+        causal_lm_loss(engine(micro_batches[-1]), micro_batches[-1]).backward()
+        engine.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
 
 Checkpoints read and write ``engine.local_shards()``, ``opt.optimizer_metadata()`` and
-``engine.buffers()``; see :class:`ZeroEngine` for the contract.
+``engine.buffers()``; see :class:`ZeroEngine` for the contract. ``engine.summon_full_params()``
+and ``engine.full_state_dict()`` give whole tensors of small models; ``checkpoint_units(engine)``
+turns on activation checkpointing per unit.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 # Lazy (PEP 562): importing a torch-free submodule such as ``llama_config`` must not import torch.
 _EXPORTS = {
+    "MixedPrecisionPolicy": "precision",
+    "checkpoint_units": "activation",
     "ZeroEngine": "engine",
     "shard_model": "engine",
     "ProcessMesh": "mesh",
@@ -43,6 +52,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from shardckpt.runtime.activation import checkpoint_units  # noqa: F401
     from shardckpt.runtime.engine import ZeroEngine, shard_model  # noqa: F401
     from shardckpt.runtime.mesh import ProcessMesh, TorchrunEnv, init_distributed  # noqa: F401
     from shardckpt.runtime.optim import (  # noqa: F401
@@ -52,6 +62,7 @@ if TYPE_CHECKING:
         build_optimizer,
         decay_param_groups,
     )
+    from shardckpt.runtime.precision import MixedPrecisionPolicy  # noqa: F401
     from shardckpt.runtime.units import units_by_type  # noqa: F401
 
 

@@ -9,8 +9,12 @@ whole flat groups (1-D, contiguous, padded to a multiple of ``16 * S``). A failu
 
 Deterministic reduction (DESIGN.md, "Deterministic mode"): rank ``r`` receives every rank's slice
 ``r`` of the gradient through one all-to-all (same volume as a reduce-scatter), then sums them in
-global rank order in fp32 and divides by the world size: ``(((g0 + g1) + g2) + ...) / W``. The
-result does not depend on the backend's reduction order, so it equals a single-process reference.
+global rank order and divides by the world size: ``(((g0 + g1) + g2) + ...) / W``, in fp32 unless
+a mixed-precision policy asks for another ``sum_dtype``. The result does not depend on the
+backend's reduction order, so it equals a single-process reference. ZeRO-1 needs the whole mean
+on every rank: :func:`all_reduce_mean` is that reduction followed by an all-gather of the fp32
+slices (the volume of a ring all-reduce), so its slice ``r`` is bit for bit what
+:func:`reduce_scatter_mean` gives rank ``r``.
 """
 
 from __future__ import annotations
@@ -70,20 +74,21 @@ def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor) -
         _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group)
 
 
-def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool) -> torch.Tensor:
+def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
+                        sum_dtype: torch.dtype = FP32) -> torch.Tensor:
     """This rank's slice of the mean of ``grad`` over all ranks, in fp32 (``s`` elements).
 
     ``grad`` is the full padded flat-group gradient (``S * s`` elements) of this rank. With
-    ``deterministic`` the sum runs in global rank order then divides by the world size (see the
-    module docstring); otherwise the backend's reduce-scatter (and all-reduce over replicas) is
-    used. Called on every rank of the world.
+    ``deterministic`` the sum runs in global rank order in ``sum_dtype``, then divides by the
+    world size (see the module docstring); otherwise the backend's reduce-scatter (and all-reduce
+    over replicas) is used. Called on every rank of the world.
     """
     S, W = pm.shard_degree, pm.world_size
     s = grad.numel() // S
     if W == 1:
-        return grad.to(FP32, copy=True).div_(W)
+        return grad.to(sum_dtype, copy=True).div_(W).to(FP32)
     if deterministic:
-        return _ordered_mean(pm, grad, s)
+        return _ordered_mean(pm, grad, s, sum_dtype)
     # Gloo has no bf16/fp16 reductions worth trusting; reduce in fp32 there.
     red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
     out = torch.empty(s, dtype=red.dtype, device=red.device)
@@ -97,7 +102,27 @@ def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool
     return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
 
 
-def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int) -> torch.Tensor:
+def all_reduce_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
+                    sum_dtype: torch.dtype = FP32) -> torch.Tensor:
+    """The whole mean of ``grad`` over all ranks, in fp32 (``S * s`` elements; ZeRO-1).
+
+    Deterministic: :func:`reduce_scatter_mean`, then an all-gather of the fp32 slices over the
+    shard group (replicas already hold the same slices). Otherwise one all-reduce over the world.
+    Called on every rank of the world.
+    """
+    if pm.world_size == 1:
+        return grad.to(sum_dtype, copy=True).div_(1).to(FP32)
+    if deterministic:
+        return all_gather_flat(pm, reduce_scatter_mean(pm, grad, True, sum_dtype))
+    red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
+    red = red.clone() if red is grad else red
+    with collective_guard("all-reduce of a gradient", pm):
+        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=pm.world_group)
+    return red.to(FP32).div_(pm.world_size) if red.dtype != FP32 else red.div_(pm.world_size)
+
+
+def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
+                  sum_dtype: torch.dtype = FP32) -> torch.Tensor:
     W, mesh = pm.world_size, pm.mesh
     if mesh.shard_degree == W:
         send = grad  # chunk r is already rank r's slice
@@ -107,10 +132,10 @@ def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int) -> torch.Tensor:
     recv = torch.empty(W * s, dtype=grad.dtype, device=grad.device)
     with collective_guard("ordered gradient exchange (all-to-all)", pm):
         dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group)
-    acc = recv[:s].to(FP32, copy=True)
+    acc = recv[:s].to(sum_dtype, copy=True)
     for k in range(1, W):  # global rank order: ((g0 + g1) + g2) + ...
         acc.add_(recv[k * s:(k + 1) * s])
-    return acc.div_(W)
+    return acc.div_(W).to(FP32)
 
 
 def all_gather_flat(pm: ProcessMesh, shard: torch.Tensor) -> torch.Tensor:

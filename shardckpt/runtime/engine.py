@@ -1,112 +1,110 @@
-"""ZeRO-3 over any ``nn.Module``: flat groups per unit, gather/free/reduce-scatter hooks.
+"""ZeRO stages 1, 2 and 3 over any ``nn.Module``: flat groups per unit, gather/free/reduce hooks.
 
-Life of one training step on every rank (Rajbhandari et al., "ZeRO", 2020, stage 3; the hook
-structure follows PyTorch FSDP):
+Life of one training step on every rank (Rajbhandari et al., "ZeRO", 2020; the hook structure
+follows PyTorch FSDP; :mod:`shardckpt.runtime.stages` has the per-stage schedule):
 
 1. before a unit's forward its flat groups are all-gathered and its parameters become views into
-   the gathered buffers; after the forward the buffers are freed (the root stays gathered until
-   its backward, since that comes next);
+   the gathered buffers (in the compute dtype of the mixed-precision policy, if any); in stage 3
+   the buffers are freed after the forward (the root stays gathered until its backward, since
+   that comes next); in stages 1 and 2 they stay until the optimizer step;
 2. when the gradient of a unit's output arrives, the unit is gathered again for its backward;
 3. as soon as every parameter of a trained flat group has its local gradient, the group's
-   gradient is reduce-scattered (mean over ranks) into an fp32 shard and the local copy is freed;
-4. when a unit's backward is done (its inputs have gradients and its groups are reduced) it is
-   freed; whatever is left is reduced and freed at the end of the backward pass;
+   gradient is reduced (mean over ranks): reduce-scattered into an fp32 shard (stages 2, 3) or
+   all-reduced whole (stage 1). Under :meth:`ZeroEngine.no_sync` it is accumulated locally
+   instead and reduced with the next synced backward;
+4. when a unit's backward is done (its inputs have gradients and its groups are complete) it is
+   freed (stage 3); whatever is left is reduced at the end of the backward pass;
 5. the sharded optimizer (:mod:`shardckpt.runtime.optim`) updates the fp32 master shards and calls
-   :meth:`ZeroEngine.refresh_params`.
+   :meth:`ZeroEngine.after_step`, which re-derives the compute shards (and, in stages 1 and 2,
+   all-gathers the updated parameters).
 
 Frozen groups (``requires_grad=False``) are gathered like the others but never reduced, and carry
 no optimizer state. Every rank must run the same modules in the same order (the collectives pair
-up by order). Outside forward/backward every parameter is a 0-element placeholder; read weights
-through :meth:`ZeroEngine.local_shards` or :meth:`ZeroEngine.gather_full_params`.
+up by order). In stage 3, outside forward/backward every parameter is a 0-element placeholder;
+read weights through :meth:`ZeroEngine.local_shards`, :meth:`ZeroEngine.gather_full_params`,
+:meth:`ZeroEngine.summon_full_params` or :meth:`ZeroEngine.full_state_dict`.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from shardckpt.errors import ConfigError
 from shardckpt.layout import Layout, build_layout
-from shardckpt.runtime import collectives
+from shardckpt.runtime import collectives, full_params
 from shardckpt.runtime.flat import FlatParamGroup
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
+from shardckpt.runtime.precision import (
+    MixedPrecisionPolicy,
+    input_cast_dtype,
+    resolve_precision,
+)
+from shardckpt.runtime.stages import StageSchedule, Unit, check_stage
 from shardckpt.runtime.units import ROOT, PolicyLike, plan_units
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Unit:
-    name: str
-    module: nn.Module
-    groups: list[FlatParamGroup]
-    reshard_after_forward: bool
-    trained: int = 0                 # trained groups in this unit
-    reduced: int = 0                 # of those, reduced in the current backward
-    inputs_done: bool = False        # gradients w.r.t. the unit's inputs were computed
-    hooks: list[Any] = field(default_factory=list)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward says "this unit's backward is done"."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
-
-
 class ZeroEngine:
-    """Shard ``module`` ZeRO-3 style over ``process_mesh`` (default: the current process group).
+    """Shard ``module`` ZeRO style over ``process_mesh`` (default: the current process group).
 
     Args:
         module: any ``nn.Module``, materialized or built on the meta device.
         policy: which submodules are units (a callable ``(fqn, module) -> bool``, a class or a
-            tuple of classes); the root's leftover parameters form one more unit.
+            tuple of classes); the root's leftover parameters form one more unit. Tied
+            parameters must fall in one unit (or the alias's unit inside the owner's).
         process_mesh: topology and groups; :func:`~shardckpt.runtime.mesh.init_distributed`.
+        stage: 1 (optimizer state sharded), 2 (+ gradients) or 3 (+ parameters); see
+            :mod:`shardckpt.runtime.stages`. The stored state is the same for every stage.
+        mixed_precision: compute and reduce dtypes
+            (:class:`~shardckpt.runtime.precision.MixedPrecisionPolicy`); masters stay fp32.
         deterministic: reduce gradients by summing in global rank order, then dividing by the
-            world size (bit-exact against a single-process reference); else reduce-scatter.
+            world size (bit-exact against a single-process reference); else the backend reduces.
         init_fn: initializes one module holding meta tensors (default ``reset_parameters()``).
         init_seed: if given, meta initialization runs under ``torch.manual_seed(init_seed)``.
         prefix: namespaces flat-group names (the checkpoint component; ``"model."``).
-        reshard_root_after_forward: free the root unit after forward too (saves memory, costs
-            one more all-gather of the root per step).
+        reshard_root_after_forward: stage 3: free the root unit after forward too (saves memory,
+            costs one more all-gather of the root per step).
 
     Public surface (what checkpointing and tools rely on):
 
     * ``layout``: ``build_layout(infos, process_mesh.mesh, prefix)``, one info per distinct
-      parameter in ``named_parameters()`` order, unit = FQN of its innermost unit module
-      (``""`` for the root); ``tied_aliases`` maps alias FQNs (``lm_head.weight``) to them;
+      parameter in ``named_parameters()`` order (declared dtypes, whatever the precision
+      policy), unit = FQN of its innermost unit module (``""`` for the root); ``tied_aliases``
+      maps alias FQNs (``lm_head.weight``) to them;
     * :meth:`local_shards` (live storage) and :meth:`refresh_params`;
     * :meth:`buffers` / :meth:`load_buffers` (persistent buffers by FQN);
     * the optimizer's ``optimizer_metadata()`` / ``load_optimizer_metadata()``;
-    * :meth:`gather_full_params` and :meth:`clip_grad_norm_` (collective).
+    * :meth:`gather_full_params`, :meth:`summon_full_params`, :meth:`full_state_dict` and
+      :meth:`clip_grad_norm_` (collective); :meth:`load_full_state_dict` (local).
 
     Construction runs no collectives, but every rank must build the same module under the same
     RNG state (or pass ``init_seed``), since each keeps its slice of the same whole. Set
-    ``requires_grad`` before constructing: it decides the flat groups. Several backward passes
-    before a step add their (already averaged) gradients.
+    ``requires_grad`` before constructing: it decides the flat groups. Several synced backward
+    passes before a step add their (already averaged) gradients; under :meth:`no_sync` they
+    accumulate locally and are reduced once.
     """
 
     def __init__(self, module: nn.Module, *, policy: PolicyLike = None,
-                 process_mesh: ProcessMesh | None = None, deterministic: bool = False,
+                 process_mesh: ProcessMesh | None = None, stage: int = 3,
+                 mixed_precision: MixedPrecisionPolicy | None = None, deterministic: bool = False,
                  init_fn: InitFn | None = None, init_seed: int | None = None,
                  prefix: str = "model.", reshard_root_after_forward: bool = False) -> None:
+        stage = check_stage(stage)
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise ConfigError(f"mixed_precision is {mixed_precision!r}; pass a "
+                              "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) or None")
         self.module = module
         self.process_mesh = pm = process_mesh or current_process_mesh()
         self.deterministic = deterministic
+        self.stage = stage
+        self.mixed_precision = mixed_precision
         plan = plan_units(module, policy)
         self.layout: Layout = build_layout(plan.param_infos(), pm.mesh, prefix=prefix)
         self.tied_aliases: dict[str, str] = dict(plan.aliases)
@@ -117,21 +115,24 @@ class ZeroEngine:
             g.name: FlatParamGroup(g, self.layout, [params[f] for f in g.params], pm)
             for g in self.layout.groups
         }
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         for name in plan.units:
             groups = [g for g in self.groups.values() if g.spec.unit == name]
-            self.units.append(_Unit(name, plan.modules[name], groups,
-                                    reshard_root_after_forward or name != ROOT,
-                                    trained=sum(g.trainable for g in groups)))
+            self.units.append(Unit(name, plan.modules[name], groups,
+                                   stage == 3 and (reshard_root_after_forward or name != ROOT),
+                                   trained=sum(g.trainable for g in groups)))
         unit_of = {id(params[f]): unit for f, _, unit in plan.params}
         shard_unit_by_unit(module, {u.name: u.groups for u in self.units}, unit_of,
                            {id(params[f]) for f in fresh}, pm.device, init_fn, init_seed)
-        self._in_backward = False
+        if mixed_precision is not None:  # after init: masters hold the declared-dtype values
+            for g in self.groups.values():
+                g.set_precision(resolve_precision(mixed_precision, g.dtype))
         self._optimizer: Any = None
-        for unit in self.units:
-            self._register_hooks(unit)
-        log.info("ZeroEngine: %d units, %d flat groups, %d parameters; %s", len(self.units),
-                 len(self.groups), len(params), pm.describe())
+        self._schedule = StageSchedule(self.units, stage, deterministic,
+                                       input_cast_dtype(mixed_precision))
+        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s; %s", stage,
+                 len(self.units), len(self.groups), len(params),
+                 f", {mixed_precision}" if mixed_precision else "", pm.describe())
 
     # ---------------------------------------------------------------------------- public
 
@@ -154,8 +155,9 @@ class ZeroEngine:
         """Group name -> {state kind -> this rank's live 1-D shard of ``layout.shard_numel``}.
 
         Kinds: ``master`` (fp32 if trained, the param dtype if frozen) and, for trained groups
-        once an optimizer is attached, its per-element kinds. These are the real storage: write
-        into them (e.g. from a checkpoint), then call :meth:`refresh_params`.
+        once an optimizer is attached, its per-element kinds. The same for every stage and
+        precision policy. These are the real storage: write into them (e.g. from a checkpoint),
+        then call :meth:`refresh_params`.
         """
         out: dict[str, dict[str, torch.Tensor]] = {}
         for name, g in self.groups.items():
@@ -168,27 +170,73 @@ class ZeroEngine:
     def refresh_params(self) -> None:
         """Re-derive the compute shards from the masters and drop any stale gathered buffer.
 
-        Local (no collectives); call between steps, on every rank.
+        Local (no collectives); call between steps, on every rank. In stages 1 and 2 the next
+        forward gathers again.
         """
         for g in self.groups.values():
             g.free()
             g.refresh()
 
+    def after_step(self) -> None:
+        """After the optimizer updated the trained masters: re-derive their compute shards; in
+        stages 1 and 2 all-gather the updated parameters at once. Collective in stages 1, 2."""
+        for g in self.groups.values():
+            if g.trainable:
+                g.free()
+                g.refresh()
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gather()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the reduced gradient shards (and any stray ``.grad``)."""
+        """Clear the reduced gradients, any unreduced accumulation, and any stray ``.grad``."""
         for g in self.groups.values():
             g.zero_grad(set_to_none)
         for p in self._params.values():
             p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local, unsharded gradients and reduce nothing.
+
+        The next backward outside reduces the sum of all of them once (DDP/FSDP ``no_sync``): one
+        reduction per accumulation window instead of one per micro-batch, at the cost of holding
+        each trained group's whole gradient. The sum runs in the gradient dtype of the group
+        (the policy's ``reduce_dtype``; without a policy, the parameter's dtype). Without
+        ``no_sync`` every backward reduces and the fp32 means add up. Enter it on every rank
+        alike.
+        """
+        previous = self._schedule.sync_grads
+        self._schedule.sync_grads = False
+        try:
+            yield
+        finally:
+            self._schedule.sync_grads = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's spelling of :meth:`no_sync`: ``False`` until the last micro-batch."""
+        self._schedule.sync_grads = bool(requires_gradient_sync)
+
+    def check_grads_reduced(self) -> None:
+        """Raise if a backward under :meth:`no_sync` left gradients that were never reduced."""
+        pending = [name for name, g in self.groups.items() if g.has_pending_grad]
+        if pending:
+            raise ConfigError(
+                f"{len(pending)} flat groups ({', '.join(pending[:3])}...) hold gradients of "
+                "backward passes run without gradient sync that were never reduced; run the last "
+                "micro-batch's backward outside no_sync() before clipping or stepping")
 
     def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> float:
         """Scale the reduced gradient shards so that their global L2 norm is at most ``max_norm``.
 
         Returns the norm before clipping. Same rule as ``torch.nn.utils.clip_grad_norm_``
         (coefficient ``max_norm / (norm + eps)``, capped at 1), but the squares are summed per
-        shard (in fp64) and then across ranks, so the norm is not bit-exact against an unsharded
-        one. Collective: call on every rank, between ``backward()`` and ``step()``.
+        shard (in fp64), then over the shard group (replicas hold the same shards), so the norm
+        is not bit-exact against an unsharded one. Every element counts once whatever the stage
+        (stage 1 sums only its own slice). Collective: call on every rank, between
+        ``backward()`` and ``step()``.
         """
+        self.check_grads_reduced()
         device = self.process_mesh.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         for g in self.groups.values():
@@ -203,42 +251,40 @@ class ZeroEngine:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers by FQN (replicated on every rank; the live tensors)."""
-        out = {}
-        for mfqn, m in self.module.named_modules():
-            for key, b in m._buffers.items():
-                if b is not None and key not in m._non_persistent_buffers_set:
-                    out[f"{mfqn}.{key}" if mfqn else key] = b
-        return out
+        return full_params.persistent_buffers(self.module)
 
     def load_buffers(self, buffers: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Copy ``buffers`` into the persistent buffers in place; strict names every mismatch."""
-        mine = self.buffers()
-        missing = sorted(set(mine) - set(buffers))
-        unexpected = sorted(set(buffers) - set(mine))
-        shape = sorted(k for k in set(mine) & set(buffers)
-                       if tuple(mine[k].shape) != tuple(buffers[k].shape))
-        if shape or (strict and (missing or unexpected)):
-            raise ConfigError(f"buffers do not match: missing {missing}, unexpected {unexpected}, "
-                              f"different shape {shape}")
-        with torch.no_grad():
-            for k in set(mine) & set(buffers):
-                mine[k].copy_(buffers[k])
+        full_params.load_buffers(self.buffers(), buffers, strict)
 
     def gather_full_params(self, fqns: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Whole parameters (from the masters, in the master dtype) by FQN. Collective.
 
         Holds every requested group whole at once: for tests, demos and small models.
         """
-        wanted = set(fqns) if fqns is not None else None
-        out: dict[str, torch.Tensor] = {}
-        for g in self.groups.values():
-            if wanted is not None and not wanted.intersection(g.spec.params):
-                continue
-            full = collectives.all_gather_flat(self.process_mesh, g.master)
-            for spec in g.param_specs:
-                if wanted is None or spec.fqn in wanted:
-                    out[spec.fqn] = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
-        return out
+        return full_params.gather_full_params(self, fqns)
+
+    def summon_full_params(self, writeback: bool = False
+                           ) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
+        """Context manager: the module's parameters are whole master-dtype tensors inside.
+
+        Yields FQN (aliases included) -> parameter tensor. With ``writeback``, what was written
+        into them (under ``torch.no_grad()``, the same on every rank) goes back into the masters
+        on exit. Collective; not inside forward or backward. See
+        :func:`shardckpt.runtime.full_params.summon_full_params`.
+        """
+        return full_params.summon_full_params(self, writeback)
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with whole tensors (masters, aliases, persistent buffers),
+        cast to ``dtype`` if given. Collective; for small models."""
+        return full_params.full_state_dict(self, dtype)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor],
+                             strict: bool = True) -> None:
+        """Load whole tensors (as :meth:`full_state_dict` gives them) into the masters and
+        buffers; each rank keeps its slice. Local (no collectives)."""
+        full_params.load_full_state_dict(self, state_dict, strict)
 
     @property
     def optimizer(self) -> Any:
@@ -250,89 +296,9 @@ class ZeroEngine:
             raise ConfigError("this engine already has an optimizer; create one per engine")
         self._optimizer = optimizer
 
-    # ----------------------------------------------------------------------------- hooks
-
-    def _register_hooks(self, unit: _Unit) -> None:
-        unit.hooks.append(unit.module.register_forward_pre_hook(
-            functools.partial(self._pre_forward, unit), with_kwargs=True))
-        unit.hooks.append(unit.module.register_forward_hook(
-            functools.partial(self._post_forward, unit)))
-        for g in unit.groups:
-            if g.trainable:
-                for i, p in enumerate(g.params):
-                    unit.hooks.append(p.register_post_accumulate_grad_hook(
-                        functools.partial(self._on_grad, unit, g, i)))
-
-    def _pre_forward(self, unit: _Unit, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        for g in unit.groups:
-            g.gather()
-        if not torch.is_grad_enabled():
-            return None
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return None
-        marked = _PostBackward.apply(functools.partial(self._post_backward, unit),
-                                     *(flat[i] for i in idx))
-        for i, t in zip(idx, marked):
-            flat[i] = t
-        return pytree.tree_unflatten(flat, spec)
-
-    def _post_forward(self, unit: _Unit, module: nn.Module, args: tuple, output: Any) -> None:
-        outs = [t for t in pytree.tree_leaves(output)
-                if isinstance(t, torch.Tensor) and t.requires_grad]
-        if torch.is_grad_enabled() and outs:
-            for t in outs:
-                t.register_hook(functools.partial(self._pre_backward, unit))
-            if unit.reshard_after_forward:
-                self._free(unit)
-        else:
-            self._free(unit)
-
-    def _enter_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _pre_backward(self, unit: _Unit, grad: torch.Tensor) -> None:
-        self._enter_backward()
-        for g in unit.groups:
-            g.gather()
-
-    def _post_backward(self, unit: _Unit) -> None:
-        unit.inputs_done = True
-        self._maybe_free(unit)
-
-    def _on_grad(self, unit: _Unit, group: FlatParamGroup, index: int, param: nn.Parameter) -> None:
-        self._enter_backward()
-        grad, param.grad = param.grad, None
-        if grad is not None and group.add_param_grad(index, grad):
-            group.reduce_grad(self.deterministic)
-            unit.reduced += 1
-            self._maybe_free(unit)
-
-    def _maybe_free(self, unit: _Unit) -> None:
-        if unit.inputs_done and unit.reduced >= unit.trained:
-            self._free(unit)
-
-    def _finish_backward(self) -> None:
-        """End of the backward pass: reduce what is left (unused parameters count as zero)."""
-        try:
-            for unit in self.units:
-                for g in unit.groups:
-                    if g.has_pending_grad:
-                        g.reduce_grad(self.deterministic)
-        finally:
-            for unit in self.units:
-                self._free(unit)
-                unit.inputs_done = False
-                unit.reduced = 0
-            self._in_backward = False
-
-    @staticmethod
-    def _free(unit: _Unit) -> None:
-        for g in unit.groups:
-            g.free()
+    @property
+    def in_backward(self) -> bool:
+        return self._schedule.in_backward
 
 
 def shard_model(module: nn.Module, policy: PolicyLike = None, **kwargs: Any) -> ZeroEngine:

@@ -4,13 +4,19 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
 
 * ``master`` is 1-D, ``s`` elements, ``group.master_dtype`` (fp32 if trained, the param's dtype if
   frozen); ``master[i]`` is element ``r * s + i`` of the flat group. Padding elements are zero.
-* ``compute`` is the shard in the param dtype that all-gathers read: ``master`` itself when the
+* ``compute`` is the shard in the compute dtype (``precision.compute``: the declared dtype, or a
+  mixed-precision policy's ``param_dtype``) that all-gathers read: ``master`` itself when the
   dtypes agree, else a copy that :meth:`refresh` re-derives from ``master``.
-* ``full`` is 1-D with ``padded_numel`` elements in the param dtype. Its storage holds 0 bytes
+* ``full`` is 1-D with ``padded_numel`` elements in the compute dtype. Its storage holds 0 bytes
   unless the group is gathered. While gathered, each parameter's ``.data`` is a view of its
   ``[offset, offset + numel)`` elements; otherwise a 0-element placeholder. Autograd's saved views
   keep pointing at the same storage object, which a re-gather refills.
+* the local gradient buffer (``precision.grad`` dtype, ``padded_numel`` elements) exists from the
+  first parameter gradient of a backward until the group is reduced; backward passes without
+  gradient sync (gradient accumulation) add into it. Padding stays zero.
 * ``grad`` (trained groups only) is ``None`` or the fp32 shard of the mean gradient over ranks.
+  With full gradients (ZeRO-1), ``grad_full`` holds the whole fp32 mean and ``grad`` is the view
+  of its ``[shard_start, shard_end)``; otherwise ``grad_full`` is ``None``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import torch
 from torch import nn
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import FlatGroup, Layout
+from shardckpt.layout import FlatGroup, Layout, ParamSpec
 from shardckpt.runtime import collectives
 from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.precision import GroupPrecision, resolve_precision
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -52,21 +59,39 @@ class FlatParamGroup:
             raise ConfigError(f"flat group {spec.name} has {len(self.param_specs)} specs but "
                               f"{len(self.params)} parameters")
         self.dtype = torch_dtype(spec.dtype)
+        self.precision: GroupPrecision = resolve_precision(None, self.dtype)
         self.shard_numel = layout.shard_numel(spec)
         self.shard_start, self.shard_end = layout.shard_range(spec, pm.shard_rank)
-        device = pm.device
         self.master = torch.zeros(self.shard_numel, dtype=torch_dtype(spec.master_dtype),
-                                  device=device)
+                                  device=pm.device)
+        self._make_compute_buffers()
+        self.gathered = False
+        self.grad: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None
+        self._local_grad: torch.Tensor | None = None
+        self._written = [False] * len(self.params)
+        self._arrived = 0
+
+    def set_precision(self, precision: GroupPrecision) -> None:
+        """Switch the compute dtype (and gradient dtypes); only while freed, before training."""
+        if self.gathered or self._local_grad is not None:
+            raise ConfigError(f"flat group {self.name}: precision changes only while freed")
+        self.precision = precision
+        self.dtype = precision.compute
+        self._make_compute_buffers()
+        for p in self.params:
+            p.data = self._placeholder
+        self.refresh()
+
+    def _make_compute_buffers(self) -> None:
+        """``compute``, the (freed) ``full`` and the placeholder, in ``self.dtype``."""
+        device = self.master.device
         self.compute = (self.master if self.master.dtype == self.dtype
                         else torch.zeros(self.shard_numel, dtype=self.dtype, device=device))
-        self.full = torch.empty(spec.padded_numel, dtype=self.dtype, device=device)
+        self.full = torch.empty(self.spec.padded_numel, dtype=self.dtype, device=device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self._placeholder = torch.empty(0, dtype=self.dtype, device=device)
-        self.gathered = False
-        self.grad: torch.Tensor | None = None
-        self._grad_full: torch.Tensor | None = None
-        self._arrived = 0
 
     @property
     def name(self) -> str:
@@ -103,20 +128,26 @@ class FlatParamGroup:
         self.gathered = False
 
     def _point_params(self) -> None:
-        for p, spec in zip(self.params, self.param_specs):
-            p.data = self.full[spec.offset:spec.offset + spec.numel].view(spec.shape)
+        point_params(self.params, self.param_specs, self.full)
 
-    def shard_from_full(self) -> None:
-        """Copy this rank's slice of the gathered ``full`` into ``master`` (and ``compute``)."""
+    def repoint(self) -> None:
+        """Point the params at ``full`` if gathered, else at the placeholder (after a summon)."""
+        if self.gathered:
+            self._point_params()
+        else:
+            for p in self.params:
+                p.data = self._placeholder
+
+    def shard_from_full(self, full: torch.Tensor | None = None) -> None:
+        """Copy this rank's slice of ``full`` (default: the gathered buffer) into ``master``,
+        then re-derive ``compute``. Local; padding stays zero."""
+        full = self.full if full is None else full
         with torch.no_grad():
-            owned = self.full[self.shard_start:self.shard_end]
-            self.master.copy_(owned)
-            if self.compute is not self.master:
-                self.compute.copy_(owned)
+            self.master.copy_(full[self.shard_start:self.shard_end])
             pad_from = max(0, self.spec.numel - self.shard_start)
             if pad_from < self.shard_numel:  # padding means nothing and is zero
                 self.master[pad_from:].zero_()
-                self.compute[pad_from:].zero_()
+        self.refresh()
 
     def refresh(self) -> None:
         """Re-derive the compute shard from ``master`` (a no-op when they are one tensor)."""
@@ -127,37 +158,74 @@ class FlatParamGroup:
     # ---------------------------------------------------------------------- gradients
 
     def add_param_grad(self, index: int, grad: torch.Tensor) -> bool:
-        """Copy one parameter's local gradient into the flat buffer; True once all have arrived."""
-        if self._grad_full is None:
-            self._grad_full = torch.zeros(self.spec.padded_numel, dtype=self.dtype,
+        """Put one parameter's local gradient into the flat buffer (copied the first time since
+        the last reduction, added after that); True once all have arrived in this backward."""
+        if self._local_grad is None:
+            self._local_grad = torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
                                           device=self.master.device)
         spec = self.param_specs[index]
         with torch.no_grad():
-            self._grad_full[spec.offset:spec.offset + spec.numel].view(spec.shape).copy_(grad)
+            view = self._local_grad[spec.offset:spec.offset + spec.numel].view(spec.shape)
+            if self._written[index]:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+                self._written[index] = True
         self._arrived += 1
         return self._arrived == len(self.params)
 
+    def end_backward(self) -> None:
+        """Forget this backward's arrivals; an unreduced buffer keeps accumulating."""
+        self._arrived = 0
+
     @property
     def has_pending_grad(self) -> bool:
-        return self._grad_full is not None
+        return self._local_grad is not None
 
-    def reduce_grad(self, deterministic: bool) -> None:
-        """Reduce-scatter the local flat gradient into ``grad`` (adding to it) and free the buffer.
+    def reduce_grad(self, deterministic: bool, full: bool = False) -> None:
+        """Reduce the local flat gradient into ``grad`` (adding to it) and free the buffer.
 
-        Collective: every rank calls it for the same groups in the same order.
+        ``full`` (ZeRO-1) all-reduces into ``grad_full``; otherwise reduce-scatters (ZeRO-2/3).
+        Either way ``grad`` gets the same bits. Collective: every rank calls it for the same
+        groups in the same order.
         """
-        if self._grad_full is None:
+        if self._local_grad is None:
             return
-        reduced = collectives.reduce_scatter_mean(self.pm, self._grad_full, deterministic)
-        self._grad_full = None
+        buf, self._local_grad = self._local_grad, None
+        self._written = [False] * len(self.params)
         self._arrived = 0
+        sum_dtype = self.precision.sum
+        if full:
+            reduced = collectives.all_reduce_mean(self.pm, buf, deterministic, sum_dtype)
+            del buf
+            if self.grad_full is None:
+                self.grad_full = reduced
+                self.grad = reduced[self.shard_start:self.shard_end]
+            else:
+                self.grad_full.add_(reduced)
+            return
+        reduced = collectives.reduce_scatter_mean(self.pm, buf, deterministic, sum_dtype)
         if self.grad is None:
             self.grad = reduced
         else:
             self.grad.add_(reduced)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the reduced gradient (an unreduced accumulation buffer is dropped too)."""
+        self._local_grad = None
+        self._written = [False] * len(self.params)
+        self._arrived = 0
         if set_to_none or self.grad is None:
             self.grad = None
+            self.grad_full = None
+        elif self.grad_full is not None:
+            self.grad_full.zero_()
         else:
             self.grad.zero_()
+
+
+def point_params(params: Sequence[nn.Parameter], specs: Sequence[ParamSpec],
+                 full: torch.Tensor) -> None:
+    """Make each parameter's ``.data`` the view of its elements in the flat ``full``."""
+    for p, spec in zip(params, specs):
+        p.data = full[spec.offset:spec.offset + spec.numel].view(spec.shape)

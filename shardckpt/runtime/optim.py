@@ -77,8 +77,10 @@ class _Segment:
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of the sharded element-wise optimizers (see module docstring).
 
-    Subclasses set ``name`` and implement :meth:`_state_kinds` and :meth:`_update`. ``step()`` is
-    local to each rank (no collectives) and ends with ``engine.refresh_params()``.
+    Subclasses set ``name`` and implement :meth:`_state_kinds` and :meth:`_update`. ``step()``
+    updates this rank's slices and ends with ``engine.after_step()``: local in stage 3; in stages
+    1 and 2 that all-gathers the updated parameters, so every rank must call it. Stage 1's
+    ``grad`` is a view into the whole reduced gradient; the update reads only this slice.
     """
 
     name: ClassVar[str] = ""
@@ -145,6 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._engine.check_grads_reduced()
         for i, group in enumerate(self.param_groups):
             # The same on every rank: a flat group's gradient exists after a collective reduce.
             if not any(fg.grad is not None for fg in self._flat_groups[i]):
@@ -159,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 state = {k: v[seg.lo:seg.hi] for k, v in self._state[fg.name].items()}
                 self._update(fg.master[seg.lo:seg.hi], fg.grad[seg.lo:seg.hi], state,
                              self._steps[i], hyper)
-        self._engine.refresh_params()
+        self._engine.after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,148 @@
+"""Tied parameters and full-parameter access of the ZeRO runtime on real gloo process groups.
+
+Shares the job of each world size with the other runtime suites (``distutil.shared_reports``)
+and the helpers of ``test_runtime_stages.py``: the same tiny Llama (embedding tied to the head),
+trained by ``train`` on every rank; collectives counted by wrapping ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+
+try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
+    from .distutil import register_suite, selected_modules, shared_reports
+    from .test_runtime_stages import TINY, _model, batch, counting, train
+except ImportError:
+    from distutil import register_suite, selected_modules, shared_reports
+    from test_runtime_stages import TINY, _model, batch, counting, train
+
+pytestmark = pytest.mark.slow
+
+
+def case_tied_and_collectives(pm) -> list[str]:
+    """The tied embedding/head: one parameter, one gather of its unit per step, one gradient.
+    Stage 1 holds the whole fp32 mean gradient, 2 and 3 a shard; 1 and 2 keep parameters."""
+    problems = []
+    for stage in (1, 2, 3):
+        seen: dict[str, Any] = {}
+
+        def probe(engine, seen=seen):
+            root = engine.groups[engine.layout.groups[0].name]
+            seen.update(root=root.spec, kept=all(g.gathered for g in engine.groups.values()),
+                        grad=(root.grad.numel(), getattr(root.grad_full, "shape", None)),
+                        aliases=dict(engine.tied_aliases),
+                        layout=[p.fqn for p in engine.layout.params])
+
+        with counting("all_gather_into_tensor", "all_gather_single") as gathers:
+            train(pm, stage, steps=2, after_backward=probe)
+        if "lm_head.weight" in seen["layout"] or seen["aliases"] != {
+                "lm_head.weight": "model.embed_tokens.weight"}:
+            problems.append(f"stage {stage}: tied head not an alias: {seen['aliases']}")
+        full = seen["root"].padded_numel
+        want = (full // pm.world_size, (full,) if stage == 1 else None)
+        if seen["grad"] != want:
+            problems.append(f"stage {stage}: root gradient (shard, whole) {seen['grad']}, "
+                            f"expected {want}")
+        if seen["kept"] != (stage < 3):
+            problems.append(f"stage {stage}: parameters kept gathered after backward: "
+                            f"{seen['kept']}")
+        # stage 3: once per step (the root stays gathered for its backward); stages 1 and 2:
+        # in the first forward and after each step; stage 1 also gathers the whole fp32
+        # gradient once per step. fp32 compute: 4 bytes an element either way.
+        expected = {3: 2, 2: 3, 1: 5}[stage] if pm.world_size > 1 else 0
+        if gathers.count(full * 4) != expected:
+            problems.append(f"stage {stage}: {gathers.count(full * 4)} all-gathers of the tied "
+                            f"unit's {full * 4} bytes in 2 steps, expected {expected}")
+    return problems
+
+
+def case_full_params(pm) -> list[str]:
+    """summon_full_params gives whole tensors; writeback changes the masters (and the model);
+    full_state_dict equals the eager model's state_dict and loads back."""
+    from shardckpt.runtime import MixedPrecisionPolicy
+
+    problems = []
+    eager = _model()
+    tokens = batch(0, 0, 0)
+    for stage, mp in ((3, None), (1, None), (2, MixedPrecisionPolicy())):
+        engine, _ = train(pm, stage, mp=mp, steps=0)
+        label = f"stage {stage}{' bf16' if mp else ''}"
+        with engine.summon_full_params() as full:
+            bad = [n for n, p in eager.state_dict().items()
+                   if n in full and not torch.equal(full[n], p)]
+            if bad or set(full) != {n for n, _ in eager.named_parameters(remove_duplicate=False)}:
+                problems.append(f"{label}: summoned tensors differ: {bad[:3]}")
+        with engine.summon_full_params(writeback=True) as full, torch.no_grad():
+            for p in {id(t): t for t in full.values()}.values():  # the tied one once
+                p.mul_(2)
+            full["model.norm.weight"].data = torch.full((TINY["hidden_size"],), 3.0)
+        expected = {n: p.detach() * 2 for n, p in eager.named_parameters()}
+        expected["model.norm.weight"] = torch.full((TINY["hidden_size"],), 3.0)
+        after = engine.gather_full_params()
+        bad = [n for n, p in expected.items() if not torch.equal(after[n], p)]
+        if bad:
+            problems.append(f"{label}: writeback did not reach the masters: {bad[:3]}")
+        twin = copy.deepcopy(eager)
+        twin.load_state_dict({**expected, "lm_head.weight": expected["model.embed_tokens.weight"]})
+        if mp is not None:
+            for p in twin.parameters():
+                p.data = p.data.bfloat16()
+        with torch.no_grad():
+            if not torch.equal(engine(tokens), twin(tokens)):
+                problems.append(f"{label}: the forward after writeback does not use the masters")
+        sd = engine.full_state_dict()
+        if list(sd) != list(twin.state_dict()) or sd["lm_head.weight"] is not sd[
+                "model.embed_tokens.weight"]:
+            problems.append(f"{label}: full_state_dict keys {list(sd)[:4]}...")
+        engine.load_full_state_dict(eager.state_dict())
+        if any(not torch.equal(engine.gather_full_params()[n], p)
+               for n, p in eager.named_parameters()):
+            problems.append(f"{label}: load_full_state_dict did not restore the masters")
+    return problems
+
+
+CASES: dict[str, Callable] = {
+    "tied": case_tied_and_collectives,
+    "full_params": case_full_params,
+}
+
+
+def cases_for(world: int) -> list[str]:
+    if world >= 4:
+        return []
+    return ["full_params", "tied"] if world > 1 else ["full_params"]
+
+
+def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
+    from shardckpt.runtime import init_distributed
+
+    pm = init_distributed(timeout_s=120)
+    return {name: CASES[name](pm) for name in names}
+
+
+register_suite(__name__, "_job", cases_for, timeout_s=120, pg_timeout_s=150)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"world{n}")
+def reports(request) -> dict[str, list[list[str]]]:
+    """case -> per-rank problem lists, from the shared job on ``world`` gloo processes."""
+    return shared_reports(__name__, request.param, selected_modules(request.session))
+
+
+def _check(reports: dict, case: str) -> None:
+    if case not in reports:
+        pytest.skip(f"{case} does not run at this world size")
+    failed = {rank: p for rank, p in enumerate(reports[case]) if p}
+    assert not failed, f"{case}: problems by rank: {failed}"
+
+
+def test_tied_parameters_one_gather_one_gradient(reports):
+    _check(reports, "tied")
+
+
+def test_summon_full_params_and_full_state_dict(reports):
+    _check(reports, "full_params")

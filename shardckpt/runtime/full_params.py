@@ -1,0 +1,194 @@
+"""Whole parameters outside forward: gather, summon (optionally writable), full state dicts.
+
+Everything here reads or writes the fp32 **master** shards (the declared dtype for frozen
+groups), never the compute copies, so it sees exactly what the optimizer steps and a checkpoint
+stores, whatever the stage or mixed-precision policy. Each function holds whole flat groups in
+memory: for tests, demos, evaluation and small models (use checkpoints and the offline
+consolidator for big ones).
+
+Collective functions (every rank calls them in the same order): :func:`gather_full_params`,
+:func:`summon_full_params`, :func:`full_state_dict`. :func:`load_full_state_dict` is local:
+every rank already holds the whole tensors and keeps its slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from shardckpt.errors import ConfigError
+from shardckpt.runtime import collectives
+from shardckpt.runtime.flat import point_params
+from shardckpt.runtime.stages import in_backward
+
+if TYPE_CHECKING:
+    from shardckpt.runtime.engine import ZeroEngine
+
+log = logging.getLogger(__name__)
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers of ``module`` by FQN (the live tensors)."""
+    out = {}
+    for mfqn, m in module.named_modules():
+        for key, b in m._buffers.items():
+            if b is not None and key not in m._non_persistent_buffers_set:
+                out[f"{mfqn}.{key}" if mfqn else key] = b
+    return out
+
+
+def load_buffers(mine: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                 strict: bool = True) -> None:
+    """Copy ``buffers`` into ``mine`` in place; one error names every mismatch."""
+    missing = sorted(set(mine) - set(buffers))
+    unexpected = sorted(set(buffers) - set(mine))
+    shape = sorted(k for k in set(mine) & set(buffers)
+                   if tuple(mine[k].shape) != tuple(buffers[k].shape))
+    if shape or (strict and (missing or unexpected)):
+        raise ConfigError(f"buffers do not match: missing {missing}, unexpected {unexpected}, "
+                          f"different shape {shape}")
+    with torch.no_grad():
+        for k in set(mine) & set(buffers):
+            mine[k].copy_(buffers[k])
+
+
+def gather_full_params(engine: "ZeroEngine", fqns: list[str] | None = None
+                       ) -> dict[str, torch.Tensor]:
+    """Whole parameters (clones, master dtype) by canonical FQN; only groups holding ``fqns``
+    are gathered. Collective."""
+    wanted = set(fqns) if fqns is not None else None
+    out: dict[str, torch.Tensor] = {}
+    for g in engine.groups.values():
+        if wanted is not None and not wanted.intersection(g.spec.params):
+            continue
+        full = collectives.all_gather_flat(engine.process_mesh, g.master)
+        for spec in g.param_specs:
+            if wanted is None or spec.fqn in wanted:
+                out[spec.fqn] = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
+    return out
+
+
+def _refuse_mid_step(engine: "ZeroEngine", what: str) -> None:
+    mid_forward = engine.stage == 3 and any(g.gathered for g in engine.groups.values())
+    if in_backward() or engine.in_backward or mid_forward:
+        raise ConfigError(f"{what} was called inside forward or backward; call it between "
+                          "steps (after backward and step, or before the first forward)")
+
+
+@contextlib.contextmanager
+def summon_full_params(engine: "ZeroEngine", writeback: bool = False
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block, every parameter of ``engine.module`` is its whole master-dtype tensor.
+
+    Yields FQN -> parameter (tied aliases included, as the same tensor). With ``writeback``,
+    the parameters' values on a normal exit (whether written in place under ``torch.no_grad()``
+    or rebound through ``.data``) become the new masters: each rank keeps its slice, so every
+    rank must write the same values. Afterwards the parameters are what they were before
+    (placeholders in stage 3, gathered compute views in stages 1 and 2, re-gathered after a
+    writeback). Collective on entry, and on exit with ``writeback`` in stages 1 and 2.
+    """
+    _refuse_mid_step(engine, "summon_full_params()")
+    pm = engine.process_mesh
+    fulls: dict[str, torch.Tensor] = {}
+    for name, g in engine.groups.items():
+        fulls[name] = full = collectives.all_gather_flat(pm, g.master)
+        point_params(g.params, g.param_specs, full)
+    params = dict(engine.named_parameters())
+    params.update({alias: params[canon] for alias, canon in engine.tied_aliases.items()})
+    try:
+        yield params
+    except BaseException:
+        for g in engine.groups.values():
+            g.repoint()
+        raise
+    if writeback:
+        with torch.no_grad():
+            for name, g in engine.groups.items():
+                full = fulls[name]
+                for p, spec in zip(g.params, g.param_specs):
+                    target = full[spec.offset:spec.offset + spec.numel]
+                    if p.data.data_ptr() != target.data_ptr():  # rebound through .data
+                        if tuple(p.shape) != spec.shape:
+                            raise ConfigError(f"summon_full_params(writeback=True): {spec.fqn} "
+                                              f"now has shape {tuple(p.shape)}, expected "
+                                              f"{spec.shape}")
+                        target.copy_(p.data.reshape(-1))
+                g.free()
+                g.shard_from_full(full)
+        log.debug("summon_full_params: wrote back %d flat groups", len(fulls))
+    for g in engine.groups.values():
+        g.repoint()
+    if writeback and engine.stage < 3:
+        for unit in engine.units:
+            unit.gather()
+
+
+def full_state_dict(engine: "ZeroEngine", dtype: torch.dtype | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """``engine.module.state_dict()`` with whole tensors, in its key order. Collective.
+
+    Parameters come from the masters (tied aliases map to the same tensor, as in
+    ``state_dict()``), persistent buffers are cloned; floating-point tensors are cast to
+    ``dtype`` if given.
+    """
+    _refuse_mid_step(engine, "full_state_dict()")
+    params = gather_full_params(engine)
+    buffers = persistent_buffers(engine.module)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        canon = engine.tied_aliases.get(key, key)
+        if canon in params:
+            if dtype is not None and params[canon].is_floating_point():
+                params[canon] = params[canon].to(dtype)  # once, so aliases share the tensor
+            out[key] = params[canon]
+        elif key in buffers:
+            t = buffers[key].detach().clone()
+            out[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        else:  # extra state a module adds to its state dict
+            out[key] = value
+    return out
+
+
+def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, torch.Tensor],
+                         strict: bool = True) -> None:
+    """Copy whole tensors into this rank's master slices and the persistent buffers. Local.
+
+    Keys are canonical FQNs or tied aliases (either one suffices) and buffer FQNs. Wrong
+    shapes always raise; with ``strict``, missing and unexpected keys too, all in one error.
+    Parameters left out (non-strict) keep their values. The compute copies are refreshed.
+    """
+    layout, aliases = engine.layout, engine.tied_aliases
+    buffers = persistent_buffers(engine.module)
+    source: dict[str, torch.Tensor] = {}
+    unexpected, shape = [], []
+    for key, t in state_dict.items():
+        fqn = aliases.get(key, key)
+        if layout.has_param(fqn):
+            if tuple(t.shape) != layout.param(fqn).shape:
+                shape.append(f"{key} {list(t.shape)} (expected {list(layout.param(fqn).shape)})")
+            elif fqn not in source or key == fqn:
+                source[fqn] = t
+        elif key not in buffers:
+            unexpected.append(key)
+    missing = [p.fqn for p in layout.params if p.fqn not in source]
+    missing += [k for k in buffers if k not in state_dict]
+    if shape or (strict and (missing or unexpected)):
+        raise ConfigError(f"state dict does not match the model: missing {missing}, "
+                          f"unexpected {unexpected}, different shape {shape}")
+    with torch.no_grad():
+        for g in engine.groups.values():
+            g.free()
+            for spec in g.param_specs:
+                if spec.fqn not in source:
+                    continue
+                lo = max(spec.offset, g.shard_start)
+                hi = min(spec.offset + spec.numel, g.shard_end)
+                if lo < hi:
+                    flat = source[spec.fqn].reshape(-1)[lo - spec.offset:hi - spec.offset]
+                    g.master[lo - g.shard_start:hi - g.shard_start].copy_(flat)
+            g.refresh()
+        load_buffers(buffers, {k: v for k, v in state_dict.items() if k in buffers}, strict=False)

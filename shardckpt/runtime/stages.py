@@ -1,0 +1,217 @@
+"""The per-step schedule of ZeRO stages 1, 2 and 3: when units are gathered, freed and reduced.
+
+What each stage shards (Rajbhandari et al., "ZeRO", 2020; every stage keeps the same fp32 master
+and optimizer-state shards, so ``local_shards()`` and checkpoints do not depend on the stage):
+
+========  ==========================================  =========================================
+stage     parameters (compute dtype)                  gradients
+========  ==========================================  =========================================
+1         whole on every rank: a unit, once gathered,  all-reduced: every rank holds the whole
+          stays gathered until the optimizer step      fp32 mean; the optimizer reads its slice
+          re-gathers the updated shards
+2         as stage 1                                  reduce-scattered: an fp32 shard per rank
+3         gathered before a unit's forward and its    as stage 2
+          backward, freed after each
+========  ==========================================  =========================================
+
+The hook structure follows PyTorch FSDP: a forward pre-hook gathers the unit; a forward hook
+frees it (stage 3) and hooks the unit's outputs, whose gradients gather it again for backward; a
+post-accumulate-grad hook on each parameter copies its local gradient into the flat buffer and,
+once a group is complete, reduces it (unless gradient sync is off, see
+:meth:`~shardckpt.runtime.engine.ZeroEngine.no_sync`); an identity function on the unit's inputs
+tells when its backward is done, so it can be freed; an autograd callback at the end of backward
+reduces what is left (parameters that got no gradient count as zero) and frees everything.
+
+Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) re-runs a unit's forward
+inside backward: the pre-hook gathers (idempotent) and the forward hook neither frees nor hooks
+again, so the recomputation finds the weights it needs and the unit is freed when its backward is
+done.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from shardckpt.errors import ConfigError
+from shardckpt.runtime.flat import FlatParamGroup
+
+STAGES = (1, 2, 3)
+
+
+def check_stage(stage: int) -> int:
+    """``stage`` if it is 1, 2 or 3; else a :class:`ConfigError` that names the field."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ConfigError(f"stage is {stage!r}; ZeRO stages are 1 (optimizer state), "
+                          "2 (+ gradients) and 3 (+ parameters)")
+    return int(stage)
+
+
+@dataclass(eq=False)
+class Unit:
+    """One unit at run time: its module, its flat groups, and how far the current backward got."""
+
+    name: str
+    module: nn.Module
+    groups: list[FlatParamGroup]
+    reshard_after_forward: bool
+    trained: int = 0                 # trained groups in this unit
+    done: int = 0                    # of those, complete (reduced, or accumulated without sync)
+    inputs_done: bool = False        # gradients w.r.t. the unit's inputs were computed
+    hooks: list[Any] = field(default_factory=list)
+
+    def gather(self) -> None:
+        for g in self.groups:
+            g.gather()
+
+    def free(self) -> None:
+        for g in self.groups:
+            g.free()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward says "this unit's backward is done"."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class StageSchedule:
+    """Installs the hooks of ``units`` and runs one step's gather/free/reduce for ``stage``.
+
+    Invariants: every rank runs the same units in the same order, so the collectives pair up;
+    with ``sync_grads`` off no collective runs in backward; at the end of a synced backward every
+    trained group that got a gradient since the last reduction has been reduced exactly once; in
+    stage 3 nothing is gathered between steps.
+    """
+
+    def __init__(self, units: Sequence[Unit], stage: int, deterministic: bool,
+                 input_dtype: torch.dtype | None = None) -> None:
+        self.units = list(units)
+        self.stage = check_stage(stage)
+        self.deterministic = deterministic
+        self.input_dtype = input_dtype  # floating-point unit inputs are cast to it (if set)
+        self.sync_grads = True
+        self.in_backward = False
+        for unit in self.units:
+            self._register(unit)
+
+    @property
+    def keeps_params(self) -> bool:
+        """Stages 1 and 2: gathered units stay gathered until their masters change."""
+        return self.stage < 3
+
+    @property
+    def full_grads(self) -> bool:
+        """Stage 1: gradients are all-reduced whole, not reduce-scattered."""
+        return self.stage == 1
+
+    def _register(self, unit: Unit) -> None:
+        unit.hooks.append(unit.module.register_forward_pre_hook(
+            functools.partial(self._pre_forward, unit), with_kwargs=True))
+        unit.hooks.append(unit.module.register_forward_hook(
+            functools.partial(self._post_forward, unit)))
+        for g in unit.groups:
+            if g.trainable:
+                for i, p in enumerate(g.params):
+                    unit.hooks.append(p.register_post_accumulate_grad_hook(
+                        functools.partial(self._on_grad, unit, g, i)))
+
+    def free(self, unit: Unit) -> None:
+        if not self.keeps_params:
+            unit.free()
+
+    # ------------------------------------------------------------------------- forward
+
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        unit.gather()
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        changed = False
+        if self.input_dtype is not None:  # also in a recomputation: it must redo the forward
+            for i, t in enumerate(flat):
+                if (isinstance(t, torch.Tensor) and t.is_floating_point()
+                        and t.dtype != self.input_dtype):
+                    flat[i], changed = t.to(self.input_dtype), True
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if idx and torch.is_grad_enabled() and not in_backward():  # not in a recomputation
+            marked = _PostBackward.apply(functools.partial(self._post_backward, unit),
+                                         *(flat[i] for i in idx))
+            for i, t in zip(idx, marked):
+                flat[i] = t
+            changed = True
+        return pytree.tree_unflatten(flat, spec) if changed else None
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: tuple, output: Any) -> None:
+        if in_backward():  # activation recomputation: the unit's backward still needs it
+            return
+        outs = [t for t in pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and outs:
+            for t in outs:
+                t.register_hook(functools.partial(self._pre_backward, unit))
+            if unit.reshard_after_forward:
+                self.free(unit)
+        else:
+            self.free(unit)
+
+    # ------------------------------------------------------------------------ backward
+
+    def _enter_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._enter_backward()
+        unit.gather()
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.inputs_done = True
+        self._maybe_free(unit)
+
+    def _on_grad(self, unit: Unit, group: FlatParamGroup, index: int, param: nn.Parameter) -> None:
+        self._enter_backward()
+        grad, param.grad = param.grad, None
+        if grad is not None and group.add_param_grad(index, grad):
+            if self.sync_grads:
+                group.reduce_grad(self.deterministic, full=self.full_grads)
+            unit.done += 1
+            self._maybe_free(unit)
+
+    def _maybe_free(self, unit: Unit) -> None:
+        if unit.inputs_done and unit.done >= unit.trained:
+            self.free(unit)
+
+    def _finish_backward(self) -> None:
+        """End of the backward pass: reduce what is left (unused parameters count as zero)."""
+        try:
+            if self.sync_grads:
+                for unit in self.units:
+                    for g in unit.groups:
+                        if g.has_pending_grad:
+                            g.reduce_grad(self.deterministic, full=self.full_grads)
+        finally:
+            for unit in self.units:
+                self.free(unit)
+                for g in unit.groups:
+                    g.end_backward()
+                unit.inputs_done = False
+                unit.done = 0
+            self.in_backward = False
