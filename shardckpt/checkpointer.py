@@ -18,9 +18,10 @@ be the same on every rank). Per-rank state (the torch RNG states) goes to
 ``rank-XXXXX.safetensors``. After a change of world size per-rank state cannot be restored:
 each rank is re-seeded with ``seed + rank`` (documented rule; ``resume`` reports it).
 
-Async save: the call blocks only while each rank copies its shards into a staging buffer
-allocated once (pinned on CUDA); writing and the commit go on in a background thread over a
-process group of its own; at most one save is in flight; the next ``save``, ``wait`` or
+Async save: the call returns at once; a background thread copies each rank's shards into a
+staging buffer allocated once (pinned on CUDA) — the optimizer's next ``step()`` waits for that
+copy, while the next forward and backward overlap it — then writes and commits over a process
+group of its own; at most one save is in flight; the next ``save``, ``wait`` or
 ``close`` raises its error, and the previous checkpoint stays intact (the manifest is the last
 thing written).
 """
@@ -97,11 +98,17 @@ class Checkpointer:
         self._group: Any = None
         self._staging: dict[str, dict[str, Any]] | None = None
         self._pending: Future[Manifest] | None = None
+        self._staged = threading.Event()
+        self._staged.set()
         if async_save and is_distributed():
             import torch.distributed as dist
 
             # checkpoint collectives run in a background thread: keep them off the training group
             self._group = dist.new_group(backend="gloo")
+        optimizer = getattr(engine, "optimizer", None)
+        if async_save and optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            # the staging copy runs in the background: the next update waits until it is done
+            optimizer.register_step_pre_hook(self._before_step)
 
     # ------------------------------------------------------------------------------ save
 
@@ -139,8 +146,13 @@ class Checkpointer:
             self._finish(job, step)
             return
         fut: Future[Manifest] = Future()
+        self._staged.clear()
 
         def run() -> None:
+            try:
+                job.stage()
+            finally:
+                self._staged.set()
             try:
                 fut.set_result(self._finish(job, step))
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
@@ -148,6 +160,13 @@ class Checkpointer:
 
         threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True).start()
         self._pending = fut
+
+    def _before_step(self, *_: Any) -> None:
+        self._staged.wait()
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the shards aside (then they may change)."""
+        self._staged.wait()
 
     def _finish(self, job: SaveJob, step: int) -> Manifest:
         m = job.run()
@@ -188,6 +207,7 @@ class Checkpointer:
         return step
 
     def load(self, url: str, strict: bool = True, weights_only: bool = False) -> LoadResult:
+        self.wait()  # a save in flight reads the state a load would overwrite
         res = load(self.engine, url, strict=strict, weights_only=weights_only,
                    storage_options=self.storage_options)
         extras = res.manifest.extras

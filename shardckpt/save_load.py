@@ -112,23 +112,38 @@ def _entry(d: Mapping[str, Any]) -> FileEntry:
 
 @dataclass
 class SaveJob:
-    """One save attempt after its snapshot was taken: :meth:`run` writes, agrees and commits.
+    """One save attempt: :meth:`stage` copies the shards aside, :meth:`run` writes and commits.
 
-    :func:`begin_save` (collective on ``group``) fixes the save id and what each rank writes;
-    ``run`` may go on in a background thread (async save) as long as ``group`` is used by nobody
-    else meanwhile.
+    :func:`begin_save` (local, no collective) snapshots what is small and decides what this rank
+    writes. ``stage`` copies the live shards into the staging buffers (if any); after it the
+    model may change. ``run`` agrees on the save id, writes this rank's files, exchanges the
+    entries and commits on rank 0: collective on ``group``, so it may run in a background thread
+    as long as nobody else uses ``group`` meanwhile.
     """
 
     url: str
-    writer: CheckpointWriter
+    spec: CheckpointSpec
+    storage_options: Any
     rank: int
     shard: int | None                       # shard rank this rank writes, if any
-    shards: Mapping[str, Mapping[str, Any]]  # group -> kind -> 1-D tensor (live or staged)
+    shards: Mapping[str, Mapping[str, Any]]  # group -> kind -> 1-D tensor (live, then staged)
     buffers: Mapping[str, Any]               # fqn -> tensor (rank 0 only)
     rank_state: Mapping[str, Any]            # name -> tensor, written to rank-XXXXX.safetensors
+    staging: dict[str, dict[str, Any]] | None = None
     group: Any = None
+    writer: CheckpointWriter | None = None
+
+    def stage(self) -> None:
+        """Copy the live shards into the staging buffers; afterwards training may go on."""
+        if self.staging is None or self.shard is None:
+            return
+        for g, kinds in self.shards.items():
+            for k, t in kinds.items():
+                self.staging[g][k].copy_(t)
+        self.shards = self.staging
 
     def write_files(self) -> list[dict[str, Any]]:
+        assert self.writer is not None
         w, entries = self.writer, []
         if self.shard is not None:
             shards = self.shards
@@ -155,49 +170,43 @@ class SaveJob:
         return [_entry_doc(e) for e in entries]
 
     def run(self) -> Manifest:
-        """Write this rank's files, exchange entries, commit on rank 0; collective on ``group``."""
+        """Agree on the save id, write this rank's files, exchange entries, commit on rank 0."""
+        save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
+                                  self.group).decode()
+        self.writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec, save_id)
         _, reports = agree(self.write_files, f"save to {self.url}", self.group)
         entries = [_entry(d) for rep in reports for d in rep["payload"]]
+        writer = self.writer
 
         def commit() -> str | None:
-            return self.writer.commit(entries).save_id if self.rank == 0 else None
+            return writer.commit(entries).save_id if self.rank == 0 else None
 
         agree(commit, f"commit of {self.url}", self.group)
-        return self.writer.manifest(entries)
+        return writer.manifest(entries)
 
 
 def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
                staging: dict[str, dict[str, Any]] | None = None) -> SaveJob:
-    """Fix the save id (collective on ``group``) and snapshot what this rank will write.
+    """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
-    With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller), the
-    shards are copied into it, so training may change the live state while the files are
-    written; without it, the files are written from the live tensors.
+    With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
+    :meth:`SaveJob.stage` copies the shards into it, so training may change the live state while
+    the files are written; without it, the files are written from the live tensors.
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
     shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
-    save_id = broadcast_bytes(new_save_id().encode() if rank == 0 else None, 0, group).decode()
     spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
     if rank_state:
         spec.per_rank_state = dict(spec.per_rank_state, files=True)
-    writer = CheckpointWriter(as_storage(url, storage_options), spec, save_id)
     writes = replica == shard % mesh.replicate_degree
-    shards: Mapping[str, Mapping[str, Any]] = {}
-    if writes:
-        shards = model.local_shards()
-        if staging is not None:
-            for g, kinds in shards.items():
-                for k, t in kinds.items():
-                    staging[g][k].copy_(t)
-            shards = staging
-    buffers = {}
-    if rank == 0:
-        buffers = {f: t.detach().clone() for f, t in model.buffers().items()}
+    shards = model.local_shards() if writes else {}
+    buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
-    return SaveJob(url, writer, rank, shard if writes else None, shards, buffers, state, group)
+    return SaveJob(url, spec, storage_options, rank, shard if writes else None, shards, buffers,
+                   state, staging, group)
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
@@ -209,7 +218,8 @@ def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
     buffers by rank 0, ``rank_state`` (e.g. RNG states) by each rank; the manifest is created
     by rank 0 after every file is durable.
     """
-    return begin_save(model, url, extras, storage_options, chunk_size, group, rank_state).run()
+    job = begin_save(model, url, extras, storage_options, chunk_size, group, rank_state)
+    return job.run()
 
 
 def read_rank_state(reader: CheckpointReader, rank: int) -> dict[str, Any] | None:

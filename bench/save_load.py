@@ -1,0 +1,164 @@
+"""Benchmark: shardckpt save/load against torch.distributed.checkpoint (DCP) with FSDP2, and
+against a raw sequential write with fsync of the same bytes; async save's blocking time.
+
+A Llama-shaped model (about 125M parameters by default: 1.5 GB of fp32 masters and AdamW
+moments) on 4 gloo CPU ranks. shardckpt side: ``ZeroEngine`` + ``ShardedAdamW``; DCP side: the
+same model under FSDP2 (``fully_shard``) + ``torch.optim.AdamW``; both take one step. Then, in
+the same run, interleaved (order rotated each repetition), each after the previous copy was
+deleted, synced and left to settle (``--settle`` seconds: the disk may be mounted with
+``discard``) and from a dropped page cache: shardckpt ``save``, ``dcp.save`` (default
+``FileSystemWriter``: one file per rank, fsync), a raw sequential write + fsync of each rank's
+shard bytes, and ``Checkpointer.save`` sync and async. Then a 2-rank job loads the 4-rank
+checkpoints (reshard 4→2): shardckpt ``load`` against ``dcp.load`` + ``set_model_state_dict`` /
+``set_optimizer_state_dict``. Correctness is checked once: the weights after the 4→2 loads
+equal the saved ones (SHA-256 of the gathered whole weights, both sides). Rank jobs live in
+``_save_load_jobs.py``.
+
+    python bench/save_load.py [--params 125M] [--reps 7] [--ranks 4] [--load-ranks 2] [--settle 2]
+                                [--workdir DIR] [--keep] [--json]
+
+Prints medians (seconds, GB/s) and the ratios the issue sets targets for. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _save_load_jobs as jobs  # noqa: E402
+from common import drop_tree, median  # noqa: E402
+
+TARGETS = {"save_vs_dcp": (">=", 1.0), "save_vs_raw": (">=", 0.8), "load_vs_dcp": (">=", 1.0),
+           "async_blocking_vs_sync": ("<=", 0.10)}
+
+
+def parse_count(text: str) -> int:
+    mult = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+    t = text.strip().lower()
+    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(float(t))
+
+
+def llama_config(params: int) -> dict[str, object]:
+    """A Llama shape (untied-head count, GQA off) near ``params`` parameters: GPT-2-small-like
+    widths (vocab 32000, hidden 768, 12 heads) from 60M up, a narrower one below."""
+    if params >= 60_000_000:
+        vocab, h, inter, heads = 32000, 768, 2048, 12
+    else:
+        vocab, h, inter, heads = 8192, 256, 688, 4
+    layer = 4 * h * h + 3 * h * inter + 2 * h
+    layers = max(1, round((params - vocab * h - h) / layer))
+    return {"vocab_size": vocab, "hidden_size": h, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads}
+
+
+def per_rep_max(results: list[dict], key: str) -> list[float]:
+    """The slowest rank's time of each repetition."""
+    return [max(r["times"][key][i] for r in results) for i in range(len(results[0]["times"][key]))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", default="125M", help="model size (e.g. 125M, 10M)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--ranks", type=int, default=4, help="ranks that save")
+    ap.add_argument("--load-ranks", type=int, default=2, help="ranks that load (reshard)")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds to pause after deleting the previous copy, before each timed run")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    from shardckpt.launch import launch
+
+    cfg = llama_config(parse_count(args.params))
+    work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")
+    os.makedirs(work, exist_ok=True)
+    t = time.perf_counter()
+    saved = launch(jobs.save_job, args.ranks, (cfg, work, args.reps, args.settle), timeout_s=3600)
+    loaded = launch(jobs.load_job, args.load_ranks, (cfg, work, args.reps, args.settle), timeout_s=3600)
+    wall = time.perf_counter() - t
+    if not args.keep:
+        drop_tree(work)
+
+    s0, l0 = saved[0], loaded[0]
+    nb = {"shardckpt": s0["bytes"]["shardckpt"], "dcp": s0["bytes"]["dcp"],
+          "raw": sum(r["bytes"]["raw"] for r in saved)}
+    sec = {f"save_{v}": median(per_rep_max(saved, v)) for v in ("shardckpt", "dcp", "raw")}
+    sec["load_shardckpt"] = median(per_rep_max(loaded, "shardckpt"))
+    sec["load_dcp"] = median(per_rep_max(loaded, "dcp"))
+    sec["ckpt_sync"] = median(per_rep_max(saved, "sync"))
+    sec["ckpt_async_blocking"] = median(per_rep_max(saved, "async"))
+    sec["ckpt_async_total"] = median(per_rep_max(saved, "async_total"))
+    # GB/s of the same work for every variant: the model state (fp32 masters + two moments, 12 bytes
+    # a parameter). On disk DCP also holds the tied head again (lm_head.weight), shardckpt pads.
+    state = 12 * s0["params"]
+    gbps = {k: state / v / 1e9 for k, v in sec.items() if k.startswith(("save_", "load_"))}
+    disk_gbps = {k: nb[k.split("_", 1)[1]] / v / 1e9 for k, v in sec.items()
+                 if k.startswith(("save_", "load_"))}
+    ratios = {"save_vs_dcp": gbps["save_shardckpt"] / gbps["save_dcp"],
+              "save_vs_raw": gbps["save_shardckpt"] / gbps["save_raw"],
+              "load_vs_dcp": gbps["load_shardckpt"] / gbps["load_dcp"],
+              "async_blocking_vs_sync": sec["ckpt_async_blocking"] / sec["ckpt_sync"]}
+    met = {k: (v >= TARGETS[k][1] if TARGETS[k][0] == ">=" else v <= TARGETS[k][1])
+           for k, v in ratios.items()}
+    result = {
+        "params": s0["params"], "config": cfg, "ranks": args.ranks, "load_ranks": args.load_ranks,
+        "reps": args.reps, "settle_s": args.settle, "cold_cache": all(r["cold"] for r in saved + loaded),
+        "state_bytes": state, "disk_bytes": nb, "seconds": {k: round(v, 3) for k, v in sec.items()},
+        "gbps": {k: round(v, 3) for k, v in gbps.items()},
+        "disk_gbps": {k: round(v, 3) for k, v in disk_gbps.items()},
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "targets": {k: f"{op} {x}" for k, (op, x) in TARGETS.items()}, "met": met,
+        "load_correct": {"shardckpt": s0["digest"] == l0["digest"],
+                         "dcp": s0["fsdp_digest"] == l0["fsdp_digest"]},
+        "first_async_blocking_s": round(max(r["first_async_blocking_s"] for r in saved), 3),
+        "setup_s": round(max(r["setup_s"] for r in saved), 1), "wall_s": round(wall, 1),
+        "per_rep_s": {**{f"save_{v}": [round(x, 3) for x in per_rep_max(saved, v)]
+                         for v in (*jobs.SAVE_VARIANTS, "async_total")},
+                      **{f"load_{v}": [round(x, 3) for x in per_rep_max(loaded, v)]
+                         for v in jobs.LOAD_VARIANTS}},
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print_table(result)
+
+
+def print_table(r: dict) -> None:
+    sec, gb, dgb, nb = r["seconds"], r["gbps"], r["disk_gbps"], r["disk_bytes"]
+    cache = "cold page cache (dropped before each)" if r["cold_cache"] else "WARM page cache (could not drop)"
+    print(f"save on {r['ranks']} ranks, load on {r['load_ranks']} (reshard), {r['params'] / 1e6:.1f}M-param "
+          f"Llama: {r['state_bytes'] / 1e9:.3f} GB of fp32 masters + AdamW moments; median of "
+          f"{r['reps']}, interleaved; {cache}")
+    print(f"{'variant':<34} {'disk GB':>7} {'s':>7} {'GB/s':>6} {'disk GB/s':>9}")
+    n2 = f"{r['ranks']}->{r['load_ranks']}"
+    rows = [("save  shardckpt save()", "save_shardckpt"), ("save  DCP dcp.save() (FSDP2)", "save_dcp"),
+            ("save  raw sequential write+fsync", "save_raw"), (f"load  shardckpt load() {n2}", "load_shardckpt"),
+            (f"load  DCP dcp.load() {n2}", "load_dcp")]
+    for label, key in rows:
+        print(f"{label:<34} {nb[key.split('_', 1)[1]] / 1e9:>7.3f} {sec[key]:>7.3f} {gb[key]:>6.2f} {dgb[key]:>9.2f}")
+    for label, key in (("Checkpointer sync save", "ckpt_sync"),
+                       ("Checkpointer async save: blocking", "ckpt_async_blocking"),
+                       ("Checkpointer async save: total", "ckpt_async_total")):
+        print(f"{label:<34} {nb['shardckpt'] / 1e9:>7.3f} {sec[key]:>7.3f}")
+    print(f"{'  (first async save, allocating)':<34} {'':>7} {r['first_async_blocking_s']:>7.3f}")
+    print("GB/s: model state bytes / s (the same work for all); disk GB/s: bytes written / s")
+    print(f"{'ratio':<42} {'value':>6} {'target':>8} {'met':>4}")
+    labels = {"save_vs_dcp": "save GB/s, shardckpt / DCP",
+              "save_vs_raw": "save GB/s, shardckpt / raw write",
+              "load_vs_dcp": f"load {r['ranks']}->{r['load_ranks']} GB/s, shardckpt / DCP",
+              "async_blocking_vs_sync": "async save blocking / sync save"}
+    for k, label in labels.items():
+        print(f"{label:<42} {r['ratios'][k]:>6.3f} {r['targets'][k]:>8} {'yes' if r['met'][k] else 'NO':>4}")
+    ok = r["load_correct"]
+    print(f"weights after the {r['ranks']}->{r['load_ranks']} load equal the saved ones (SHA-256): "
+          f"shardckpt {'yes' if ok['shardckpt'] else 'NO'}, DCP {'yes' if ok['dcp'] else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
