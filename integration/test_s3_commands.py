@@ -313,3 +313,21 @@ def test_kill9_during_upload_leaves_no_manifest_and_clean_removes_debris(site: S
     assert "aborted multipart upload" in r.stdout
     assert site.uploads("killed/") == [] and site.keys("killed") == []
     assert list_open_uploads(Storage(url, site.options)) == []
+
+
+def test_fsspec_file_path_never_commits_after_abort(site: Site) -> None:
+    """Other fsspec backends write through ``fs.open("wb")``; on S3 that path would complete a
+    partial object on ``__exit__``/``__del__``. Aborting it must leave neither object nor upload."""
+    import gc
+
+    from shardckpt.storage import _FsspecSink
+
+    storage = Storage(site.url("sink"), site.options)
+    sink = _FsspecSink(storage, "partial.bin")
+    sink.f.blocksize = 5 << 20
+    sink.write(memoryview(bytes(11 << 20)))  # two parts sent: the upload is open
+    assert site.uploads("sink/") == ["sink/partial.bin"]
+    sink.abort()
+    del sink
+    gc.collect()  # S3File.__del__ would close() -> complete the upload if it could
+    assert site.uploads("sink/") == [] and site.keys("sink") == []

@@ -1,9 +1,10 @@
 """Checked ranged reads that remember boundary chunks, so a stream of ranges reads each byte once.
 
-A checked read must fetch whole chunks to verify their CRC32C. When consecutive requests meet
-inside a chunk (a reshard reads slot after slot, shard after shard), the shared chunk would be
-fetched twice; this reader keeps the first and last chunk of each read in a small LRU cache and
-reads only what it does not hold. Memory: at most ``capacity`` chunks.
+A checked read must fetch whole chunks to verify their CRC32C. When two requests meet inside a
+chunk (a reshard reads slot after slot, shard after shard, and a target shard may take a few
+elements of the chunk its neighbour takes the rest of), the shared chunk would be fetched twice;
+this reader keeps partly consumed chunks until the rest of them has been read. Memory: at most
+``capacity`` chunks.
 """
 
 from __future__ import annotations
@@ -15,31 +16,46 @@ from typing import Sequence
 
 from shardckpt.errors import IntegrityError
 from shardckpt.manifest import FileEntry
-from shardckpt.storage import Storage, crc32c
+from shardckpt.storage import Storage
 
 
 class CachedRangeReader:
     """``read(entry, start, end)`` like :meth:`Storage.read_checked`, with a boundary-chunk cache.
 
-    Thread-safe. ``bytes_read`` counts what was actually fetched from storage.
+    A chunk is kept only while partly consumed: when a read covers part of its first or last
+    chunk, the chunk is cached with the bytes consumed so far, and dropped once later reads have
+    consumed the rest (or, least recently used, when more than ``capacity`` are held). So a
+    reshard whose target shards straddle source chunks fetches each source byte about once, even
+    when the neighbouring range is read a whole target shard later. Thread-safe.
+    ``bytes_read`` counts what was actually fetched from storage.
     """
 
-    def __init__(self, storage: Storage, chunk_size: int, capacity: int = 16, prefix: str = "") -> None:
+    def __init__(self, storage: Storage, chunk_size: int, capacity: int = 64, prefix: str = "") -> None:
         self.storage, self.chunk_size, self.capacity, self.prefix = storage, chunk_size, capacity, prefix
-        self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], tuple[bytes, int]] = OrderedDict()  # data, consumed
         self._lock = threading.Lock()
         self.bytes_read = 0
 
-    def _get(self, key: tuple[str, int]) -> bytes | None:
+    def _overlap(self, i: int, start: int, end: int) -> int:
+        return max(0, min(end, (i + 1) * self.chunk_size) - max(start, i * self.chunk_size))
+
+    def _take(self, key: tuple[str, int], start: int, end: int) -> bytes | None:
         with self._lock:
-            data = self._cache.get(key)
-            if data is not None:
+            hit = self._cache.get(key)
+            if hit is None:
+                return None
+            data, used = hit
+            used += self._overlap(key[1], start, end)
+            if used >= len(data):
+                del self._cache[key]  # every byte of it has been consumed
+            else:
+                self._cache[key] = (data, used)
                 self._cache.move_to_end(key)
             return data
 
-    def _put(self, key: tuple[str, int], data: bytes) -> None:
+    def _put(self, key: tuple[str, int], data: bytes, used: int) -> None:
         with self._lock:
-            self._cache[key] = data
+            self._cache[key] = (data, used)
             self._cache.move_to_end(key)
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
@@ -53,33 +69,24 @@ class CachedRangeReader:
         if start == end:
             return b""
         c0, c1 = start // cs, -(-end // cs)
-        chunks: list[bytes | None] = [self._get((entry.path, i)) for i in range(c0, c1)]
+        chunks: list[bytes | memoryview | None] = [self._take((entry.path, i), start, end)
+                                                   for i in range(c0, c1)]
         lo = next((k for k, c in enumerate(chunks) if c is None), None)
         if lo is not None:
             hi = max(k for k, c in enumerate(chunks) if c is None) + 1
-            a, b = (c0 + lo) * cs, min(entry.size, (c0 + hi) * cs)
-            data = self.storage.read(rel, a, b)
+            view = self.storage.read_chunks(entry, cs, c0 + lo, c0 + hi, self.prefix)  # CRC-checked
             with self._lock:
-                self.bytes_read += len(data)
-            if len(data) != b - a:
-                raise IntegrityError(f"{self.storage.url_of(rel)}: truncated: bytes [{a}, {b}) "
-                                     f"returned {len(data)} bytes (the manifest records {entry.size})")
-            view = memoryview(data)
+                self.bytes_read += len(view)
             for k in range(lo, hi):
-                i = c0 + k
-                piece = view[(k - lo) * cs:(k - lo + 1) * cs]
-                got = crc32c(piece)
-                if got != entry.chunk_crc32c[i]:
-                    raise IntegrityError(
-                        f"{self.storage.url_of(rel)}: bytes [{i * cs}, {min(entry.size, (i + 1) * cs)}) "
-                        f"fail their CRC32C check (recorded {entry.chunk_crc32c[i]:08x}, read "
-                        f"{got:08x}); the file is corrupted")
                 if chunks[k] is None:
-                    chunks[k] = piece  # type: ignore[assignment]
+                    chunks[k] = view[(k - lo) * cs:(k - lo + 1) * cs]
             for k in {lo, hi - 1}:
-                self._put((entry.path, c0 + k), bytes(view[(k - lo) * cs:(k - lo + 1) * cs]))
+                i = c0 + k
+                used = self._overlap(i, start, end)
+                if used < min(entry.size, (i + 1) * cs) - i * cs:  # partly consumed: keep it
+                    self._put((entry.path, i), bytes(view[(k - lo) * cs:(k - lo + 1) * cs]), used)
             if lo == 0 and hi == len(chunks):  # all fetched in one piece: no copy
-                return view[start - a:end - a]
+                return view[start - c0 * cs:end - c0 * cs]
         if len(chunks) == 1:
             return bytes(memoryview(chunks[0])[start - c0 * cs:end - c0 * cs])  # type: ignore[arg-type]
         joined = b"".join(chunks)  # type: ignore[arg-type]
@@ -87,15 +94,29 @@ class CachedRangeReader:
 
     def read_many(self, requests: Sequence[tuple[FileEntry, int, int]],
                   workers: int = 4) -> "list[bytes | memoryview]":
-        """Read several ranges; ranges of different files go concurrently, each file in order."""
+        """Read several ranges; ranges of different files go concurrently, each file in order.
+
+        Consecutive requests of one file that meet (the next starts where the previous ended)
+        are coalesced into one read, so a stream of adjacent slices costs one ranged GET.
+        """
         by_file: dict[str, list[int]] = {}
         for i, (e, _, _) in enumerate(requests):
             by_file.setdefault(e.path, []).append(i)
         out: list[bytes | memoryview] = [b""] * len(requests)
 
         def run(indices: list[int]) -> None:
-            for i in indices:
-                out[i] = self.read(*requests[i])
+            k = 0
+            while k < len(indices):
+                entry, lo, hi = requests[indices[k]]
+                run_end = k + 1
+                while run_end < len(indices) and requests[indices[run_end]][1] == hi:
+                    hi = requests[indices[run_end]][2]
+                    run_end += 1
+                view = memoryview(self.read(entry, lo, hi))
+                for i in indices[k:run_end]:
+                    _, a, b = requests[i]
+                    out[i] = view[a - lo:b - lo]
+                k = run_end
 
         groups = list(by_file.values())
         if len(groups) <= 1 or workers <= 1:

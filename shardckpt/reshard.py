@@ -55,34 +55,38 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
 
 
 def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
-                   shard: int, buffer_bytes: int, prefetch: ThreadPoolExecutor,
-                   on_bytes: Callable[[int], None] | None) -> Callable[[TensorSlot], Iterator[Any]]:
-    """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``.
+                   shard: int, slots: Sequence[TensorSlot], buffer_bytes: int, prefetch: ThreadPoolExecutor,
+                   on_bytes: Callable[[int], None] | None,
+                   read_workers: int = 4) -> Callable[[TensorSlot], Iterator[Any]]:
+    """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``; call it slot by slot in order.
 
-    Reads go in batches of at most ``buffer_bytes``; the next batch is read on the ``prefetch``
-    thread while the current one is written, so at most two batches are held at once.
+    The pieces of every slot of the shard are planned up front and cut into batches of at most
+    ``buffer_bytes`` that run across slot boundaries (small slots share a batch, so adjacent
+    ranges of one source file coalesce into one read). The next batch is read on the ``prefetch``
+    thread while the current one is written, so at most two batches are held at once; within a
+    batch, source files are read concurrently (``read_workers``).
     """
     by_group: dict[str, list[Copy]] = {}
     for plan in plans.values():
         for c in plan.for_dst_shard(shard):
             by_group.setdefault(c.dst_group, []).append(c)
 
-    def produce(slot: TensorSlot) -> Iterator[Any]:
+    # Each batch: (slot index, piece) pairs; a piece is an int (that many zero bytes) or a read.
+    batches: list[list[tuple[int, Any]]] = [[]]
+    batch_bytes = 0
+    for si, slot in enumerate(slots):
         group, kind = slot.name.rsplit(".", 1)
         n = itemsize(slot.dtype)
         max_elems = max(1, buffer_bytes // n)
-        # Each batch: a list of pieces, each either an int (that many zero bytes) or a read request.
-        batches: list[list[Any]] = [[]]
-        batch_elems = 0
         pos = 0
 
-        def add(piece: Any, elems: int) -> None:
-            nonlocal batch_elems
-            if batch_elems + elems > max_elems and batches[-1]:
+        def add(piece: Any, nbytes: int) -> None:
+            nonlocal batch_bytes
+            if batch_bytes + nbytes > buffer_bytes and batches[-1]:
                 batches.append([])
-                batch_elems = 0
-            batches[-1].append(piece)
-            batch_elems += elems
+                batch_bytes = 0
+            batches[-1].append((si, piece))
+            batch_bytes += nbytes
 
         for c in by_group.get(group, ()):
             if c.dst_offset > pos:
@@ -90,25 +94,45 @@ def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: M
             for x in range(0, c.numel, max_elems):
                 take = min(c.numel - x, max_elems)
                 add(reader.state_range(c.src_shard, c.src_group, kind,
-                                       c.src_offset + x, c.src_offset + x + take), take)
+                                       c.src_offset + x, c.src_offset + x + take), take * n)
             pos = c.dst_offset + c.numel
         if pos < slot.shape[0]:
             add((slot.shape[0] - pos) * n, 0)
 
-        def fetch(batch: list[Any]) -> list[Any]:
-            reads = [p for p in batch if not isinstance(p, int)]
-            data = iter(ranged.read_many(reads, workers=1))
-            return [bytes(p) if isinstance(p, int) else next(data) for p in batch]
+    def fetch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        reads = [p for _, p in batch if not isinstance(p, int)]
+        data = iter(ranged.read_many(reads, workers=read_workers))
+        return [(si, bytes(p) if isinstance(p, int) else next(data)) for si, p in batch]
 
-        pending = prefetch.submit(fetch, batches[0])
-        for i in range(len(batches)):
-            pieces = pending.result()
-            if i + 1 < len(batches):
-                pending = prefetch.submit(fetch, batches[i + 1])
-            for piece in pieces:
-                if on_bytes:
-                    on_bytes(len(piece))
-                yield piece
+    index = {s.name: i for i, s in enumerate(slots)}
+    state: dict[str, Any] = {"next": 0, "pending": None, "current": [], "pos": 0}
+
+    def advance() -> bool:
+        """Make the next batch current (starting the read of the one after); False at the end."""
+        if state["pending"] is None and state["next"] < len(batches):
+            state["pending"] = prefetch.submit(fetch, batches[state["next"]])
+            state["next"] += 1
+        if state["pending"] is None:
+            return False
+        state["current"], state["pos"] = state["pending"].result(), 0
+        state["pending"] = None
+        if state["next"] < len(batches):
+            state["pending"] = prefetch.submit(fetch, batches[state["next"]])
+            state["next"] += 1
+        return True
+
+    def produce(slot: TensorSlot) -> Iterator[Any]:
+        si = index[slot.name]
+        while True:
+            if state["pos"] == len(state["current"]) and not advance():
+                return
+            owner, piece = state["current"][state["pos"]]
+            if owner != si:  # the next slot's bytes: leave them for its call
+                return
+            state["pos"] += 1
+            if on_bytes:
+                on_bytes(len(piece))
+            yield piece
 
     return produce
 
@@ -124,7 +148,8 @@ def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: 
     entries = []
     with ThreadPoolExecutor(1) as prefetch:
         for t in shards:
-            produce = _slot_producer(reader, ranged, plans, t, buffer_bytes, prefetch, on_bytes)
+            produce = _slot_producer(reader, ranged, plans, t, writer.slots, buffer_bytes, prefetch,
+                                     on_bytes)
             entries.append(writer.write_shard(t, produce))
     return entries, ranged.bytes_read
 

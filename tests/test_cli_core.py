@@ -87,7 +87,7 @@ def test_synth_inspect_verify_text_and_json(tmp_path: Path) -> None:
     s = json.loads(r.stdout)
     assert r.exit_code == 0
     assert s["format_version"] == "0.1" and s["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
-    assert s["world_size"] == 4 and s["step"] == 7 and s["optimizer"]["name"] == "AdamW"
+    assert s["world_size"] == 4 and s["step"] == 7 and s["optimizer"]["name"] == "adamw"
     assert [f["role"] for f in s["files"]] == ["shard", "shard", "buffers"]
     m = parse(Path(dst, "manifest.json").read_bytes())
     assert s["save_id"] == m.save_id and s["total_bytes"] == m.total_bytes
@@ -96,7 +96,7 @@ def test_synth_inspect_verify_text_and_json(tmp_path: Path) -> None:
     assert comp["elements"] == sum(p.numel for p in m.components["model"].layout.params)
     r = runner.invoke(app, ["inspect", dst], env={"COLUMNS": "250"})  # rich wraps narrow tables
     assert r.exit_code == 0
-    for needle in ("format 0.1", m.save_id, "step 7", "AdamW", "model.u0000.float32", "exp_avg_sq",
+    for needle in ("format 0.1", m.save_id, "step 7", "adamw", "model.u0000.float32", "exp_avg_sq",
                    "shard-00001-of-00002.safetensors", "tied: lm_head.weight"):
         assert needle in r.stdout, needle
     r = cli("synth", str(tmp_path / "d"), "--params", "3e3", "--ranks", "1", "--json")

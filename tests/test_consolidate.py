@@ -244,7 +244,7 @@ def test_optimizer_set(ckpts: dict, tmp_path: Path) -> None:
             assert a.dtype == np.float32 and a.shape == p.shape
             np.testing.assert_array_equal(a, synth.values(SEED, p.fqn, k, 0, p.numel).reshape(p.shape))
     meta = json.loads((tmp_path / "o" / OPTIMIZER_INDEX).read_text())["metadata"]
-    assert meta["optimizer"] == "AdamW" and meta["total_size"] == sum(a.nbytes for a in opt.values())
+    assert meta["optimizer"] == "adamw" and meta["total_size"] == sum(a.nbytes for a in opt.values())
     assert [pg["step"] for pg in meta["param_groups"]] == [100, 100]
     assert [pg["hparams"]["weight_decay"] for pg in meta["param_groups"]] == [0.1, 0.0]
 
