@@ -41,4 +41,4 @@ def clean(
         state = "aborted" if u in r.aborted else "open"
         typer.echo(f"{state} multipart upload {u.key} ({u.upload_id})")
     typer.echo(f"{len(r.committed)} committed checkpoint(s) left alone; {len(r.debris)} debris "
-               f"{verb.split()[-1] if dry_run else 'removed'}, {len(r.aborted)} upload(s) aborted")
+               f"{'would be removed' if dry_run else 'removed'}, {len(r.aborted)} upload(s) aborted")

@@ -30,9 +30,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from shardckpt.checkpoint import CheckpointReader
-from shardckpt.consolidate import DEFAULT_BUFFER, PieceReader, Source, decode
 from shardckpt.layout import itemsize
 from shardckpt.manifest import Component, Manifest
+from shardckpt.pieces import DEFAULT_BUFFER, PieceReader, Source, decode
 
 ONLY_A, ONLY_B, MISMATCH, DIFFERENT = "only_a", "only_b", "mismatch", "different"
 

@@ -1,0 +1,63 @@
+"""Storage over fsspec: the only package that touches files or object stores.
+
+Paths above this layer are strings relative to a checkpoint's root URL (``str``, never ``Path``:
+``Path`` mangles ``s3://``). Every failure becomes a :class:`~shardckpt.errors.StorageError`
+(original exception as ``__cause__``) whose one-line message names the object; every checked read
+verifies CRC32C per chunk, ranged reads included.
+
+Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
+
+* **One deadline.** botocore and s3fs each retry, and their layers multiply (5 x 5 tries by
+  default). Here botocore gets 2 tries per request and s3fs 1, with bounded connect/read timeouts;
+  :meth:`Storage.call` retries transient failures (5xx, throttling, resets, timeouts, truncated
+  bodies) with capped, jittered backoff until one deadline per operation (a ranged GET, one
+  multipart part, a commit): ``storage_options={"shardckpt_deadline_s": 120}``, else the
+  environment variable ``SHARDCKPT_DEADLINE_S``, else 120 s. A user's own ``config_kwargs`` and
+  ``retries`` (s3fs's count) override the defaults key by key.
+* **Reads** are ranged GETs of whole checksum chunks only; a range larger than ``range_piece`` is
+  split into pieces fetched concurrently, and each failed piece is retried alone. A chunk whose
+  CRC32C fails is read once more before the read is declared corrupt (a bad transfer is not a bad
+  object). Nothing is staged on local disk.
+* **Writes** stream as multipart uploads that shardckpt drives itself (not ``fs.open("wb")``,
+  whose ``__exit__`` on an exception completes the partial object): parts of ``part_size`` bytes
+  go up concurrently, at most ``concurrency`` in flight, and each part is retried as a unit (it is
+  still in memory) under the deadline. A file whose producer or any part fails is aborted: the
+  multipart upload is aborted and nothing becomes visible. Memory per writer is at most
+  ``(concurrency + 1) x part_size``. Files smaller than a part are one PUT.
+* **Commit** is a PUT with ``If-None-Match: *``. moto answers a conflict with FileExistsError,
+  Ceph with 412 PreconditionFailed (OSError(EINVAL)); both become
+  :class:`~shardckpt.errors.CommitConflictError`. If a retried commit meets a conflict, the object
+  is read back: our own bytes (a first try that landed but whose answer was lost) are success.
+
+Modules: :mod:`.core` (the :class:`Storage` handle and its reads), :mod:`.writer` (streaming,
+checksummed writes), :mod:`.s3` (multipart uploads, the create-only commit, open uploads),
+:mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``).
+Import from this package; the split is not part of the API.
+"""
+
+from __future__ import annotations
+
+from shardckpt.storage.core import Storage, iter_file_chunks, open_storage
+from shardckpt.storage.options import (
+    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, MiB, Tuning, split_options, storage_options_from_env,
+)
+from shardckpt.storage.retry import (
+    DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
+)
+from shardckpt.storage.s3 import (
+    S3_CONFIG_DEFAULTS, S3FS_RETRIES, OpenUpload, abort_upload, list_open_uploads,
+)
+from shardckpt.storage.writer import StreamWriter, crc32c
+
+# Internals that tests exercise directly; re-exported so they keep one import path.
+from shardckpt.storage.retry import _is_precondition_failed as _is_precondition_failed  # isort: skip
+from shardckpt.storage.retry import _is_retryable as _is_retryable  # isort: skip
+from shardckpt.storage.retry import _map_error as _map_error  # isort: skip
+from shardckpt.storage.writer import _FsspecSink as _FsspecSink  # isort: skip
+
+__all__ = [
+    "DEADLINE_ENV", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "DeadlineExceededError", "MiB",
+    "NotFoundError", "OpenUpload", "RetryPolicy", "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage",
+    "StreamWriter", "Tuning", "abort_upload", "crc32c", "iter_file_chunks", "list_open_uploads",
+    "mapped_errors", "open_storage", "split_options", "storage_options_from_env",
+]

@@ -1,0 +1,153 @@
+"""Retries under one deadline, and the one error vocabulary of the storage layer.
+
+Every failure leaves this layer as a :class:`~shardckpt.errors.StorageError` whose one-line
+message names the object, with the original exception as ``__cause__``. Transient failures (5xx,
+throttling, resets, timeouts, truncated bodies) are retried with capped, jittered backoff until
+one deadline per operation; everything else fails at once. botocore and aiohttp errors are
+recognised by class name, so neither is imported here.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
+
+from shardckpt.errors import ShardckptError, StorageError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEADLINE_ENV = "SHARDCKPT_DEADLINE_S"
+
+
+class NotFoundError(StorageError):
+    """The object does not exist."""
+
+
+class DeadlineExceededError(StorageError):
+    """A transient failure persisted until the retry deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """One overall deadline per operation, capped exponential backoff, an explicit retryable list."""
+
+    deadline_s: float = 120.0
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+
+
+_RETRYABLE_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EREMOTEIO,
+                    errno.ECONNREFUSED, errno.EPIPE, errno.ECONNABORTED}
+_RETRYABLE_NAMES = {
+    # botocore / aiohttp / asyncio transport errors, matched by name so neither is imported here
+    "HTTPClientError", "ConnectionClosedError", "EndpointConnectionError", "ReadTimeoutError",
+    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError", "ResponseParserError",
+    "FlexibleChecksumError", "ClientPayloadError", "ClientConnectionError", "ServerDisconnectedError",
+    "ClientConnectorError", "ClientOSError", "ServerTimeoutError", "TimeoutError", "ProtocolError",
+    "ContentLengthError",
+}
+_NEVER_RETRY = {"FileExpired", "NoCredentialsError", "ParamValidationError", "PartialCredentialsError"}
+_RETRYABLE_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                    "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+                    "ConditionalRequestConflict", "OperationAborted"}
+
+
+def _response(e: BaseException) -> tuple[str, int]:
+    """(S3 error code, HTTP status) of a botocore ClientError, or of the one s3fs translated."""
+    for x in (e, e.__cause__):
+        resp = getattr(x, "response", None)
+        if isinstance(resp, dict):
+            code = str(resp.get("Error", {}).get("Code", ""))
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            return code, status
+    return "", 0
+
+
+def _is_retryable(e: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(e).__mro__}
+    if names & _NEVER_RETRY or isinstance(e, (FileNotFoundError, PermissionError, FileExistsError,
+                                              IsADirectoryError, NotADirectoryError)):
+        return False
+    if names & _RETRYABLE_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    code, status = _response(e)
+    if code in _RETRYABLE_CODES or status >= 500 or status == 429:
+        return True
+    if isinstance(e, OSError):
+        return e.errno in _RETRYABLE_ERRNO
+    return False
+
+
+def _is_precondition_failed(e: BaseException | None) -> bool:
+    """A create-only write found the object: FileExistsError (moto), 412 (Ceph, AWS)."""
+    if e is None:
+        return False
+    if isinstance(e, FileExistsError):
+        return True
+    code, status = _response(e)
+    return code in ("PreconditionFailed", "412") or status == 412
+
+
+def _describe(e: BaseException) -> str:
+    """One line: exception type, message, and the S3 error code when there is one."""
+    text = " ".join(str(e).split())[:300] or repr(e)
+    code, status = _response(e)
+    extra = f" ({code}, HTTP {status})" if code and code not in text else ""
+    return f"{type(e).__name__}: {text}{extra}"
+
+
+def _map_error(e: BaseException, what: str, url: str, attempts: int = 1, elapsed: float = 0.0,
+               deadline: float | None = None) -> StorageError:
+    if isinstance(e, FileNotFoundError):
+        return NotFoundError(f"{url}: not found ({what})", url)
+    if isinstance(e, PermissionError):
+        return StorageError(f"{url}: permission denied ({what}): {_describe(e)}", url)
+    if attempts > 1 and deadline is not None:
+        return DeadlineExceededError(
+            f"{url}: {what} failed after {attempts} attempts in {elapsed:.1f} s (deadline "
+            f"{deadline:g} s; set shardckpt_deadline_s or {DEADLINE_ENV}): {_describe(e)}", url)
+    return StorageError(f"{url}: {what} failed: {_describe(e)}", url)
+
+
+@contextmanager
+def mapped_errors(what: str, url: str) -> Iterator[None]:
+    try:
+        yield
+    except ShardckptError:
+        raise
+    except OSError as e:
+        raise _map_error(e, what, url) from e
+
+
+def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
+               deadline: float | None = None) -> T:
+    """Run ``fn`` with retries on transient errors until the deadline; map errors.
+
+    ``deadline`` (``time.monotonic()`` seconds) lets several calls share one; by default it is
+    the policy's ``deadline_s`` from now. Backoff is capped, exponential and jittered.
+    """
+    t0 = time.monotonic()
+    end = deadline if deadline is not None else t0 + policy.deadline_s
+    backoff = policy.initial_backoff_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except ShardckptError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped below, never swallowed
+            pause = backoff * (0.5 + random.random() / 2)
+            if _is_retryable(e) and time.monotonic() + pause < end:
+                log.info("%s of %s failed (%s); retry %d in %.2fs", what, url, _describe(e), attempt, pause)
+                time.sleep(pause)
+                backoff = min(backoff * 2, policy.max_backoff_s)
+                continue
+            raise _map_error(e, what, url, attempt, time.monotonic() - t0,
+                             policy.deadline_s if _is_retryable(e) else None) from e

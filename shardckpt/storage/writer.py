@@ -1,0 +1,167 @@
+"""Streaming writes that checksum as bytes go by and never commit a partial object.
+
+A :class:`StreamWriter` computes the whole-file and per-chunk CRC32C and hands the bytes to a
+sink for the storage's kind: a local file (fsync on close), an S3 multipart upload
+(:class:`~shardckpt.storage.s3._S3Upload`), or any other fsspec file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import crc32c as _crc32c
+
+from shardckpt.errors import StorageError
+from shardckpt.storage.retry import _describe, _map_error, mapped_errors
+from shardckpt.storage.s3 import _S3Upload
+
+if TYPE_CHECKING:
+    from shardckpt.storage.core import Storage
+
+log = logging.getLogger(__name__)
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    return _crc32c.crc32c(data, value)
+
+
+class StreamWriter:
+    """Sequential writer that computes the whole-file and per-chunk CRC32C as bytes go by.
+
+    Use as a context manager: on an exception the write is aborted (local file removed, multipart
+    upload aborted) instead of committed; :meth:`close` returns the size and checksums. A writer
+    that is neither closed nor aborted never commits anything either: on S3 its upload stays open
+    until aborted here or by ``shardckpt clean``.
+    """
+
+    def __init__(self, storage: Storage, rel: str, chunk_size: int) -> None:
+        self.storage, self.rel, self.chunk_size = storage, rel, chunk_size
+        self.size = 0
+        self.crc = 0
+        self.chunks: list[int] = []
+        self._chunk_crc = 0
+        self._chunk_fill = 0
+        self._closed = False
+        if storage.is_local:
+            self._sink: Any = _LocalSink(storage, rel)
+        elif storage.is_s3:
+            self._sink = _S3Upload(storage, rel)
+        else:
+            self._sink = _FsspecSink(storage, rel)
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if not n:
+            return
+        if self._closed:
+            raise StorageError(f"{self.storage.url_of(self.rel)}: write after close or abort")
+        self.crc = crc32c(view, self.crc)
+        pos = 0
+        while pos < n:
+            take = min(n - pos, self.chunk_size - self._chunk_fill)
+            self._chunk_crc = crc32c(view[pos:pos + take], self._chunk_crc)
+            self._chunk_fill += take
+            pos += take
+            if self._chunk_fill == self.chunk_size:
+                self.chunks.append(self._chunk_crc)
+                self._chunk_crc, self._chunk_fill = 0, 0
+        self._sink.write(view)
+        self.size += n
+
+    def close(self) -> tuple[int, int, tuple[int, ...]]:
+        """Flush, make durable (fsync locally; complete the upload remotely); return checksums."""
+        if self._chunk_fill:
+            self.chunks.append(self._chunk_crc)
+            self._chunk_crc, self._chunk_fill = 0, 0
+        try:
+            self._sink.close(self.size)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return self.size, self.crc, tuple(self.chunks)
+
+    def abort(self) -> None:
+        """Throw the partial write away; never commits a partial object."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sink.abort()
+        except Exception as e:  # noqa: BLE001 - cleanup is best effort; the original error propagates
+            log.warning("could not clean up partial %s (%s); `shardckpt clean` on its prefix removes it",
+                        self.storage.url_of(self.rel), _describe(e))
+
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class _LocalSink:
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage, self.rel, self.path = storage, rel, storage.full(rel)
+
+        def open_local() -> Any:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            return open(self.path, "wb")  # noqa: SIM115
+        self.f = storage.call("open", rel, open_local)
+
+    def write(self, view: memoryview) -> None:
+        with mapped_errors("write", self.storage.url_of(self.rel)):
+            self.f.write(view)
+
+    def close(self, size: int) -> None:
+        with mapped_errors("close", self.storage.url_of(self.rel)):
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+class _FsspecSink:
+    """Any other fsspec filesystem (``memory://``, ...) through ``fs.open("wb")``.
+
+    fsspec files commit on ``close()`` and on ``__del__``; abort discards, then marks the file
+    closed *before* anything else can fail, so neither path can commit a partial object.
+    """
+
+    def __init__(self, storage: Storage, rel: str) -> None:
+        self.storage, self.rel = storage, rel
+        self.f = storage.call("open", rel, lambda: storage.fs.open(storage.full(rel), "wb"))
+
+    def write(self, view: memoryview) -> None:
+        try:
+            self.f.write(view)
+        except Exception as e:  # noqa: BLE001
+            raise _map_error(e, "write", self.storage.url_of(self.rel)) from e
+
+    def close(self, size: int) -> None:
+        try:
+            self.f.close()
+        except Exception as e:  # noqa: BLE001
+            raise _map_error(e, "close", self.storage.url_of(self.rel)) from e
+
+    def abort(self) -> None:
+        f = self.f
+        try:
+            discard = getattr(f, "discard", None)
+            if discard is not None:
+                discard()
+        finally:
+            try:
+                f.closed = True  # keeps AbstractBufferedFile.__del__ from committing
+            except AttributeError:
+                pass  # io.BytesIO (memory://): read-only, and nothing to complete
+        if discard is None:  # a plain file object: nothing to discard, remove what landed
+            f.close()
+        self.storage.rm(self.rel)
