@@ -92,6 +92,93 @@ class CachedRangeReader:
         joined = b"".join(chunks)  # type: ignore[arg-type]
         return memoryview(joined)[start - c0 * cs:end - c0 * cs]
 
+    def read_into(self, entry: FileEntry, start: int, end: int, out: memoryview) -> None:
+        """:meth:`read` into ``out`` (``end - start`` bytes), for a local storage only.
+
+        The chunks not in the cache are read with one ``preadv`` straight into ``out``; only the
+        parts of the first and last chunk outside ``[start, end)`` go to small scratch buffers.
+        Each chunk is CRC-checked; a boundary chunk kept in the cache is a copy (``out`` may be
+        reused as soon as the caller is done with it).
+        """
+        rel = self.prefix + entry.path
+        cs = self.chunk_size
+        if not 0 <= start <= end <= entry.size:
+            raise IntegrityError(f"{self.storage.url_of(rel)}: range [{start}, {end}) is outside "
+                                 f"its {entry.size} bytes")
+        if len(out) != end - start:
+            raise ValueError("read_into: the buffer does not match the range")
+        if start == end:
+            return
+        c0, c1 = start // cs, -(-end // cs)
+        chunks = [self._take((entry.path, i), start, end) for i in range(c0, c1)]
+        missing = [k for k, c in enumerate(chunks) if c is None]
+        lo, hi = (missing[0], missing[-1] + 1) if missing else (len(chunks), len(chunks))
+        for k, c in enumerate(chunks):
+            if c is not None and not lo <= k < hi:
+                i = c0 + k
+                a, b = max(start, i * cs), min(end, (i + 1) * cs)
+                out[a - start:b - start] = memoryview(c)[a - i * cs:b - i * cs]
+        if not missing:
+            return
+        A, B = (c0 + lo) * cs, min(entry.size, (c0 + hi) * cs)
+        head, tail = bytearray(max(0, start - A)), bytearray(max(0, B - end))
+        m0, m1 = max(A, start), min(B, end)
+        mid = out[m0 - start:m1 - start]
+        self.storage.read_chunks_into(entry, cs, c0 + lo, c0 + hi,
+                                      [memoryview(head), mid, memoryview(tail)], self.prefix)
+        with self._lock:
+            self.bytes_read += B - A
+        segs = ((A, memoryview(head)), (m0, mid), (m1, memoryview(tail)))
+        for k in {lo, hi - 1}:
+            i = c0 + k
+            clen = min(entry.size, (i + 1) * cs) - i * cs
+            used = self._overlap(i, start, end)
+            if used < clen:  # partly consumed: keep a copy of it
+                x0, x1 = i * cs, i * cs + clen
+                data = b"".join(v[max(x0, o) - o:min(x1, o + len(v)) - o]
+                                for o, v in segs if max(x0, o) < min(x1, o + len(v)))
+                self._put((entry.path, i), data, used)
+
+    def read_many_into(self, requests: Sequence[tuple[FileEntry, int, int]], out: memoryview,
+                       workers: int = 4) -> "list[memoryview]":
+        """:meth:`read_many` into ``out`` (at least the sum of the ranges' lengths), local storage
+        only; returns views of ``out``, valid until the caller reuses it."""
+        by_file: dict[str, list[int]] = {}
+        for i, (e, _, _) in enumerate(requests):
+            by_file.setdefault(e.path, []).append(i)
+        res: list[memoryview] = [memoryview(b"")] * len(requests)
+        runs: list[tuple[FileEntry, int, int, int]] = []  # entry, lo, hi, offset in out
+        off = 0
+        for indices in by_file.values():  # each file's ranges side by side in `out`
+            k = 0
+            while k < len(indices):
+                entry, lo, hi = requests[indices[k]]
+                run_end = k + 1
+                while run_end < len(indices) and requests[indices[run_end]][1] == hi:
+                    hi = requests[indices[run_end]][2]
+                    run_end += 1
+                for i in indices[k:run_end]:
+                    _, a, b = requests[i]
+                    res[i] = out[off + a - lo:off + b - lo]
+                runs.append((entry, lo, hi, off))
+                off += hi - lo
+                k = run_end
+        if off > len(out):
+            raise ValueError(f"read_many_into: {off} bytes do not fit a {len(out)}-byte buffer")
+
+        def run(r: tuple[FileEntry, int, int, int]) -> None:
+            entry, lo, hi, o = r
+            self.read_into(entry, lo, hi, out[o:o + hi - lo])
+
+        groups = [[r for r in runs if r[0].path == p] for p in by_file]
+        if len(groups) <= 1 or workers <= 1:
+            for r in runs:
+                run(r)
+        else:
+            with ThreadPoolExecutor(min(workers, len(groups))) as pool:
+                list(pool.map(lambda g: [run(r) for r in g], groups))
+        return res
+
     def read_many(self, requests: Sequence[tuple[FileEntry, int, int]],
                   workers: int = 4) -> "list[bytes | memoryview]":
         """Read several ranges; ranges of different files go concurrently, each file in order.

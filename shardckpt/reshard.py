@@ -57,84 +57,131 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
 def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
                    shard: int, slots: Sequence[TensorSlot], buffer_bytes: int, prefetch: ThreadPoolExecutor,
                    on_bytes: Callable[[int], None] | None,
-                   read_workers: int = 4) -> Callable[[TensorSlot], Iterator[Any]]:
+                   read_workers: int = 4,
+                   pool: "list[bytearray] | None" = None) -> Callable[[TensorSlot], Iterator[Any]]:
     """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``; call it slot by slot in order.
 
-    The pieces of every slot of the shard are planned up front and cut into batches of at most
+    One shard of :func:`_shard_producers`.
+    """
+    return _shard_producers(reader, ranged, plans, [shard], slots, buffer_bytes, prefetch, on_bytes,
+                            read_workers, pool)(shard)
+
+
+def _shard_producers(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
+                     shards: Sequence[int], slots: Sequence[TensorSlot], buffer_bytes: int,
+                     prefetch: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None,
+                     read_workers: int = 4, pool: "list[bytearray] | None" = None,
+                     ) -> Callable[[int], Callable[[TensorSlot], Iterator[Any]]]:
+    """``for_shard(t)`` is the slot producer of shard ``t``; write the shards in ``shards`` order.
+
+    The pieces of every slot of each shard are planned up front and cut into batches of at most
     ``buffer_bytes`` that run across slot boundaries (small slots share a batch, so adjacent
     ranges of one source file coalesce into one read). The next batch is read on the ``prefetch``
     thread while the current one is written, so at most two batches are held at once; within a
-    batch, source files are read concurrently (``read_workers``).
+    batch, source files are read concurrently (``read_workers``). The read-ahead runs across
+    shards: the first batch of the next shard is read while the last one of this shard is written.
+
+    With ``pool`` (a list, shared by the shards of one process) and a local source, each batch is
+    read with ``preadv`` into one of two reused buffers instead of fresh allocations: batch ``k``
+    fills buffer ``k % 2``, which held batch ``k - 2``, written out before batch ``k`` is started.
     """
-    by_group: dict[str, list[Copy]] = {}
-    for plan in plans.values():
-        for c in plan.for_dst_shard(shard):
-            by_group.setdefault(c.dst_group, []).append(c)
+    def plan_shard(shard: int) -> list[list[tuple[int, Any]]]:
+        by_group: dict[str, list[Copy]] = {}
+        for plan in plans.values():
+            for c in plan.for_dst_shard(shard):
+                by_group.setdefault(c.dst_group, []).append(c)
 
-    # Each batch: (slot index, piece) pairs; a piece is an int (that many zero bytes) or a read.
-    batches: list[list[tuple[int, Any]]] = [[]]
-    batch_bytes = 0
-    for si, slot in enumerate(slots):
-        group, kind = slot.name.rsplit(".", 1)
-        n = itemsize(slot.dtype)
-        max_elems = max(1, buffer_bytes // n)
-        pos = 0
+        # Each batch: (slot index, piece) pairs; a piece is an int (that many zero bytes) or a read.
+        batches: list[list[tuple[int, Any]]] = [[]]
+        batch_bytes = 0
+        for si, slot in enumerate(slots):
+            group, kind = slot.name.rsplit(".", 1)
+            n = itemsize(slot.dtype)
+            max_elems = max(1, buffer_bytes // n)
+            pos = 0
 
-        def add(piece: Any, nbytes: int) -> None:
-            nonlocal batch_bytes
-            if batch_bytes + nbytes > buffer_bytes and batches[-1]:
-                batches.append([])
-                batch_bytes = 0
-            batches[-1].append((si, piece))
-            batch_bytes += nbytes
+            def add(piece: Any, nbytes: int) -> None:
+                nonlocal batch_bytes
+                if batch_bytes + nbytes > buffer_bytes and batches[-1]:
+                    batches.append([])
+                    batch_bytes = 0
+                batches[-1].append((si, piece))
+                batch_bytes += nbytes
 
-        for c in by_group.get(group, ()):
-            if c.dst_offset > pos:
-                add((c.dst_offset - pos) * n, 0)
-            for x in range(0, c.numel, max_elems):
-                take = min(c.numel - x, max_elems)
-                add(reader.state_range(c.src_shard, c.src_group, kind,
-                                       c.src_offset + x, c.src_offset + x + take), take * n)
-            pos = c.dst_offset + c.numel
-        if pos < slot.shape[0]:
-            add((slot.shape[0] - pos) * n, 0)
+            for c in by_group.get(group, ()):
+                if c.dst_offset > pos:
+                    add((c.dst_offset - pos) * n, 0)
+                for x in range(0, c.numel, max_elems):
+                    take = min(c.numel - x, max_elems)
+                    add(reader.state_range(c.src_shard, c.src_group, kind,
+                                           c.src_offset + x, c.src_offset + x + take), take * n)
+                pos = c.dst_offset + c.numel
+            if pos < slot.shape[0]:
+                add((slot.shape[0] - pos) * n, 0)
+        return batches
 
-    def fetch(batch: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    # Every batch of every shard, in the order they are written: (shard, batch).
+    batches = [(t, b) for t in shards for b in plan_shard(t) if b]
+
+    zeros = bytes(max((p for _, b in batches for _, p in b if isinstance(p, int)), default=0))
+    use_pool = pool is not None and ranged.storage.is_local
+    if use_pool:
+        need = max((sum(p[2] - p[1] for _, p in b if not isinstance(p, int)) for _, b in batches), default=0)
+        assert pool is not None
+        while len(pool) < 2:
+            pool.append(bytearray())
+        for k, buf in enumerate(pool):
+            if len(buf) < need:
+                pool[k] = bytearray(need)
+
+    def fetch(batch: list[tuple[int, Any]], k: int) -> list[tuple[int, Any]]:
         reads = [p for _, p in batch if not isinstance(p, int)]
-        data = iter(ranged.read_many(reads, workers=read_workers))
-        return [(si, bytes(p) if isinstance(p, int) else next(data)) for si, p in batch]
+        if use_pool:
+            assert pool is not None
+            data = iter(ranged.read_many_into(reads, memoryview(pool[k % 2]), workers=read_workers))
+        else:
+            data = iter(ranged.read_many(reads, workers=read_workers))
+        zview = memoryview(zeros)
+        return [(si, zview[:p] if isinstance(p, int) else next(data)) for si, p in batch]
 
     index = {s.name: i for i, s in enumerate(slots)}
-    state: dict[str, Any] = {"next": 0, "pending": None, "current": [], "pos": 0}
+    state: dict[str, Any] = {"next": 0, "pending": None, "pending_shard": None, "current": [], "pos": 0}
 
-    def advance() -> bool:
-        """Make the next batch current (starting the read of the one after); False at the end."""
-        if state["pending"] is None and state["next"] < len(batches):
-            state["pending"] = prefetch.submit(fetch, batches[state["next"]])
-            state["next"] += 1
-        if state["pending"] is None:
+    def submit() -> None:
+        k = state["next"]
+        if state["pending"] is None and k < len(batches):
+            state["pending"] = prefetch.submit(fetch, batches[k][1], k)
+            state["pending_shard"] = batches[k][0]
+            state["next"] = k + 1
+
+    def advance(shard: int) -> bool:
+        """Make the shard's next batch current (starting the read of the one after, maybe of the
+        next shard); False at the end of the shard's batches."""
+        submit()
+        if state["pending"] is None or state["pending_shard"] != shard:
             return False
         state["current"], state["pos"] = state["pending"].result(), 0
         state["pending"] = None
-        if state["next"] < len(batches):
-            state["pending"] = prefetch.submit(fetch, batches[state["next"]])
-            state["next"] += 1
+        submit()
         return True
 
-    def produce(slot: TensorSlot) -> Iterator[Any]:
-        si = index[slot.name]
-        while True:
-            if state["pos"] == len(state["current"]) and not advance():
-                return
-            owner, piece = state["current"][state["pos"]]
-            if owner != si:  # the next slot's bytes: leave them for its call
-                return
-            state["pos"] += 1
-            if on_bytes:
-                on_bytes(len(piece))
-            yield piece
+    def for_shard(shard: int) -> Callable[[TensorSlot], Iterator[Any]]:
+        def produce(slot: TensorSlot) -> Iterator[Any]:
+            si = index[slot.name]
+            while True:
+                if state["pos"] == len(state["current"]) and not advance(shard):
+                    return
+                owner, piece = state["current"][state["pos"]]
+                if owner != si:  # the next slot's bytes: leave them for its call
+                    return
+                state["pos"] += 1
+                if on_bytes:
+                    on_bytes(len(piece))
+                yield piece
 
-    return produce
+        return produce
+
+    return for_shard
 
 
 def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: str,
@@ -146,11 +193,12 @@ def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: 
     writer = CheckpointWriter(as_storage(dst_url, dst_options), spec, save_id)
     ranged = CachedRangeReader(reader.storage, reader.manifest.chunk_size)
     entries = []
+    pool: list[bytearray] = []  # read buffers reused by every shard (local sources)
     with ThreadPoolExecutor(1) as prefetch:
+        for_shard = _shard_producers(reader, ranged, plans, shards, writer.slots, buffer_bytes,
+                                     prefetch, on_bytes, pool=pool)
         for t in shards:
-            produce = _slot_producer(reader, ranged, plans, t, writer.slots, buffer_bytes, prefetch,
-                                     on_bytes)
-            entries.append(writer.write_shard(t, produce))
+            entries.append(writer.write_shard(t, for_shard(t)))
     return entries, ranged.bytes_read
 
 

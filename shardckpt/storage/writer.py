@@ -1,6 +1,6 @@
 """Streaming writes that checksum as bytes go by and never commit a partial object.
 
-A :class:`StreamWriter` computes the whole-file and per-chunk CRC32C and hands the bytes to a
+A :class:`StreamWriter` computes the per-chunk CRC32C (and from them the whole-file one) and hands the bytes to a
 sink for the storage's kind: a local file (fsync on close), an S3 multipart upload
 (:class:`~shardckpt.storage.s3._S3Upload`), or any other fsspec file.
 """
@@ -27,6 +27,87 @@ def crc32c(data: Any, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+# CRC32C combine, as zlib's crc32_combine: crc(A + B) = x^(8 len(B)) * crc(A) + crc(B) mod P
+# (reflected bit order; the pre- and post-inversions cancel out).
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b mod P, both reflected 32-bit polynomials."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    p, t = 1 << 30, []  # x^1
+    for _ in range(32):
+        t.append(p)
+        p = _multmodp(p, p)
+    return t
+
+
+_X2N = _x2n_table()  # x^(2^k) mod P
+
+
+def crc32c_shift(n: int) -> int:
+    """The operator x^(8n) mod P: multiplying a CRC by it appends ``n`` zero bytes to its data."""
+    p, k = 1 << 31, 3  # x^0; 2^3 bits a byte
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and ``len2 = len(B)``."""
+    return _multmodp(crc32c_shift(len2), crc1) ^ crc2
+
+
+_shift_tables: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+
+
+def _tables(n: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The operator of :func:`crc32c_shift` as four 256-entry tables (one per byte of the CRC)."""
+    t = _shift_tables.get(n)
+    if t is None:
+        op = crc32c_shift(n)
+        basis = [_multmodp(op, 1 << j) for j in range(32)]
+
+        def table(byte: int) -> list[int]:
+            out = [0] * 256
+            for v in range(1, 256):
+                low = v & -v
+                out[v] = out[v ^ low] ^ basis[8 * byte + low.bit_length() - 1]
+            return out
+        t = (table(0), table(1), table(2), table(3))
+        if len(_shift_tables) > 16:
+            _shift_tables.clear()
+        _shift_tables[n] = t
+    return t
+
+
+def crc32c_of_chunks(chunk_crcs: "list[int] | tuple[int, ...]", chunk_size: int, size: int) -> int:
+    """Whole-data CRC32C from the CRC32Cs of its ``chunk_size`` chunks (the last may be short)."""
+    if not chunk_crcs:
+        return 0
+    t0, t1, t2, t3 = _tables(chunk_size)
+    crc = chunk_crcs[0]
+    full = len(chunk_crcs) - 1 if size % chunk_size else len(chunk_crcs)
+    for c in chunk_crcs[1:full]:
+        crc = t0[crc & 0xFF] ^ t1[(crc >> 8) & 0xFF] ^ t2[(crc >> 16) & 0xFF] ^ t3[crc >> 24] ^ c
+    if full < len(chunk_crcs) and len(chunk_crcs) > 1:  # the short last chunk: its operator once
+        crc = _multmodp(crc32c_shift(size % chunk_size), crc) ^ chunk_crcs[-1]
+    return crc
+
+
 class StreamWriter:
     """Sequential writer that computes the whole-file and per-chunk CRC32C as bytes go by.
 
@@ -37,9 +118,10 @@ class StreamWriter:
     """
 
     def __init__(self, storage: Storage, rel: str, chunk_size: int) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
         self.storage, self.rel, self.chunk_size = storage, rel, chunk_size
         self.size = 0
-        self.crc = 0
         self.chunks: list[int] = []
         self._chunk_crc = 0
         self._chunk_fill = 0
@@ -58,7 +140,6 @@ class StreamWriter:
             return
         if self._closed:
             raise StorageError(f"{self.storage.url_of(self.rel)}: write after close or abort")
-        self.crc = crc32c(view, self.crc)
         pos = 0
         while pos < n:
             take = min(n - pos, self.chunk_size - self._chunk_fill)
@@ -70,6 +151,12 @@ class StreamWriter:
                 self._chunk_crc, self._chunk_fill = 0, 0
         self._sink.write(view)
         self.size += n
+
+    @property
+    def crc(self) -> int:
+        """CRC32C of everything written so far, derived from the per-chunk CRCs (one pass a byte)."""
+        chunks = self.chunks + [self._chunk_crc] if self._chunk_fill else self.chunks
+        return crc32c_of_chunks(chunks, self.chunk_size, self.size)
 
     def close(self) -> tuple[int, int, tuple[int, ...]]:
         """Flush, make durable (fsync locally; complete the upload remotely); return checksums."""
