@@ -56,6 +56,8 @@ def main() -> None:
         if (step + 1) % args.save_every == 0:
             ckpt.save(step + 1)                             # returns once shards are staged
     ckpt.close()                                            # waits for the last save
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ class Checkpointer:
         self._staging: dict[str, dict[str, Any]] | None = None
         self._pending: Future[Manifest] | None = None
         self._staged = threading.Event()
+        self._thread: threading.Thread | None = None
         self._staged.set()
         if async_save and is_distributed():
             import torch.distributed as dist
@@ -158,8 +159,9 @@ class Checkpointer:
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 fut.set_exception(e)
 
-        threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True).start()
-        self._pending = fut
+        thread = threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True)
+        thread.start()
+        self._pending, self._thread = fut, thread
 
     def _before_step(self, *_: Any) -> None:
         self._staged.wait()
@@ -177,14 +179,30 @@ class Checkpointer:
     def wait(self) -> Manifest | None:
         """Wait for the save in flight, if any; raise its error."""
         fut, self._pending = self._pending, None
-        return fut.result() if fut is not None else None
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        finally:
+            if self._thread is not None:
+                self._thread.join()  # the thread owns collectives until it has fully ended
+                self._thread = None
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None and not self._pending.done()
 
     def close(self) -> None:
-        self.wait()
+        """Wait for the save in flight (raising its error), then release the private group."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+                self._group = None
 
     # ---------------------------------------------------------------------------- resume
 
