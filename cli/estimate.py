@@ -53,7 +53,7 @@ def estimate(
     replicate: str = typer.Option("1", "--replicate", "-r",
                                   help="HSDP replicate degree R (divides N); adds an HSDP row."),
     precision: str = typer.Option("paper", "--precision",
-                                  help="paper | fsdp2-bf16 | fp32 (bytes per kind of state)."),
+                                  help="paper | fsdp2-bf16 | fsdp2-fp32 | fp32 (bytes per kind of state)."),
     largest_unit: Optional[str] = typer.Option(
         None, "--largest-unit",
         help="Parameters in the largest unit: adds gathered working memory for ZeRO-3 / HSDP."),

@@ -93,6 +93,11 @@ PRECISIONS: dict[str, Precision] = {
                   "gathered per unit once they are sharded"),
         Precision("fp32", 4, 4, 0, 8, False,
                   "fp32 params and grads, two fp32 Adam moments, no separate master (K = 8)"),
+        Precision("fsdp2-fp32", 4, 4, 4, 8, True,
+                  "FSDP2 / shardckpt without mixed precision: the fp32 sharded params are the "
+                  "master, fp32 grads, two fp32 Adam moments; the fp32 compute copy is "
+                  "resident (beside the master shard) while params are replicated, gathered "
+                  "per unit once they are sharded"),
     )
 }
 

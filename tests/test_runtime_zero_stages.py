@@ -67,9 +67,9 @@ def gathers(monkeypatch) -> list[int]:
     seen: list[int] = []
     real = flat_module.collectives.all_gather_shard
 
-    def counting(pm, full, shard):
+    def counting(pm, full, shard, **kwargs):  # kwargs: async_op (prefetch), acct
         seen.append(full.numel())
-        real(pm, full, shard)
+        return real(pm, full, shard, **kwargs)
 
     monkeypatch.setattr(flat_module.collectives, "all_gather_shard", counting)
     return seen

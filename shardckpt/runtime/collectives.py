@@ -15,17 +15,23 @@ backend's reduction order, so it equals a single-process reference. ZeRO-1 needs
 on every rank: :func:`all_reduce_mean` is that reduction followed by an all-gather of the fp32
 slices (the volume of a ring all-reduce), so its slice ``r`` is bit for bit what
 :func:`reduce_scatter_mean` gives rank ``r``.
+
+Every function takes an optional :class:`~shardckpt.runtime.accounting.Accounting` and records
+the logical volume of each collective it issues there (none for a group of one rank).
+:func:`all_gather_shard` can also be issued asynchronously (prefetch); it then returns the
+backend's work handle, which the caller must wait on before reading or freeing ``full``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from shardckpt.errors import CollectiveError
+from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.mesh import ProcessMesh
 
 FP32 = torch.float32
@@ -52,9 +58,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+def _record(acct: Accounting | None, op: str, t: torch.Tensor, factor: int = 1) -> None:
+    if acct is not None:
+        acct.record(op, t, factor)
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object,
+                       async_op: bool = False) -> Any:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
@@ -62,20 +74,25 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: object) 
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
-def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor) -> None:
+def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor, *,
+                     async_op: bool = False, acct: Accounting | None = None) -> Any:
     """Fill ``full`` (``S * s`` elements) with every shard rank's ``shard`` (``s`` elements), in order.
 
-    A byte copy: the result is exact whatever the dtype. Called on every rank of the shard group.
+    A byte copy: the result is exact whatever the dtype (with one shard rank ``shard`` may have
+    another dtype and is cast, round to nearest even). Called on every rank of the shard group.
+    With ``async_op`` returns the work handle (``None`` if nothing is left to wait for).
     """
     if pm.shard_degree == 1:
         full.copy_(shard)
-        return
+        return None
+    _record(acct, "all_gather", full)
     with collective_guard("all-gather of a flat group", pm):
-        _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group)
+        return _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group, async_op)
 
 
 def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
-                        sum_dtype: torch.dtype = FP32) -> torch.Tensor:
+                        sum_dtype: torch.dtype = FP32,
+                        acct: Accounting | None = None) -> torch.Tensor:
     """This rank's slice of the mean of ``grad`` over all ranks, in fp32 (``s`` elements).
 
     ``grad`` is the full padded flat-group gradient (``S * s`` elements) of this rank. With
@@ -88,22 +105,25 @@ def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool
     if W == 1:
         return grad.to(sum_dtype, copy=True).div_(W).to(FP32)
     if deterministic:
-        return _ordered_mean(pm, grad, s, sum_dtype)
+        return _ordered_mean(pm, grad, s, sum_dtype, acct)
     # Gloo has no bf16/fp16 reductions worth trusting; reduce in fp32 there.
     red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
     out = torch.empty(s, dtype=red.dtype, device=red.device)
     with collective_guard("reduce-scatter of a gradient", pm):
         if S > 1:
+            _record(acct, "reduce_scatter", red)
             _reduce_scatter_single(out, red, pm.shard_group)
         else:
             out.copy_(red)
         if pm.replicate_group is not None:
+            _record(acct, "all_reduce", out, 2)
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
     return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
 
 
 def all_reduce_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
-                    sum_dtype: torch.dtype = FP32) -> torch.Tensor:
+                    sum_dtype: torch.dtype = FP32,
+                    acct: Accounting | None = None) -> torch.Tensor:
     """The whole mean of ``grad`` over all ranks, in fp32 (``S * s`` elements; ZeRO-1).
 
     Deterministic: :func:`reduce_scatter_mean`, then an all-gather of the fp32 slices over the
@@ -113,16 +133,17 @@ def all_reduce_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
     if pm.world_size == 1:
         return grad.to(sum_dtype, copy=True).div_(1).to(FP32)
     if deterministic:
-        return all_gather_flat(pm, reduce_scatter_mean(pm, grad, True, sum_dtype))
+        return all_gather_flat(pm, reduce_scatter_mean(pm, grad, True, sum_dtype, acct), acct)
     red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
     red = red.clone() if red is grad else red
+    _record(acct, "all_reduce", red, 2)
     with collective_guard("all-reduce of a gradient", pm):
         dist.all_reduce(red, op=dist.ReduceOp.SUM, group=pm.world_group)
     return red.to(FP32).div_(pm.world_size) if red.dtype != FP32 else red.div_(pm.world_size)
 
 
-def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
-                  sum_dtype: torch.dtype = FP32) -> torch.Tensor:
+def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int, sum_dtype: torch.dtype = FP32,
+                  acct: Accounting | None = None) -> torch.Tensor:
     W, mesh = pm.world_size, pm.mesh
     if mesh.shard_degree == W:
         send = grad  # chunk r is already rank r's slice
@@ -130,6 +151,7 @@ def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
         send = torch.cat([grad[mesh.shard_rank(j) * s:(mesh.shard_rank(j) + 1) * s]
                           for j in range(W)])
     recv = torch.empty(W * s, dtype=grad.dtype, device=grad.device)
+    _record(acct, "all_to_all", send)
     with collective_guard("ordered gradient exchange (all-to-all)", pm):
         dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group)
     acc = recv[:s].to(sum_dtype, copy=True)
@@ -138,16 +160,19 @@ def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
     return acc.div_(W).to(FP32)
 
 
-def all_gather_flat(pm: ProcessMesh, shard: torch.Tensor) -> torch.Tensor:
+def all_gather_flat(pm: ProcessMesh, shard: torch.Tensor,
+                    acct: Accounting | None = None) -> torch.Tensor:
     """The whole flat group (``S * s`` elements) from every shard rank's ``shard``; allocates."""
     full = torch.empty(shard.numel() * pm.shard_degree, dtype=shard.dtype, device=shard.device)
-    all_gather_shard(pm, full, shard)
+    all_gather_shard(pm, full, shard, acct=acct)
     return full
 
 
-def all_reduce_shard_sum(pm: ProcessMesh, t: torch.Tensor) -> torch.Tensor:
+def all_reduce_shard_sum(pm: ProcessMesh, t: torch.Tensor,
+                         acct: Accounting | None = None) -> torch.Tensor:
     """Sum ``t`` over the shard group, in place (replicas hold the same shards, so not over them)."""
     if pm.shard_degree > 1:
+        _record(acct, "all_reduce", t, 2)
         with collective_guard("all-reduce over the shard group", pm):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pm.shard_group)
     return t

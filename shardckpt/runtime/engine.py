@@ -6,8 +6,11 @@ follows PyTorch FSDP; :mod:`shardckpt.runtime.stages` has the per-stage schedule
 1. before a unit's forward its flat groups are all-gathered and its parameters become views into
    the gathered buffers (in the compute dtype of the mixed-precision policy, if any); in stage 3
    the buffers are freed after the forward (the root stays gathered until its backward, since
-   that comes next); in stages 1 and 2 they stay until the optimizer step;
-2. when the gradient of a unit's output arrives, the unit is gathered again for its backward;
+   that comes next; with ``reshard_after_forward=False`` every unit does); in stages 1 and 2 they
+   stay until the optimizer step. With ``prefetch`` the next unit's all-gather is already in
+   flight (:mod:`shardckpt.runtime.prefetch`);
+2. when the gradient of a unit's output arrives, the unit is gathered again for its backward
+   (with ``prefetch``, the unit whose backward comes next starts gathering);
 3. as soon as every parameter of a trained flat group has its local gradient, the group's
    gradient is reduced (mean over ranks): reduce-scattered into an fp32 shard (stages 2, 3) or
    all-reduced whole (stage 1). Under :meth:`ZeroEngine.no_sync` it is accumulated locally
@@ -36,7 +39,9 @@ from torch import nn
 
 from shardckpt.errors import ConfigError
 from shardckpt.layout import Layout, build_layout
-from shardckpt.runtime import collectives, full_params
+from shardckpt.estimate import Estimate
+from shardckpt.runtime import accounting, collectives, full_params
+from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.flat import FlatParamGroup
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
@@ -45,6 +50,7 @@ from shardckpt.runtime.precision import (
     input_cast_dtype,
     resolve_precision,
 )
+from shardckpt.runtime.prefetch import CommStream
 from shardckpt.runtime.stages import StageSchedule, Unit, check_stage
 from shardckpt.runtime.units import ROOT, PolicyLike, plan_units
 
@@ -71,6 +77,13 @@ class ZeroEngine:
         prefix: namespaces flat-group names (the checkpoint component; ``"model."``).
         reshard_root_after_forward: stage 3: free the root unit after forward too (saves memory,
             costs one more all-gather of the root per step).
+        reshard_after_forward: stage 3: free the other units after their forward (default); with
+            ``False`` they stay gathered until their backward is done, so each unit is
+            all-gathered once per step (2Ψ per step instead of 3Ψ, for the memory of every
+            unit's compute copy during the step; FSDP2's option of the same name).
+        prefetch: issue the next unit's all-gather asynchronously while the current unit
+            computes, in forward and (reverse order) in backward; on CUDA on a side stream. The
+            same collectives and bits as without it (:mod:`shardckpt.runtime.prefetch`).
 
     Public surface (what checkpointing and tools rely on):
 
@@ -82,7 +95,9 @@ class ZeroEngine:
     * :meth:`buffers` / :meth:`load_buffers` (persistent buffers by FQN);
     * the optimizer's ``optimizer_metadata()`` / ``load_optimizer_metadata()``;
     * :meth:`gather_full_params`, :meth:`summon_full_params`, :meth:`full_state_dict` and
-      :meth:`clip_grad_norm_` (collective); :meth:`load_full_state_dict` (local).
+      :meth:`clip_grad_norm_` (collective); :meth:`load_full_state_dict` (local);
+    * accounting (:mod:`shardckpt.runtime.accounting`): ``accounting`` (elements per collective
+      type, gathered-weight bytes and peak), :meth:`model_state_bytes` and :meth:`estimate`.
 
     Construction runs no collectives, but every rank must build the same module under the same
     RNG state (or pass ``init_seed``), since each keeps its slice of the same whole. Set
@@ -95,7 +110,8 @@ class ZeroEngine:
                  process_mesh: ProcessMesh | None = None, stage: int = 3,
                  mixed_precision: MixedPrecisionPolicy | None = None, deterministic: bool = False,
                  init_fn: InitFn | None = None, init_seed: int | None = None,
-                 prefix: str = "model.", reshard_root_after_forward: bool = False) -> None:
+                 prefix: str = "model.", reshard_root_after_forward: bool = False,
+                 reshard_after_forward: bool = True, prefetch: bool = True) -> None:
         stage = check_stage(stage)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
             raise ConfigError(f"mixed_precision is {mixed_precision!r}; pass a "
@@ -111,15 +127,18 @@ class ZeroEngine:
         params, fresh = swap_meta_params(module, [(f, p) for f, p, _ in plan.params], pm.device)
         self._params = params
         self._fqn_of = {id(p): fqn for fqn, p in params.items()}
+        self.accounting = Accounting()
+        comm = CommStream(pm.device)
         self.groups: dict[str, FlatParamGroup] = {
-            g.name: FlatParamGroup(g, self.layout, [params[f] for f in g.params], pm)
+            g.name: FlatParamGroup(g, self.layout, [params[f] for f in g.params], pm,
+                                   self.accounting, comm)
             for g in self.layout.groups
         }
         self.units: list[Unit] = []
         for name in plan.units:
             groups = [g for g in self.groups.values() if g.spec.unit == name]
-            self.units.append(Unit(name, plan.modules[name], groups,
-                                   stage == 3 and (reshard_root_after_forward or name != ROOT),
+            reshard = reshard_root_after_forward if name == ROOT else reshard_after_forward
+            self.units.append(Unit(name, plan.modules[name], groups, stage == 3 and reshard,
                                    trained=sum(g.trainable for g in groups)))
         unit_of = {id(params[f]): unit for f, _, unit in plan.params}
         shard_unit_by_unit(module, {u.name: u.groups for u in self.units}, unit_of,
@@ -129,7 +148,8 @@ class ZeroEngine:
                 g.set_precision(resolve_precision(mixed_precision, g.dtype))
         self._optimizer: Any = None
         self._schedule = StageSchedule(self.units, stage, deterministic,
-                                       input_cast_dtype(mixed_precision))
+                                       input_cast_dtype(mixed_precision), prefetch, module)
+        self.accounting.reset()  # construction gathered units one by one to initialize them
         log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s; %s", stage,
                  len(self.units), len(self.groups), len(params),
                  f", {mixed_precision}" if mixed_precision else "", pm.describe())
@@ -185,8 +205,10 @@ class ZeroEngine:
                 g.free()
                 g.refresh()
         if self.stage < 3:
+            for unit in self.units:  # issue every all-gather, then wait for them
+                unit.start_gather()
             for unit in self.units:
-                unit.gather()
+                unit.wait_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the reduced gradients, any unreduced accumulation, and any stray ``.grad``."""
@@ -242,7 +264,7 @@ class ZeroEngine:
         for g in self.groups.values():
             if g.grad is not None:
                 total += g.grad.double().square().sum()
-        norm = collectives.all_reduce_shard_sum(self.process_mesh, total).sqrt()
+        norm = collectives.all_reduce_shard_sum(self.process_mesh, total, self.accounting).sqrt()
         coef = torch.clamp(max_norm / (norm + eps), max=1.0)
         for g in self.groups.values():
             if g.grad is not None:
@@ -285,6 +307,16 @@ class ZeroEngine:
         """Load whole tensors (as :meth:`full_state_dict` gives them) into the masters and
         buffers; each rank keeps its slice. Local (no collectives)."""
         full_params.load_full_state_dict(self, state_dict, strict)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now by kind (``params``, ``grads``, ``master``,
+        ``optim``), each storage once; :func:`shardckpt.runtime.accounting.model_state_bytes`."""
+        return accounting.model_state_bytes(self)
+
+    def estimate(self, precision: str | None = None) -> Estimate:
+        """The estimator's figures for this model (padded Ψ), stage, mesh and precision policy;
+        :func:`shardckpt.runtime.accounting.estimate_for`."""
+        return accounting.estimate_for(self, precision)
 
     @property
     def optimizer(self) -> Any:

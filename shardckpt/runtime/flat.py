@@ -4,13 +4,16 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
 
 * ``master`` is 1-D, ``s`` elements, ``group.master_dtype`` (fp32 if trained, the param's dtype if
   frozen); ``master[i]`` is element ``r * s + i`` of the flat group. Padding elements are zero.
-* ``compute`` is the shard in the compute dtype (``precision.compute``: the declared dtype, or a
-  mixed-precision policy's ``param_dtype``) that all-gathers read: ``master`` itself when the
-  dtypes agree, else a copy that :meth:`refresh` re-derives from ``master``.
+* the compute dtype (``precision.compute``: the declared dtype, or a mixed-precision policy's
+  ``param_dtype``) is what all-gathers move: ``master`` itself when the dtypes agree, else a copy
+  cast (round to nearest even) at gather time and dropped once the all-gather is done, so no
+  compute-dtype shard stays resident (as in FSDP2; :attr:`compute` shows it).
 * ``full`` is 1-D with ``padded_numel`` elements in the compute dtype. Its storage holds 0 bytes
   unless the group is gathered. While gathered, each parameter's ``.data`` is a view of its
   ``[offset, offset + numel)`` elements; otherwise a 0-element placeholder. Autograd's saved views
-  keep pointing at the same storage object, which a re-gather refills.
+  keep pointing at the same storage object, which a re-gather refills. A gather may be in flight
+  (:meth:`start_gather`, prefetch): then ``full`` is allocated but undefined until
+  :meth:`wait_gather`, and :meth:`free` waits for it before releasing the storage.
 * the local gradient buffer (``precision.grad`` dtype, ``padded_numel`` elements) exists from the
   first parameter gradient of a backward until the group is reduced; backward passes without
   gradient sync (gradient accumulation) add into it. Padding stays zero.
@@ -29,8 +32,10 @@ from torch import nn
 from shardckpt.errors import ConfigError
 from shardckpt.layout import FlatGroup, Layout, ParamSpec
 from shardckpt.runtime import collectives
+from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import GroupPrecision, resolve_precision
+from shardckpt.runtime.prefetch import CommStream, InFlight
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -50,9 +55,13 @@ class FlatParamGroup:
     """Runtime state of one :class:`~shardckpt.layout.FlatGroup` on this rank (see module docstring)."""
 
     def __init__(self, spec: FlatGroup, layout: Layout, params: Sequence[nn.Parameter],
-                 pm: ProcessMesh) -> None:
+                 pm: ProcessMesh, acct: Accounting | None = None,
+                 comm: CommStream | None = None) -> None:
         self.spec = spec
         self.pm = pm
+        self.acct = acct if acct is not None else Accounting()
+        self.comm = comm if comm is not None else CommStream(pm.device)
+        self._inflight: InFlight | None = None
         self.param_specs = layout.group_params(spec)
         self.params = list(params)
         if len(self.params) != len(self.param_specs):
@@ -84,10 +93,8 @@ class FlatParamGroup:
         self.refresh()
 
     def _make_compute_buffers(self) -> None:
-        """``compute``, the (freed) ``full`` and the placeholder, in ``self.dtype``."""
+        """The (freed) ``full`` and the placeholder, in ``self.dtype``."""
         device = self.master.device
-        self.compute = (self.master if self.master.dtype == self.dtype
-                        else torch.zeros(self.shard_numel, dtype=self.dtype, device=device))
         self.full = torch.empty(self.spec.padded_numel, dtype=self.dtype, device=device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -101,30 +108,61 @@ class FlatParamGroup:
     def trainable(self) -> bool:
         return self.spec.requires_grad
 
+    @property
+    def compute(self) -> torch.Tensor:
+        """This rank's shard in the compute dtype: ``master`` itself, or a fresh cast of it."""
+        return self.master if self.master.dtype == self.dtype else self.master.to(self.dtype)
+
+    @property
+    def local_grad(self) -> torch.Tensor | None:
+        """The unreduced local gradient buffer, if one exists now."""
+        return self._local_grad
+
     # ------------------------------------------------------------------ gather / free
 
     def allocate(self) -> None:
         """Give ``full`` its storage back (contents undefined) and point the params into it."""
         if not self.gathered:
             self.full.untyped_storage().resize_(self._full_nbytes)
+            self.acct.allocated(self._full_nbytes)
             self._point_params()
             self.gathered = True
 
-    def gather(self) -> None:
-        """All-gather ``compute`` from every shard rank into ``full``. Collective; idempotent."""
+    def start_gather(self) -> None:
+        """Issue the all-gather of the compute shards into ``full`` and return without waiting
+        (idempotent). ``full`` is undefined until :meth:`wait_gather`. Collective."""
         if self.gathered:
             return
         self.allocate()
-        with torch.no_grad():
-            collectives.all_gather_shard(self.pm, self.full, self.compute)
+        with torch.no_grad(), self.comm.issue():
+            # One shard rank: copy_ casts straight into ``full``; else cast once for the wire.
+            src = self.master if self.pm.shard_degree == 1 else self.compute
+            work = collectives.all_gather_shard(self.pm, self.full, src, async_op=True,
+                                                acct=self.acct)
+        self._inflight = InFlight(work, (src,), self.comm.stream)
+
+    def wait_gather(self) -> None:
+        """Wait for an all-gather started by :meth:`start_gather` (no-op if none is in flight)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            with collectives.collective_guard("all-gather of a flat group", self.pm):
+                inflight.wait()
+
+    def gather(self) -> None:
+        """All-gather the compute shards from every shard rank into ``full``. Collective;
+        idempotent; waits for a prefetched gather."""
+        self.start_gather()
+        self.wait_gather()
 
     def free(self) -> None:
         """Drop the non-owned part: params become placeholders and ``full`` holds no bytes."""
         if not self.gathered:
             return
+        self.wait_gather()  # never release a buffer a collective still writes into
         for p in self.params:
             p.data = self._placeholder
         self.full.untyped_storage().resize_(0)
+        self.acct.released(self._full_nbytes)
         self.gathered = False
 
     def _point_params(self) -> None:
@@ -141,6 +179,8 @@ class FlatParamGroup:
     def shard_from_full(self, full: torch.Tensor | None = None) -> None:
         """Copy this rank's slice of ``full`` (default: the gathered buffer) into ``master``,
         then re-derive ``compute``. Local; padding stays zero."""
+        if full is None:
+            self.wait_gather()
         full = self.full if full is None else full
         with torch.no_grad():
             self.master.copy_(full[self.shard_start:self.shard_end])
@@ -150,10 +190,8 @@ class FlatParamGroup:
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-derive the compute shard from ``master`` (a no-op when they are one tensor)."""
-        if self.compute is not self.master:
-            with torch.no_grad():
-                self.compute.copy_(self.master)
+        """Re-derive the compute shard from ``master``: nothing to do, since the compute copy is
+        cast from ``master`` at each gather; kept so that callers need not know."""
 
     # ---------------------------------------------------------------------- gradients
 
@@ -196,7 +234,8 @@ class FlatParamGroup:
         self._arrived = 0
         sum_dtype = self.precision.sum
         if full:
-            reduced = collectives.all_reduce_mean(self.pm, buf, deterministic, sum_dtype)
+            reduced = collectives.all_reduce_mean(self.pm, buf, deterministic, sum_dtype,
+                                                  self.acct)
             del buf
             if self.grad_full is None:
                 self.grad_full = reduced
@@ -204,7 +243,8 @@ class FlatParamGroup:
             else:
                 self.grad_full.add_(reduced)
             return
-        reduced = collectives.reduce_scatter_mean(self.pm, buf, deterministic, sum_dtype)
+        reduced = collectives.reduce_scatter_mean(self.pm, buf, deterministic, sum_dtype,
+                                                  self.acct)
         if self.grad is None:
             self.grad = reduced
         else:

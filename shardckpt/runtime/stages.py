@@ -26,6 +26,12 @@ Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) re-runs a u
 inside backward: the pre-hook gathers (idempotent) and the forward hook neither frees nor hooks
 again, so the recomputation finds the weights it needs and the unit is freed when its backward is
 done.
+
+Stage 3 options: ``reshard_after_forward=False`` keeps every unit gathered from its forward to its
+backward (one all-gather per unit and step instead of two, for the memory of the whole model's
+compute copy; FSDP2's option of the same name); with prefetch (:mod:`shardckpt.runtime.prefetch`)
+the next unit's all-gather is issued asynchronously while the current one computes, in forward
+and (in reverse order) in backward.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from shardckpt.errors import ConfigError
 from shardckpt.runtime.flat import FlatParamGroup
+from shardckpt.runtime.prefetch import Prefetcher
 
 STAGES = (1, 2, 3)
 
@@ -65,9 +72,24 @@ class Unit:
     inputs_done: bool = False        # gradients w.r.t. the unit's inputs were computed
     hooks: list[Any] = field(default_factory=list)
 
-    def gather(self) -> None:
+    @property
+    def gathered(self) -> bool:
+        return all(g.gathered for g in self.groups)
+
+    def start_gather(self) -> None:
+        """Issue the all-gathers of every group without waiting (prefetch). Collective."""
         for g in self.groups:
-            g.gather()
+            g.start_gather()
+
+    def wait_gather(self) -> None:
+        """Wait for the all-gathers in flight (no-op for groups without one)."""
+        for g in self.groups:
+            g.wait_gather()
+
+    def gather(self) -> None:
+        """Gather every group (issued together, then waited for). Collective; idempotent."""
+        self.start_gather()
+        self.wait_gather()
 
     def free(self) -> None:
         for g in self.groups:
@@ -96,20 +118,28 @@ def in_backward() -> bool:
 class StageSchedule:
     """Installs the hooks of ``units`` and runs one step's gather/free/reduce for ``stage``.
 
-    Invariants: every rank runs the same units in the same order, so the collectives pair up;
-    with ``sync_grads`` off no collective runs in backward; at the end of a synced backward every
-    trained group that got a gradient since the last reduction has been reduced exactly once; in
-    stage 3 nothing is gathered between steps.
+    Invariants: every rank runs the same units in the same order, so the collectives (prefetched
+    all-gathers included) pair up; with ``sync_grads`` off no gradient collective runs in
+    backward; at the end of a synced backward every trained group that got a gradient since the
+    last reduction has been reduced exactly once and no all-gather is in flight; in stage 3
+    nothing is gathered between steps. ``prefetch`` changes when all-gathers are issued, never
+    which (:mod:`shardckpt.runtime.prefetch`).
     """
 
     def __init__(self, units: Sequence[Unit], stage: int, deterministic: bool,
-                 input_dtype: torch.dtype | None = None) -> None:
+                 input_dtype: torch.dtype | None = None, prefetch: bool = False,
+                 top: nn.Module | None = None) -> None:
         self.units = list(units)
         self.stage = check_stage(stage)
         self.deterministic = deterministic
         self.input_dtype = input_dtype  # floating-point unit inputs are cast to it (if set)
         self.sync_grads = True
         self.in_backward = False
+        self.prefetcher = Prefetcher(prefetch)
+        self.hooks: list[Any] = []
+        if top is not None:  # a top-level forward starts and ends (before/after the units' hooks)
+            self.hooks.append(top.register_forward_pre_hook(self._begin_forward, prepend=True))
+            self.hooks.append(top.register_forward_hook(self._end_forward))
         for unit in self.units:
             self._register(unit)
 
@@ -140,8 +170,20 @@ class StageSchedule:
 
     # ------------------------------------------------------------------------- forward
 
+    def _begin_forward(self, module: nn.Module, args: tuple) -> None:
+        if not in_backward():
+            self.prefetcher.begin_forward()
+
+    def _end_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # Without gradients no backward follows: free what a prefetch left (stage 3).
+        if not in_backward() and not torch.is_grad_enabled():
+            for unit in self.units:
+                self.free(unit)
+
     def _pre_forward(self, unit: Unit, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         unit.gather()
+        if not in_backward():  # never prefetch from an activation recomputation
+            self.prefetcher.pre_forward(unit)
         flat, spec = pytree.tree_flatten((args, kwargs))
         changed = False
         if self.input_dtype is not None:  # also in a recomputation: it must redo the forward
@@ -166,6 +208,7 @@ class StageSchedule:
         if torch.is_grad_enabled() and outs:
             for t in outs:
                 t.register_hook(functools.partial(self._pre_backward, unit))
+            self.prefetcher.post_forward(unit)
             if unit.reshard_after_forward:
                 self.free(unit)
         else:
@@ -181,6 +224,7 @@ class StageSchedule:
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._enter_backward()
         unit.gather()
+        self.prefetcher.pre_backward(unit)
 
     def _post_backward(self, unit: Unit) -> None:
         unit.inputs_done = True
@@ -208,7 +252,9 @@ class StageSchedule:
                         if g.has_pending_grad:
                             g.reduce_grad(self.deterministic, full=self.full_grads)
         finally:
+            self.prefetcher.end_backward()
             for unit in self.units:
+                unit.wait_gather()  # a prefetch whose unit never ran (stages 1, 2 keep it)
                 self.free(unit)
                 for g in unit.groups:
                     g.end_backward()
