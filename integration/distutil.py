@@ -255,3 +255,13 @@ def shared_reports(module: str, world_size: int, selected: Iterable[str] | None 
         _SHARED[key] = {s.module: {case: [v[s.module][case] for v in values]
                                    for case in s.cases_for(world_size)} for s in suites}
     return _SHARED[key][module]
+
+
+def check_case(reports: dict, case: str) -> None:
+    """Fail with every rank's problems for ``case``; skip if ``case`` does not run at this size."""
+    import pytest
+
+    if case not in reports:
+        pytest.skip(f"{case} does not run at this world size")
+    failed = {rank: p for rank, p in enumerate(reports[case]) if p}
+    assert not failed, f"{case}: problems by rank: {failed}"

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import register_suite, selected_modules, shared_reports
+    from .distutil import check_case, register_suite, selected_modules, shared_reports
 except ImportError:
-    from distutil import register_suite, selected_modules, shared_reports
+    from distutil import check_case, register_suite, selected_modules, shared_reports
 
 
 class ToyBlock(nn.Module):
@@ -357,11 +357,7 @@ def reports(request) -> dict[str, list[list[str]]]:
     return shared_reports(__name__, request.param, selected_modules(request.session))
 
 
-def _check(reports: dict, case: str) -> None:
-    if case not in reports:
-        pytest.skip(f"{case} does not run at this world size")
-    failed = {rank: p for rank, p in enumerate(reports[case]) if p}
-    assert not failed, f"{case}: problems by rank: {failed}"
+_check = check_case
 
 
 def test_adamw_bit_exact_with_two_param_groups_and_scheduler(reports):

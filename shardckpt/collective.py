@@ -1,7 +1,7 @@
-"""Small torch.distributed helpers for checkpointing: bytes over collectives (no pickle) and
+"""Small torch.distributed helpers for checkpointing: bytes over collectives (no object serialization) and
 "every rank raises the same error".
 
-``torch.distributed``'s ``*_object`` collectives pickle; these send raw bytes in uint8 tensors.
+``torch.distributed``'s ``*_object`` collectives serialize Python objects; these send raw bytes in uint8 tensors.
 Without an initialized process group everything degrades to the single-process case.
 """
 

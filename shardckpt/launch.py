@@ -2,7 +2,7 @@
 
 Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
 and ``MASTER_PORT``, runs ``target(*args)`` and reports a JSON-serializable result through a
-file (no pickle of results). The parent waits at most ``timeout_s``; if any rank fails, the
+file (JSON, never a serialized Python object). The parent waits at most ``timeout_s``; if any rank fails, the
 others are given a short grace period and then killed, and one error names the failed ranks.
 """
 

@@ -474,7 +474,7 @@ def test_plan_70b_from_1024_to_768_ranks() -> None:
     # every target shard is fed, each from the few source shards its range overlaps
     assert {c.dst_shard for c in plan.copies} == set(range(768))
     for t in (0, 1, 383, 767):
-        assert 1 <= len(plan.src_shards_for(t)) <= 3
+        assert len(plan.src_shards_for(t)) in (1, 2, 3)
     # shard 0 of group 0 starts with the first layer's norm, read from source shard 0
     first = plan.for_dst_shard(0)[0]
     assert (first.dst_group, first.dst_offset, first.src_shard, first.src_offset) == (
