@@ -265,3 +265,12 @@ def check_case(reports: dict, case: str) -> None:
         pytest.skip(f"{case} does not run at this world size")
     failed = {rank: p for rank, p in enumerate(reports[case]) if p}
     assert not failed, f"{case}: problems by rank: {failed}"
+
+
+def run_cases(cases: dict[str, Callable[..., Any]], names: Sequence[str],
+              timeout_s: float = 120.0) -> dict[str, Any]:
+    """Body of a suite's job: the process mesh from the launcher's variables, then each case."""
+    from shardckpt.runtime import init_distributed
+
+    pm = init_distributed(timeout_s=timeout_s)
+    return {name: cases[name](pm) for name in names}

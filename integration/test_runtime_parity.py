@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import check_case, register_suite, selected_modules, shared_reports
+    from .distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
 except ImportError:
-    from distutil import check_case, register_suite, selected_modules, shared_reports
+    from distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
 
 
 class ToyBlock(nn.Module):
@@ -336,10 +336,7 @@ def cases_for(world: int) -> list[str]:
 
 
 def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
-    from shardckpt.runtime import init_distributed
-
-    pm = init_distributed(timeout_s=60)
-    return {name: CASES[name](pm) for name in names}
+    return run_cases(CASES, names, timeout_s=60)
 
 
 register_suite(__name__, "_job", cases_for, timeout_s=170, pg_timeout_s=60)

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import check_case, register_suite, selected_modules, shared_reports
+    from .distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
     from .test_runtime_accounting import build, step, wire
     from .test_runtime_stages import differences, gathered
 except ImportError:
-    from distutil import check_case, register_suite, selected_modules, shared_reports
+    from distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
     from test_runtime_accounting import build, step, wire
     from test_runtime_stages import differences, gathered
 
@@ -129,10 +129,7 @@ def cases_for(world: int) -> list[str]:
 
 
 def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
-    from shardckpt.runtime import init_distributed
-
-    pm = init_distributed(timeout_s=120)
-    return {name: CASES[name](pm) for name in names}
+    return run_cases(CASES, names, timeout_s=120)
 
 
 register_suite(__name__, "_job", cases_for, timeout_s=120, pg_timeout_s=150)

@@ -19,12 +19,15 @@ from typing import Any, Iterator
 
 import pytest
 import s3fs
-from typer.testing import CliRunner, Result
 
-from shardckpt.cli.main import app
 from shardckpt.errors import CommitConflictError
 from shardckpt.storage import Storage, list_open_uploads
 from shardckpt.synth import synthesize
+
+try:
+    from .clihelpers import cli, ok, one_line_error
+except ImportError:
+    from clihelpers import cli, ok, one_line_error
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(240)]
 
@@ -34,24 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> Result:
-    return CliRunner().invoke(app, list(args), env=env)
-
-
-def ok(r: Result) -> Result:
-    assert r.exit_code == 0, (r.exit_code, r.output, r.exception)
-    return r
-
-
-def one_line_error(r: Result, *needles: str) -> str:
-    assert r.exit_code == 1, (r.exit_code, r.output)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 class Site:

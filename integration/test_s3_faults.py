@@ -20,9 +20,7 @@ from typing import Any, Iterator
 import aiohttp
 import botocore.exceptions
 import pytest
-from typer.testing import CliRunner, Result
 
-from shardckpt.cli.main import app
 from shardckpt.errors import ConfigError
 from shardckpt.storage import (
     DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, _is_precondition_failed, _is_retryable, _map_error,
@@ -30,29 +28,16 @@ from shardckpt.storage import (
 )
 from shardckpt.synth import synthesize
 
+try:
+    from .clihelpers import cli, ok, one_line_error
+except ImportError:
+    from clihelpers import cli, ok, one_line_error
+
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(240)]
 
 PARAMS, RANKS, TO = "3M", 4, 2   # 9 MB shards (2 parts), 18 MB after reshard (3 parts)
 DEADLINE = 4.0
 UPLOAD_PART = {"method": "PUT", "query": r"(^|&)partNumber="}
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> Result:
-    return CliRunner().invoke(app, list(args), env=env)
-
-
-def ok(r: Result) -> Result:
-    assert r.exit_code == 0, (r.exit_code, r.output, r.exception)
-    return r
-
-
-def one_line_error(r: Result, *needles: str) -> str:
-    assert r.exit_code == 1, (r.exit_code, r.output, r.exception)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 class Via:

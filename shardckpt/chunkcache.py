@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Sequence
 
 from shardckpt.errors import IntegrityError
 from shardckpt.manifest import FileEntry
@@ -139,44 +139,61 @@ class CachedRangeReader:
                                 for o, v in segs if max(x0, o) < min(x1, o + len(v)))
                 self._put((entry.path, i), data, used)
 
+    @staticmethod
+    def _runs(requests: Sequence[tuple[FileEntry, int, int]]) -> "list[list[tuple[FileEntry, int, int, list[int]]]]":
+        """Per file (in order of first appearance), runs of consecutive requests that meet (the
+        next starts where the previous ended): ``(entry, lo, hi, request indices)``."""
+        by_file: dict[str, list[int]] = {}
+        for i, (e, _, _) in enumerate(requests):
+            by_file.setdefault(e.path, []).append(i)
+        out = []
+        for indices in by_file.values():
+            runs, k = [], 0
+            while k < len(indices):
+                entry, lo, hi = requests[indices[k]]
+                end = k + 1
+                while end < len(indices) and requests[indices[end]][1] == hi:
+                    hi = requests[indices[end]][2]
+                    end += 1
+                runs.append((entry, lo, hi, indices[k:end]))
+                k = end
+            out.append(runs)
+        return out
+
+    @staticmethod
+    def _per_file(groups: list[Any], run: Any, workers: int) -> None:
+        """``run(group)`` for each file's group: files concurrently, each file in order."""
+        if len(groups) <= 1 or workers <= 1:
+            for g in groups:
+                run(g)
+        else:
+            with ThreadPoolExecutor(min(workers, len(groups))) as pool:
+                list(pool.map(run, groups))
+
     def read_many_into(self, requests: Sequence[tuple[FileEntry, int, int]], out: memoryview,
                        workers: int = 4) -> "list[memoryview]":
         """:meth:`read_many` into ``out`` (at least the sum of the ranges' lengths), local storage
         only; returns views of ``out``, valid until the caller reuses it."""
-        by_file: dict[str, list[int]] = {}
-        for i, (e, _, _) in enumerate(requests):
-            by_file.setdefault(e.path, []).append(i)
         res: list[memoryview] = [memoryview(b"")] * len(requests)
-        runs: list[tuple[FileEntry, int, int, int]] = []  # entry, lo, hi, offset in out
+        groups = []
         off = 0
-        for indices in by_file.values():  # each file's ranges side by side in `out`
-            k = 0
-            while k < len(indices):
-                entry, lo, hi = requests[indices[k]]
-                run_end = k + 1
-                while run_end < len(indices) and requests[indices[run_end]][1] == hi:
-                    hi = requests[indices[run_end]][2]
-                    run_end += 1
-                for i in indices[k:run_end]:
+        for runs in self._runs(requests):  # each file's ranges side by side in `out`
+            placed = []
+            for entry, lo, hi, members in runs:
+                for i in members:
                     _, a, b = requests[i]
                     res[i] = out[off + a - lo:off + b - lo]
-                runs.append((entry, lo, hi, off))
+                placed.append((entry, lo, hi, off))
                 off += hi - lo
-                k = run_end
+            groups.append(placed)
         if off > len(out):
             raise ValueError(f"read_many_into: {off} bytes do not fit a {len(out)}-byte buffer")
 
-        def run(r: tuple[FileEntry, int, int, int]) -> None:
-            entry, lo, hi, o = r
-            self.read_into(entry, lo, hi, out[o:o + hi - lo])
+        def run(placed: list[tuple[FileEntry, int, int, int]]) -> None:
+            for entry, lo, hi, o in placed:
+                self.read_into(entry, lo, hi, out[o:o + hi - lo])
 
-        groups = [[r for r in runs if r[0].path == p] for p in by_file]
-        if len(groups) <= 1 or workers <= 1:
-            for r in runs:
-                run(r)
-        else:
-            with ThreadPoolExecutor(min(workers, len(groups))) as pool:
-                list(pool.map(lambda g: [run(r) for r in g], groups))
+        self._per_file(groups, run, workers)
         return res
 
     def read_many(self, requests: Sequence[tuple[FileEntry, int, int]],
@@ -186,30 +203,14 @@ class CachedRangeReader:
         Consecutive requests of one file that meet (the next starts where the previous ended)
         are coalesced into one read, so a stream of adjacent slices costs one ranged GET.
         """
-        by_file: dict[str, list[int]] = {}
-        for i, (e, _, _) in enumerate(requests):
-            by_file.setdefault(e.path, []).append(i)
         out: list[bytes | memoryview] = [b""] * len(requests)
 
-        def run(indices: list[int]) -> None:
-            k = 0
-            while k < len(indices):
-                entry, lo, hi = requests[indices[k]]
-                run_end = k + 1
-                while run_end < len(indices) and requests[indices[run_end]][1] == hi:
-                    hi = requests[indices[run_end]][2]
-                    run_end += 1
+        def run(runs: list[tuple[FileEntry, int, int, list[int]]]) -> None:
+            for entry, lo, hi, members in runs:
                 view = memoryview(self.read(entry, lo, hi))
-                for i in indices[k:run_end]:
+                for i in members:
                     _, a, b = requests[i]
                     out[i] = view[a - lo:b - lo]
-                k = run_end
 
-        groups = list(by_file.values())
-        if len(groups) <= 1 or workers <= 1:
-            for g in groups:
-                run(g)
-        else:
-            with ThreadPoolExecutor(min(workers, len(groups))) as pool:
-                list(pool.map(run, groups))
+        self._per_file(self._runs(requests), run, workers)
         return out
