@@ -25,15 +25,18 @@ pytestmark = pytest.mark.slow
 
 def case_tied_and_collectives(pm) -> list[str]:
     """The tied embedding/head: one parameter, one gather of its unit per step, one gradient.
-    Stage 1 holds the whole fp32 mean gradient, 2 and 3 a shard; 1 and 2 keep parameters."""
+    Every stage reduces the gradient to an fp32 shard; stage 1 keeps it in the slice of a whole
+    resident gradient buffer, 2 and 3 free theirs; 1 and 2 keep parameters."""
     problems = []
     for stage in (1, 2, 3):
         seen: dict[str, Any] = {}
 
         def probe(engine, seen=seen):
             root = engine.groups[engine.layout.groups[0].name]
+            buf = root.grad_buffer
+            in_buf = buf is not None and root.grad.data_ptr() == buf[root.shard_start:].data_ptr()
             seen.update(root=root.spec, kept=all(g.gathered for g in engine.groups.values()),
-                        grad=(root.grad.numel(), getattr(root.grad_full, "shape", None)),
+                        grad=(root.grad.numel(), getattr(buf, "shape", None), in_buf),
                         aliases=dict(engine.tied_aliases),
                         layout=[p.fqn for p in engine.layout.params])
 
@@ -43,17 +46,16 @@ def case_tied_and_collectives(pm) -> list[str]:
                 "lm_head.weight": "model.embed_tokens.weight"}:
             problems.append(f"stage {stage}: tied head not an alias: {seen['aliases']}")
         full = seen["root"].padded_numel
-        want = (full // pm.world_size, (full,) if stage == 1 else None)
+        want = (full // pm.world_size, (full,) if stage == 1 else None, stage == 1)
         if seen["grad"] != want:
-            problems.append(f"stage {stage}: root gradient (shard, whole) {seen['grad']}, "
-                            f"expected {want}")
+            problems.append(f"stage {stage}: root gradient (shard, resident buffer, shard in "
+                            f"the buffer) {seen['grad']}, expected {want}")
         if seen["kept"] != (stage < 3):
             problems.append(f"stage {stage}: parameters kept gathered after backward: "
                             f"{seen['kept']}")
         # stage 3: once per step (the root stays gathered for its backward); stages 1 and 2:
-        # in the first forward and after each step; stage 1 also gathers the whole fp32
-        # gradient once per step. fp32 compute: 4 bytes an element either way.
-        expected = {3: 2, 2: 3, 1: 5}[stage] if pm.world_size > 1 else 0
+        # in the first forward and after each step (no gradient is all-gathered).
+        expected = {3: 2, 2: 3, 1: 3}[stage] if pm.world_size > 1 else 0
         if gathers.count(full * 4) != expected:
             problems.append(f"stage {stage}: {gathers.count(full * 4)} all-gathers of the tied "
                             f"unit's {full * 4} bytes in 2 steps, expected {expected}")

@@ -25,10 +25,10 @@ engine's counters:
 
 Expected per step: stage 3 sends 3Ψ with ``reshard_root_after_forward=True`` (all-gather in
 forward, all-gather in backward, reduce-scatter); by default the root stays gathered from forward
-to backward, 3Ψ − Ψ_root; ``reshard_after_forward=False`` and stage 2 send 2Ψ; stage 1 sends
-3Ψ, not the estimator's 2Ψ: it all-reduces the gradient so that every rank holds the whole fp32
-mean (2Ψ; the runtime's stage-1 contract, pinned by ``test_runtime_access.py``), then all-gathers
-the updated parameters (Ψ).
+to backward, 3Ψ − Ψ_root; ``reshard_after_forward=False``, stage 2 and stage 1 send 2Ψ (stages
+1 and 2, the estimator's figure: reduce-scatter of the gradient, Ψ, then all-gather of the
+updated parameters, Ψ). Stage 1 differs from stage 2 in memory only: its whole-size gradient
+buffer stays resident, which the model-state bytes (and the estimator's ZeRO-1 figure) count.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _policy(precision: str | None):
 
 def case_comm(pm) -> list[str]:
     """Elements per step by collective type: wrapped ``torch.distributed`` == the engine's
-    counters == the expected multiple of padded Ψ (== the estimator's, except stage 1)."""
+    counters == the expected multiple of padded Ψ (== the estimator's)."""
     problems = []
     configs = {  # label -> (engine kwargs, expected elements in units of Ψ / Ψ_root)
         "stage 3": (dict(), (3, -1)),
@@ -177,7 +177,7 @@ def case_comm(pm) -> list[str]:
         "stage 3, reshard_after_forward=False": (dict(reshard_after_forward=False), (2, 0)),
         "stage 3, no prefetch": (dict(prefetch=False), (3, -1)),
         "stage 2": (dict(stage=2), (2, 0)),
-        "stage 1": (dict(stage=1), (3, 0)),
+        "stage 1": (dict(stage=1), (2, 0)),
     }
     for precision in (None, BF16):
         for det in (True, False):
@@ -191,15 +191,16 @@ def case_comm(pm) -> list[str]:
                 with wire() as seen:
                     step(engine, opt, 1, pm.rank)
                 compute = 2 if precision == BF16 else 4
-                # Parameters move in the compute dtype, gradients in fp32; deterministic stage 1
-                # also all-gathers the fp32 mean: the all-gather bytes beyond Ψ parameters.
+                # Parameters move in the compute dtype, gradients in fp32.
                 elements = {op: b // 4 for op, b in seen["bytes"].items()}
                 gathered = seen["bytes"].get("all_gather", 0)
-                if kwargs.get("stage") == 1 and det:
-                    elements["all_gather"] = psi + (gathered - psi * compute) // 4
-                elif gathered:
+                if gathered:
                     elements["all_gather"] = gathered // compute
                 total, want = sum(elements.values()), k_psi * psi + k_root * root
+                if kwargs.get("stage") in (1, 2):  # one gradient exchange, one parameter gather
+                    ops = {"all_to_all" if det else "reduce_scatter": psi, "all_gather": psi}
+                    if elements != ops:
+                        problems.append(f"{name}: sent {elements}, expected {ops}")
                 mine = engine.accounting.snapshot()
                 if total != want:
                     problems.append(f"{name}: sent {elements} = {total}, expected {want} "
@@ -208,8 +209,7 @@ def case_comm(pm) -> list[str]:
                         op: n for op, n in mine["elements"].items() if n} != elements:
                     problems.append(f"{name}: engine counted {mine['elements']}, wire {elements}")
                 est = engine.estimate().comm_elements
-                if k_root == 0 and kwargs.get("stage") != 1 and "reshard_after" not in label \
-                        and est != total:
+                if k_root == 0 and "reshard_after" not in label and est != total:
                     problems.append(f"{name}: estimator {est}, sent {total}")
     return problems
 

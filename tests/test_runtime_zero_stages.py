@@ -6,6 +6,8 @@ Multi-rank parity lives in ``integration/test_runtime_stages.py``.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,17 +142,69 @@ def test_stage_3_frees_and_stages_1_2_keep_parameters(gathers):
         assert gathers.count(layer_numel) == (8 if stage == 3 else 6)
 
 
-def test_stage_1_holds_the_whole_reduced_gradient_and_steps_its_slice():
+def test_stage_1_keeps_a_whole_gradient_buffer_and_reduces_like_stage_2():
+    """Stage 1 reduce-scatters like stage 2 (the same shard bits) but keeps the whole local
+    gradient buffer resident: allocated once, reused by every backward, the shard a view of its
+    own slice; stage 2 frees its buffer once reduced."""
     one, two = _engine(stage=1), _engine(stage=2)
+    opts = {id(e): ShardedAdamW(e, lr=1e-2) for e in (one, two)}
+    buffers = {}
+
+    def backward(engine, step, sync=True):
+        tokens = _tokens(step)
+        with (contextlib.nullcontext() if sync else engine.no_sync()):
+            causal_lm_loss(engine(tokens), tokens).backward()
+
+    def check(where):
+        for name, g in one.groups.items():
+            other = two.groups[name]
+            buf = g.grad_buffer
+            assert buf is not None and buf.numel() == g.spec.padded_numel, where
+            assert buf.dtype == torch.float32 and g.local_grad is None, where
+            assert buffers.setdefault(name, buf.data_ptr()) == buf.data_ptr(), where  # reused
+            view = buf[g.shard_start:g.shard_end]
+            assert g.grad.data_ptr() == view.data_ptr() and g.grad.shape == view.shape, where
+            assert torch.equal(g.grad, other.grad), (where, name)
+            assert other.grad_buffer is None and other.local_grad is None, where
+        kinds = one.model_state_bytes()
+        assert kinds["grads"] == sum(g.grad_buffer.untyped_storage().nbytes()
+                                     for g in one.groups.values()), where
+
+    for engine in (one, two):
+        backward(engine, 0)
+    check("one backward")
+    for engine in (one, two):  # a second synced backward adds its mean
+        backward(engine, 1)
+    check("two synced backward passes")
+    for engine in (one, two):
+        opts[id(engine)].step()
+        opts[id(engine)].zero_grad()
+    for name, g in one.groups.items():
+        assert g.grad is None and g.grad_buffer.data_ptr() == buffers[name]  # still resident
+        assert torch.equal(g.master, two.groups[name].master)
+    for engine in (one, two):  # accumulation without sync, then a synced backward
+        backward(engine, 2, sync=False)
+        backward(engine, 3)
+    check("no_sync, then synced")
+    one.zero_grad(set_to_none=False)
+    assert all(g.grad is not None and not g.grad.any() and not g.grad_buffer[
+        g.shard_start:g.shard_end].any() for g in one.groups.values())
+    for engine in (one, two):
+        engine.zero_grad(set_to_none=False)
+        backward(engine, 4)
+    check("after zero_grad(set_to_none=False)")
+
+
+def test_stage_1_with_a_bf16_gradient_keeps_the_fp32_shard_apart():
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16)
+    one, two = _engine(stage=1, mixed_precision=policy), _engine(stage=2, mixed_precision=policy)
     tokens = _tokens()
     for engine in (one, two):
         causal_lm_loss(engine(tokens), tokens).backward()
     for name, g in one.groups.items():
-        assert g.grad_full is not None and g.grad_full.numel() == g.spec.padded_numel
-        assert g.grad.data_ptr() == g.grad_full.data_ptr()  # the slice is a view
-        assert torch.equal(g.grad, two.groups[name].grad) and two.groups[name].grad_full is None
-    one.zero_grad(set_to_none=False)
-    assert all(not g.grad_full.any() for g in one.groups.values())
+        assert g.grad_buffer.dtype == torch.bfloat16 and g.grad.dtype == torch.float32
+        assert g.grad.untyped_storage().data_ptr() != g.grad_buffer.untyped_storage().data_ptr()
+        assert torch.equal(g.grad, two.groups[name].grad)
 
 
 # ---------------------------------------------------------------------- mixed precision

@@ -14,7 +14,8 @@ Three figures, each for this rank:
   its all-gather is issued;
 * **model state** (:func:`model_state_bytes`): bytes held now, by the estimator's kinds:
   ``params`` (resident gathered compute copies: stages 1 and 2 keep them), ``grads`` (reduced
-  gradient shards, stage 1's whole mean, unreduced local buffers), ``master`` (the master shards,
+  gradient shards, unreduced local buffers, and stage 1's resident whole-size gradient buffers,
+  which hold their reduced fp32 shard in their own slice), ``master`` (the master shards,
   the parameters' storage in the checkpoint) and ``optim`` (the optimizer's per-element shards).
   Each storage counts once.
 
@@ -109,7 +110,7 @@ def model_state_bytes(engine: "ZeroEngine") -> dict[str, int]:
         add("master", g.master)
         if g.gathered:
             add("params", g.full)
-        for t in (g.grad_full, g.grad, g.local_grad):
+        for t in (g.grad_buffer, g.grad, g.local_grad):
             add("grads", t)
         if optimizer is not None and g.trainable:
             for t in optimizer.local_state(name).values():

@@ -11,10 +11,9 @@ Deterministic reduction (DESIGN.md, "Deterministic mode"): rank ``r`` receives e
 ``r`` of the gradient through one all-to-all (same volume as a reduce-scatter), then sums them in
 global rank order and divides by the world size: ``(((g0 + g1) + g2) + ...) / W``, in fp32 unless
 a mixed-precision policy asks for another ``sum_dtype``. The result does not depend on the
-backend's reduction order, so it equals a single-process reference. ZeRO-1 needs the whole mean
-on every rank: :func:`all_reduce_mean` is that reduction followed by an all-gather of the fp32
-slices (the volume of a ring all-reduce), so its slice ``r`` is bit for bit what
-:func:`reduce_scatter_mean` gives rank ``r``.
+backend's reduction order, so it equals a single-process reference. Every ZeRO stage (1, 2
+and 3) reduces gradients with :func:`reduce_scatter_mean`: each rank needs only the mean of the
+slice its optimizer updates, so stage 1 also sends Ψ for its gradients (not an all-reduce's 2Ψ).
 
 Every function takes an optional :class:`~shardckpt.runtime.accounting.Accounting` and records
 the logical volume of each collective it issues there (none for a group of one rank).
@@ -119,27 +118,6 @@ def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool
             _record(acct, "all_reduce", out, 2)
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
     return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
-
-
-def all_reduce_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
-                    sum_dtype: torch.dtype = FP32,
-                    acct: Accounting | None = None) -> torch.Tensor:
-    """The whole mean of ``grad`` over all ranks, in fp32 (``S * s`` elements; ZeRO-1).
-
-    Deterministic: :func:`reduce_scatter_mean`, then an all-gather of the fp32 slices over the
-    shard group (replicas already hold the same slices). Otherwise one all-reduce over the world.
-    Called on every rank of the world.
-    """
-    if pm.world_size == 1:
-        return grad.to(sum_dtype, copy=True).div_(1).to(FP32)
-    if deterministic:
-        return all_gather_flat(pm, reduce_scatter_mean(pm, grad, True, sum_dtype, acct), acct)
-    red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
-    red = red.clone() if red is grad else red
-    _record(acct, "all_reduce", red, 2)
-    with collective_guard("all-reduce of a gradient", pm):
-        dist.all_reduce(red, op=dist.ReduceOp.SUM, group=pm.world_group)
-    return red.to(FP32).div_(pm.world_size) if red.dtype != FP32 else red.div_(pm.world_size)
 
 
 def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int, sum_dtype: torch.dtype = FP32,

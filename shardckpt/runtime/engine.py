@@ -12,9 +12,11 @@ follows PyTorch FSDP; :mod:`shardckpt.runtime.stages` has the per-stage schedule
 2. when the gradient of a unit's output arrives, the unit is gathered again for its backward
    (with ``prefetch``, the unit whose backward comes next starts gathering);
 3. as soon as every parameter of a trained flat group has its local gradient, the group's
-   gradient is reduced (mean over ranks): reduce-scattered into an fp32 shard (stages 2, 3) or
-   all-reduced whole (stage 1). Under :meth:`ZeroEngine.no_sync` it is accumulated locally
-   instead and reduced with the next synced backward;
+   gradient is reduced (mean over ranks): reduce-scattered into an fp32 shard, at every stage.
+   Stages 2 and 3 then free the local gradient buffer; stage 1 keeps it (gradients are not
+   partitioned: a whole-size buffer per rank, reused every step, the shard in its own slice).
+   Under :meth:`ZeroEngine.no_sync` it is accumulated locally instead and reduced with the next
+   synced backward;
 4. when a unit's backward is done (its inputs have gradients and its groups are complete) it is
    freed (stage 3); whatever is left is reduced at the end of the backward pass;
 5. the sharded optimizer (:mod:`shardckpt.runtime.optim`) updates the fp32 master shards and calls
@@ -131,7 +133,7 @@ class ZeroEngine:
         comm = CommStream(pm.device)
         self.groups: dict[str, FlatParamGroup] = {
             g.name: FlatParamGroup(g, self.layout, [params[f] for f in g.params], pm,
-                                   self.accounting, comm)
+                                   self.accounting, comm, resident_grad=stage == 1)
             for g in self.layout.groups
         }
         self.units: list[Unit] = []
@@ -255,8 +257,8 @@ class ZeroEngine:
         (coefficient ``max_norm / (norm + eps)``, capped at 1), but the squares are summed per
         shard (in fp64), then over the shard group (replicas hold the same shards), so the norm
         is not bit-exact against an unsharded one. Every element counts once whatever the stage
-        (stage 1 sums only its own slice). Collective: call on every rank, between
-        ``backward()`` and ``step()``.
+        (each rank holds only its shard of the reduced gradient, stage 1 included). Collective:
+        call on every rank, between ``backward()`` and ``step()``.
         """
         self.check_grads_reduced()
         device = self.process_mesh.device

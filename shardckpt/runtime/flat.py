@@ -14,12 +14,23 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   keep pointing at the same storage object, which a re-gather refills. A gather may be in flight
   (:meth:`start_gather`, prefetch): then ``full`` is allocated but undefined until
   :meth:`wait_gather`, and :meth:`free` waits for it before releasing the storage.
-* the local gradient buffer (``precision.grad`` dtype, ``padded_numel`` elements) exists from the
-  first parameter gradient of a backward until the group is reduced; backward passes without
-  gradient sync (gradient accumulation) add into it. Padding stays zero.
-* ``grad`` (trained groups only) is ``None`` or the fp32 shard of the mean gradient over ranks.
-  With full gradients (ZeRO-1), ``grad_full`` holds the whole fp32 mean and ``grad`` is the view
-  of its ``[shard_start, shard_end)``; otherwise ``grad_full`` is ``None``.
+* the local gradient buffer (``precision.grad`` dtype, ``padded_numel`` elements) holds this
+  rank's unreduced gradient from the first parameter gradient of a backward until the group is
+  reduced (:attr:`local_grad`); backward passes without gradient sync (gradient accumulation) add
+  into it. Padding stays zero. Every stage reduces it the same way, by
+  :func:`~shardckpt.runtime.collectives.reduce_scatter_mean`.
+* without ``resident_grad`` (ZeRO-2/3) the buffer is allocated at the first gradient of an
+  accumulation window and freed once reduced. With ``resident_grad`` (ZeRO-1: gradients are not
+  partitioned) it is :attr:`grad_buffer`: allocated once, kept for the life of the group and
+  zeroed at the start of each accumulation window, so every rank holds a whole-size gradient
+  buffer, as the ZeRO paper and :mod:`shardckpt.estimate` count it.
+* ``grad`` (trained groups only) is ``None`` or the fp32 shard of the mean gradient over ranks,
+  the same bits at every stage. With ``resident_grad`` and an fp32 gradient dtype, once reduced
+  it is the view of the buffer's own ``[shard_start, shard_end)`` (the rest of the buffer then
+  holds stale local gradients and means nothing); while a later backward of the same step writes
+  the buffer, the mean accumulated so far is kept in a copy of ``s`` elements and put back into
+  the buffer at the next reduction. Otherwise (no resident buffer, or a gradient dtype other than
+  fp32) ``grad`` is a tensor of its own.
 """
 
 from __future__ import annotations
@@ -56,8 +67,9 @@ class FlatParamGroup:
 
     def __init__(self, spec: FlatGroup, layout: Layout, params: Sequence[nn.Parameter],
                  pm: ProcessMesh, acct: Accounting | None = None,
-                 comm: CommStream | None = None) -> None:
+                 comm: CommStream | None = None, resident_grad: bool = False) -> None:
         self.spec = spec
+        self.resident_grad = resident_grad  # ZeRO-1: keep the whole gradient buffer
         self.pm = pm
         self.acct = acct if acct is not None else Accounting()
         self.comm = comm if comm is not None else CommStream(pm.device)
@@ -76,16 +88,17 @@ class FlatParamGroup:
         self._make_compute_buffers()
         self.gathered = False
         self.grad: torch.Tensor | None = None
-        self.grad_full: torch.Tensor | None = None
+        self._grad_buffer: torch.Tensor | None = None  # resident_grad only
         self._local_grad: torch.Tensor | None = None
         self._written = [False] * len(self.params)
         self._arrived = 0
 
     def set_precision(self, precision: GroupPrecision) -> None:
         """Switch the compute dtype (and gradient dtypes); only while freed, before training."""
-        if self.gathered or self._local_grad is not None:
+        if self.gathered or self._local_grad is not None or self.grad is not None:
             raise ConfigError(f"flat group {self.name}: precision changes only while freed")
         self.precision = precision
+        self._grad_buffer = None  # reallocated in the new gradient dtype by the next backward
         self.dtype = precision.compute
         self._make_compute_buffers()
         for p in self.params:
@@ -115,8 +128,20 @@ class FlatParamGroup:
 
     @property
     def local_grad(self) -> torch.Tensor | None:
-        """The unreduced local gradient buffer, if one exists now."""
+        """The local gradient buffer while it holds unreduced gradients, else ``None``."""
         return self._local_grad
+
+    @property
+    def grad_buffer(self) -> torch.Tensor | None:
+        """The resident whole-size gradient buffer (``resident_grad``, once a backward has run;
+        see the module docstring), else ``None``."""
+        return self._grad_buffer
+
+    def _grad_in_buffer(self) -> bool:
+        """True if ``grad`` is the view of the resident buffer's own slice."""
+        return (self.grad is not None and self._grad_buffer is not None
+                and self.grad.untyped_storage().data_ptr()
+                == self._grad_buffer.untyped_storage().data_ptr())
 
     # ------------------------------------------------------------------ gather / free
 
@@ -199,8 +224,7 @@ class FlatParamGroup:
         """Put one parameter's local gradient into the flat buffer (copied the first time since
         the last reduction, added after that); True once all have arrived in this backward."""
         if self._local_grad is None:
-            self._local_grad = torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
-                                          device=self.master.device)
+            self._local_grad = self._new_local_grad()
         spec = self.param_specs[index]
         with torch.no_grad():
             view = self._local_grad[spec.offset:spec.offset + spec.numel].view(spec.shape)
@@ -212,6 +236,21 @@ class FlatParamGroup:
         self._arrived += 1
         return self._arrived == len(self.params)
 
+    def _new_local_grad(self) -> torch.Tensor:
+        """A zeroed buffer for a new accumulation window: fresh, or the resident one reused."""
+        if not self.resident_grad:
+            return torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
+                               device=self.master.device)
+        if self._grad_buffer is None:
+            self._grad_buffer = torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
+                                            device=self.master.device)
+            return self._grad_buffer
+        if self._grad_in_buffer():  # the mean so far must survive the new local gradients
+            self.grad = self.grad.clone()
+        with torch.no_grad():
+            self._grad_buffer.zero_()
+        return self._grad_buffer
+
     def end_backward(self) -> None:
         """Forget this backward's arrivals; an unreduced buffer keeps accumulating."""
         self._arrived = 0
@@ -220,46 +259,43 @@ class FlatParamGroup:
     def has_pending_grad(self) -> bool:
         return self._local_grad is not None
 
-    def reduce_grad(self, deterministic: bool, full: bool = False) -> None:
-        """Reduce the local flat gradient into ``grad`` (adding to it) and free the buffer.
+    def reduce_grad(self, deterministic: bool) -> None:
+        """Reduce the local flat gradient into ``grad`` (adding to it) and release the buffer.
 
-        ``full`` (ZeRO-1) all-reduces into ``grad_full``; otherwise reduce-scatters (ZeRO-2/3).
-        Either way ``grad`` gets the same bits. Collective: every rank calls it for the same
-        groups in the same order.
+        Every stage reduce-scatters (:func:`~shardckpt.runtime.collectives.reduce_scatter_mean`),
+        so ``grad`` gets the same bits whatever the stage. Without ``resident_grad`` the buffer is
+        then freed; with it the buffer stays, and an fp32 ``grad`` moves into its own slice (see
+        the module docstring). Collective: every rank calls it for the same groups in the same
+        order.
         """
         if self._local_grad is None:
             return
         buf, self._local_grad = self._local_grad, None
         self._written = [False] * len(self.params)
         self._arrived = 0
-        sum_dtype = self.precision.sum
-        if full:
-            reduced = collectives.all_reduce_mean(self.pm, buf, deterministic, sum_dtype,
-                                                  self.acct)
-            del buf
-            if self.grad_full is None:
-                self.grad_full = reduced
-                self.grad = reduced[self.shard_start:self.shard_end]
-            else:
-                self.grad_full.add_(reduced)
-            return
-        reduced = collectives.reduce_scatter_mean(self.pm, buf, deterministic, sum_dtype,
-                                                  self.acct)
+        reduced = collectives.reduce_scatter_mean(self.pm, buf, deterministic,
+                                                  self.precision.sum, self.acct)
+        del buf
         if self.grad is None:
             self.grad = reduced
         else:
             self.grad.add_(reduced)
+        del reduced
+        if self.resident_grad and self._grad_buffer is not None \
+                and self._grad_buffer.dtype == self.grad.dtype and not self._grad_in_buffer():
+            with torch.no_grad():
+                view = self._grad_buffer[self.shard_start:self.shard_end]
+                view.copy_(self.grad)
+            self.grad = view
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the reduced gradient (an unreduced accumulation buffer is dropped too)."""
+        """Clear the reduced gradient (an unreduced accumulation buffer is dropped too; a
+        resident buffer stays allocated)."""
         self._local_grad = None
         self._written = [False] * len(self.params)
         self._arrived = 0
         if set_to_none or self.grad is None:
             self.grad = None
-            self.grad_full = None
-        elif self.grad_full is not None:
-            self.grad_full.zero_()
         else:
             self.grad.zero_()
 

@@ -6,13 +6,19 @@ and optimizer-state shards, so ``local_shards()`` and checkpoints do not depend 
 ========  ==========================================  =========================================
 stage     parameters (compute dtype)                  gradients
 ========  ==========================================  =========================================
-1         whole on every rank: a unit, once gathered,  all-reduced: every rank holds the whole
-          stays gathered until the optimizer step      fp32 mean; the optimizer reads its slice
-          re-gathers the updated shards
-2         as stage 1                                  reduce-scattered: an fp32 shard per rank
+1         whole on every rank: a unit, once gathered,  reduce-scattered into an fp32 shard per
+          stays gathered until the optimizer step      rank (the mean of the slice it updates),
+          re-gathers the updated shards               but not partitioned: the whole local
+                                                      gradient buffer stays allocated on every
+                                                      rank, the shard in its own slice
+2         as stage 1                                  reduce-scattered: an fp32 shard per rank;
+                                                      the local buffer is freed once reduced
 3         gathered before a unit's forward and its    as stage 2
           backward, freed after each
 ========  ==========================================  =========================================
+
+Per step (elements, padded Ψ): stages 1 and 2 send 2Ψ (reduce-scatter of the gradient, all-gather
+of the updated parameters), stage 3 3Ψ; the gradient shard holds the same bits at every stage.
 
 The hook structure follows PyTorch FSDP: a forward pre-hook gathers the unit; a forward hook
 frees it (stage 3) and hooks the unit's outputs, whose gradients gather it again for backward; a
@@ -148,11 +154,6 @@ class StageSchedule:
         """Stages 1 and 2: gathered units stay gathered until their masters change."""
         return self.stage < 3
 
-    @property
-    def full_grads(self) -> bool:
-        """Stage 1: gradients are all-reduced whole, not reduce-scattered."""
-        return self.stage == 1
-
     def _register(self, unit: Unit) -> None:
         unit.hooks.append(unit.module.register_forward_pre_hook(
             functools.partial(self._pre_forward, unit), with_kwargs=True))
@@ -235,7 +236,7 @@ class StageSchedule:
         grad, param.grad = param.grad, None
         if grad is not None and group.add_param_grad(index, grad):
             if self.sync_grads:
-                group.reduce_grad(self.deterministic, full=self.full_grads)
+                group.reduce_grad(self.deterministic)
             unit.done += 1
             self._maybe_free(unit)
 
@@ -250,7 +251,7 @@ class StageSchedule:
                 for unit in self.units:
                     for g in unit.groups:
                         if g.has_pending_grad:
-                            g.reduce_grad(self.deterministic, full=self.full_grads)
+                            g.reduce_grad(self.deterministic)
         finally:
             self.prefetcher.end_backward()
             for unit in self.units:
