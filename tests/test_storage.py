@@ -42,8 +42,9 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     Storage(url).rm("", recursive=True)
 
 
-def write(storage: Storage, rel: str, data: bytes, pieces: list[int] | None = None) -> FileEntry:
-    with storage.writer(rel, CHUNK) as w:
+def write(storage: Storage, rel: str, data: bytes, pieces: list[int] | None = None,
+          chunk: int = CHUNK) -> FileEntry:
+    with storage.writer(rel, chunk) as w:
         pos = 0
         for n in pieces or [len(data)]:
             w.write(data[pos:pos + n])
@@ -88,6 +89,33 @@ def test_writer_checksums(storage: Storage, n: int, pieces: list[int] | None) ->
     assert e.crc32c == crc(data)
     want = [crc(data[i:i + CHUNK]) for i in range(0, n, CHUNK)]
     assert list(e.chunk_crc32c) == want and len(want) == -(-n // CHUNK)
+
+
+def test_writer_checksums_large_writes_and_writeback(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes of 1 MiB and more are checksummed on another thread while the file is written; the
+    chunk CRCs are the same. Locally, writeback of each 8 MiB written is started as it goes
+    (``sync_file_range``), over contiguous ranges from byte 0, and the file is still whole."""
+    from shardckpt.storage import writer as writer_mod
+
+    kicks: list[tuple[int, int, int]] = []
+    real = writer_mod._SYNC_FILE_RANGE
+
+    def record(fd: int, off: int, n: int, flags: int) -> int:
+        kicks.append((off, n, flags))
+        return real(fd, off, n, flags) if real is not None else 0
+    monkeypatch.setattr(writer_mod, "_SYNC_FILE_RANGE", record)
+    storage = Storage(str(tmp_path))
+    big = 1 << 20
+    data = payload(20 * big + 5)
+    pieces = [3 * big + 7, 1, big, 9 * big, 2 * big - 8, 5 * big + 5]
+    assert sum(pieces) == len(data)
+    e = write(storage, "big.bin", data, pieces, chunk=big)
+    assert e.crc32c == crc(data) and storage.read("big.bin") == data
+    assert list(e.chunk_crc32c) == [crc(data[i:i + big]) for i in range(0, len(data), big)]
+    assert kicks and kicks[0][0] == 0 and all(f == 2 for _, _, f in kicks)
+    assert all(a + n == b for (a, n, _), (b, _, _) in zip(kicks, kicks[1:]))
+    assert all(n >= writer_mod.WRITEBACK_BYTES for _, n, _ in kicks)
 
 
 def test_writer_accepts_numpy_and_memoryview(storage: Storage) -> None:

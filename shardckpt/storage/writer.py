@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
@@ -108,6 +110,23 @@ def crc32c_of_chunks(chunk_crcs: "list[int] | tuple[int, ...]", chunk_size: int,
     return crc
 
 
+_PARALLEL_CRC_BYTES = 1 << 20
+_CRC_POOL: dict[int, ThreadPoolExecutor] = {}
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """One thread per process for checksums that overlap a sink's write (CRC32C drops the GIL).
+
+    Keyed by pid: a forked child does not inherit the parent's thread, so it starts its own.
+    """
+    pid = os.getpid()
+    pool = _CRC_POOL.get(pid)
+    if pool is None:
+        _CRC_POOL.clear()
+        pool = _CRC_POOL[pid] = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-crc")
+    return pool
+
+
 class StreamWriter:
     """Sequential writer that computes the whole-file and per-chunk CRC32C as bytes go by.
 
@@ -140,7 +159,19 @@ class StreamWriter:
             return
         if self._closed:
             raise StorageError(f"{self.storage.url_of(self.rel)}: write after close or abort")
-        pos = 0
+        if n >= _PARALLEL_CRC_BYTES:  # checksum on another thread while the sink copies the bytes
+            pending = _crc_pool().submit(self._checksum, view)
+            try:
+                self._sink.write(view)
+            finally:
+                pending.result()
+        else:
+            self._checksum(view)
+            self._sink.write(view)
+        self.size += n
+
+    def _checksum(self, view: memoryview) -> None:
+        n, pos = len(view), 0
         while pos < n:
             take = min(n - pos, self.chunk_size - self._chunk_fill)
             self._chunk_crc = crc32c(view[pos:pos + take], self._chunk_crc)
@@ -149,8 +180,6 @@ class StreamWriter:
             if self._chunk_fill == self.chunk_size:
                 self.chunks.append(self._chunk_crc)
                 self._chunk_crc, self._chunk_fill = 0, 0
-        self._sink.write(view)
-        self.size += n
 
     @property
     def crc(self) -> int:
@@ -190,9 +219,39 @@ class StreamWriter:
             self.abort()
 
 
+def _sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+WRITEBACK_BYTES = 8 << 20
+
+
 class _LocalSink:
+    """A local file, made durable by ``fsync`` on close.
+
+    Every :data:`WRITEBACK_BYTES` written, writeback of what was written so far is started
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait for it), so the disk works
+    while the next bytes are produced instead of all at once in the final ``fsync``; the
+    ``fsync`` on close is what makes the file durable either way.
+    """
+
     def __init__(self, storage: Storage, rel: str) -> None:
         self.storage, self.rel, self.path = storage, rel, storage.full(rel)
+        self._written = 0
+        self._kicked = 0
 
         def open_local() -> Any:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -202,6 +261,13 @@ class _LocalSink:
     def write(self, view: memoryview) -> None:
         with mapped_errors("write", self.storage.url_of(self.rel)):
             self.f.write(view)
+            self._written += len(view)
+            if _SYNC_FILE_RANGE is not None and self._written - self._kicked >= WRITEBACK_BYTES:
+                # advisory: an error here (a filesystem without it) changes nothing; fsync decides
+                self.f.flush()
+                _SYNC_FILE_RANGE(self.f.fileno(), self._kicked, self._written - self._kicked,
+                                 _SYNC_FILE_RANGE_WRITE)
+                self._kicked = self._written
 
     def close(self, size: int) -> None:
         with mapped_errors("close", self.storage.url_of(self.rel)):
