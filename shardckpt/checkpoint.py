@@ -136,7 +136,7 @@ class CheckpointReader:
         self.storage = as_storage(location, storage_options)
         self.manifest = read_manifest(self.storage)
         m = self.manifest
-        self.slots = {s.name: s for s in shard_slots(m.components, m.mesh)}
+        self.slots = {s.name: s for s in shard_slots(m.components, m.mesh, m.version)}
         self.buffer_slots = {s.name: s for s in buffer_slots(m.components)}
 
     @property
@@ -221,7 +221,7 @@ def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None 
         m = read_manifest(storage)
     except ShardckptError as e:
         return None, [], [str(e)]
-    expected = {"shard": shard_slots(m.components, m.mesh), "buffers": buffer_slots(m.components)}
+    expected = {"shard": shard_slots(m.components, m.mesh, m.version), "buffers": buffer_slots(m.components)}
 
     def check(entry: FileEntry) -> FileReport:
         url = storage.url_of(entry.path)

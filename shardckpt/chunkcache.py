@@ -39,6 +39,11 @@ class CachedRangeReader:
     def _overlap(self, i: int, start: int, end: int) -> int:
         return max(0, min(end, (i + 1) * self.chunk_size) - max(start, i * self.chunk_size))
 
+    def _used(self, entry: FileEntry, i: int, start: int, end: int) -> int:
+        """Bytes of chunk ``i`` consumed once ``[start, end)`` is: the range's part, plus the
+        file's header (never requested through this reader, so it must not keep a chunk alive)."""
+        return self._overlap(i, start, end) + self._overlap(i, 0, min(entry.data_start, start))
+
     def _take(self, key: tuple[str, int], start: int, end: int) -> bytes | None:
         with self._lock:
             hit = self._cache.get(key)
@@ -82,7 +87,7 @@ class CachedRangeReader:
                     chunks[k] = view[(k - lo) * cs:(k - lo + 1) * cs]
             for k in {lo, hi - 1}:
                 i = c0 + k
-                used = self._overlap(i, start, end)
+                used = self._used(entry, i, start, end)
                 if used < min(entry.size, (i + 1) * cs) - i * cs:  # partly consumed: keep it
                     self._put((entry.path, i), bytes(view[(k - lo) * cs:(k - lo + 1) * cs]), used)
             if lo == 0 and hi == len(chunks):  # all fetched in one piece: no copy
@@ -132,7 +137,7 @@ class CachedRangeReader:
         for k in {lo, hi - 1}:
             i = c0 + k
             clen = min(entry.size, (i + 1) * cs) - i * cs
-            used = self._overlap(i, start, end)
+            used = self._used(entry, i, start, end)
             if used < clen:  # partly consumed: keep a copy of it
                 x0, x1 = i * cs, i * cs + clen
                 data = b"".join(v[max(x0, o) - o:min(x1, o + len(v)) - o]

@@ -20,7 +20,10 @@ from shardckpt.layout import (
 )
 
 FORMAT_NAME = "shardckpt"
-VERSION = (0, 1)
+VERSION = (1, 0)
+#: Major versions this shardckpt reads. 0.x shard files hold their tensors group by group; from
+#: 1.0 they are kind by kind (every group's master weights first), see :func:`shard_slots`.
+READABLE_MAJORS = (0, 1)
 MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before it is read (a 70B, 1024-rank manifest is ~10 MB).
 MAX_MANIFEST_BYTES = 512 << 20
@@ -124,20 +127,39 @@ class TensorSlot:
     end: int
 
 
-def shard_slots(components: Mapping[str, Component], mesh: Mesh) -> list[TensorSlot]:
-    """Tensors of every shard file, in file order: components, then groups, then state kinds.
+def shard_slots(components: Mapping[str, Component], mesh: Mesh,
+                version: tuple[int, int] = VERSION) -> list[TensorSlot]:
+    """Tensors of every shard file, in file order; tensor ``"<group>.<kind>"`` is 1-D.
 
-    Every shard file of a checkpoint has the same slots; tensor ``"<group>.<kind>"`` is 1-D.
+    Every shard file of a checkpoint has the same slots. From format 1.0 the order is components,
+    then state kinds (in order of first appearance over the groups), then groups: each kind is
+    contiguous in the file, so reading the weights alone (consolidation, weights-only loads)
+    reads one contiguous range per shard. Format 0.x ordered components, groups, then kinds.
     """
     out: list[TensorSlot] = []
     pos = 0
+
+    def add(g: FlatGroup, kind: str, dtype: str) -> None:
+        nonlocal pos
+        s = g.padded_numel // mesh.shard_degree
+        n = s * itemsize(dtype)
+        out.append(TensorSlot(f"{g.name}.{kind}", dtype, (s,), pos, pos + n))
+        pos += n
+
     for comp in components.values():
+        if version[0] < 1:
+            for g in comp.layout.groups:
+                for kind, dtype in comp.states[g.name]:
+                    add(g, kind, dtype)
+            continue
+        kinds: dict[str, None] = {}
         for g in comp.layout.groups:
-            s = g.padded_numel // mesh.shard_degree
-            for kind, dtype in comp.states[g.name]:
-                n = s * itemsize(dtype)
-                out.append(TensorSlot(f"{g.name}.{kind}", dtype, (s,), pos, pos + n))
-                pos += n
+            kinds.update((k, None) for k, _ in comp.states[g.name])
+        for kind in kinds:
+            for g in comp.layout.groups:
+                dtype = dict(comp.states[g.name]).get(kind)
+                if dtype is not None:
+                    add(g, kind, dtype)
     return out
 
 
@@ -337,7 +359,7 @@ def _parse_version(ctx: _Ctx, v: Any) -> tuple[int, int]:
             f"format {major}.{minor} is newer than this shardckpt reads "
             f"({VERSION[0]}.x); upgrade shardckpt to read it",
         )
-    if major < VERSION[0]:
+    if major not in READABLE_MAJORS:
         raise ctx.fail("version", f"format {major}.{minor} is older than any this shardckpt reads")
     return major, minor
 
@@ -521,7 +543,7 @@ def _check_files(ctx: _Ctx, m: Manifest) -> None:
     if shards != list(range(S)):
         raise ctx.fail("files", f"expected one shard file for each of {S} shard ranks, found "
                        f"shard indices {shards[:20]}")
-    data_bytes = shard_slots(m.components, m.mesh)
+    data_bytes = shard_slots(m.components, m.mesh, m.version)
     shard_data = data_bytes[-1].end if data_bytes else 0
     bufs = buffer_slots(m.components)
     buf_data = bufs[-1].end if bufs else 0

@@ -122,6 +122,19 @@ def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int) -> 
     return out
 
 
+#: Most bytes of boundary chunks a PieceReader keeps per checkpoint (see ``_cache_capacity``).
+MAX_CACHE_BYTES = 256 << 20
+
+
+def _cache_capacity(reader: CheckpointReader, batch_bytes: int) -> int:
+    """Chunks to cache: one partly consumed chunk per shard file (consecutive pieces of a tensor
+    run through every shard, and each file is read front to back, so every file has a chunk whose
+    rest the next batch takes), plus a batch's worth; at most :data:`MAX_CACHE_BYTES`."""
+    cs = reader.manifest.chunk_size
+    want = max(2, batch_bytes // cs) + len(reader.manifest.files) + 2
+    return max(2, min(want, MAX_CACHE_BYTES // cs))
+
+
 class Piece(NamedTuple):
     index: int               # which item
     start: int               # element range [start, end) inside the item's tensor
@@ -136,7 +149,8 @@ class PieceReader:
     pieces ``[a, b)`` that tile ``[0, numel)`` in order, with the same boundaries on every reader.
     A batch holds at most ``buffer_bytes / 4`` source bytes; one batch is read ahead while the
     caller consumes the previous one, and boundary chunks shared by consecutive ranges are cached
-    (at most ``buffer_bytes / 4``), so memory is about ``buffer_bytes`` whatever the tensor sizes.
+    (one per source file, up to :data:`MAX_CACHE_BYTES`), so memory is about ``buffer_bytes`` plus
+    a chunk per source file, whatever the tensor sizes.
     """
 
     def __init__(self, readers: Sequence[CheckpointReader], buffer_bytes: int = DEFAULT_BUFFER,
@@ -146,7 +160,7 @@ class PieceReader:
         self.readers = list(readers)
         self.batch_bytes = max(1, buffer_bytes // 4)
         self.cached = [CachedRangeReader(r.storage, r.manifest.chunk_size,
-                                         capacity=max(2, self.batch_bytes // r.manifest.chunk_size))
+                                         capacity=_cache_capacity(r, self.batch_bytes))
                        for r in self.readers]
         self.workers = workers
 

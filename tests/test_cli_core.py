@@ -86,7 +86,7 @@ def test_synth_inspect_verify_text_and_json(tmp_path: Path) -> None:
     r = cli("inspect", dst, "--json")
     s = json.loads(r.stdout)
     assert r.exit_code == 0
-    assert s["format_version"] == "0.1" and s["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    assert s["format_version"] == "1.0" and s["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
     assert s["world_size"] == 4 and s["step"] == 7 and s["optimizer"]["name"] == "adamw"
     assert [f["role"] for f in s["files"]] == ["shard", "shard", "buffers"]
     m = parse(Path(dst, "manifest.json").read_bytes())
@@ -96,7 +96,7 @@ def test_synth_inspect_verify_text_and_json(tmp_path: Path) -> None:
     assert comp["elements"] == sum(p.numel for p in m.components["model"].layout.params)
     r = runner.invoke(app, ["inspect", dst], env={"COLUMNS": "250"})  # rich wraps narrow tables
     assert r.exit_code == 0
-    for needle in ("format 0.1", m.save_id, "step 7", "adamw", "model.u0000.float32", "exp_avg_sq",
+    for needle in ("format 1.0", m.save_id, "step 7", "adamw", "model.u0000.float32", "exp_avg_sq",
                    "shard-00001-of-00002.safetensors", "tied: lm_head.weight"):
         assert needle in r.stdout, needle
     r = cli("synth", str(tmp_path / "d"), "--params", "3e3", "--ranks", "1", "--json")
@@ -257,10 +257,10 @@ def test_manifest_not_json(ckpt: tuple[Path, Manifest]) -> None:
 def test_newer_major_version(ckpt: tuple[Path, Manifest]) -> None:
     root, _ = ckpt
     doc = json.loads((root / "manifest.json").read_bytes())
-    doc["version"] = "1.0"
+    doc["version"] = "2.0"
     (root / "manifest.json").write_text(json.dumps(doc))
     for cmd in ("inspect", "verify"):
-        one_line_error(cli(cmd, str(root)), f"{root}/manifest.json", "format 1.0 is newer", "upgrade shardckpt")
+        one_line_error(cli(cmd, str(root)), f"{root}/manifest.json", "format 2.0 is newer", "upgrade shardckpt")
 
 
 def test_hostile_header_length_past_eof(ckpt: tuple[Path, Manifest]) -> None:

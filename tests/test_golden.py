@@ -132,14 +132,15 @@ def test_format_doc_worked_example() -> None:
     g = comp.layout.groups[0]
     assert (g.numel, g.padded_numel) == (20, 32)
     assert [(p.fqn, p.offset) for p in comp.layout.params] == [("w", 0), ("b", 15)]
-    slots = shard_slots(m.components, m.mesh)
+    assert m.version == (1, 0)
+    slots = shard_slots(m.components, m.mesh, m.version)
     assert [(s.name, s.begin, s.end) for s in slots] == [
         ("model.u0000.float32.master", 0, 64), ("model.u0000.float32.exp_avg", 64, 128),
         ("model.u0000.float32.exp_avg_sq", 128, 192)]
     flat = {"master": np.arange(1, 21, dtype=np.float32), "exp_avg": np.zeros(20, np.float32),
             "exp_avg_sq": np.zeros(20, np.float32)}
     for f in m.files:
-        header = build_header(slots, {"format": "shardckpt", "version": "0.1", "save_id": m.save_id,
+        header = build_header(slots, {"format": "shardckpt", "version": "1.0", "save_id": m.save_id,
                                       "shard": str(f.index), "shard_degree": "2"})
         data = b""
         for s in slots:

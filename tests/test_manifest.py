@@ -48,8 +48,8 @@ def test_round_trip_equal(manifest_doc: Doc) -> None:
     back = parse(data)
     assert back == m
     assert to_json(back) == data
-    assert back.version == VERSION == (0, 1)
-    assert json.loads(data)["version"] == "0.1" and json.loads(data)["format"] == "shardckpt"
+    assert back.version == VERSION == (1, 0)
+    assert json.loads(data)["version"] == "1.0" and json.loads(data)["format"] == "shardckpt"
     assert back.mesh.axes == (("dp_replicate", 2), ("dp_shard", 2))
     assert back.components["model"].layout.groups == m.components["model"].layout.groups
     assert back.shard_file(1).index == 1 and back.buffers_file() is not None
@@ -329,7 +329,7 @@ HOSTILE: list[tuple[str, Callable[[Doc], None], tuple[str, ...]]] = [
     ("chunk crc spaces", _set(f"{F0}.chunk_crc32c", " 1234567"), (f"{F0}.chunk_crc32c", "hex")),
     ("chunk crc underscore", _set(f"{F0}.chunk_crc32c", "1_234567"), (f"{F0}.chunk_crc32c", "hex")),
     # version
-    ("newer major", _set("version", "1.0"), ("version", "1.0", "newer", "upgrade shardckpt")),
+    ("newer major", _set("version", "2.0"), ("version", "2.0", "newer", "upgrade shardckpt")),
     ("much newer major", _set("version", "17.3"), ("version", "upgrade shardckpt")),
     ("version number", _set("version", 0.1), ("version", "expected a string")),
     ("version format", _set("version", "v0.1"), ("version", "MAJOR.MINOR")),
@@ -384,10 +384,21 @@ def test_not_a_manifest(data: bytes, needle: str) -> None:
 
 
 def test_older_major_refused(manifest_doc: Doc, monkeypatch: pytest.MonkeyPatch) -> None:
-    # VERSION is 0.x, so "older major" can only be shown by pretending this reader is 2.x
+    # this reader reads 0.x and 1.x, so "older major" is shown by pretending it reads only 2.x
     monkeypatch.setattr(manifest_mod, "VERSION", (2, 0))
+    monkeypatch.setattr(manifest_mod, "READABLE_MAJORS", (2,))
     manifest_doc["version"] = "1.4"
     refuses(dumps(manifest_doc), "version", "1.4", "older")
+
+
+def test_format_0_still_parses(manifest_doc: Doc) -> None:
+    """Format 0.x (group-major shard files) is read, and its slots keep their 0.x order."""
+    manifest_doc["version"] = "0.1"
+    m = parse(dumps(manifest_doc))
+    assert m.version == (0, 1)
+    comp = m.components["model"]
+    assert [s.name for s in shard_slots(m.components, m.mesh, m.version)] == [
+        f"{g.name}.{k}" for g in comp.layout.groups for k, _ in comp.states[g.name]]
 
 
 def test_newer_minor_with_unknown_fields_accepted(manifest_doc: Doc) -> None:
@@ -452,11 +463,21 @@ def test_exactly_2_pow_53_is_accepted_where_sizes_allow(manifest_doc: Doc) -> No
 
 
 def test_shard_slots_order_and_offsets() -> None:
+    """Format 1.0: kind-major (every group's master, then every exp_avg, ...), contiguous; a group
+    without a kind (frozen: master only) is skipped in that kind's run. 0.x: group-major."""
     m = manifest_from_spec(synth_spec(TINY_PARAMS, 4))
     slots = shard_slots(m.components, m.mesh)
     comp = m.components["model"]
-    names = [f"{g.name}.{k}" for g in comp.layout.groups for k, _ in comp.states[g.name]]
+    groups = comp.layout.groups
+    assert any(len(comp.states[g.name]) == 1 for g in groups)  # a frozen group is in the spec
+    names = [f"{g.name}.{k}" for k in ("master", "exp_avg", "exp_avg_sq") for g in groups
+             if k in dict(comp.states[g.name])]
     assert [s.name for s in slots] == names
+    old = shard_slots(m.components, m.mesh, (0, 1))
+    assert [s.name for s in old] == [f"{g.name}.{k}" for g in groups for k, _ in comp.states[g.name]]
+    assert old[-1].end == slots[-1].end and [s.name for s in old] != [s.name for s in slots]
+    master = [s for s in slots if s.name.endswith(".master")]
+    assert master == slots[:len(master)]  # the weights are one contiguous range
     pos = 0
     for s in slots:
         g = comp.layout.group(s.name.rsplit(".", 1)[0])

@@ -1,4 +1,5 @@
-"""Write the golden v0.1 checkpoint in ``tests/golden/v0_1/`` (run once; commit the files as-is).
+"""Write the golden checkpoint of this format version in ``tests/golden/v<MAJOR>_<MINOR>/`` (run once
+per version; commit the files as-is). ``v0_1`` was written by format 0.1, ``v1_0`` by 1.0.
 
     python tests/golden/make_golden.py [DST]
 
@@ -6,7 +7,7 @@
 the same probes, only ``save_id``, ``created_at`` and the file checksums that depend on them differ.)
 
 It refuses to overwrite an existing golden checkpoint: the point of one is that it never changes,
-so that later format versions prove they still read what v0.1 wrote. It prints the values that
+so that later format versions prove they still read what earlier ones wrote. It prints the values that
 ``tests/test_golden.py`` hard-codes.
 """
 
@@ -18,10 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from shardckpt.checkpoint import CheckpointReader
+from shardckpt.manifest import VERSION
 from shardckpt.synth import synthesize
 
 HERE = Path(__file__).resolve().parent
-DST = HERE / "v0_1"
+DST = HERE / f"v{VERSION[0]}_{VERSION[1]}"
 PARAMS, RANKS, SEED, STEP, CHUNK = 3000, 2, 1234, 42, 4096
 #: (fqn, state kind, first element): 4 fp32 values each. Element 1038 of the embedding straddles the
 #: boundary between shard 0 and shard 1 (its group has 1040 elements per shard).
