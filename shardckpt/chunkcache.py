@@ -4,7 +4,8 @@ A checked read must fetch whole chunks to verify their CRC32C. When two requests
 chunk (a reshard reads slot after slot, shard after shard, and a target shard may take a few
 elements of the chunk its neighbour takes the rest of), the shared chunk would be fetched twice;
 this reader keeps partly consumed chunks until the rest of them has been read. Memory: at most
-``capacity`` chunks.
+``capacity`` chunks. Local files can instead be mapped (:meth:`CachedRangeReader.map_many`): no
+copy at all, and a bitmap remembers which chunks were checked.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class CachedRangeReader:
         self.storage, self.chunk_size, self.capacity, self.prefix = storage, chunk_size, capacity, prefix
         self._cache: OrderedDict[tuple[str, int], tuple[bytes, int]] = OrderedDict()  # data, consumed
         self._lock = threading.Lock()
+        self._checked: dict[str, bytearray] = {}  # map_many: a bit per chunk already checked
         self.bytes_read = 0
 
     def _overlap(self, i: int, start: int, end: int) -> int:
@@ -97,53 +99,6 @@ class CachedRangeReader:
         joined = b"".join(chunks)  # type: ignore[arg-type]
         return memoryview(joined)[start - c0 * cs:end - c0 * cs]
 
-    def read_into(self, entry: FileEntry, start: int, end: int, out: memoryview) -> None:
-        """:meth:`read` into ``out`` (``end - start`` bytes), for a local storage only.
-
-        The chunks not in the cache are read with one ``preadv`` straight into ``out``; only the
-        parts of the first and last chunk outside ``[start, end)`` go to small scratch buffers.
-        Each chunk is CRC-checked; a boundary chunk kept in the cache is a copy (``out`` may be
-        reused as soon as the caller is done with it).
-        """
-        rel = self.prefix + entry.path
-        cs = self.chunk_size
-        if not 0 <= start <= end <= entry.size:
-            raise IntegrityError(f"{self.storage.url_of(rel)}: range [{start}, {end}) is outside "
-                                 f"its {entry.size} bytes")
-        if len(out) != end - start:
-            raise ValueError("read_into: the buffer does not match the range")
-        if start == end:
-            return
-        c0, c1 = start // cs, -(-end // cs)
-        chunks = [self._take((entry.path, i), start, end) for i in range(c0, c1)]
-        missing = [k for k, c in enumerate(chunks) if c is None]
-        lo, hi = (missing[0], missing[-1] + 1) if missing else (len(chunks), len(chunks))
-        for k, c in enumerate(chunks):
-            if c is not None and not lo <= k < hi:
-                i = c0 + k
-                a, b = max(start, i * cs), min(end, (i + 1) * cs)
-                out[a - start:b - start] = memoryview(c)[a - i * cs:b - i * cs]
-        if not missing:
-            return
-        A, B = (c0 + lo) * cs, min(entry.size, (c0 + hi) * cs)
-        head, tail = bytearray(max(0, start - A)), bytearray(max(0, B - end))
-        m0, m1 = max(A, start), min(B, end)
-        mid = out[m0 - start:m1 - start]
-        self.storage.read_chunks_into(entry, cs, c0 + lo, c0 + hi,
-                                      [memoryview(head), mid, memoryview(tail)], self.prefix)
-        with self._lock:
-            self.bytes_read += B - A
-        segs = ((A, memoryview(head)), (m0, mid), (m1, memoryview(tail)))
-        for k in {lo, hi - 1}:
-            i = c0 + k
-            clen = min(entry.size, (i + 1) * cs) - i * cs
-            used = self._used(entry, i, start, end)
-            if used < clen:  # partly consumed: keep a copy of it
-                x0, x1 = i * cs, i * cs + clen
-                data = b"".join(v[max(x0, o) - o:min(x1, o + len(v)) - o]
-                                for o, v in segs if max(x0, o) < min(x1, o + len(v)))
-                self._put((entry.path, i), data, used)
-
     @staticmethod
     def _runs(requests: Sequence[tuple[FileEntry, int, int]]) -> "list[list[tuple[FileEntry, int, int, list[int]]]]":
         """Per file (in order of first appearance), runs of consecutive requests that meet (the
@@ -175,31 +130,38 @@ class CachedRangeReader:
             with ThreadPoolExecutor(min(workers, len(groups))) as pool:
                 list(pool.map(run, groups))
 
-    def read_many_into(self, requests: Sequence[tuple[FileEntry, int, int]], out: memoryview,
-                       workers: int = 4) -> "list[memoryview]":
-        """:meth:`read_many` into ``out`` (at least the sum of the ranges' lengths), local storage
-        only; returns views of ``out``, valid until the caller reuses it."""
-        res: list[memoryview] = [memoryview(b"")] * len(requests)
-        groups = []
-        off = 0
-        for runs in self._runs(requests):  # each file's ranges side by side in `out`
-            placed = []
-            for entry, lo, hi, members in runs:
-                for i in members:
-                    _, a, b = requests[i]
-                    res[i] = out[off + a - lo:off + b - lo]
-                placed.append((entry, lo, hi, off))
-                off += hi - lo
-            groups.append(placed)
-        if off > len(out):
-            raise ValueError(f"read_many_into: {off} bytes do not fit a {len(out)}-byte buffer")
-
-        def run(placed: list[tuple[FileEntry, int, int, int]]) -> None:
-            for entry, lo, hi, o in placed:
-                self.read_into(entry, lo, hi, out[o:o + hi - lo])
-
-        self._per_file(groups, run, workers)
-        return res
+    def map_many(self, requests: Sequence[tuple[FileEntry, int, int]]) -> "list[memoryview]":
+        """Local storage only: each range as a read-only view of its mapped file (no copy; one
+        mapping per file and call), every chunk under a range CRC-checked once per reader (a bit
+        per chunk and file remembers which were: memory is one bit per chunk), so ranges that
+        share a chunk check it once. Views pin their mapping: drop them when done.
+        ``bytes_read`` counts each chunk the first time it is checked. Call it from one thread at
+        a time."""
+        cs = self.chunk_size
+        out: list[memoryview] = [memoryview(b"")] * len(requests)
+        by_file: dict[str, list[int]] = {}
+        for k, (entry, start, end) in enumerate(requests):
+            if not 0 <= start <= end <= entry.size:
+                raise IntegrityError(f"{self.storage.url_of(self.prefix + entry.path)}: range "
+                                     f"[{start}, {end}) is outside its {entry.size} bytes")
+            if start < end:
+                by_file.setdefault(entry.path, []).append(k)
+        for members in by_file.values():
+            entry = requests[members[0]][0]
+            ranges = [(requests[k][1], requests[k][2]) for k in members]
+            c0 = min(a for a, _ in ranges) // cs
+            c1 = -(-max(b for _, b in ranges) // cs)
+            checked = self._checked.get(entry.path)
+            if checked is None:
+                checked = self._checked[entry.path] = bytearray(-(-entry.size // cs) // 8 + 1)
+            fresh = {i for a, b in ranges for i in range(a // cs, -(-b // cs))
+                     if not checked[i >> 3] >> (i & 7) & 1}
+            view = self.storage.map_chunks(entry, cs, c0, c1, self.prefix, checked, ranges)
+            with self._lock:
+                self.bytes_read += sum(min(entry.size, (i + 1) * cs) - i * cs for i in fresh)
+            for k, (a, b) in zip(members, ranges):
+                out[k] = view[a - c0 * cs:b - c0 * cs]
+        return out
 
     def read_many(self, requests: Sequence[tuple[FileEntry, int, int]],
                   workers: int = 4) -> "list[bytes | memoryview]":

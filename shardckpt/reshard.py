@@ -54,23 +54,10 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
     return spec, plans
 
 
-def _slot_producer(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
-                   shard: int, slots: Sequence[TensorSlot], buffer_bytes: int, prefetch: ThreadPoolExecutor,
-                   on_bytes: Callable[[int], None] | None,
-                   read_workers: int = 4,
-                   pool: "list[bytearray] | None" = None) -> Callable[[TensorSlot], Iterator[Any]]:
-    """Yields the bytes of target slot ``<group>.<kind>`` of ``shard``; call it slot by slot in order.
-
-    One shard of :func:`_shard_producers`.
-    """
-    return _shard_producers(reader, ranged, plans, [shard], slots, buffer_bytes, prefetch, on_bytes,
-                            read_workers, pool)(shard)
-
-
 def _shard_producers(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
                      shards: Sequence[int], slots: Sequence[TensorSlot], buffer_bytes: int,
                      prefetch: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None,
-                     read_workers: int = 4, pool: "list[bytearray] | None" = None,
+                     read_workers: int = 4,
                      ) -> Callable[[int], Callable[[TensorSlot], Iterator[Any]]]:
     """``for_shard(t)`` is the slot producer of shard ``t``; write the shards in ``shards`` order.
 
@@ -81,9 +68,9 @@ def _shard_producers(reader: CheckpointReader, ranged: CachedRangeReader, plans:
     batch, source files are read concurrently (``read_workers``). The read-ahead runs across
     shards: the first batch of the next shard is read while the last one of this shard is written.
 
-    With ``pool`` (a list, shared by the shards of one process) and a local source, each batch is
-    read with ``preadv`` into one of two reused buffers instead of fresh allocations: batch ``k``
-    fills buffer ``k % 2``, which held batch ``k - 2``, written out before batch ``k`` is started.
+    A local source is not copied: each range is a view of the mapped source file, its chunks
+    CRC-checked once (:meth:`~shardckpt.chunkcache.CachedRangeReader.map_many`), written straight
+    from the page cache; a batch's mappings go when the batch has been written.
     """
     def plan_shard(shard: int) -> list[list[tuple[int, Any]]]:
         by_group: dict[str, list[Copy]] = {}
@@ -124,21 +111,11 @@ def _shard_producers(reader: CheckpointReader, ranged: CachedRangeReader, plans:
     batches = [(t, b) for t in shards for b in plan_shard(t) if b]
 
     zeros = bytes(max((p for _, b in batches for _, p in b if isinstance(p, int)), default=0))
-    use_pool = pool is not None and ranged.storage.is_local
-    if use_pool:
-        need = max((sum(p[2] - p[1] for _, p in b if not isinstance(p, int)) for _, b in batches), default=0)
-        assert pool is not None
-        while len(pool) < 2:
-            pool.append(bytearray())
-        for k, buf in enumerate(pool):
-            if len(buf) < need:
-                pool[k] = bytearray(need)
 
     def fetch(batch: list[tuple[int, Any]], k: int) -> list[tuple[int, Any]]:
         reads = [p for _, p in batch if not isinstance(p, int)]
-        if use_pool:
-            assert pool is not None
-            data = iter(ranged.read_many_into(reads, memoryview(pool[k % 2]), workers=read_workers))
+        if ranged.storage.is_local:
+            data = iter(ranged.map_many(reads))
         else:
             data = iter(ranged.read_many(reads, workers=read_workers))
         zview = memoryview(zeros)
@@ -193,10 +170,9 @@ def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: 
     writer = CheckpointWriter(as_storage(dst_url, dst_options), spec, save_id)
     ranged = CachedRangeReader(reader.storage, reader.manifest.chunk_size)
     entries = []
-    pool: list[bytearray] = []  # read buffers reused by every shard (local sources)
     with ThreadPoolExecutor(1) as prefetch:
         for_shard = _shard_producers(reader, ranged, plans, shards, writer.slots, buffer_bytes,
-                                     prefetch, on_bytes, pool=pool)
+                                     prefetch, on_bytes)
         for t in shards:
             entries.append(writer.write_shard(t, for_shard(t)))
     return entries, ranged.bytes_read

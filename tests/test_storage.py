@@ -372,3 +372,44 @@ def test_iter_file_chunks(storage: Storage) -> None:
     pieces = list(iter_file_chunks(storage, "f.bin", CHUNK))
     assert [len(p) for p in pieces] == [CHUNK, CHUNK, CHUNK, 5] and b"".join(pieces) == data
     assert b"".join(iter_file_chunks(storage, "f.bin", CHUNK, limit=CHUNK + 1)) == data[:CHUNK + 1]
+
+
+# ------------------------------------------------------------------------- mapped local reads
+
+
+def test_map_many_views_checks_each_chunk_once(tmp_path: Path) -> None:
+    from shardckpt.chunkcache import CachedRangeReader
+
+    storage = Storage(str(tmp_path))
+    data = payload(5 * CHUNK + 100)
+    e = write(storage, "m.bin", data)
+    reader = CachedRangeReader(storage, CHUNK)
+    ranges = [(0, 10), (10, CHUNK + 5), (CHUNK + 5, 3 * CHUNK), (2 * CHUNK - 1, 2 * CHUNK + 1),
+              (4 * CHUNK + 7, len(data)), (7, 7)]
+    views = reader.map_many([(e, a, b) for a, b in ranges])
+    assert [bytes(v) for v in views] == [data[a:b] for a, b in ranges]
+    # chunks 0..2 and 4..5 were each checked once, chunk 3 never
+    assert reader.bytes_read == 3 * CHUNK + CHUNK + 100
+    assert bytes(reader.map_many([(e, 0, len(data))])[0]) == data
+    assert reader.bytes_read == len(data)
+    with pytest.raises(IntegrityError, match="outside"):
+        reader.map_many([(e, 0, len(data) + 1)])
+
+
+def test_map_many_refuses_truncated_and_corrupted(tmp_path: Path) -> None:
+    from shardckpt.chunkcache import CachedRangeReader
+
+    storage = Storage(str(tmp_path))
+    data = payload(3 * CHUNK)
+    e = write(storage, "t.bin", data)
+    path = tmp_path / "t.bin"
+    path.write_bytes(data[:-1])
+    with pytest.raises(IntegrityError, match=rf"t\.bin: {3 * CHUNK - 1} bytes.*truncated"):
+        CachedRangeReader(storage, CHUNK).map_many([(e, 0, 10)])
+    bad = bytearray(data)
+    bad[CHUNK + 3] ^= 1
+    path.write_bytes(bytes(bad))
+    reader = CachedRangeReader(storage, CHUNK)
+    assert bytes(reader.map_many([(e, 0, CHUNK)])[0]) == data[:CHUNK]  # chunk 0 is fine
+    with pytest.raises(IntegrityError, match=rf"t\.bin: bytes \[{CHUNK}, {2 * CHUNK}\) fail their CRC32C"):
+        reader.map_many([(e, CHUNK - 2, CHUNK + 2)])

@@ -176,34 +176,59 @@ class Storage:
         joined += tail
         return memoryview(joined)
 
-    def read_chunks_into(self, entry: FileEntry, chunk_size: int, c0: int, c1: int,
-                         bufs: Sequence[memoryview], prefix: str = "") -> None:
-        """Local files only: read whole chunks ``[c0, c1)`` of ``entry`` into ``bufs`` (consecutive
-        buffers whose lengths sum to the span's length; one ``preadv``), checking each chunk's
-        CRC32C across buffer boundaries. A failing span is read once more before an
-        :class:`IntegrityError` names the object and the bytes, as :meth:`read_chunks` does.
+    def map_chunks(self, entry: FileEntry, chunk_size: int, c0: int, c1: int, prefix: str = "",
+                   checked: bytearray | None = None,
+                   ranges: Sequence[tuple[int, int]] | None = None) -> memoryview:
+        """Local files only: chunks ``[c0, c1)`` of ``entry`` mapped read-only (no copy into user
+        space), as one view of bytes ``[c0 · chunk_size, min(size, c1 · chunk_size))``.
+
+        The chunks under ``ranges`` (absolute byte ranges inside the span; all of it by default)
+        are checked against their CRC32C, except those ``checked`` (a bitmap, one bit per chunk
+        of the file) marks as checked already; newly checked ones are marked. Pages are only
+        touched where they are read, so memory follows the ranges, not the span. The file's size
+        is checked first, so a truncated file is an :class:`IntegrityError`, not a fault on
+        access. The mapping lives as long as the returned view (or a slice of it). A chunk that
+        fails is read again through :meth:`read_chunks`, whose error names the object and bytes.
         """
+        import mmap
+
         rel = prefix + entry.path
         a, b = c0 * chunk_size, min(entry.size, c1 * chunk_size)
-        if sum(len(v) for v in bufs) != b - a:
-            raise ValueError("read_chunks_into: buffers do not match the span")
+        if a >= b:
+            return memoryview(b"")
         path = self.full(rel)
-        bad = None
-        for attempt in range(2):
-            self.call("read", rel, lambda: _preadv_exact(path, bufs, a, self.url_of(rel), entry))
-            bad = _first_bad_chunk_iov(bufs, entry, chunk_size, c0, c1)
-            if bad is None:
-                return
-            if attempt == 0:
-                i = bad[0]
-                log.info("%s: bytes [%d, %d) failed their CRC32C check; reading them again",
-                         self.url_of(rel), i * chunk_size, min(entry.size, (i + 1) * chunk_size))
-        assert bad is not None
-        j, got = bad
-        raise IntegrityError(
-            f"{self.url_of(rel)}: bytes [{j * chunk_size}, {min(entry.size, (j + 1) * chunk_size)}) "
-            f"fail their CRC32C check (recorded {entry.chunk_crc32c[j]:08x}, read {got:08x}, "
-            "read twice); the file is corrupted")
+
+        def open_map() -> "tuple[mmap.mmap, int]":
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if size != entry.size:
+                    raise IntegrityError(f"{self.url_of(rel)}: {size} bytes, the manifest records "
+                                         f"{entry.size}; the file is truncated or replaced")
+                off = a - a % mmap.ALLOCATIONGRANULARITY
+                return mmap.mmap(fd, b - off, prot=mmap.PROT_READ, offset=off), off
+            finally:
+                os.close(fd)
+        mapped, off = self.call("read", rel, open_map)
+        view = memoryview(mapped)[a - off:b - off]
+        for lo, hi in ranges if ranges is not None else [(a, b)]:
+            i0, i1 = lo // chunk_size, -(-hi // chunk_size)
+            if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+                x = i0 * chunk_size - off
+                mapped.madvise(mmap.MADV_WILLNEED, x - x % mmap.PAGESIZE,
+                               min(entry.size, i1 * chunk_size) - off - (x - x % mmap.PAGESIZE))
+            for i in range(i0, i1):
+                if checked is not None and checked[i >> 3] >> (i & 7) & 1:
+                    continue
+                x = i * chunk_size - a
+                if crc32c(view[x:x + chunk_size]) != entry.chunk_crc32c[i]:
+                    self.read_chunks(entry, chunk_size, i, i + 1, prefix)  # raises, naming the bytes
+                    raise IntegrityError(f"{self.url_of(rel)}: bytes [{i * chunk_size}, "
+                                         f"{min(entry.size, (i + 1) * chunk_size)}) changed while "
+                                         "being read")
+                if checked is not None:
+                    checked[i >> 3] |= 1 << (i & 7)
+        return view
 
     def _read_exact(self, rel: str, entry: FileEntry, a: int, b: int) -> bytes:
         data = self.read(rel, a, b)
@@ -379,53 +404,6 @@ def _first_bad_chunk(view: memoryview, entry: FileEntry, chunk_size: int, c0: in
         got = crc32c(view[lo:lo + chunk_size])
         if got != entry.chunk_crc32c[i]:
             return i, got
-    return None
-
-
-def _preadv_exact(path: str, bufs: Sequence[memoryview], offset: int, url: str,
-                  entry: FileEntry) -> None:
-    """Fill ``bufs`` with the bytes of ``path`` from ``offset`` (looping over short reads)."""
-    pending = [v for v in bufs if len(v)]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pos = offset
-        while pending:
-            n = os.preadv(fd, pending[:64], pos) if hasattr(os, "preadv") else \
-                os.pread(fd, len(pending[0]), pos)
-            if isinstance(n, bytes):  # no preadv: one pread into the first buffer
-                pending[0][:len(n)] = n
-                n = len(n)
-            if n == 0:
-                want = sum(len(v) for v in pending)
-                raise IntegrityError(f"{url}: truncated: bytes [{offset}, {pos + want}) returned "
-                                     f"{pos - offset} bytes (the manifest records {entry.size})")
-            pos += n
-            while pending and n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            if n:
-                pending[0] = pending[0][n:]
-    finally:
-        os.close(fd)
-
-
-def _first_bad_chunk_iov(bufs: Sequence[memoryview], entry: FileEntry, chunk_size: int, c0: int,
-                         c1: int) -> tuple[int, int] | None:
-    """:func:`_first_bad_chunk` over the concatenation of ``bufs``, without joining them."""
-    i, crc, fill = c0, 0, 0
-    need = min(entry.size, (i + 1) * chunk_size) - i * chunk_size
-    for v in bufs:
-        pos, n = 0, len(v)
-        while pos < n:
-            take = min(n - pos, need - fill)
-            crc = crc32c(v[pos:pos + take], crc)
-            fill += take
-            pos += take
-            if fill == need:
-                if crc != entry.chunk_crc32c[i]:
-                    return i, crc
-                i, crc, fill = i + 1, 0, 0
-                need = min(entry.size, (i + 1) * chunk_size) - i * chunk_size
     return None
 
 
