@@ -193,7 +193,9 @@ class PieceReader:
                     requests.append(r)
                     owner.append(k)
             parts: list[list[bytes]] = [[] for _ in batch]
-            for k, data in zip(owner, cached.read_many(requests, self.workers)):
+            got = cached.map_many(requests) if cached.storage.is_local else \
+                cached.read_many(requests, self.workers)
+            for k, data in zip(owner, got):
                 parts[k].append(data)
             sides.append([p[0] if len(p) == 1 else b"".join(p) for p in parts])
         return [Piece(i, a, b, tuple(s[k] for s in sides)) for k, (i, a, b) in enumerate(batch)]
