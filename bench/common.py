@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import psutil
 
 
 def run_measured(cmd: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int]:
     """Run ``cmd``; return (wall seconds, peak RSS in bytes summed over the process tree)."""
+    dt, peak, _ = _run(cmd, env, False)
+    return dt, peak
+
+
+def run_measured_json(cmd: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int, Any]:
+    """:func:`run_measured` of a command that prints JSON; also returns the parsed output."""
+    dt, peak, out = _run(cmd, env, True)
+    return dt, peak, json.loads(out)
+
+
+def _run(cmd: Sequence[str], env: dict[str, str] | None, capture: bool) -> tuple[float, int, bytes]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(list(cmd), env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     peak = 0
     stop = threading.Event()
 
@@ -41,13 +54,13 @@ def run_measured(cmd: Sequence[str], env: dict[str, str] | None = None) -> tuple
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    _, err = proc.communicate()
+    out, err = proc.communicate()
     dt = time.perf_counter() - t0
     stop.set()
     th.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err.decode()[-2000:]}")
-    return dt, peak
+    return dt, peak, out or b""
 
 
 def median(xs: Sequence[float]) -> float:
