@@ -131,10 +131,10 @@ class CachedRangeReader:
                 list(pool.map(run, groups))
 
     def map_many(self, requests: Sequence[tuple[FileEntry, int, int]]) -> "list[memoryview]":
-        """Local storage only: each range as a read-only view of its mapped file (no copy; one
-        mapping per file and call), every chunk under a range CRC-checked once per reader (a bit
-        per chunk and file remembers which were: memory is one bit per chunk), so ranges that
-        share a chunk check it once. Views pin their mapping: drop them when done.
+        """Local storage only (``storage.can_map``): each range as a read-only view of its mapped
+        file (no copy; one mapping per file and call), every chunk under a range CRC-checked once
+        per reader (a bit per chunk and file remembers which were: memory is one bit per chunk),
+        so ranges that share a chunk check it once. Views pin their mapping: drop them when done.
         ``bytes_read`` counts each chunk the first time it is checked. Call it from one thread at
         a time."""
         cs = self.chunk_size

@@ -193,7 +193,7 @@ class PieceReader:
                     requests.append(r)
                     owner.append(k)
             parts: list[list[bytes]] = [[] for _ in batch]
-            got = cached.map_many(requests) if cached.storage.is_local else \
+            got = cached.map_many(requests) if cached.storage.can_map else \
                 cached.read_many(requests, self.workers)
             for k, data in zip(owner, got):
                 parts[k].append(data)

@@ -114,7 +114,7 @@ def _shard_producers(reader: CheckpointReader, ranged: CachedRangeReader, plans:
 
     def fetch(batch: list[tuple[int, Any]], k: int) -> list[tuple[int, Any]]:
         reads = [p for _, p in batch if not isinstance(p, int)]
-        if ranged.storage.is_local:
+        if ranged.storage.can_map:
             data = iter(ranged.map_many(reads))
         else:
             data = iter(ranged.read_many(reads, workers=read_workers))

@@ -43,6 +43,8 @@ class Storage:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         self.is_local = protocol in ("file", "local")
         self.is_s3 = protocol in ("s3", "s3a")
+        #: :meth:`map_chunks` works here: a local file system on a POSIX system.
+        self.can_map = self.is_local and os.name == "posix"
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
