@@ -246,6 +246,10 @@ def test_no_sync_reduces_nothing_until_the_last_micro_batch():
     tokens = _tokens(2)
     causal_lm_loss(engine(tokens), tokens).backward()
     assert all(g.grad is not None and not g.has_pending_grad for g in engine.groups.values())
+    # Reductions issued asynchronously during backward are all finished by its end, and the
+    # pool of released gradient buffers holds nothing between steps.
+    assert not any(g.reducing for g in engine.groups.values())
+    assert not engine._schedule.pool._free
     opt.step()
 
 

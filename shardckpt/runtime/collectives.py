@@ -15,6 +15,11 @@ backend's reduction order, so it equals a single-process reference. Every ZeRO s
 and 3) reduces gradients with :func:`reduce_scatter_mean`: each rank needs only the mean of the
 slice its optimizer updates, so stage 1 also sends Ψ for its gradients (not an all-reduce's 2Ψ).
 
+Gradient reductions can be issued asynchronously (:func:`start_reduce_scatter_mean`, which returns
+a :class:`PendingMean`): the exchange runs on the backend's threads while backward computes the
+next unit, and the rank-order sum (or the division by the world size) runs when the result is
+asked for, with the same bits as the synchronous :func:`reduce_scatter_mean`.
+
 Every function takes an optional :class:`~shardckpt.runtime.accounting.Accounting` and records
 the logical volume of each collective it issues there (none for a group of one rank).
 :func:`all_gather_shard` can also be issued asynchronously (prefetch); it then returns the
@@ -68,9 +73,10 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object,
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: object,
+                           async_op: bool = False) -> Any:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor, *,
@@ -89,6 +95,34 @@ def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor, *
         return _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group, async_op)
 
 
+class PendingMean:
+    """A gradient reduction in flight (:func:`start_reduce_scatter_mean`).
+
+    :meth:`result` waits for the collective, finishes the reduction (the rank-order sum, or the
+    all-reduce over replicas, then the division by the world size) and returns this rank's fp32
+    mean slice; it is computed once. Until then the buffers the collective reads and writes are
+    kept alive here. Every rank must finish its pending reductions in the same order (the
+    all-reduce over replicas is issued then).
+    """
+
+    __slots__ = ("_finish", "_value")
+
+    def __init__(self, finish: Any) -> None:
+        self._finish = finish
+        self._value: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def result(self) -> torch.Tensor:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._value = finish()
+        assert self._value is not None
+        return self._value
+
+
 def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
                         sum_dtype: torch.dtype = FP32,
                         acct: Accounting | None = None) -> torch.Tensor:
@@ -99,29 +133,51 @@ def reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool
     world size (see the module docstring); otherwise the backend's reduce-scatter (and all-reduce
     over replicas) is used. Called on every rank of the world.
     """
+    return start_reduce_scatter_mean(pm, grad, deterministic, sum_dtype, acct).result()
+
+
+def start_reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic: bool,
+                              sum_dtype: torch.dtype = FP32,
+                              acct: Accounting | None = None) -> PendingMean:
+    """:func:`reduce_scatter_mean`, issued asynchronously: the exchange runs on the backend's
+    threads (on CUDA, its stream) while the caller goes on; :meth:`PendingMean.result` waits and
+    gives the same bits as the synchronous call. ``grad`` must not be written until then."""
     S, W = pm.shard_degree, pm.world_size
     s = grad.numel() // S
     if W == 1:
-        return grad.to(sum_dtype, copy=True).div_(W).to(FP32)
+        return PendingMean(lambda: grad.to(sum_dtype, copy=True).div_(W).to(FP32))
     if deterministic:
-        return _ordered_mean(pm, grad, s, sum_dtype, acct)
+        return _start_ordered_mean(pm, grad, s, sum_dtype, acct)
     # Gloo has no bf16/fp16 reductions worth trusting; reduce in fp32 there.
     red = grad if (pm.backend == "nccl" or grad.dtype == FP32) else grad.to(FP32)
     out = torch.empty(s, dtype=red.dtype, device=red.device)
+    work = None
     with collective_guard("reduce-scatter of a gradient", pm):
         if S > 1:
             _record(acct, "reduce_scatter", red)
-            _reduce_scatter_single(out, red, pm.shard_group)
+            work = _reduce_scatter_single(out, red, pm.shard_group, async_op=True)
         else:
             out.copy_(red)
-        if pm.replicate_group is not None:
-            _record(acct, "all_reduce", out, 2)
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
-    return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
+
+    keep: tuple[torch.Tensor, ...] = (grad, red)  # read by the collective until it is done
+
+    def finish() -> torch.Tensor:
+        nonlocal work, keep
+        with collective_guard("reduce-scatter of a gradient", pm):
+            if work is not None:
+                work.wait()
+                work, keep = None, ()
+            if pm.replicate_group is not None:
+                _record(acct, "all_reduce", out, 2)
+                dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
+        return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
+
+    return PendingMean(finish)
 
 
-def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int, sum_dtype: torch.dtype = FP32,
-                  acct: Accounting | None = None) -> torch.Tensor:
+def _start_ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
+                        sum_dtype: torch.dtype = FP32,
+                        acct: Accounting | None = None) -> PendingMean:
     W, mesh = pm.world_size, pm.mesh
     if mesh.shard_degree == W:
         send = grad  # chunk r is already rank r's slice
@@ -131,11 +187,22 @@ def _ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int, sum_dtype: torch.
     recv = torch.empty(W * s, dtype=grad.dtype, device=grad.device)
     _record(acct, "all_to_all", send)
     with collective_guard("ordered gradient exchange (all-to-all)", pm):
-        dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group)
-    acc = recv[:s].to(sum_dtype, copy=True)
-    for k in range(1, W):  # global rank order: ((g0 + g1) + g2) + ...
-        acc.add_(recv[k * s:(k + 1) * s])
-    return acc.div_(W).to(FP32)
+        work = dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group,
+                                      async_op=True)
+    keep: tuple[torch.Tensor, ...] = (grad, send)  # read by the collective until it is done
+
+    def finish() -> torch.Tensor:
+        nonlocal work, keep
+        with collective_guard("ordered gradient exchange (all-to-all)", pm):
+            if work is not None:
+                work.wait()
+                work, keep = None, ()
+        acc = recv[:s].to(sum_dtype, copy=True)
+        for k in range(1, W):  # global rank order: ((g0 + g1) + g2) + ...
+            acc.add_(recv[k * s:(k + 1) * s])
+        return acc.div_(W).to(FP32)
+
+    return PendingMean(finish)
 
 
 def all_gather_flat(pm: ProcessMesh, shard: torch.Tensor,

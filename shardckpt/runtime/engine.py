@@ -44,7 +44,7 @@ from shardckpt.layout import Layout, build_layout
 from shardckpt.estimate import Estimate
 from shardckpt.runtime import accounting, collectives, full_params
 from shardckpt.runtime.accounting import Accounting
-from shardckpt.runtime.flat import FlatParamGroup
+from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
 from shardckpt.runtime.precision import (
@@ -131,9 +131,10 @@ class ZeroEngine:
         self._fqn_of = {id(p): fqn for fqn, p in params.items()}
         self.accounting = Accounting()
         comm = CommStream(pm.device)
+        pool = GradBufferPool()
         self.groups: dict[str, FlatParamGroup] = {
             g.name: FlatParamGroup(g, self.layout, [params[f] for f in g.params], pm,
-                                   self.accounting, comm, resident_grad=stage == 1)
+                                   self.accounting, comm, resident_grad=stage == 1, pool=pool)
             for g in self.layout.groups
         }
         self.units: list[Unit] = []
@@ -150,7 +151,8 @@ class ZeroEngine:
                 g.set_precision(resolve_precision(mixed_precision, g.dtype))
         self._optimizer: Any = None
         self._schedule = StageSchedule(self.units, stage, deterministic,
-                                       input_cast_dtype(mixed_precision), prefetch, module)
+                                       input_cast_dtype(mixed_precision), prefetch, module,
+                                       pool=pool)
         self.accounting.reset()  # construction gathered units one by one to initialize them
         log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s; %s", stage,
                  len(self.units), len(self.groups), len(params),
@@ -216,6 +218,7 @@ class ZeroEngine:
         """Clear the reduced gradients, any unreduced accumulation, and any stray ``.grad``."""
         for g in self.groups.values():
             g.zero_grad(set_to_none)
+        self._schedule.pool.clear()
         for p in self._params.values():
             p.grad = None
 

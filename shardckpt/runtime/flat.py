@@ -19,8 +19,13 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   reduced (:attr:`local_grad`); backward passes without gradient sync (gradient accumulation) add
   into it. Padding stays zero. Every stage reduces it the same way, by
   :func:`~shardckpt.runtime.collectives.reduce_scatter_mean`.
-* without ``resident_grad`` (ZeRO-2/3) the buffer is allocated at the first gradient of an
-  accumulation window and freed once reduced. With ``resident_grad`` (ZeRO-1: gradients are not
+* without ``resident_grad`` (ZeRO-2/3) the buffer is taken at the first gradient of an
+  accumulation window, left uninitialized (each parameter's first gradient is copied in; what no
+  parameter wrote, padding included, is zeroed just before the reduction) and given up once
+  reduced: to the engine's :class:`GradBufferPool`, from which the next group of the same size
+  takes it within the same backward (the pool is emptied at the end of each backward). The
+  reduction can be left in flight (``reduce_grad(wait=False)``, then :meth:`finish_reduce`);
+  ``grad`` is updated when it is finished. With ``resident_grad`` (ZeRO-1: gradients are not
   partitioned) it is :attr:`grad_buffer`: allocated once, kept for the life of the group and
   zeroed at the start of each accumulation window, so every rank holds a whole-size gradient
   buffer, as the ZeRO paper and :mod:`shardckpt.estimate` count it.
@@ -49,6 +54,33 @@ from shardckpt.runtime.precision import GroupPrecision, resolve_precision
 from shardckpt.runtime.prefetch import CommStream, InFlight
 
 
+class GradBufferPool:
+    """Local gradient buffers released by finished reductions, for the next group to reuse.
+
+    In a backward pass the units' groups (the decoder layers of a transformer) mostly have the
+    same size: the buffer whose reduction just finished is handed to the next group that needs
+    one instead of being returned to the allocator and allocated again (on CPU every new large
+    buffer costs a page fault per 4 KiB on first touch). The pool holds only what a backward
+    released and is emptied at the end of each backward, so nothing stays allocated between
+    steps and no more is held at once than without it. Contents of a taken buffer are undefined.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        bufs = self._free.get((numel, dtype, device))
+        if bufs:
+            return bufs.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a layout dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
     dtype = getattr(torch, name, None)
@@ -67,8 +99,10 @@ class FlatParamGroup:
 
     def __init__(self, spec: FlatGroup, layout: Layout, params: Sequence[nn.Parameter],
                  pm: ProcessMesh, acct: Accounting | None = None,
-                 comm: CommStream | None = None, resident_grad: bool = False) -> None:
+                 comm: CommStream | None = None, resident_grad: bool = False,
+                 pool: GradBufferPool | None = None) -> None:
         self.spec = spec
+        self.pool = pool if pool is not None else GradBufferPool()
         self.resident_grad = resident_grad  # ZeRO-1: keep the whole gradient buffer
         self.pm = pm
         self.acct = acct if acct is not None else Accounting()
@@ -90,12 +124,15 @@ class FlatParamGroup:
         self.grad: torch.Tensor | None = None
         self._grad_buffer: torch.Tensor | None = None  # resident_grad only
         self._local_grad: torch.Tensor | None = None
+        self._pending: collectives.PendingMean | None = None  # a reduction in flight
+        self._pending_buf: torch.Tensor | None = None  # the pool-owned buffer it reads
         self._written = [False] * len(self.params)
         self._arrived = 0
 
     def set_precision(self, precision: GroupPrecision) -> None:
         """Switch the compute dtype (and gradient dtypes); only while freed, before training."""
-        if self.gathered or self._local_grad is not None or self.grad is not None:
+        if (self.gathered or self._local_grad is not None or self.grad is not None
+                or self._pending is not None):
             raise ConfigError(f"flat group {self.name}: precision changes only while freed")
         self.precision = precision
         self._grad_buffer = None  # reallocated in the new gradient dtype by the next backward
@@ -224,6 +261,7 @@ class FlatParamGroup:
         """Put one parameter's local gradient into the flat buffer (copied the first time since
         the last reduction, added after that); True once all have arrived in this backward."""
         if self._local_grad is None:
+            self.finish_reduce()  # a new accumulation window: the last reduction lands first
             self._local_grad = self._new_local_grad()
         spec = self.param_specs[index]
         with torch.no_grad():
@@ -237,10 +275,12 @@ class FlatParamGroup:
         return self._arrived == len(self.params)
 
     def _new_local_grad(self) -> torch.Tensor:
-        """A zeroed buffer for a new accumulation window: fresh, or the resident one reused."""
+        """A buffer for a new accumulation window: a fresh one left uninitialized (each
+        parameter's first gradient is copied in, and :meth:`reduce_grad` zeroes what none
+        wrote), or the resident one reused, zeroed."""
         if not self.resident_grad:
-            return torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
-                               device=self.master.device)
+            return self.pool.take(self.spec.padded_numel, self.precision.grad,
+                                  self.master.device)
         if self._grad_buffer is None:
             self._grad_buffer = torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
                                             device=self.master.device)
@@ -259,23 +299,52 @@ class FlatParamGroup:
     def has_pending_grad(self) -> bool:
         return self._local_grad is not None
 
-    def reduce_grad(self, deterministic: bool) -> None:
+    @property
+    def reducing(self) -> bool:
+        """True while a reduction started by ``reduce_grad(wait=False)`` is not finished."""
+        return self._pending is not None
+
+    def reduce_grad(self, deterministic: bool, wait: bool = True) -> None:
         """Reduce the local flat gradient into ``grad`` (adding to it) and release the buffer.
 
         Every stage reduce-scatters (:func:`~shardckpt.runtime.collectives.reduce_scatter_mean`),
         so ``grad`` gets the same bits whatever the stage. Without ``resident_grad`` the buffer is
         then freed; with it the buffer stays, and an fp32 ``grad`` moves into its own slice (see
         the module docstring). Collective: every rank calls it for the same groups in the same
-        order.
+        order. With ``wait=False`` the exchange is only issued (the backward goes on while it
+        runs) and :meth:`finish_reduce` completes it; every rank finishes its reductions in the
+        same order.
         """
         if self._local_grad is None:
             return
+        self.finish_reduce()
         buf, self._local_grad = self._local_grad, None
+        with torch.no_grad():  # what no parameter wrote is zero: padding, unused parameters
+            if self.spec.numel < self.spec.padded_numel:
+                buf[self.spec.numel:].zero_()
+            for spec, written in zip(self.param_specs, self._written):
+                if not written:
+                    buf[spec.offset:spec.offset + spec.numel].zero_()
         self._written = [False] * len(self.params)
         self._arrived = 0
-        reduced = collectives.reduce_scatter_mean(self.pm, buf, deterministic,
-                                                  self.precision.sum, self.acct)
+        self._pending = collectives.start_reduce_scatter_mean(self.pm, buf, deterministic,
+                                                              self.precision.sum, self.acct)
+        self._pending_buf = None if self.resident_grad else buf
         del buf
+        if wait:
+            self.finish_reduce()
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction in flight, if any, and add its mean into ``grad``."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        buf, self._pending_buf = self._pending_buf, None
+        reduced = pending.result()
+        del pending
+        if buf is not None:  # the collective is done with it: the next group may reuse it
+            self.pool.give(buf)
+            del buf
         if self.grad is None:
             self.grad = reduced
         else:
@@ -292,6 +361,8 @@ class FlatParamGroup:
         """Clear the reduced gradient (an unreduced accumulation buffer is dropped too; a
         resident buffer stays allocated)."""
         self._local_grad = None
+        self._pending = None  # only left by a failed backward; the backend keeps its buffers
+        self._pending_buf = None
         self._written = [False] * len(self.params)
         self._arrived = 0
         if set_to_none or self.grad is None:

@@ -27,6 +27,10 @@ once a group is complete, reduces it (unless gradient sync is off, see
 :meth:`~shardckpt.runtime.engine.ZeroEngine.no_sync`); an identity function on the unit's inputs
 tells when its backward is done, so it can be freed; an autograd callback at the end of backward
 reduces what is left (parameters that got no gradient count as zero) and frees everything.
+A reduction is issued asynchronously and left in flight while backward computes the next unit;
+issuing the next one finishes the older ones (at most :data:`REDUCTIONS_IN_FLIGHT` wait on the
+wire), and the end of backward finishes them all, in the same order on every rank, so ``grad``
+holds the same bits as with synchronous reductions.
 
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) re-runs a unit's forward
 inside backward: the pre-hook gathers (idempotent) and the forward hook neither frees nor hooks
@@ -42,6 +46,7 @@ and (in reverse order) in backward.
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -51,10 +56,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from shardckpt.errors import ConfigError
-from shardckpt.runtime.flat import FlatParamGroup
+from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.prefetch import Prefetcher
 
 STAGES = (1, 2, 3)
+
+#: Gradient reductions left in flight while backward goes on: the newest one (the older are
+#: finished when a new one is issued, so at most one unit's gradient buffer waits on the wire).
+REDUCTIONS_IN_FLIGHT = 1
 
 
 def check_stage(stage: int) -> int:
@@ -134,7 +143,7 @@ class StageSchedule:
 
     def __init__(self, units: Sequence[Unit], stage: int, deterministic: bool,
                  input_dtype: torch.dtype | None = None, prefetch: bool = False,
-                 top: nn.Module | None = None) -> None:
+                 top: nn.Module | None = None, pool: GradBufferPool | None = None) -> None:
         self.units = list(units)
         self.stage = check_stage(stage)
         self.deterministic = deterministic
@@ -142,6 +151,8 @@ class StageSchedule:
         self.sync_grads = True
         self.in_backward = False
         self.prefetcher = Prefetcher(prefetch)
+        self._reducing: collections.deque[FlatParamGroup] = collections.deque()
+        self.pool = pool  # emptied at the end of each backward
         self.hooks: list[Any] = []
         if top is not None:  # a top-level forward starts and ends (before/after the units' hooks)
             self.hooks.append(top.register_forward_pre_hook(self._begin_forward, prepend=True))
@@ -236,9 +247,26 @@ class StageSchedule:
         grad, param.grad = param.grad, None
         if grad is not None and group.add_param_grad(index, grad):
             if self.sync_grads:
-                group.reduce_grad(self.deterministic)
+                self._reduce(group)
             unit.done += 1
             self._maybe_free(unit)
+
+    def _reduce(self, group: FlatParamGroup) -> None:
+        """Issue ``group``'s reduction, then finish the older ones beyond the in-flight limit."""
+        if group.reducing:  # its last reduction lands before the next one starts
+            self._finish_reductions(lambda g: g is group)
+        group.reduce_grad(self.deterministic, wait=False)
+        self._reducing.append(group)
+        while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
+            self._reducing.popleft().finish_reduce()
+
+    def _finish_reductions(self, until: Any = None) -> None:
+        """Finish the reductions in flight, oldest first (all, or up to the first ``until``)."""
+        while self._reducing:
+            g = self._reducing.popleft()
+            g.finish_reduce()
+            if until is not None and until(g):
+                return
 
     def _maybe_free(self, unit: Unit) -> None:
         if unit.inputs_done and unit.done >= unit.trained:
@@ -251,14 +279,23 @@ class StageSchedule:
                 for unit in self.units:
                     for g in unit.groups:
                         if g.has_pending_grad:
-                            g.reduce_grad(self.deterministic)
+                            self._reduce(g)
         finally:
-            self.prefetcher.end_backward()
-            for unit in self.units:
-                unit.wait_gather()  # a prefetch whose unit never ran (stages 1, 2 keep it)
-                self.free(unit)
-                for g in unit.groups:
-                    g.end_backward()
-                unit.inputs_done = False
-                unit.done = 0
-            self.in_backward = False
+            try:
+                self._finish_reductions()
+            finally:
+                self._end_backward()
+
+    def _end_backward(self) -> None:
+        self._reducing.clear()
+        if self.pool is not None:
+            self.pool.clear()
+        self.prefetcher.end_backward()
+        for unit in self.units:
+            unit.wait_gather()  # a prefetch whose unit never ran (stages 1, 2 keep it)
+            self.free(unit)
+            for g in unit.groups:
+                g.end_backward()
+            unit.inputs_done = False
+            unit.done = 0
+        self.in_backward = False
