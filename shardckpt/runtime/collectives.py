@@ -98,17 +98,19 @@ def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor, *
 class PendingMean:
     """A gradient reduction in flight (:func:`start_reduce_scatter_mean`).
 
-    :meth:`result` waits for the collective, finishes the reduction (the rank-order sum, or the
-    all-reduce over replicas, then the division by the world size) and returns this rank's fp32
-    mean slice; it is computed once. Until then the buffers the collective reads and writes are
-    kept alive here. Every rank must finish its pending reductions in the same order (the
-    all-reduce over replicas is issued then).
+    :meth:`result` waits for the collective ``work`` (a failure there is a
+    :class:`~shardckpt.errors.CollectiveError` naming ``what``), then runs ``finish`` (the
+    rank-order sum, or the all-reduce over replicas, then the division by the world size), which
+    returns this rank's fp32 mean slice; it is computed once. Until then the buffers the
+    collective reads (``keep``) are kept alive here. Every rank must finish its pending
+    reductions in the same order (the all-reduce over replicas is issued then).
     """
 
-    __slots__ = ("_finish", "_value")
+    __slots__ = ("_work", "_keep", "_what", "_pm", "_finish", "_value")
 
-    def __init__(self, finish: Any) -> None:
-        self._finish = finish
+    def __init__(self, finish: Any, work: Any = None, keep: tuple[torch.Tensor, ...] = (),
+                 what: str = "", pm: ProcessMesh | None = None) -> None:
+        self._finish, self._work, self._keep, self._what, self._pm = finish, work, keep, what, pm
         self._value: torch.Tensor | None = None
 
     @property
@@ -117,6 +119,10 @@ class PendingMean:
 
     def result(self) -> torch.Tensor:
         if self._finish is not None:
+            if self._work is not None:
+                with collective_guard(self._what, self._pm):
+                    self._work.wait()
+            self._work, self._keep = None, ()
             finish, self._finish = self._finish, None
             self._value = finish()
         assert self._value is not None
@@ -159,20 +165,15 @@ def start_reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic
         else:
             out.copy_(red)
 
-    keep: tuple[torch.Tensor, ...] = (grad, red)  # read by the collective until it is done
-
     def finish() -> torch.Tensor:
-        nonlocal work, keep
-        with collective_guard("reduce-scatter of a gradient", pm):
-            if work is not None:
-                work.wait()
-                work, keep = None, ()
-            if pm.replicate_group is not None:
+        if pm.replicate_group is not None:
+            with collective_guard("all-reduce of a gradient over replicas", pm):
                 _record(acct, "all_reduce", out, 2)
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
         return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
 
-    return PendingMean(finish)
+    # the collective reads grad/red until it is done
+    return PendingMean(finish, work, (grad, red), "reduce-scatter of a gradient", pm)
 
 
 def _start_ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
@@ -189,20 +190,14 @@ def _start_ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
     with collective_guard("ordered gradient exchange (all-to-all)", pm):
         work = dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group,
                                       async_op=True)
-    keep: tuple[torch.Tensor, ...] = (grad, send)  # read by the collective until it is done
-
     def finish() -> torch.Tensor:
-        nonlocal work, keep
-        with collective_guard("ordered gradient exchange (all-to-all)", pm):
-            if work is not None:
-                work.wait()
-                work, keep = None, ()
         acc = recv[:s].to(sum_dtype, copy=True)
         for k in range(1, W):  # global rank order: ((g0 + g1) + g2) + ...
             acc.add_(recv[k * s:(k + 1) * s])
         return acc.div_(W).to(FP32)
 
-    return PendingMean(finish)
+    # the collective reads grad/send until it is done
+    return PendingMean(finish, work, (grad, send), "ordered gradient exchange (all-to-all)", pm)
 
 
 def all_gather_flat(pm: ProcessMesh, shard: torch.Tensor,
