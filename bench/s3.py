@@ -9,7 +9,10 @@ Starts Ceph RGW with `integration/s3servers.CephServer`, synthesizes a checkpoin
   ``--copy-threads`` objects at a time); a server-side ``fs.copy`` is timed for reference only
   (no byte passes through the client there);
 * ``shardckpt consolidate s3://… DIR --dtype fp32`` (S3 → local) against the faster of
-  ``fs.get`` and a streaming s3fs download of the same objects to a local directory.
+  ``fs.get`` and a streaming s3fs download of the same objects to a local directory, each followed
+  by an fsync of every file (consolidate fsyncs its output before it writes the index, so the
+  copy is made as durable); the same downloads left in the page cache are timed and compared too
+  ("vs cached").
 
 ratio = the plain copy's time / shardckpt's time for the same checkpoint (for reshard, which moves
 every byte like the copy, that is the throughput ratio; consolidate reads the ``master`` state
@@ -47,15 +50,36 @@ def _fs(endpoint: str) -> Any:
     return s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint})
 
 
+def _fsync_tree(root: str) -> None:
+    """fsync every file below ``root`` and its directories: what shardckpt does to its output."""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def copy_main(mode: str, src: str, dst: str, threads: int) -> None:
     """The plain-s3fs side, run in its own process: credentials from the AWS environment.
 
     ``stream``: S3 -> S3 through this process; ``server``: server-side ``fs.copy``;
-    ``get``: ``fs.get`` to a local directory; ``download``: ``fs.open(rb)`` -> local file.
+    ``get``: ``fs.get`` to a local directory; ``download``: ``fs.open(rb)`` -> local file;
+    ``get+fsync`` and ``download+fsync``: the same, then every file made durable.
     """
     fs = _fs(os.environ["AWS_ENDPOINT_URL"])
+    durable = mode.endswith("+fsync")
+    mode = mode.removesuffix("+fsync")
     if mode == "get":
         fs.get(f"{src}/", f"{dst}/", recursive=True)
+        if durable:
+            _fsync_tree(dst)
         return
     keys = fs.find(src)
 
@@ -78,6 +102,8 @@ def copy_main(mode: str, src: str, dst: str, threads: int) -> None:
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, keys))
+    if durable and mode == "download":
+        _fsync_tree(dst)
 
 
 def main() -> None:
@@ -110,11 +136,16 @@ def main() -> None:
         print(f"\nCeph RGW on 127.0.0.1 (memstore): synthetic checkpoint {res['size_gb']} GB, "
               f"{res['from']} ranks x {args.units} blocks ({res['slot_mb']:.2f} MB per slot), "
               f"median of {args.reps}, interleaved; GB/s = checkpoint GB per second")
-        print(f"{'operation':<40} {'median s':>9} {'GB/s':>7} {'ratio':>6} {'peak RSS MB':>12}")
+        print(f"{'operation':<40} {'median s':>9} {'GB/s':>7} {'ratio':>6} {'vs cached':>10} "
+              f"{'peak RSS MB':>12}")
         for r in res["rows"]:
             ratio = f"{r['ratio']:.2f}" if r.get("ratio") is not None else ""
-            print(f"{r['name']:<40} {r['seconds']:>9.2f} {r['gbps']:>7.3f} {ratio:>6} {r['peak_rss_mb']:>12.0f}")
-        print("ratio = fastest plain s3fs copy's time / shardckpt's time (same checkpoint, same server)")
+            cached = f"{r['ratio_page_cache']:.2f}" if r.get("ratio_page_cache") is not None else ""
+            print(f"{r['name']:<40} {r['seconds']:>9.2f} {r['gbps']:>7.3f} {ratio:>6} {cached:>10} "
+                  f"{r['peak_rss_mb']:>12.0f}")
+        print("ratio = fastest plain s3fs copy's time / shardckpt's time (same checkpoint, same server), "
+              "the copy made as durable as shardckpt's result (local files fsynced, as consolidate "
+              "does); vs cached = against a download left in the page cache")
 
 
 def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks: int,
@@ -167,6 +198,11 @@ def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks
                                             os.path.join(work, f"get{i}"), str(args.copy_threads)],
         "streaming s3fs download S3->local": lambda i: [*me, "_copy", "download", f"{bucket}/src",
                                                         os.path.join(work, f"dl{i}"), str(args.copy_threads)],
+        "s3fs fs.get S3->local + fsync": lambda i: [*me, "_copy", "get+fsync", f"{bucket}/src",
+                                                    os.path.join(work, f"gets{i}"), str(args.copy_threads)],
+        "streaming download S3->local + fsync": lambda i: [*me, "_copy", "download+fsync", f"{bucket}/src",
+                                                           os.path.join(work, f"dls{i}"),
+                                                           str(args.copy_threads)],
     }
     cases = {**s3s3, **s3local}
     times: dict[str, list[float]] = {k: [] for k in cases}
@@ -178,19 +214,27 @@ def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks
             rss[name].append(peak)
             for prefix in (f"rs{rep}", f"cp{rep}", f"sc{rep}"):
                 clear(prefix)
-            for d in (f"hf{rep}", f"get{rep}", f"dl{rep}"):
+            for d in (f"hf{rep}", f"get{rep}", f"dl{rep}", f"gets{rep}", f"dls{rep}"):
                 drop_tree(os.path.join(work, d))
             gc()  # deleted RGW objects stay in the memstore OSD until collected
+    # ratio: against the fastest plain copy with the same durability as shardckpt's result (S3
+    # objects are durable once uploaded; local files once fsynced); ratio_cached: against a download
+    # left in the page cache, for reference
     best = {"reshard S3->S3 (shardckpt)": ["streaming s3fs copy S3->S3"],
-            "consolidate S3->local (shardckpt)": ["s3fs fs.get S3->local", "streaming s3fs download S3->local"]}
+            "consolidate S3->local (shardckpt)": ["s3fs fs.get S3->local + fsync",
+                                                  "streaming download S3->local + fsync"]}
+    cached = {"consolidate S3->local (shardckpt)": ["s3fs fs.get S3->local", "streaming s3fs download S3->local"]}
     rows = []
     for name in cases:
         t = median(times[name])
-        ratio = None
+        ratio = ratio_cached = None
         if name in best:
             ratio = min(median(times[b]) for b in best[name]) / t
+        if name in cached:
+            ratio_cached = min(median(times[b]) for b in cached[name]) / t
         rows.append({"name": name, "seconds": round(t, 3), "gbps": round(nbytes / 1e9 / t, 3),
                      "ratio": None if ratio is None else round(ratio, 3),
+                     "ratio_page_cache": None if ratio_cached is None else round(ratio_cached, 3),
                      "peak_rss_mb": round(max(rss[name]) / 1e6, 1),
                      "all_seconds": [round(x, 3) for x in times[name]]})
     clear("src")
