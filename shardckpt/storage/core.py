@@ -217,8 +217,11 @@ class Storage:
             i0, i1 = lo // chunk_size, -(-hi // chunk_size)
             if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
                 x = i0 * chunk_size - off
-                mapped.madvise(mmap.MADV_WILLNEED, x - x % mmap.PAGESIZE,
-                               min(entry.size, i1 * chunk_size) - off - (x - x % mmap.PAGESIZE))
+                x -= x % mmap.PAGESIZE
+                try:  # a hint (start reading ahead); where refused, pages fault in as read
+                    mapped.madvise(mmap.MADV_WILLNEED, x, min(entry.size, i1 * chunk_size) - off - x)
+                except OSError:
+                    pass
             for i in range(i0, i1):
                 if checked is not None and checked[i >> 3] >> (i & 7) & 1:
                     continue
