@@ -99,6 +99,30 @@ def test_reads_each_source_byte_about_once(tmp_path, src4):
     assert r.bytes_read <= 1.05 * src_bytes + 2 * (1 << 20)
 
 
+def test_without_mmap_the_ranged_read_path_gives_same_bytes(tmp_path, src4, monkeypatch):
+    """Where local files cannot be mapped (``can_map`` false: not POSIX), reshard reads them with
+    checked ranged reads instead: same bytes, each source byte read about once."""
+    from shardckpt.storage import core
+
+    mapped, ranged = str(tmp_path / "mapped"), str(tmp_path / "ranged")
+    reshard(src4, mapped, to=3)
+    real = core.Storage.__init__
+
+    def no_map(self, *a, **k):
+        real(self, *a, **k)
+        self.can_map = False
+    monkeypatch.setattr(core.Storage, "__init__", no_map)
+    monkeypatch.setattr(core.Storage, "map_chunks", None)  # must not be reached
+    r = reshard(src4, ranged, to=3, buffer_bytes=64 << 10)
+    assert slot_bytes(ranged) == slot_bytes(mapped)
+    src_bytes = CheckpointReader(src4).manifest.total_bytes
+    assert r.bytes_read <= 1.05 * src_bytes + 2 * (1 << 20)
+    monkeypatch.undo()
+    back = str(tmp_path / "back")
+    reshard(ranged, back, to=4)
+    assert slot_bytes(back) == slot_bytes(src4)
+
+
 def test_bounded_buffer_gives_same_bytes(tmp_path, src4):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     reshard(src4, a, to=3, buffer_bytes=4096)
