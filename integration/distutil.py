@@ -201,13 +201,16 @@ def run_distributed(target: Callable[..., Any], world_size: int, args: Sequence[
 
 @dataclass(frozen=True)
 class Suite:
-    """A test module's cases: ``module.runner(rank, world, names)`` returns case -> value."""
+    """A test module's cases: ``module.runner(rank, world, names)`` returns case -> value; or,
+    with ``cases`` (see :func:`case_suite`), :func:`run_cases` runs them."""
 
     module: str
     runner: str
     cases_for: Callable[[int], list[str]]
     timeout_s: float
     pg_timeout_s: float
+    cases: dict[str, Callable[..., Any]] | None = None
+    case_pg_timeout_s: float = 120.0
 
 
 #: Registered suites and the reports of jobs already run, for this test session (the cache is
@@ -228,10 +231,34 @@ def selected_modules(session: Any) -> set[str]:
             if getattr(item, "module", None) is not None}
 
 
+def case_suite(module: str, cases: dict[str, Callable[..., Any]],
+               cases_for: Callable[[int], list[str]], worlds: Sequence[int], *,
+               timeout_s: float = 120.0, pg_timeout_s: float = 150.0,
+               case_pg_timeout_s: float = 120.0) -> Any:
+    """Register ``module``'s ``cases`` (each ``case(process_mesh)`` on every rank) for the shared
+    job of each world size, and return its module-scoped ``reports`` fixture, one per size in
+    ``worlds``: case -> per-rank values (call at import time; assign the result to ``reports``)."""
+    import pytest
+
+    _SUITES[module] = Suite(module, "", cases_for, timeout_s, pg_timeout_s, cases, case_pg_timeout_s)
+
+    @pytest.fixture(scope="module", params=list(worlds), ids=lambda n: f"world{n}")
+    def reports(request: Any) -> dict[str, list[Any]]:
+        return shared_reports(module, request.param, selected_modules(request.session))
+    return reports
+
+
 def _suite_job(rank: int, world_size: int, plan: list[tuple[str, str, list[str]]]
                ) -> dict[str, Any]:
-    return {module: getattr(importlib.import_module(module), runner)(rank, world_size, names)
-            for module, runner, names in plan}
+    out = {}
+    for module, runner, names in plan:
+        mod = importlib.import_module(module)  # registers its suite in this process too
+        suite = _SUITES[module]
+        if suite.cases is not None:
+            out[module] = run_cases(suite.cases, names, timeout_s=suite.case_pg_timeout_s)
+        else:
+            out[module] = getattr(mod, runner)(rank, world_size, names)
+    return out
 
 
 def shared_reports(module: str, world_size: int, selected: Iterable[str] | None = None

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
+    from .distutil import case_suite, check_case
     from .test_runtime_stages import TINY, _model, batch, counting, train
 except ImportError:
-    from distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
+    from distutil import case_suite, check_case
     from test_runtime_stages import TINY, _model, batch, counting, train
 
 pytestmark = pytest.mark.slow
@@ -119,17 +119,8 @@ def cases_for(world: int) -> list[str]:
     return ["full_params", "tied"] if world > 1 else ["full_params"]
 
 
-def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
-    return run_cases(CASES, names, timeout_s=120)
-
-
-register_suite(__name__, "_job", cases_for, timeout_s=120, pg_timeout_s=150)
-
-
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"world{n}")
-def reports(request) -> dict[str, list[list[str]]]:
-    """case -> per-rank problem lists, from the shared job on ``world`` gloo processes."""
-    return shared_reports(__name__, request.param, selected_modules(request.session))
+reports = case_suite(__name__, CASES, cases_for, [1, 2, 3], timeout_s=120, pg_timeout_s=150,
+                     case_pg_timeout_s=120)
 
 
 _check = check_case

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_cases, register_suite, selected_modules, shared_reports
+    from .distutil import case_suite
     from .test_runtime_parity import two_groups
     from .test_runtime_stages import BETAS, LR, WD, _loss, _model, batch
 except ImportError:
-    from distutil import run_cases, register_suite, selected_modules, shared_reports
+    from distutil import case_suite
     from test_runtime_parity import two_groups
     from test_runtime_stages import BETAS, LR, WD, _loss, _model, batch
 
@@ -101,17 +101,8 @@ def cases_for(world: int) -> list[str]:
     return ["fsdp2_losses"] if world == 2 else []
 
 
-def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
-    return run_cases(CASES, names, timeout_s=120)
-
-
-register_suite(__name__, "_job", cases_for, timeout_s=120, pg_timeout_s=150)
-
-
-@pytest.fixture(scope="module")
-def reports(request) -> dict[str, list[list[str]]]:
-    """case -> per-rank problem lists, from the shared job on 2 gloo processes."""
-    return shared_reports(__name__, 2, selected_modules(request.session))
+reports = case_suite(__name__, CASES, cases_for, [2], timeout_s=120, pg_timeout_s=150,
+                     case_pg_timeout_s=120)
 
 
 def test_losses_agree_with_fsdp2_over_ten_steps(reports):

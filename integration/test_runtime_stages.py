@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
+    from .distutil import case_suite, check_case
     from .test_runtime_parity import two_groups
 except ImportError:
-    from distutil import run_cases, check_case, register_suite, selected_modules, shared_reports
+    from distutil import case_suite, check_case
     from test_runtime_parity import two_groups
 
 pytestmark = pytest.mark.slow
@@ -331,21 +331,11 @@ def cases_for(world: int) -> list[str]:
     return names
 
 
-def _job(rank: int, world_size: int, names: list[str]) -> dict[str, list[str]]:
-    return run_cases(CASES, names, timeout_s=120)
-
-
-register_suite(__name__, "_job", cases_for, timeout_s=240, pg_timeout_s=150)
+reports = case_suite(__name__, CASES, cases_for, [1, 2, 3, 4], timeout_s=240, pg_timeout_s=150,
+                     case_pg_timeout_s=120)
 
 
 # ------------------------------------------------------------------------------- the tests
-
-
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
-def reports(request) -> dict[str, list[list[str]]]:
-    """case -> per-rank problem lists, from one job on ``world`` gloo processes (shared with the
-    other runtime suites selected in this session)."""
-    return shared_reports(__name__, request.param, selected_modules(request.session))
 
 
 _check = check_case
