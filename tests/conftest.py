@@ -21,3 +21,15 @@ def manifest_doc() -> dict[str, Any]:
 def tiny_ckpt(tmp_path: Path) -> tuple[str, Manifest]:
     """A committed 2-rank synthetic checkpoint with 4 KiB chunks (several chunks per shard)."""
     return make_ckpt(tmp_path)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for the test (single-process runtime tests: steadier and no
+    oversubscription of a small machine); the previous count is restored."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,12 +25,7 @@ from shardckpt.runtime.mesh import ProcessMesh
 CFG = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _engine(seed: int = 0, **kwargs) -> ZeroEngine:

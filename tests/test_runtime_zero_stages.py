@@ -37,12 +37,7 @@ CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidde
                   num_attention_heads=2, num_key_value_heads=1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _engine(seed: int = 0, **kwargs) -> ZeroEngine:
