@@ -154,11 +154,9 @@ class CachedRangeReader:
             checked = self._checked.get(entry.path)
             if checked is None:
                 checked = self._checked[entry.path] = bytearray(-(-entry.size // cs) // 8 + 1)
-            fresh = {i for a, b in ranges for i in range(a // cs, -(-b // cs))
-                     if not checked[i >> 3] >> (i & 7) & 1}
-            view = self.storage.map_chunks(entry, cs, c0, c1, self.prefix, checked, ranges)
+            view, fresh = self.storage.map_chunks(entry, cs, c0, c1, self.prefix, checked, ranges)
             with self._lock:
-                self.bytes_read += sum(min(entry.size, (i + 1) * cs) - i * cs for i in fresh)
+                self.bytes_read += fresh
             for k, (a, b) in zip(members, ranges):
                 out[k] = view[a - c0 * cs:b - c0 * cs]
         return out

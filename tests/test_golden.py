@@ -18,6 +18,8 @@ from shardckpt.checkpoint import CheckpointReader, verify
 from shardckpt.layout import Mesh
 from shardckpt.manifest import parse
 
+from golden.make_golden import element as state_elements  # located through the layout only
+
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v0_1"
 SAVE_ID = "20261129T102728Z-07fface4"
 FILES = [  # path, size, crc32c (as recorded by the generator)
@@ -38,18 +40,6 @@ PROBES = [  # fqn, kind, first element, 4 fp32 values as bit patterns (printed b
     ("model.embed_tokens.weight", "master", 1038, (0xBCF25D15, 0x3C32846D, 0xBD47787E, 0x3A3FA61E)),
     ("model.frozen_scale", "master", 0, (0x3B390D42, 0x3CC560D2, 0xBD044F8E, 0xBC55A632)),
 ]
-
-
-def state_elements(r: CheckpointReader, fqn: str, kind: str, start: int, n: int) -> np.ndarray:
-    """Elements of one parameter's state, located through the manifest's layout only."""
-    layout = r.manifest.components["model"].layout
-    p = layout.param(fqn)
-    s = layout.shard_numel(p.group)
-    out = []
-    for flat in range(p.offset + start, p.offset + start + n):
-        shard, off = divmod(flat, s)
-        out.append(np.frombuffer(r.read_state(shard, p.group, kind, off, off + 1), np.float32)[0])
-    return np.array(out, np.float32)
 
 
 def test_golden_is_small_and_complete() -> None:

@@ -180,9 +180,10 @@ class Storage:
 
     def map_chunks(self, entry: FileEntry, chunk_size: int, c0: int, c1: int, prefix: str = "",
                    checked: bytearray | None = None,
-                   ranges: Sequence[tuple[int, int]] | None = None) -> memoryview:
+                   ranges: Sequence[tuple[int, int]] | None = None) -> tuple[memoryview, int]:
         """Local files only: chunks ``[c0, c1)`` of ``entry`` mapped read-only (no copy into user
-        space), as one view of bytes ``[c0 · chunk_size, min(size, c1 · chunk_size))``.
+        space), as one view of bytes ``[c0 · chunk_size, min(size, c1 · chunk_size))``, and the
+        number of bytes checked by this call.
 
         The chunks under ``ranges`` (absolute byte ranges inside the span; all of it by default)
         are checked against their CRC32C, except those ``checked`` (a bitmap, one bit per chunk
@@ -197,7 +198,7 @@ class Storage:
         rel = prefix + entry.path
         a, b = c0 * chunk_size, min(entry.size, c1 * chunk_size)
         if a >= b:
-            return memoryview(b"")
+            return memoryview(b""), 0
         path = self.full(rel)
 
         def open_map() -> "tuple[mmap.mmap, int]":
@@ -213,6 +214,7 @@ class Storage:
                 os.close(fd)
         mapped, off = self.call("read", rel, open_map)
         view = memoryview(mapped)[a - off:b - off]
+        fresh = 0
         for lo, hi in ranges if ranges is not None else [(a, b)]:
             i0, i1 = lo // chunk_size, -(-hi // chunk_size)
             if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
@@ -231,9 +233,10 @@ class Storage:
                     raise IntegrityError(f"{self.url_of(rel)}: bytes [{i * chunk_size}, "
                                          f"{min(entry.size, (i + 1) * chunk_size)}) changed while "
                                          "being read")
+                fresh += min(entry.size, (i + 1) * chunk_size) - i * chunk_size
                 if checked is not None:
                     checked[i >> 3] |= 1 << (i & 7)
-        return view
+        return view, fresh
 
     def _read_exact(self, rel: str, entry: FileEntry, a: int, b: int) -> bytes:
         data = self.read(rel, a, b)
