@@ -17,7 +17,8 @@ def clean(
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed; remove nothing."),
     min_age: float = typer.Option(3600.0, "--min-age",
                                   help="Seconds a save or upload must be old before it counts as debris "
-                                       "(protects saves in progress)."),
+                                       "(protects saves in progress; a save whose writer holds a "
+                                       "lease is kept whatever its age)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
@@ -27,6 +28,7 @@ def clean(
     r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=parse_storage_options(storage_option))
     if json_out:
         echo_json({"prefix": prefix, "dry_run": dry_run, "debris": r.debris, "kept_young": r.kept_young,
+                   "kept_live": r.kept_live,
                    "committed": r.committed,
                    "open_uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated}
                                     for u in r.uploads],
@@ -37,6 +39,8 @@ def clean(
         typer.echo(f"{verb} {d}")
     for d in r.kept_young:
         typer.echo(f"kept {d} (younger than --min-age {min_age:g} s: may be a save in progress)")
+    for d in r.kept_live:
+        typer.echo(f"kept {d} (its writer holds a lease: a save in progress)")
     for u in r.uploads:
         state = "aborted" if u in r.aborted else "open"
         typer.echo(f"{state} multipart upload {u.key} ({u.upload_id})")

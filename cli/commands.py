@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import (
-    EXIT_FAILED, StorageOptionArg, echo_json, guarded, human_bytes, parse_count,
-    parse_storage_options, progress,
+    EXIT_FAILED, StorageOptionArg, checkpoint_location, console, echo, echo_json, guarded, human_bytes,
+    parse_count, parse_storage_options, progress, safe_text,
 )
 
 
@@ -45,62 +45,115 @@ def synth(
         echo_json({"url": dst, "save_id": m.save_id, "bytes": m.total_bytes, "files": len(m.files),
                    "world_size": m.mesh.world_size})
     else:
-        typer.echo(f"wrote {dst}: {len(m.files)} files, {human_bytes(m.total_bytes)}, "
-                   f"mesh {m.mesh.describe()}, save {m.save_id}")
+        echo(f"wrote {dst}: {len(m.files)} files, {human_bytes(m.total_bytes)}, "
+             f"mesh {m.mesh.describe()}, save {m.save_id}")
 
 
 @app.command()
 @guarded
 def inspect(
-    ckpt: str = typer.Argument(..., help="Checkpoint directory (path or fsspec URL)."),
+    ckpt: str = typer.Argument(..., help="Checkpoint or run directory (path or fsspec URL)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    params: bool = typer.Option(True, "--params/--no-params", help="List every parameter."),
+    limit: int = typer.Option(1000, "--limit", help="Parameters listed per component (0: all)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables (lists every parameter)."),
 ) -> None:
-    """Show a checkpoint's format version, mesh, step, components, groups, states and files."""
+    """Show a checkpoint's format version, mesh, step, components, groups, parameters, states and files."""
     from shardckpt.checkpoint import read_manifest, as_storage
     from shardckpt.summary import summarize
 
-    storage = as_storage(ckpt, parse_storage_options(storage_option))
-    s = summarize(read_manifest(storage), ckpt)
+    opts = parse_storage_options(storage_option)
+    url = checkpoint_location(ckpt, opts)
+    s = summarize(read_manifest(as_storage(url, opts)), url)
     if json_out:
         echo_json(s)
         return
-    from rich.console import Console
-    from rich.table import Table
+    _print_summary(s, params, limit)
 
-    con = Console()
-    mesh = " x ".join(f"{k}={v}" for k, v in s["mesh"].items())
-    con.print(f"[bold]{ckpt}[/]  format {s['format_version']}  save {s['save_id']}  "
-              f"step {s['step']}  mesh {mesh} (world {s['world_size']})")
+
+def _print_summary(s: dict[str, Any], params: bool, limit: int) -> None:
+    """Tables of :func:`shardckpt.summary.summarize`; every name is printed as plain text."""
+    from rich.table import Table
+    from rich.text import Text
+
+    con = console()
+    t = safe_text
+    mesh = " x ".join(f"{t(k)}={v}" for k, v in s["mesh"].items())
+    con.print(Text.assemble((t(s["url"]), "bold"), f"  format {s['format_version']}  save "
+                            f"{t(s['save_id'])}  step {t(s['step'])}  mesh {mesh} (world {s['world_size']})"))
     if s["optimizer"]:
-        groups = ", ".join(f"{pg['params']} params wd={pg['hparams'].get('weight_decay')}"
+        groups = ", ".join(f"{pg['params']} params wd={t(pg['hparams'].get('weight_decay'))}"
                            for pg in s["optimizer"]["param_groups"])
-        con.print(f"optimizer {s['optimizer']['name']}: {groups}")
+        con.print(f"optimizer {t(s['optimizer']['name'])}: {groups}")
     for name, c in s["components"].items():
-        t = Table(title=f"component {name}: {c['parameters']} parameters, "
-                        f"{c['elements']:,} elements ({c['trainable_elements']:,} trainable)")
+        table = Table(title=f"component {t(name)}: {c['parameters']} parameters, "
+                            f"{c['elements']:,} elements ({c['trainable_elements']:,} trainable)")
         for col in ("group", "unit", "dtype", "trainable", "params", "numel", "padded", "states"):
-            t.add_column(col)
+            table.add_column(col)
         for g in c["groups"]:
-            t.add_row(g["name"], g["unit"] or "(root)", g["dtype"], str(g["requires_grad"]),
-                      str(g["params"]), f"{g['numel']:,}", f"{g['padded_numel']:,}", ",".join(g["states"]))
-        con.print(t)
-        kinds = ", ".join(f"{k}: {human_bytes(v['bytes'])}" for k, v in c["state_kinds"].items())
+            table.add_row(t(g["name"]), t(g["unit"] or "(root)"), g["dtype"], str(g["requires_grad"]),
+                          str(g["params"]), f"{g['numel']:,}", f"{g['padded_numel']:,}",
+                          t(",".join(g["states"])))
+        con.print(table)
+        if params:
+            _print_params(con, name, c, limit)
+        kinds = ", ".join(f"{t(k)}: {human_bytes(v['bytes'])}" for k, v in c["state_kinds"].items())
         con.print(f"state bytes: {kinds}")
         if c["aliases"]:
-            con.print("tied: " + ", ".join(f"{a} -> {b}" for a, b in c["aliases"].items()))
+            con.print("tied: " + ", ".join(f"{t(a)} -> {t(b)}" for a, b in c["aliases"].items()))
+    if s.get("chunked"):
+        _print_chunked(con, s["chunked"], params, limit)
     ft = Table(title=f"{len(s['files'])} files, {human_bytes(s['total_bytes'])}")
     for col in ("path", "role", "size", "crc32c"):
         ft.add_column(col)
     for f in s["files"]:
-        ft.add_row(f["path"], f["role"], f"{f['size']:,}", f["crc32c"])
+        ft.add_row(t(f["path"]), f["role"], f"{f['size']:,}", f["crc32c"])
     con.print(ft)
+
+
+def _print_chunked(con: Any, c: dict[str, Any], params: bool, limit: int) -> None:
+    from rich.table import Table
+
+    t = safe_text
+    con.print(f"chunked tensors: {len(c['tensors'])} tensors, {c['elements']:,} elements, "
+              f"{human_bytes(c['tensor_bytes'])}; {len(c['blobs'])} opaque blobs, "
+              f"{human_bytes(sum(b['bytes'] for b in c['blobs']))}")
+    if not params:
+        return
+    rows = c["tensors"] if limit <= 0 else c["tensors"][:limit]
+    table = Table(title="chunked tensors")
+    for col in ("tensor", "shape", "dtype", "chunks"):
+        table.add_column(col, no_wrap=col == "tensor")
+    for r in rows:
+        table.add_row(t(r["fqn"]), str(tuple(r["shape"])), r["dtype"], str(r["chunks"]))
+    con.print(table)
+    if len(c["tensors"]) > len(rows):
+        con.print(f"... {len(c['tensors']) - len(rows)} more tensors not listed (--limit 0 lists all)")
+
+
+def _print_params(con: Any, name: str, c: dict[str, Any], limit: int) -> None:
+    from rich.table import Table
+
+    t = safe_text
+    rows = c["params"] if limit <= 0 else c["params"][:limit]
+    table = Table(title=f"parameters of {t(name)}")
+    for col in ("parameter", "shape", "dtype", "unit", "group"):
+        table.add_column(col, no_wrap=col == "parameter")
+    for p in rows:
+        table.add_row(t(p["fqn"]), str(tuple(p["shape"])), p["dtype"], t(p["unit"] or "(root)"),
+                      t(p["group"]))
+    for b in c["buffers"]:
+        table.add_row(t(b["fqn"]), str(tuple(b["shape"])), b["dtype"], "", "(buffer)")
+    con.print(table)
+    hidden = len(c["params"]) - len(rows)
+    if hidden:
+        con.print(f"... {hidden} more parameters not listed (--limit 0 lists all; --json holds all)")
 
 
 @app.command()
 @guarded
 def verify(
-    ckpt: str = typer.Argument(..., help="Checkpoint directory (path or fsspec URL)."),
+    ckpt: str = typer.Argument(..., help="Checkpoint or run directory (path or fsspec URL)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     workers: int = typer.Option(4, "--workers", help="Files checked in parallel."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
@@ -108,23 +161,26 @@ def verify(
     """Check every file's presence, size, checksums and header; exit 0 only if all hold."""
     from shardckpt.checkpoint import as_storage, read_manifest, verify as run_verify
 
-    storage = as_storage(ckpt, parse_storage_options(storage_option))
-    try:
-        total = read_manifest(storage).total_bytes
-    except Exception:  # noqa: BLE001 - reported by run_verify below
-        total = 0
-    with progress(total, "verify") as tick:
-        m, reports, problems = run_verify(storage, workers=workers, progress=tick)
-    problems = problems + [p for r in reports for p in r.problems]
-    ok = not problems
+    from shardckpt.errors import ShardckptError
+
+    opts = parse_storage_options(storage_option)
+    ckpt = checkpoint_location(ckpt, opts)  # a run directory: the checkpoint its latest names
+    storage = as_storage(ckpt, opts)
+    try:  # read once: verify is given the manifest (or the error) instead of reading it again
+        m: Any = read_manifest(storage)
+    except ShardckptError as e:
+        m = e
+    with progress(0 if isinstance(m, ShardckptError) else m.total_bytes, "verify") as tick:
+        result = run_verify(storage, workers=workers, progress=tick, manifest=m)
     if json_out:
-        echo_json({"url": ckpt, "ok": ok, "problems": problems,
+        echo_json({"url": ckpt, "ok": result.ok, "problems": list(result.problems),
                    "files": [{"path": r.path, "size": r.size, "ok": r.ok, "problems": list(r.problems)}
-                             for r in reports]})
+                             for r in result.reports]})
     else:
-        for p in problems:
-            typer.echo(f"error: {p}", err=True)
-        if ok and m is not None:
-            typer.echo(f"ok: {ckpt}: {len(reports)} files, {human_bytes(m.total_bytes)} verified")
-    if not ok:
+        for p in result.problems:
+            echo(f"error: {p}", err=True)
+        if result:
+            echo(f"ok: {ckpt}: {len(result.reports)} files, "
+                       f"{human_bytes(result.manifest.total_bytes)} verified")
+    if not result:
         raise typer.Exit(EXIT_FAILED)

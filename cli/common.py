@@ -56,9 +56,27 @@ def parse_count(text: str, what: str) -> int:
     return value
 
 
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, what: str) -> int:
+    """A size in bytes: '64' and '64B' are 64 bytes; KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB
+    powers of 1024 (case-insensitive)."""
+    m = _BYTES.match(text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _BYTE_UNITS:
+        fail(f"{what} {text!r}: expected a size in bytes such as 65536, 64KiB, 32MB, 1GiB", EXIT_USAGE)
+    value = int(round(float(m.group(1)) * _BYTE_UNITS[unit]))
+    if value <= 0:
+        fail(f"{what} {text!r}: must be positive", EXIT_USAGE)
+    return value
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> None:
     """One line on stderr, then exit with ``code``."""
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {safe_text(message, sys.stderr)}", err=True)
     raise typer.Exit(code)
 
 
@@ -77,6 +95,9 @@ def guarded(fn: F) -> F:
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__, EXIT_FAILED)
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except OSError as e:  # the last resort: an I/O failure that no layer below named
+            where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+            fail(f"{where}{type(e).__name__}: {e.strerror or e}", EXIT_FAILED)
 
     return wrapper  # type: ignore[return-value]
 
@@ -108,3 +129,54 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n:.2f} TB"
+
+
+def safe_text(value: object, stream: Any = None) -> str:
+    """``value`` as printable text for ``stream`` (stdout by default): control characters (a
+    newline, an escape sequence) and characters the stream cannot encode (a lone surrogate) come
+    out as backslash escapes instead of acting on the terminal or raising."""
+    text = str(value)
+    encoding = getattr(stream or sys.stdout, "encoding", None) or "utf-8"
+    if text.isprintable():
+        try:
+            text.encode(encoding)
+            return text
+        except (UnicodeError, LookupError):
+            pass
+    out = []
+    for ch in text:
+        if ch.isprintable():
+            try:
+                ch.encode(encoding)
+                out.append(ch)
+                continue
+            except (UnicodeError, LookupError):
+                pass
+        out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def echo(text: object, err: bool = False) -> None:
+    """``typer.echo`` of text that may hold names read from a checkpoint (see :func:`safe_text`)."""
+    typer.echo(safe_text(text, sys.stderr if err else sys.stdout), err=err)
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich console that prints strings as they are (no markup, emoji or highlighting: names
+    come from checkpoints) and, writing to a pipe or file, never wraps or cuts a line."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    wide = None if stream.isatty() else 1 << 20
+    return Console(stderr=stderr, markup=False, emoji=False, highlight=False, width=wide)
+
+
+def checkpoint_location(url: str, storage_options: dict[str, Any]) -> str:
+    """The checkpoint ``url`` names: a run directory resolves to the checkpoint its ``latest``
+    names, and stderr says so."""
+    from shardckpt.manager import resolve_checkpoint
+
+    resolved, note = resolve_checkpoint(url, storage_options)
+    if note:
+        echo(note, err=True)
+    return resolved

@@ -14,8 +14,8 @@ import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import (
-    EXIT_FAILED, EXIT_USAGE, StorageOptionArg, echo_json, fail, guarded, human_bytes,
-    parse_storage_options, progress,
+    EXIT_FAILED, EXIT_USAGE, StorageOptionArg, checkpoint_location, console, echo, echo_json, fail,
+    guarded, human_bytes, parse_bytes, parse_storage_options, progress, safe_text,
 )
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
@@ -37,28 +37,34 @@ def parse_size(text: str, what: str) -> int:
 @app.command()
 @guarded
 def consolidate(
-    src: str = typer.Argument(..., help="Source checkpoint (path or fsspec URL)."),
+    src: str = typer.Argument(..., help="Source checkpoint or run directory (path or fsspec URL)."),
     dst: str = typer.Argument(..., help="Output directory (path or fsspec URL)."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 (floating tensors)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output file: 5GB, 500MB, 1e9."),
     component: str = typer.Option("model", "--component", help="Which component to consolidate."),
+    prefix: str = typer.Option("model.", "--prefix", help="Chunked (DCP) checkpoints: consolidate the "
+                               "tensors whose name starts with this, named without it."),
     optimizer: bool = typer.Option(False, "--optimizer", help="Also write optimizer states (fp32)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace consolidated files already in DST."),
+    copy_from: Optional[str] = typer.Option(
+        None, "--copy-from", help="Model folder (path or fsspec URL) whose tokenizer and generation "
+                                  "files (and config.json, if the checkpoint has none) are copied."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time (bounds memory)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
-    """Write SRC as Hugging Face safetensors in DST; its index is written last."""
+    """Write SRC as Hugging Face safetensors (and config.json) in DST; its index is written last."""
     from shardckpt.checkpoint import CheckpointReader
     from shardckpt.consolidate import plan_consolidation, write_consolidation
 
     size = parse_size(max_shard_size, "--max-shard-size")
-    buffer_bytes = parse_size(buffer, "--buffer")
+    buffer_bytes = parse_bytes(buffer, "--buffer")
     opts = parse_storage_options(storage_option)
+    src = checkpoint_location(src, opts)
     reader = CheckpointReader(src, opts)
-    plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src)
+    plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src, prefix)
     with progress(plan.source_bytes, "consolidate") as tick:
-        r = write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick)
+        r = write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick, copy_from)
     if json_out:
         echo_json({"src": src, "dst": dst, "save_id": r.save_id, "step": r.step, "dtype": r.dtype,
                    "component": r.component, "tensors": r.tensors, "total_size": r.total_size,
@@ -68,7 +74,7 @@ def consolidate(
                    "bytes_written": r.bytes_written, "seconds": round(r.seconds, 3)})
     else:
         extra = f" + {len(r.optimizer_files)} optimizer files" if r.optimizer_files else ""
-        typer.echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "
+        echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "
                    f"files{extra}, {human_bytes(r.bytes_written)} in {r.seconds:.2f} s")
 
 
@@ -90,35 +96,33 @@ def diff(
     ra, rb = CheckpointReader(a, opts), CheckpointReader(b, opts)
     plan = plan_diff(ra.manifest, rb.manifest)
     with progress(plan.total_bytes, "diff") as tick:
-        r = run_diff(ra, rb, plan, parse_size(buffer, "--buffer"), tick)
+        r = run_diff(ra, rb, plan, parse_bytes(buffer, "--buffer"), tick)
     if json_out:
         echo_json(r.to_dict())
     elif r.equal:
         typer.echo(f"equal: {r.compared} tensors, {r.elements:,} elements per side, bit for bit")
     else:
-        from rich.console import Console
         from rich.table import Table
 
+        t = safe_text
         shown = r.differences[:limit]
         many = any(d.component != "model" for d in shown)  # a component column only if needed
-        t = Table(title=f"{len(r.differences)} of {r.compared + sum(d.status != 'different' for d in r.differences)} "
-                        "tensors differ")
+        total = r.compared + sum(d.status != "different" for d in r.differences)
+        table = Table(title=f"{len(r.differences)} of {total} tensors differ")
         detail = any(d.detail for d in shown)
         cols = (["component"] if many else []) + ["tensor", "kind", "status", "numel", "differing",
                                                   "max abs diff"] + (["detail"] if detail else [])
         for col in cols:
-            t.add_column(col, no_wrap=col == "tensor")
+            table.add_column(col, no_wrap=col == "tensor")
         for d in shown:
-            row = [d.name, d.kind, d.status, f"{d.numel:,}", f"{d.differing:,}",
-                   f"{d.max_abs_diff:.6g}" if d.status == "different" else ""] + ([d.detail] if detail else [])
-            t.add_row(*(([d.component] if many else []) + row))
-        import sys
-
-        con = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs: no wrapping
-        con.print(t)
+            row = [t(d.name), t(d.kind), d.status, f"{d.numel:,}", f"{d.differing:,}",
+                   f"{d.max_abs_diff:.6g}" if d.status == "different" else ""] + ([t(d.detail)] if detail else [])
+            table.add_row(*(([t(d.component)] if many else []) + row))
+        con = console()
+        con.print(table)
         if len(r.differences) > limit:
             con.print(f"... and {len(r.differences) - limit} more (use --json for all)")
         for note in r.metadata:
-            con.print(f"metadata: {note}")
+            con.print(f"metadata: {t(note)}")
     if not r.equal:
         raise typer.Exit(EXIT_FAILED)

@@ -21,17 +21,24 @@ def reshard(
     from_: Optional[int] = typer.Option(None, "--from", help="Guard: the source's world size N."),
     replicate: int = typer.Option(1, "--replicate", help="Target HSDP replicate degree R (mesh R x M/R)."),
     workers: int = typer.Option(1, "--workers", help="Processes that split the target shards."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST once the new checkpoint is complete."),
-    buffer: str = typer.Option("32MB", "--buffer", help="Bytes held per read batch (bounds memory)."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace DST (a damaged checkpoint too) once the new one is "
+                                        "complete, then remove earlier attempts' directories there."),
+    buffer: str = typer.Option("32MB", "--buffer",
+                               help="Bytes held per read batch (bounds memory; at least 64KiB): "
+                                    "B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last."""
     from shardckpt.checkpoint import read_manifest, as_storage
-    from shardckpt.cli.common import parse_count
+    from shardckpt.cli.common import parse_bytes
     from shardckpt.reshard import reshard as run
 
     opts = parse_storage_options(storage_option)
+    from shardckpt.cli.common import checkpoint_location
+
+    src = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
     total = 0
     if workers <= 1:
         try:
@@ -40,7 +47,7 @@ def reshard(
             total = 0
     with progress(total, "reshard", enabled=workers <= 1) as tick:
         r = run(src, dst, to, from_, replicate, workers, overwrite, opts,
-                buffer_bytes=parse_count(buffer, "--buffer"), progress=tick)
+                buffer_bytes=parse_bytes(buffer, "--buffer"), progress=tick)
     m = r.manifest
     if json_out:
         echo_json({"src": src, "dst": dst, "from": r.source_world_size, "to": m.mesh.world_size,
@@ -50,4 +57,4 @@ def reshard(
                    "gb_per_s": round(r.bytes_written / 1e9 / max(r.seconds, 1e-9), 3)})
     else:
         typer.echo(f"resharded {src} ({r.source_world_size} ranks) -> {dst} ({m.mesh.describe()}): "
-                   f"{human_bytes(r.bytes_written)} in {r.seconds:.2f} s")
+                   f"{human_bytes(r.bytes_written)} in {r.seconds:.2f} s; committed save {m.save_id}")

@@ -143,3 +143,71 @@ def test_app_state_round_trip_and_resume_on_other_world_size(tmp_path):
     assert other["samples_at_start"]["samples_seen"] == 12
     torch.manual_seed(11 + 0)
     assert other["rand_after_resume"] == torch.rand(3).tolist()
+
+
+# ------------------------------------------------------------------ resume past a damaged one
+
+
+def job_save_steps(rank: int, world: int, run: str, steps: list) -> dict:
+    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.runtime import init_distributed
+
+    pm = init_distributed(timeout_s=60)
+    cfg, engine, opt = build(pm, seed=0)
+    data = batches(cfg, pm.rank, world)
+    ckpt = Checkpointer(run, engine, keep_last=None)
+    for step in steps:
+        train(engine, opt, data, range(step - 1, step))
+        ckpt.save(step)
+    return {}
+
+
+def job_resume(rank: int, world: int, run: str) -> dict:
+    import logging
+
+    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.runtime import init_distributed
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("shardckpt")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    pm = init_distributed(timeout_s=60)
+    _, engine, opt = build(pm, seed=5)
+    step = Checkpointer(run, engine).resume()
+    reader = CheckpointReader(f"{run}/step-{step:08d}")
+    differ = [f"{g}.{k}" for g, kinds in engine.local_shards().items() for k, t in kinds.items()
+              if bytes(reader.read_state(pm.shard_rank, g, k)) != t.numpy().tobytes()]
+    return {"step": step, "differ": differ,
+            "opt_steps": [g["step"] for g in opt.optimizer_metadata()["param_groups"]],
+            "logs": [(r.levelname, r.getMessage()) for r in records
+                     if r.name == "shardckpt.checkpointer"]}
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path):
+    from shardckpt.manager import CheckpointManager, step_dir
+
+    run = str(tmp_path / "run")
+    run_distributed(job_save_steps, 2, args=(run, [1, 2]), timeout_s=120)
+    mgr = CheckpointManager(run)
+    shard1 = next(os.path.join(d, f) for d, _, fs in os.walk(mgr.url_for(2)) for f in fs
+                  if f.startswith("shard-00001-"))
+    with open(shard1, "r+b") as f:  # one flipped bit in rank 1's shard: the size still checks out
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    assert mgr.resume_point().step == 2
+    out = run_distributed(job_resume, 2, args=(run,), timeout_s=120)
+    for rank, o in enumerate(out):
+        assert o["step"] == 1 and o["differ"] == [] and o["opt_steps"] == [1, 1], o
+    infos = [m for level, m in out[0]["logs"] if level == "INFO"]
+    warnings = [m for level, m in out[0]["logs"] if level == "WARNING"]
+    assert infos == [f"resumed from {mgr.url_for(1)} (step 1)"], out[0]["logs"]
+    assert len(warnings) == 1 and mgr.url_for(2) in warnings[0] and "rank(s) [1]" in warnings[0]
+    assert out[1]["logs"] == []  # said once, by rank 0
+    assert [f.step for f in mgr.committed()] == [1, 2]  # nothing deleted
+    assert mgr.read_latest() == step_dir(2)

@@ -2,13 +2,15 @@
 
 The checkpoint is written with the exact parameter names and shapes of ``LlamaForCausalLM`` for a
 tiny ``LlamaConfig`` (tied embeddings: ``lm_head.weight`` is an alias), with synthetic values, on 3
-shards. After ``consolidate`` and a ``config.json`` beside it, ``from_pretrained`` must report no
+shards, and the model's config in the manifest (``extras["hf_config"]``). After ``consolidate``
+(which writes ``config.json`` from it), ``from_pretrained`` of the folder alone must report no
 missing, unexpected or mismatched keys, and every weight must equal the synthetic fp32 values.
 No network: the hub is switched off before transformers is imported.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -38,7 +40,8 @@ def tiny_config():  # noqa: ANN201
         tie_word_embeddings=True)
 
 
-def write_llama_checkpoint(dst: str, config, ranks: int = 3) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+def write_llama_checkpoint(dst: str, config, ranks: int = 3,  # noqa: ANN001
+                           with_config: bool = False) -> dict[str, tuple[int, ...]]:
     """Write a shardckpt checkpoint with the parameters of ``LlamaForCausalLM(config)``.
 
     Names and shapes come from the module (built on the meta device), so the test follows
@@ -54,7 +57,8 @@ def write_llama_checkpoint(dst: str, config, ranks: int = 3) -> dict[str, tuple[
     layout = build_layout(infos, mesh, prefix="model.")
     states = {g.name: default_states(g, synth.ADAMW_KINDS) for g in layout.groups}
     comp = Component("model", layout, states, {"lm_head.weight": "model.embed_tokens.weight"})
-    writer = CheckpointWriter(as_storage(dst), CheckpointSpec(mesh, {"model": comp}, extras={"step": 1}))
+    extras = {"step": 1, **({"hf_config": json.loads(config.to_json_string())} if with_config else {})}
+    writer = CheckpointWriter(as_storage(dst), CheckpointSpec(mesh, {"model": comp}, extras=extras))
     entries = [writer.write_shard(s, synth.shard_producer(layout, SEED, s)) for s in range(ranks)]
     writer.commit(entries)
     return shapes
@@ -63,11 +67,12 @@ def write_llama_checkpoint(dst: str, config, ranks: int = 3) -> dict[str, tuple[
 def test_from_pretrained_loads_consolidated_llama(tmp_path: Path) -> None:
     config = tiny_config()
     src, dst = str(tmp_path / "ckpt"), tmp_path / "hf"
-    shapes = write_llama_checkpoint(src, config)
+    shapes = write_llama_checkpoint(src, config, with_config=True)
     consolidate(src, str(dst), dtype="fp32", max_shard_size=100_000)  # several files + index
-    config.save_pretrained(str(dst))
-    model, info = transformers.LlamaForCausalLM.from_pretrained(
-        str(dst), dtype=torch.float32, output_loading_info=True, local_files_only=True)
+    assert json.loads((dst / "config.json").read_text())["torch_dtype"] == "float32"
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(dst), output_loading_info=True, local_files_only=True)
+    assert type(model).__name__ == "LlamaForCausalLM"
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info.get("mismatched_keys"), info
     state = model.state_dict()

@@ -1,8 +1,9 @@
 """A rank that fails inside a step makes every rank fail with an error instead of hanging.
 
 Two ways to fail: rank 1 raises in the middle of a forward (its peers are blocked in an
-all-gather and see the broken group at once), or rank 1 stalls (its peers' collectives hit the
-process-group timeout and raise). Either way every other rank reports a ``CollectiveError``.
+all-gather and see the broken group, long before the process-group timeout), or rank 1 stalls
+(its peers' collectives hit the process-group timeout and raise). Either way every other rank
+reports a ``CollectiveError``.
 """
 
 from __future__ import annotations
@@ -48,15 +49,18 @@ def _job(rank: int, world_size: int, mode: str, timeout_s: float) -> None:
         opt.zero_grad()
 
 
-def test_a_raising_rank_fails_every_rank_promptly():
-    start = time.monotonic()
-    results = run_ranks(_job, 3, args=("raise", 60.0), timeout_s=90, init_process_group=False)
+def test_a_raising_rank_fails_every_rank_before_the_timeout():
+    # a process-group timeout longer than the join guard: peers that waited for it would be
+    # reported as hung; they must see the broken group instead
+    long_timeout_s = 3600.0
+    results = run_ranks(_job, 3, args=("raise", long_timeout_s), timeout_s=300,
+                        init_process_group=False)
     assert results[1].error_type == "ValueError" and "injected" in results[1].error, results[1]
     for r in (results[0], results[2]):
         assert r.error_type == "CollectiveError", r.describe()
         assert f"rank {r.rank} of 3" in r.error
-        assert r.elapsed_s < 30, "peers waited for a timeout instead of seeing the broken group"
-    assert time.monotonic() - start < 90
+        assert "timed out" not in r.error.lower(), r.error
+        assert r.elapsed_s < long_timeout_s, r.describe()
 
 
 def test_a_stalled_rank_times_peers_out_with_collective_error():

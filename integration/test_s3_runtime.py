@@ -55,8 +55,8 @@ def test_runtime_save_to_s3_and_load_from_s3(ceph_server, s3_bucket, tmp_path):
     mgr = CheckpointManager(s3_run, storage_options=b.storage_options)
     assert [f.step for f in mgr.committed()] == [2] and mgr.read_latest() == "step-00000002"
     url = mgr.url_for(2)
-    _, reports, problems = verify(url, b.storage_options)
-    assert not problems and all(r.ok for r in reports)
+    result = verify(url, b.storage_options)
+    assert result, result.problems
     assert diff(url, f"{local_run}/step-00000002", storage_options=b.storage_options).equal
     from_s3 = run_distributed(job_load, 1, args=(url, b.storage_options), timeout_s=120)[0]
     from_disk = run_distributed(job_load, 1, args=(f"{local_run}/step-00000002", {}), timeout_s=120)[0]

@@ -3,7 +3,9 @@
 Debris is: save directories (``<save-id>/``) that no manifest names, a checkpoint directory's
 leftover temporary manifests, and (object stores) multipart uploads never completed. A committed
 checkpoint is never touched. Saves may still be in progress: only debris older than ``min_age_s``
-is removed (a save id begins with its UTC start time; uploads carry their start time).
+is removed (a save id begins with its UTC start time; uploads carry their start time), and a
+save directory whose writer still holds its lease (:mod:`shardckpt.lease`) is never removed,
+whatever its age: a long save or reshard renews its lease until it commits or fails.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Mapping
 
 from shardckpt.checkpoint import read_manifest
 from shardckpt.errors import ShardckptError
+from shardckpt.lease import live_until
 from shardckpt.manifest import MANIFEST_NAME
 from shardckpt.storage import OpenUpload, Storage, abort_upload, list_open_uploads
 
@@ -27,6 +30,7 @@ TMP_MANIFEST = re.compile(r"^manifest\.json\.tmp-[0-9a-f]+$")
 class CleanReport:
     debris: list[str] = field(default_factory=list)          # relative paths removed / to remove
     kept_young: list[str] = field(default_factory=list)      # debris younger than min_age
+    kept_live: list[str] = field(default_factory=list)       # saves whose writer holds a lease
     uploads: list[OpenUpload] = field(default_factory=list)  # open multipart uploads found
     aborted: list[OpenUpload] = field(default_factory=list)
     committed: list[str] = field(default_factory=list)       # checkpoints seen and left alone
@@ -53,7 +57,10 @@ def _scan(storage: Storage, rel: str, now: float, min_age_s: float, report: Clea
             return
     for n in names:
         if SAVE_ID.match(n) and n != keep:
-            (report.debris if _age(n, now) >= min_age_s else report.kept_young).append(join(n))
+            if live_until(storage, join(n), now) is not None:
+                report.kept_live.append(join(n))
+            else:
+                (report.debris if _age(n, now) >= min_age_s else report.kept_young).append(join(n))
         elif TMP_MANIFEST.match(n):
             report.debris.append(join(n))
         elif depth > 0 and not SAVE_ID.match(n) and n != MANIFEST_NAME and storage.isdir(join(n)):
@@ -77,3 +84,15 @@ def clean(prefix: str, dry_run: bool = False, min_age_s: float = 3600.0,
             abort_upload(storage, u)
             report.aborted.append(u)
     return report
+
+
+def remove_stale_saves(storage: Storage, keep: str) -> list[str]:
+    """Remove the save directories directly below ``storage`` other than ``keep`` whose writers
+    hold no lease (killed or failed attempts, replaced checkpoints); return what was removed."""
+    now = time.time()
+    removed = []
+    for n in storage.ls(""):
+        if SAVE_ID.match(n) and n != keep and live_until(storage, n, now) is None:
+            storage.rm(n, recursive=True)
+            removed.append(n)
+    return removed

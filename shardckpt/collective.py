@@ -84,13 +84,15 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> byte
     return bytes(buf.cpu().numpy().tobytes())
 
 
-def agree(fn: Callable[[], T], what: str, group: Any = None) -> tuple[T | None, list[dict[str, Any]]]:
+def agree(fn: Callable[[], T], what: str, group: Any = None,
+          after_loss: Callable[[], str] | None = None) -> tuple[T | None, list[dict[str, Any]]]:
     """Run ``fn`` on every rank, then exchange outcomes; raise the same error everywhere on failure.
 
     Returns this rank's result and every rank's report (``{"ok": bool, "payload": ...}``, where
     the payload is ``fn``'s result if it is JSON-serializable, else None). A rank that died makes
     the exchange itself fail (gloo/NCCL raise when the peer goes away or the group timeout
-    passes); that too becomes a :class:`CollectiveError` naming ``what``.
+    passes); that too becomes a :class:`CollectiveError` naming ``what``, and ``after_loss()``,
+    if given, says what state that leaves behind (it is asked then, not assumed).
     """
     result: T | None = None
     report: dict[str, Any]
@@ -100,6 +102,7 @@ def agree(fn: Callable[[], T], what: str, group: Any = None) -> tuple[T | None, 
         report = {"ok": True, "payload": payload}
     except Exception as e:  # noqa: BLE001 - re-raised below on every rank
         report = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                  "kinds": [c.__name__ for c in type(e).__mro__],
                   "trace": traceback.format_exc(limit=8)}
         local = e
     else:
@@ -107,12 +110,27 @@ def agree(fn: Callable[[], T], what: str, group: Any = None) -> tuple[T | None, 
     try:
         reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode(), group)]
     except Exception as e:  # noqa: BLE001 - a peer died or timed out
+        state = ""
+        if after_loss is not None:
+            try:
+                state = f"; {after_loss()}"
+            except Exception as probe:  # noqa: BLE001 - the lost contact is the error to report
+                state = f"; could not tell what was left behind ({type(probe).__name__}: {probe})"
         raise CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); nothing was committed") from (local or e)
+                              f"{str(e).splitlines()[0] if str(e) else ''}){state}") from (local or e)
     failures = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
     if failures:
         first = min(failures)
-        raise CollectiveError(
+        err = CollectiveError(
             f"{what} failed on rank(s) {sorted(failures)}; rank {first}: {failures[first]}",
-            failures) from local
+            failures)
+        # class names of each failure and its bases, so every rank can tell kinds apart alike
+        err.kinds = {r: set(rep.get("kinds", ())) for r, rep in enumerate(reports) if not rep["ok"]}
+        raise err from local
     return result, reports
+
+
+def failed_with(err: CollectiveError, kind: type[BaseException]) -> list[int]:
+    """Ranks whose failure in ``err`` (raised by :func:`agree`) was a ``kind`` (or a subclass)."""
+    kinds = getattr(err, "kinds", {})
+    return sorted(r for r, names in kinds.items() if kind.__name__ in names)

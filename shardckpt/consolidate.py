@@ -7,11 +7,19 @@ Output in ``DST`` (component ``model`` by default):
   a file of its own). Always with an index, even for K = 1: ``transformers`` loads either form,
   and one commit rule serves both.
 * ``model.safetensors.index.json`` (``metadata.total_size`` = tensor bytes, ``weight_map``):
-  **written last, it commits DST**; a failed or killed run leaves no index.
+  **written last, it commits DST**; a failed or killed run leaves no new index.
+* ``config.json`` when the manifest carries ``extras["hf_config"]``, with ``torch_dtype`` and
+  ``dtype`` set to the output dtype; tokenizer and generation files copied from a model folder
+  on request (:mod:`shardckpt.hf_files`).
 * ``--optimizer``: ``optimizer-0000i-of-0000K.safetensors`` with ``"<fqn>.<kind>"`` in fp32, and
   ``optimizer.safetensors.index.json`` whose metadata adds the optimizer name and param groups
   (``params``, ``hparams``, ``step``).
 * ``shardckpt_consolidated.json``: provenance (source, save id, step, dtype, omitted aliases).
+
+Replacing an earlier consolidation never leaves DST without a loadable one: the new weights are
+written beside the old ones under names the old index does not use, the index is replaced in one
+atomic step (local: rename; object stores: one PUT, the last), and only then are the old weight
+files that the new index does not name removed.
 
 Invariants:
 
@@ -32,6 +40,7 @@ Does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,7 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from shardckpt.checkpoint import CheckpointReader, as_storage
+from shardckpt.chunked_read import ChunkedPieces
 from shardckpt.errors import ConfigError, ManifestError, ShardckptError
+from shardckpt.hf_files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy, hf_config
 from shardckpt.layout import DTYPES, itemsize, prod
 from shardckpt.manifest import DEFAULT_CHUNK_SIZE, Manifest, TensorSlot
 # Casts and piece reads live in shardckpt.pieces (shared with diff); re-exported for old imports.
@@ -61,7 +72,7 @@ PROVENANCE = "shardckpt_consolidated.json"
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16",
                  "float16": "float16", "fp32": "float32", "float": "float32", "float32": "float32"}
 FLOATS = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-_OUTPUT_NAME = re.compile(r"^(model|optimizer)(-\d{5}-of-\d{5})?\.safetensors"
+_OUTPUT_NAME = re.compile(r"^(model|optimizer)(-\d{5}-of-\d{5})?(-[0-9a-f]{8})?\.safetensors"
                           r"(\.index\.json|\.partial-[0-9a-f]+)?$|^shardckpt_consolidated\.json$")
 
 
@@ -119,6 +130,12 @@ class ConsolidationPlan:
     optimizer_files: tuple[OutFile, ...] = ()
     optimizer_meta: Mapping[str, Any] = field(default_factory=dict)
     omitted_aliases: Mapping[str, str] = field(default_factory=dict)
+    hf_config: Mapping[str, Any] | None = None    # config.json to write, if the manifest has one
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the weight files to write (what must fit in DST beside the old ones)."""
+        return sum(f.size for f in self.files + self.optimizer_files)
 
     @property
     def source_bytes(self) -> int:
@@ -168,11 +185,17 @@ def pack_files(tensors: Sequence[OutTensor], max_shard_size: int, prefix: str) -
 
 
 def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                       component: str = "model", optimizer: bool = False, source: str = "") -> ConsolidationPlan:
-    """Which tensors go to which output file, in which dtype, read from where. Pure."""
+                       component: str = "model", optimizer: bool = False, source: str = "",
+                       prefix: str = "model.") -> ConsolidationPlan:
+    """Which tensors go to which output file, in which dtype, read from where. Pure.
+
+    A checkpoint of chunked tensors (no components) gives the tensors whose FQN starts with
+    ``prefix``, named without it (``get_state_dict`` puts the model's under ``model.``)."""
     out = canonical_dtype(dtype)
     if max_shard_size < 1:
         raise ConfigError(f"max shard size {max_shard_size}: must be positive")
+    if m.chunked is not None and not m.components:
+        return _plan_chunked(m, out, max_shard_size, prefix, optimizer, source)
     comp = m.components.get(component)
     if comp is None:
         raise ConfigError(f"{source or 'the checkpoint'} has no component {component!r}; it has "
@@ -212,7 +235,27 @@ def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int
         step = max((pg.get("step", 0) for pg in m.optimizer.param_groups), default=None)
     return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, component, out,
                              pack_files(tensors, max_shard_size, "model"), opt_files, meta,
-                             dict(comp.aliases))
+                             dict(comp.aliases), hf_config(m, out, source))
+
+
+def _plan_chunked(m: Manifest, out: str, max_shard_size: int, prefix: str, optimizer: bool,
+                  source: str) -> ConsolidationPlan:
+    assert m.chunked is not None
+    if optimizer:
+        raise ConfigError(f"{source or 'the checkpoint'} holds chunked tensors; --optimizer is "
+                          "only for checkpoints of flat groups")
+    tensors = [OutTensor(fqn[len(prefix):], t.shape, output_dtype(t.dtype, out),
+                         Source(t.dtype, None, "chunked", 0, fqn))
+               for fqn, t in m.chunked.tensors.items() if fqn.startswith(prefix) and fqn != prefix]
+    if not tensors:
+        some = ", ".join(list(m.chunked.tensors)[:3])
+        raise ConfigError(f"{source or 'the checkpoint'}: no tensor name starts with {prefix!r} "
+                          f"(it holds {some or 'none'}{', ...' if len(m.chunked.tensors) > 3 else ''}); "
+                          "choose another --prefix")
+    step = m.extras.get("step")
+    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, prefix, out,
+                             pack_files(tensors, max_shard_size, "model"),
+                             hf_config=hf_config(m, out, source))
 
 
 # --------------------------------------------------------------------------------- write (effectful)
@@ -262,34 +305,20 @@ def _write_file(storage: Storage, rel: str, f: OutFile, engine: PieceReader,
     return size
 
 
-def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
-                        overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
-                        buffer_bytes: int = DEFAULT_BUFFER,
-                        progress: Callable[[int], None] | None = None) -> ConsolidateResult:
-    """Write ``plan`` to ``dst``; the model index is created last and commits DST.
+def _fresh_names(files: Sequence[OutFile], existing: Sequence[str], token: str) -> tuple[OutFile, ...]:
+    """``files`` under their usual names, or, when one of those is taken in DST (an earlier
+    consolidation's), all under names carrying ``token``: the old files stay whole until the new
+    index is in place."""
+    if not set(f.name for f in files) & set(existing):
+        return tuple(files)
+    return tuple(dataclasses.replace(f, name=f.name.replace(".safetensors", f"-{token}.safetensors"))
+                 for f in files)
 
-    Refuses a DST holding anything unless ``overwrite``; with it, the old indexes are removed
-    first (DST is uncommitted from then on), our old outputs not rewritten are removed after the
-    commit, and other files (``config.json``, tokenizer files) are kept. Local files are written
-    under ``<name>.partial-<id>`` and renamed once all are complete; on object stores each upload
-    becomes visible only when complete. On failure, every file this run wrote is removed.
-    """
-    t0 = time.perf_counter()
-    storage = as_storage(dst, storage_options)
-    if storage.url.rstrip("/") == reader.url.rstrip("/"):
-        raise ConfigError(f"{storage.url}: the destination is the source; choose another directory")
-    existing = storage.ls("")
-    if existing and not overwrite:
-        raise ConfigError(f"{storage.url} already exists and holds {len(existing)} entries "
-                          f"({', '.join(existing[:3])}{', ...' if len(existing) > 3 else ''}); "
-                          "pass --overwrite to replace its consolidated files")
-    uncommit = (MODEL_INDEX, OPTIMIZER_INDEX, PROVENANCE, "model.safetensors", "optimizer.safetensors")
-    for name in uncommit:  # before any new byte: a stale index or single file must not be loaded
-        if name in existing:
-            storage.rm(name)
-    engine = PieceReader([reader], buffer_bytes)
-    token = uuid.uuid4().hex[:8]
-    files = plan.files + plan.optimizer_files
+
+def _install(storage: Storage, files: Sequence[OutFile], engine: PieceReader, token: str,
+             progress: Callable[[int], None] | None) -> int:
+    """Write ``files``; local ones as ``<name>.partial-<token>``, renamed once all are complete
+    (object store uploads become visible only when complete). On failure, remove what was written."""
     staged = [f"{f.name}.partial-{token}" if storage.is_local else f.name for f in files]
     done: list[str] = []
     written = 0
@@ -302,31 +331,81 @@ def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: 
                 storage.call("rename", rel, lambda a=rel, b=f.name: os.replace(storage.full(a), storage.full(b)))
                 done[done.index(rel)] = f.name
     except BaseException:
-        for rel in done:
-            try:
-                storage.rm(rel)
-            except ShardckptError:
-                log.warning("could not remove partial %s", storage.url_of(rel))
+        _remove_quietly(storage, done)
+        raise
+    return written
+
+
+def _remove_quietly(storage: Storage, names: Sequence[str]) -> None:
+    for rel in names:
+        try:
+            storage.rm(rel)
+        except ShardckptError:
+            log.warning("could not remove partial %s", storage.url_of(rel))
+
+
+def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+                        overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
+                        buffer_bytes: int = DEFAULT_BUFFER,
+                        progress: Callable[[int], None] | None = None,
+                        copy_from: "str | Storage | None" = None) -> ConsolidateResult:
+    """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
+
+    Refuses a DST holding weights or an index unless ``overwrite``; other files (a README,
+    tokenizer files) are kept and do not need it. The new weights go beside the old ones, the
+    index is replaced atomically, then our old outputs that the new index does not name are
+    removed: a kill at any point leaves the old consolidation loadable or the new one complete.
+    ``config.json`` is written from the manifest's ``hf_config``; ``copy_from`` names a model
+    folder whose tokenizer and generation files (and ``config.json``, if the checkpoint has
+    none) are copied. On failure, every weight file this run wrote is removed.
+    """
+    t0 = time.perf_counter()
+    storage = as_storage(dst, storage_options)
+    if storage.url.rstrip("/") == reader.url.rstrip("/"):
+        raise ConfigError(f"{storage.url}: the destination is the source; choose another directory")
+    existing = storage.ls("")
+    weights = [n for n in existing if WEIGHT_NAME.search(n) or _OUTPUT_NAME.match(n)]
+    if weights and not overwrite:
+        raise ConfigError(f"{storage.url} already holds weights ({', '.join(weights[:3])}"
+                          f"{', ...' if len(weights) > 3 else ''}); pass --overwrite to replace "
+                          "its consolidated files")
+    source = as_storage(copy_from, storage_options) if copy_from is not None else None
+    copies = files_to_copy(source, plan.hf_config is None) if source is not None else []
+    token = uuid.uuid4().hex[:8]
+    model_files = _fresh_names(plan.files, existing, token)
+    opt_files = _fresh_names(plan.optimizer_files, existing, token)
+    storage.ensure_free_space("", plan.output_bytes, "consolidate")
+    chunked = reader.manifest.chunked is not None and not reader.manifest.components
+    engine: Any = ChunkedPieces(reader, buffer_bytes) if chunked else PieceReader([reader], buffer_bytes)
+    written = _install(storage, model_files + opt_files, engine, token, progress)
+    try:
+        if source is not None:
+            copy_files(source, storage, copies)
+        if plan.hf_config is not None:
+            storage.put(CONFIG, config_bytes(plan.hf_config))
+        if opt_files:
+            storage.put(OPTIMIZER_INDEX, _index(opt_files, plan.optimizer_meta))
+        storage.put(MODEL_INDEX, _index(model_files))  # the commit: atomic, the last weight file
+    except BaseException:
+        _remove_quietly(storage, [f.name for f in model_files + opt_files])  # none is the old output's
         raise
     provenance = {"source": plan.source or reader.url, "save_id": plan.save_id, "step": plan.step,
                   "component": plan.component, "dtype": plan.dtype,
-                  "files": [f.name for f in plan.files],
-                  "optimizer_files": [f.name for f in plan.optimizer_files],
+                  "files": [f.name for f in model_files],
+                  "optimizer_files": [f.name for f in opt_files],
                   "omitted_aliases": dict(plan.omitted_aliases)}
     storage.put(PROVENANCE, json.dumps(provenance, indent=2).encode())
-    if plan.optimizer_files:
-        storage.put(OPTIMIZER_INDEX, _index(plan.optimizer_files, plan.optimizer_meta))
-    storage.put(MODEL_INDEX, _index(plan.files))
-    new = {f.name for f in files}
+    keep = {f.name for f in model_files + opt_files} | {MODEL_INDEX, PROVENANCE}
+    keep |= {OPTIMIZER_INDEX} if opt_files else set()
     for name in existing:
-        if _OUTPUT_NAME.match(name) and name not in new and name not in uncommit:
+        if _OUTPUT_NAME.match(name) and name not in keep:
             storage.rm(name)
     secs = time.perf_counter() - t0
     log.info("consolidated %s -> %s: %d files, %d bytes in %.2f s", reader.url, storage.url,
-             len(files), written, secs)
+             len(model_files) + len(opt_files), written, secs)
     return ConsolidateResult(storage.url, plan.source or reader.url, plan.save_id, plan.step, plan.dtype,
-                             plan.component, tuple((f.name, f.size) for f in plan.files),
-                             tuple((f.name, f.size) for f in plan.optimizer_files),
+                             plan.component, tuple((f.name, f.size) for f in model_files),
+                             tuple((f.name, f.size) for f in opt_files),
                              sum(len(f.tensors) for f in plan.files), sum(f.data_bytes for f in plan.files),
                              dict(plan.omitted_aliases), engine.bytes_read, written, secs)
 
@@ -335,8 +414,11 @@ def consolidate(src: "str | CheckpointReader", dst: "str | Storage", dtype: str 
                 max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, component: str = "model",
                 optimizer: bool = False, storage_options: Mapping[str, Any] | None = None,
                 buffer_bytes: int = DEFAULT_BUFFER, progress: Callable[[int], None] | None = None,
-                overwrite: bool = False) -> ConsolidateResult:
+                overwrite: bool = False, copy_from: "str | Storage | None" = None,
+                prefix: str = "model.") -> ConsolidateResult:
     """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module doc)."""
     reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, storage_options)
-    plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, reader.url)
-    return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes, progress)
+    plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, reader.url,
+                              prefix)
+    return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes, progress,
+                               copy_from)

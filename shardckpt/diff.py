@@ -30,6 +30,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from shardckpt.checkpoint import CheckpointReader
+from shardckpt.chunked import iter_pairs
+from shardckpt.chunked_read import read_blob, read_box
 from shardckpt.layout import itemsize
 from shardckpt.manifest import Component, Manifest
 from shardckpt.pieces import DEFAULT_BUFFER, PieceReader, Source, decode
@@ -228,11 +230,55 @@ def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None =
         if n or c.a.dtype != c.b.dtype:
             detail = f"dtype {c.a.dtype} vs {c.b.dtype}" if c.a.dtype != c.b.dtype else ""
             diffs.append(TensorDiff(c.component, c.name, c.kind, DIFFERENT, c.numel, int(n), float(mx), detail))
+    compared, elements, nbytes = len(plan.comparisons), sum(c.numel for c in plan.comparisons), 0
+    identical = compared - len(diffs)
+    if ra.manifest.chunked is not None or rb.manifest.chunked is not None:
+        more, n_cmp, n_same, n_el, nbytes = _chunked_diff(ra, rb, buffer_bytes, progress)
+        diffs += more
+        compared, identical, elements = compared + n_cmp, identical + n_same, elements + n_el
     differences = tuple(diffs) + plan.one_sided
-    return DiffResult(ra.url, rb.url, not differences and not plan.metadata, len(plan.comparisons),
-                      len(plan.comparisons) - len(diffs), differences, plan.metadata,
-                      engine.bytes_read, time.perf_counter() - t0,
-                      sum(c.numel for c in plan.comparisons))
+    return DiffResult(ra.url, rb.url, not differences and not plan.metadata, compared, identical,
+                      differences, plan.metadata, engine.bytes_read + nbytes,
+                      time.perf_counter() - t0, elements)
+
+
+def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
+                  progress: Callable[[int], None] | None) -> tuple[list[TensorDiff], int, int, int, int]:
+    """Chunked tensors matched by FQN, compared on the boxes both sides' chunks share (in bands
+    of at most half the buffer per side), and blobs matched by key, compared as opaque bytes.
+    Returns (differences, compared, identical, elements, bytes)."""
+    sa, sb = ra.manifest.chunked, rb.manifest.chunked
+    ta, tb = (dict(sa.tensors) if sa else {}), (dict(sb.tensors) if sb else {})
+    diffs: list[TensorDiff] = []
+    compared = elements = nbytes = 0
+    for fqn, a in ta.items():
+        b = tb.get(fqn)
+        if b is None or a.shape != b.shape:
+            diffs.append(TensorDiff("chunked", fqn, "tensor", ONLY_A if b is None else MISMATCH, a.numel,
+                                    detail="" if b is None else f"shape {list(a.shape)} vs {list(b.shape)}"))
+            continue
+        compared, elements, n, mx = compared + 1, elements + a.numel, 0, 0.0
+        for ca, cb, off, size in iter_pairs(a, b, max(1, buffer_bytes // 2)):
+            xa, xb = read_box(ra, a, ca, off, size), read_box(rb, b, cb, off, size)
+            k, m = compare_bytes(xa, xb, a.dtype, b.dtype)
+            n, mx, nbytes = n + k, max(mx, m), nbytes + len(xa) + len(xb)
+            if progress:
+                progress(len(xa) + len(xb))
+        if n or a.dtype != b.dtype:
+            detail = f"dtype {a.dtype} vs {b.dtype}" if a.dtype != b.dtype else ""
+            diffs.append(TensorDiff("chunked", fqn, "tensor", DIFFERENT, a.numel, n, mx, detail))
+    diffs += [TensorDiff("chunked", f, "tensor", ONLY_B, t.numel) for f, t in tb.items() if f not in ta]
+    ba, bb = (dict(sa.blobs) if sa else {}), (dict(sb.blobs) if sb else {})
+    for key in list(ba) + [k for k in bb if k not in ba]:
+        if key not in ba or key not in bb:
+            diffs.append(TensorDiff("chunked", key, "blob", ONLY_A if key in ba else ONLY_B))
+            continue
+        compared += 1
+        xa, xb = read_blob(ra, ba[key]), read_blob(rb, bb[key])
+        nbytes += len(xa) + len(xb)
+        if xa != xb:
+            diffs.append(TensorDiff("chunked", key, "blob", DIFFERENT, detail="opaque bytes differ"))
+    return diffs, compared, compared - len([d for d in diffs if d.status == DIFFERENT]), elements, nbytes
 
 
 def diff(a: "str | CheckpointReader", b: "str | CheckpointReader",

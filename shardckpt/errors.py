@@ -51,6 +51,10 @@ class CommitConflictError(StorageError):
     """A create-only write found the object already there: another save committed first."""
 
 
+class InsufficientSpaceError(StorageError):
+    """The destination's file system has less free space than a write needs; nothing was written."""
+
+
 class CollectiveError(ShardckptError):
     """One or more ranks failed inside a collective operation; ``failures`` maps rank to message."""
 

@@ -3,7 +3,8 @@
 Rules (what a resumed job relies on):
 
 * a step directory counts only once its ``manifest.json`` exists (the save committed);
-* ``latest`` names a committed directory and is written only after that commit;
+* ``latest`` names a committed directory and is written only after that commit (also when a
+  rank was lost after the manifest was created: the save committed, and rank 0 says so);
 * retention keeps the newest ``keep_last`` committed checkpoints and never deletes the newest one;
 * resume picks the newest committed checkpoint that passes a check (manifest parses, every file
   present with its recorded size; optionally every checksum), skipping directories without a
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from shardckpt.checkpoint import read_manifest, verify
 from shardckpt.errors import IncompleteCheckpointError, ShardckptError
@@ -82,8 +83,7 @@ class CheckpointManager:
         """Problems of one committed checkpoint: manifest and sizes, or every checksum if ``full``."""
         child = self.storage.child(found.name)
         if full:
-            _, reports, problems = verify(child)
-            return problems + [p for r in reports for p in r.problems]
+            return list(verify(child).problems)
         try:
             m = read_manifest(child)
         except ShardckptError as e:
@@ -99,14 +99,21 @@ class CheckpointManager:
                 problems.append(f"{child.url_of(f.path)}: {size} bytes, the manifest records {f.size}")
         return problems
 
-    def resume_point(self, full_verify: bool = False) -> Found | None:
-        """The newest committed checkpoint that passes :meth:`check`; None if there is none."""
+    def is_committed(self, step: int) -> bool:
+        return self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
+
+    def resume_points(self, full_verify: bool = False) -> Iterator[Found]:
+        """Committed checkpoints that pass :meth:`check`, newest first (checked as iterated)."""
         for found in reversed(self.committed()):
             problems = self.check(found, full_verify)
             if not problems:
-                return found
-            log.warning("skipping %s: %s", found.url, problems[0])
-        return None
+                yield found
+            else:
+                log.warning("skipping %s: %s", found.url, problems[0])
+
+    def resume_point(self, full_verify: bool = False) -> Found | None:
+        """The newest committed checkpoint that passes :meth:`check`; None if there is none."""
+        return next(self.resume_points(full_verify), None)
 
     def mark_committed(self, step: int) -> None:
         """Point ``latest`` at ``step`` (which must be committed), then apply retention."""
@@ -133,3 +140,41 @@ class CheckpointManager:
             self.storage.rm(f.name, recursive=True)
             log.info("retention removed %s", f.url)
         return [f.url for f in doomed]
+
+
+def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str | None]:
+    """The checkpoint ``url`` names, and a note for the user when that is not ``url`` itself.
+
+    A ``url`` with its own ``manifest.json``, or one that is no run directory, comes back as it is
+    (its reader reports whatever is wrong with it). A run directory (``latest`` or
+    ``step-XXXXXXXX`` directories, no manifest of its own) resolves to the committed checkpoint
+    that ``latest`` names, with the note ``"run directory: using latest -> step-00000100"``;
+    without a usable ``latest``, :class:`IncompleteCheckpointError` says that ``url`` is a run
+    directory and lists the committed checkpoints it holds.
+    """
+    manager = CheckpointManager(url, storage_options=storage_options)
+    storage = manager.storage
+    if storage.exists(MANIFEST_NAME):
+        return url, None
+    has_latest = storage.exists(LATEST)
+    steps = manager.step_dirs()
+    if not has_latest and not steps:
+        return url, None
+    committed = manager.committed()
+    latest = manager.read_latest()
+    if latest is not None and any(f.name == latest for f in committed):
+        return storage.url_of(latest), f"run directory: using latest -> {latest}"
+    if not committed:
+        raise IncompleteCheckpointError(
+            f"{storage.url} is a run directory with no committed checkpoint: none of its "
+            f"{len(steps)} step directories has a {MANIFEST_NAME} (the saves never committed)")
+    if latest is not None:
+        why = f"its latest names {latest}, which has no {MANIFEST_NAME}"
+    else:
+        why = "it has no usable latest pointer" if has_latest else "it has no latest pointer"
+    names = [f.name for f in committed]
+    listed = ", ".join(names) if len(names) <= 6 else \
+        f"{', '.join(names[:2])}, ..., {', '.join(names[-3:])} ({len(names)} in all)"
+    raise IncompleteCheckpointError(
+        f"{storage.url} is a run directory, not a checkpoint, and {why}; its committed "
+        f"checkpoints: {listed}. Name one, e.g. {storage.url_of(names[-1])}")

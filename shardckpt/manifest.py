@@ -3,7 +3,8 @@
 ``docs/FORMAT.md`` is the specification; this module is its reference implementation. Parsing
 validates every field before anything is trusted: types, bounds, that the parameters of each flat
 group tile it exactly, that every file name is a plain relative path, and that every shard file's
-recorded size equals the size its tensors imply. Duplicate JSON keys are refused.
+recorded size equals the size its tensors imply. Duplicate JSON keys are refused. The
+manifest's own checksum, text encoding and string bounds are in :mod:`shardckpt.manifest_integrity`.
 """
 
 from __future__ import annotations
@@ -12,15 +13,27 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
+from shardckpt.chunked import FEATURE as CHUNKED_FEATURE, ChunkedSection, file_layout, parse_section, section_doc
 from shardckpt.errors import ManifestError
 from shardckpt.layout import (
     DTYPES, SHARD_ALIGN, SHARD_AXIS, FlatGroup, Layout, Mesh, ParamSpec, itemsize, prod,
 )
+from shardckpt.manifest_integrity import (
+    CHECKSUM_FIELD, MAX_NAME, MAX_SHORT, ChunkCrcs, check_free_text, check_surrogates,
+    checksum_problem, decode_text, seal,
+)
 
 FORMAT_NAME = "shardckpt"
-VERSION = (1, 0)
+#: 1.1 adds the manifest's own checksum (``manifest_crc32c``); see docs/FORMAT.md section 9.
+VERSION = (1, 1)
+#: 1.2 adds chunked tensors and blobs (the ``chunked`` section, docs/FORMAT.md section 13); a
+#: manifest with that section is written as 1.2 and lists ``chunked_tensors`` in ``requires``.
+#: Manifests without it are still written as :data:`VERSION`, byte for byte as before.
+CHUNKED_VERSION = (1, 2)
+#: Features a manifest may list in ``requires``; a reader refuses any other (it would misread).
+KNOWN_FEATURES = (CHUNKED_FEATURE,)
 #: Major versions this shardckpt reads. 0.x shard files hold their tensors group by group; from
 #: 1.0 they are kind by kind (every group's master weights first), see :func:`shard_slots`.
 READABLE_MAJORS = (0, 1)
@@ -30,9 +43,12 @@ MAX_MANIFEST_BYTES = 512 << 20
 #: Largest size, offset or element count accepted anywhere (2**53: exact in JSON doubles too).
 MAX_INT = 1 << 53
 DEFAULT_CHUNK_SIZE = 1 << 20
-ROLES = ("shard", "buffers", "rank")
+ROLES = ("shard", "buffers", "rank", "chunks")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
+_SHARD_NAME = re.compile(r"shard-(\d{1,9})-of-(\d{1,9})\.safetensors")
+#: Offenders listed by name in one error; the rest are counted.
+MAX_LISTED = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +60,12 @@ class FileEntry:
     size: int
     header_size: int          # safetensors JSON header length (the u64 at byte 0)
     crc32c: int
-    chunk_crc32c: tuple[int, ...]
+    chunk_crc32c: Sequence[int]  # held as ChunkCrcs, whatever sequence of ints is given
     index: int | None = None  # shard rank for "shard", global rank for "rank"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_crc32c, ChunkCrcs):
+            object.__setattr__(self, "chunk_crc32c", ChunkCrcs(self.chunk_crc32c))
 
     @property
     def data_start(self) -> int:
@@ -92,6 +112,7 @@ class Manifest:
     extras: Mapping[str, Any]
     per_rank_state: Mapping[str, Any]
     files: tuple[FileEntry, ...]
+    chunked: ChunkedSection | None = None  # format 1.2: DCP-style chunked tensors and blobs
 
     def file(self, path: str) -> FileEntry:
         for f in self.files:
@@ -163,6 +184,13 @@ def shard_slots(components: Mapping[str, Component], mesh: Mesh,
     return out
 
 
+def chunked_slots(m: "Manifest", path: str) -> list[TensorSlot]:
+    """Tensors of chunks file ``path`` (chunks ``<fqn>@<offsets>``, blobs ``<key>#blob``)."""
+    if m.chunked is None:
+        return []
+    return [TensorSlot(*t) for t in file_layout(m.chunked, path)]
+
+
 def buffer_slots(components: Mapping[str, Component]) -> list[TensorSlot]:
     """Tensors of ``buffers.safetensors`` by FQN, in manifest order."""
     out: list[TensorSlot] = []
@@ -195,7 +223,10 @@ def to_json(m: Manifest) -> bytes:
         "per_rank_state": dict(m.per_rank_state),
         "files": [_file_doc(f) for f in m.files],
     }
-    return json.dumps(doc, indent=1, allow_nan=False).encode()
+    if m.chunked is not None:
+        doc["requires"] = [CHUNKED_FEATURE]
+        doc["chunked"] = section_doc(m.chunked)
+    return seal(doc)
 
 
 def _component_doc(c: Component) -> dict[str, Any]:
@@ -218,7 +249,7 @@ def _file_doc(f: FileEntry) -> dict[str, Any]:
     if f.index is not None:
         doc["index"] = f.index
     doc.update(size=f.size, header_size=f.header_size, crc32c=f"{f.crc32c:08x}",
-               chunk_crc32c="".join(f"{c:08x}" for c in f.chunk_crc32c))
+               chunk_crc32c=ChunkCrcs(f.chunk_crc32c).hex())
     return doc
 
 
@@ -244,9 +275,12 @@ class _Ctx:
             raise self.fail(where, f"expected a list, found {type(v).__name__}")
         return v
 
-    def str_(self, v: Any, where: str) -> str:
+    def str_(self, v: Any, where: str, limit: int = MAX_NAME) -> str:
         if not isinstance(v, str):
             raise self.fail(where, f"expected a string, found {type(v).__name__}")
+        if len(v) > limit:
+            raise self.fail(where, f"a string of {len(v)} characters ({v[:40]!r}...); at most "
+                            f"{limit} are allowed")
         return v
 
     def bool_(self, v: Any, where: str) -> bool:
@@ -267,7 +301,7 @@ class _Ctx:
         return d[k]
 
     def dtype(self, v: Any, where: str) -> str:
-        s = self.str_(v, where)
+        s = self.str_(v, where, MAX_SHORT)
         if s not in DTYPES:
             raise self.fail(where, f"unknown dtype {s!r}")
         return s
@@ -316,39 +350,80 @@ def _finite_float(text: str) -> float:
 def parse(data: bytes | str, source: str = MANIFEST_NAME) -> Manifest:
     """Decode and validate a manifest; raise :class:`ManifestError` naming ``source`` and the field."""
     ctx = _Ctx(source)
-    if isinstance(data, bytes) and len(data) > MAX_MANIFEST_BYTES:
+    if len(data) > MAX_MANIFEST_BYTES:
         raise ctx.fail("size", f"{len(data)} bytes; at most {MAX_MANIFEST_BYTES} are accepted")
+    raw, text = decode_text(data, source)
     try:
-        doc = json.loads(data, object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
+        doc = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=_reject_constant,
                          parse_float=_finite_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise ManifestError(f"{source}: not valid manifest JSON: {e}") from e
     doc = ctx.obj(doc, "top level")
+    check_surrogates(text, doc, source)
+    del text
     if doc.get("format") != FORMAT_NAME:
-        raise ctx.fail("format", f"expected {FORMAT_NAME!r}, found {doc.get('format')!r}")
+        found = doc.get("format")
+        raise ctx.fail("format", f"expected {FORMAT_NAME!r}, found "
+                       f"{found[:40] if isinstance(found, str) else found!r}")
     version = _parse_version(ctx, ctx.key(doc, "version", "top level"))
-    save_id = ctx.str_(ctx.key(doc, "save_id", "top level"), "save_id")
+    # Checked after the fields, so that a damaged field is named; either failure refuses it.
+    damaged = checksum_problem(raw, doc, version)
+    try:
+        m = _parse_body(ctx, doc, version)
+    except ManifestError as e:
+        if damaged is None:
+            raise
+        raise ManifestError(f"{e}; also, {damaged}") from e
+    if damaged is not None:
+        raise ctx.fail(CHECKSUM_FIELD, damaged)
+    return m
+
+
+def _parse_body(ctx: _Ctx, doc: dict[str, Any], version: tuple[int, int]) -> Manifest:
+    save_id = ctx.str_(ctx.key(doc, "save_id", "top level"), "save_id", MAX_SHORT)
     if not _SAFE_NAME.match(save_id) or save_id in (".", ".."):
         raise ctx.fail("save_id", f"{save_id!r} is not a plain name (letters, digits, _ . -)")
-    created_at = ctx.str_(doc.get("created_at", ""), "created_at")
+    created_at = ctx.str_(doc.get("created_at", ""), "created_at", MAX_SHORT)
     mesh = _parse_mesh(ctx, ctx.key(doc, "mesh", "top level"))
     chunk_size = ctx.int_(ctx.key(doc, "chunk_size", "top level"), "chunk_size", 4096, 1 << 30)
+    files_doc = ctx.lst(ctx.key(doc, "files", "top level"), "files")
     comps_doc = ctx.obj(ctx.key(doc, "components", "top level"), "components")
     components = {name: _parse_component(ctx, name, c, mesh) for name, c in comps_doc.items()}
     _check_unique_groups(ctx, components)
     optimizer = _parse_optimizer(ctx, doc.get("optimizer"), components)
     extras = ctx.obj(doc.get("extras", {}), "extras")
     per_rank = ctx.obj(doc.get("per_rank_state", {}), "per_rank_state")
-    files = tuple(_parse_file(ctx, i, f, chunk_size)
-                  for i, f in enumerate(ctx.lst(ctx.key(doc, "files", "top level"), "files")))
+    check_free_text(extras, "extras", ctx.source)
+    check_free_text(per_rank, "per_rank_state", ctx.source)
+    files = tuple(_parse_file(ctx, i, f, chunk_size) for i, f in enumerate(files_doc))
+    chunked = _parse_chunked(ctx, doc, version, files)
     m = Manifest(version, save_id, created_at, mesh, chunk_size, components, optimizer, extras,
-                 per_rank, files)
+                 per_rank, files, chunked)
     _check_files(ctx, m)
     return m
 
 
+def _parse_chunked(ctx: _Ctx, doc: dict[str, Any], version: tuple[int, int],
+                   files: tuple[FileEntry, ...]) -> ChunkedSection | None:
+    """The ``requires`` list (every feature known) and the ``chunked`` section (format >= 1.2)."""
+    requires = [ctx.str_(r, "requires", MAX_SHORT) for r in ctx.lst(doc.get("requires", []), "requires")]
+    unknown = [r for r in requires if r not in KNOWN_FEATURES]
+    if unknown:
+        raise ctx.fail("requires", f"this checkpoint needs {', '.join(map(repr, unknown[:10]))}, "
+                       "which this shardckpt does not read; upgrade shardckpt to read it")
+    if "chunked" not in doc:
+        if CHUNKED_FEATURE in requires:
+            raise ctx.fail("requires", f"lists {CHUNKED_FEATURE!r} but there is no chunked section")
+        return None
+    if version < CHUNKED_VERSION or CHUNKED_FEATURE not in requires:
+        raise ctx.fail("chunked", f"a chunked section needs format {CHUNKED_VERSION[0]}."
+                       f"{CHUNKED_VERSION[1]} or later and {CHUNKED_FEATURE!r} in requires")
+    data_sizes = {f.path: f.size - f.data_start for f in files if f.role == "chunks"}
+    return parse_section(ctx, doc["chunked"], data_sizes)
+
+
 def _parse_version(ctx: _Ctx, v: Any) -> tuple[int, int]:
-    s = ctx.str_(v, "version")
+    s = ctx.str_(v, "version", MAX_SHORT)
     m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", s)
     if not m:
         raise ctx.fail("version", f"expected 'MAJOR.MINOR', found {s!r}")
@@ -369,7 +444,7 @@ def _parse_mesh(ctx: _Ctx, v: Any) -> Mesh:
     axes = []
     for i, a in enumerate(axes_doc):
         a = ctx.obj(a, f"mesh.axes[{i}]")
-        axes.append((ctx.str_(ctx.key(a, "name", f"mesh.axes[{i}]"), f"mesh.axes[{i}].name"),
+        axes.append((ctx.str_(ctx.key(a, "name", f"mesh.axes[{i}]"), f"mesh.axes[{i}].name", MAX_SHORT),
                      ctx.int_(ctx.key(a, "size", f"mesh.axes[{i}]"), f"mesh.axes[{i}].size", 1, 1 << 24)))
     try:
         return Mesh(tuple(axes))
@@ -378,8 +453,8 @@ def _parse_mesh(ctx: _Ctx, v: Any) -> Mesh:
 
 
 def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
-    w = f"components.{name}"
-    if not _SAFE_NAME.match(name):
+    w = f"components.{name[:64]}"
+    if len(name) > MAX_SHORT or not _SAFE_NAME.match(name):
         raise ctx.fail(w, "component names are letters, digits, _ . -")
     c = ctx.obj(v, w)
     groups: list[FlatGroup] = []
@@ -399,7 +474,7 @@ def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
         kinds = []
         for j, sd in enumerate(ctx.lst(ctx.key(gd, "states", gw), f"{gw}.states")):
             sd = ctx.obj(sd, f"{gw}.states[{j}]")
-            kind = ctx.str_(ctx.key(sd, "kind", f"{gw}.states[{j}]"), f"{gw}.states[{j}].kind")
+            kind = ctx.str_(ctx.key(sd, "kind", f"{gw}.states[{j}]"), f"{gw}.states[{j}].kind", MAX_SHORT)
             if not re.fullmatch(r"[A-Za-z0-9_]+", kind):
                 raise ctx.fail(f"{gw}.states[{j}].kind", f"{kind!r} is not letters, digits and _")
             kinds.append((kind, ctx.dtype(ctx.key(sd, "dtype", f"{gw}.states[{j}]"), f"{gw}.states[{j}].dtype")))
@@ -418,7 +493,9 @@ def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
     members: dict[str, list[ParamSpec]] = {g.name: [] for g in groups}
     specs: list[ParamSpec] = []
     seen: set[str] = set()
-    for i, pd in enumerate(ctx.lst(ctx.key(c, "params", w), f"{w}.params")):
+    plist = ctx.lst(ctx.key(c, "params", w), f"{w}.params")
+    for i, pd in enumerate(plist):
+        plist[i] = None  # its spec replaces it: each parameter is held in one form, not two
         pw = f"{w}.params[{i}]"
         pd = ctx.obj(pd, pw)
         fqn = ctx.str_(ctx.key(pd, "fqn", pw), f"{pw}.fqn")
@@ -428,28 +505,18 @@ def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
         gname = ctx.str_(ctx.key(pd, "group", pw), f"{pw}.group")
         if gname not in by_name:
             raise ctx.fail(f"{pw}.group", f"{fqn!r} names group {gname!r}, which does not exist")
+        group = by_name[gname]  # its name and dtype strings are shared by all its parameters
         spec = ParamSpec(fqn, ctx.shape(ctx.key(pd, "shape", pw), f"{pw}.shape"),
-                         by_name[gname].dtype, gname, ctx.int_(ctx.key(pd, "offset", pw), f"{pw}.offset"))
+                         group.dtype, group.name, ctx.int_(ctx.key(pd, "offset", pw), f"{pw}.offset"))
         specs.append(spec)
-        members[gname].append(spec)
-    final_groups = []
-    for g in groups:
-        ps = sorted(members[g.name], key=lambda p: p.offset)
-        pos = 0
-        for p in ps:
-            if p.offset != pos:
-                what = "overlaps the parameter before it" if p.offset < pos else "leaves a gap before it"
-                raise ctx.fail(f"{w}.params", f"{p.fqn!r} at offset {p.offset} in group {g.name!r} {what} "
-                               f"(expected offset {pos})")
-            pos += p.numel
-        if pos != g.numel:
-            raise ctx.fail(f"{w}.groups", f"group {g.name!r} says {g.numel} elements but its "
-                           f"parameters hold {pos}")
-        final_groups.append(FlatGroup(g.name, g.unit, g.dtype, g.requires_grad, g.numel,
-                                      g.padded_numel, tuple(p.fqn for p in ps)))
+        members[group.name].append(spec)
+    _check_tiling(ctx, w, groups, members)
+    final_groups = [FlatGroup(g.name, g.unit, g.dtype, g.requires_grad, g.numel, g.padded_numel,
+                              tuple(p.fqn for p in members[g.name])) for g in groups]
     layout = Layout(mesh, tuple(final_groups), tuple(specs))
     aliases = {}
     for a, t in ctx.obj(c.get("aliases", {}), f"{w}.aliases").items():
+        ctx.str_(a, f"{w}.aliases (a key)")
         t = ctx.str_(t, f"{w}.aliases.{a}")
         if t not in seen or a in seen:
             raise ctx.fail(f"{w}.aliases.{a}", f"alias must name an existing parameter and not be one; "
@@ -470,6 +537,43 @@ def _parse_component(ctx: _Ctx, name: str, v: Any, mesh: Mesh) -> Component:
     return Component(name, layout, states, aliases, tuple(buffers))
 
 
+def _listed(items: list[str]) -> str:
+    more = len(items) - MAX_LISTED
+    return "; ".join(items[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _check_tiling(ctx: _Ctx, w: str, groups: list[FlatGroup],
+                  members: Mapping[str, list[ParamSpec]]) -> None:
+    """Each group's parameters, in list order, tile ``[0, numel)``: every offender is named."""
+    order: list[str] = []
+    tiles: list[str] = []
+    totals: list[str] = []
+    for g in groups:
+        ps = members[g.name]
+        late = [f"{p.fqn!r} (offset {p.offset}) after {q.fqn!r} (offset {q.offset}) in group "
+                f"{g.name!r}" for q, p in zip(ps, ps[1:]) if p.offset < q.offset]
+        if late:
+            order += late
+            continue
+        pos, bad = 0, False
+        for p in ps:
+            if p.offset != pos:
+                what = "overlaps the parameter before it" if p.offset < pos else "leaves a gap before it"
+                tiles.append(f"{p.fqn!r} at offset {p.offset} in group {g.name!r} {what} "
+                             f"(expected offset {pos})")
+                bad = True
+            pos = p.offset + p.numel
+        if not bad and pos != g.numel:
+            totals.append(f"group {g.name!r} says {g.numel} elements but its parameters hold {pos}")
+    if order:
+        raise ctx.fail(f"{w}.params", "parameters are listed out of flat order (each group's "
+                       f"parameters must be listed by increasing offset): {_listed(order)}")
+    if tiles:
+        raise ctx.fail(f"{w}.params", _listed(tiles))
+    if totals:
+        raise ctx.fail(f"{w}.groups", _listed(totals))
+
+
 def _check_unique_groups(ctx: _Ctx, components: Mapping[str, Component]) -> None:
     seen: dict[str, str] = {}
     for c in components.values():
@@ -483,7 +587,7 @@ def _parse_optimizer(ctx: _Ctx, v: Any, components: Mapping[str, Component]) -> 
     if v is None:
         return None
     d = ctx.obj(v, "optimizer")
-    name = ctx.str_(ctx.key(d, "name", "optimizer"), "optimizer.name")
+    name = ctx.str_(ctx.key(d, "name", "optimizer"), "optimizer.name", MAX_SHORT)
     known = {p.fqn for c in components.values() for p in c.layout.params}
     groups = []
     claimed: set[str] = set()
@@ -499,6 +603,7 @@ def _parse_optimizer(ctx: _Ctx, v: Any, components: Mapping[str, Component]) -> 
             raise ctx.fail(f"{w}.params", f"parameters in two param groups: {', '.join(dup[:10])}")
         claimed.update(params)
         ctx.obj(pg.get("hparams", {}), f"{w}.hparams")
+        check_free_text(pg, w, ctx.source)  # hparams and any field kept for a later rewrite
         ctx.int_(pg.get("step", 0), f"{w}.step")
         groups.append(pg)
     return OptimizerInfo(name, tuple(groups))
@@ -512,26 +617,25 @@ def _parse_file(ctx: _Ctx, i: int, v: Any, chunk_size: int) -> FileEntry:
     if (path.startswith("/") or "\\" in path or ":" in path
             or any(p in ("", ".", "..") or not _SAFE_NAME.match(p) for p in parts)):
         raise ctx.fail(f"{w}.path", f"{path!r} is not a plain relative path inside the checkpoint")
-    role = ctx.str_(ctx.key(d, "role", w), f"{w}.role")
+    role = ctx.str_(ctx.key(d, "role", w), f"{w}.role", MAX_SHORT)
     if role not in ROLES:
         raise ctx.fail(f"{w}.role", f"{role!r} is not one of {ROLES}")
     index = None
-    if role in ("shard", "rank"):
+    if role in ("shard", "rank", "chunks"):
         index = ctx.int_(ctx.key(d, "index", w), f"{w}.index", 0, 1 << 24)
     size = ctx.int_(ctx.key(d, "size", w), f"{w}.size")
     header_size = ctx.int_(ctx.key(d, "header_size", w), f"{w}.header_size", 2, 100_000_000)
     if 8 + header_size > size:
         raise ctx.fail(f"{w}.header_size", f"{path}: header of {header_size} bytes does not fit in {size} bytes")
     crc = ctx.hex32(ctx.key(d, "crc32c", w), f"{w}.crc32c")
-    chunks = ctx.str_(ctx.key(d, "chunk_crc32c", w), f"{w}.chunk_crc32c")
+    chunks = ctx.str_(ctx.key(d, "chunk_crc32c", w), f"{w}.chunk_crc32c", MAX_INT)
     n_chunks = -(-size // chunk_size)
     if len(chunks) != 8 * n_chunks:
         raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: {len(chunks) // 8} chunk checksums for "
                        f"{n_chunks} chunks of {chunk_size} bytes")
     if not _LOWER_HEX.fullmatch(chunks):  # int(x, 16) alone would take "0x12", " 1_2", "ABCD"
         raise ctx.fail(f"{w}.chunk_crc32c", f"{path}: expected 8 lowercase hex digits per chunk")
-    chunk_crcs = tuple(int(chunks[k:k + 8], 16) for k in range(0, len(chunks), 8))
-    return FileEntry(path, role, size, header_size, crc, chunk_crcs, index)
+    return FileEntry(path, role, size, header_size, crc, ChunkCrcs.from_hex(chunks), index)
 
 
 def _check_files(ctx: _Ctx, m: Manifest) -> None:
@@ -539,21 +643,42 @@ def _check_files(ctx: _Ctx, m: Manifest) -> None:
     if len(set(paths)) != len(paths):
         raise ctx.fail("files", "a path appears twice")
     S = m.mesh.shard_degree
-    shards = sorted(f.index for f in m.files if f.role == "shard")  # type: ignore[type-var]
-    if shards != list(range(S)):
-        raise ctx.fail("files", f"expected one shard file for each of {S} shard ranks, found "
-                       f"shard indices {shards[:20]}")
+    # Nothing here or in any reader grows with S unless S files are listed: a mesh the files
+    # cannot describe is refused before anything is allocated per shard rank.
+    n_shards = sum(1 for f in m.files if f.role == "shard")
+    chunk_files = {f.path for f in m.files if f.role == "chunks"}
+    if m.chunked is None and chunk_files:
+        raise ctx.fail("files", f"{sorted(chunk_files)[0]} is a chunks file but there is no chunked section")
+    unused = sorted(chunk_files - m.chunked.files()) if m.chunked is not None else []
+    if unused:
+        raise ctx.fail("files", f"chunks files that hold no chunk or blob: {_listed(unused)}")
+    # A checkpoint of chunked tensors alone has no flat groups and so no shard files.
+    chunked_only = m.chunked is not None and not m.components and n_shards == 0
+    if not chunked_only and n_shards != S:
+        raise ctx.fail("files", f"the mesh has {S} shard ranks but the files list {n_shards} "
+                       "shard files")
+    misplaced = []
+    for i, f in enumerate(f for f in m.files if f.role == "shard"):
+        name = _SHARD_NAME.fullmatch(f.path.rsplit("/", 1)[-1])
+        if f.index != i:
+            misplaced.append(f"shard entry {i} ({f.path}) has index {f.index}")
+        elif name is None or (int(name.group(1)), int(name.group(2))) != (i, S):
+            misplaced.append(f"shard entry {i} is {f.path}, not named shard-{i:05d}-of-{S:05d}")
+    if misplaced:
+        raise ctx.fail("files", f"shard files must be listed in order 0 .. {S - 1}, the i-th named "
+                       f"shard-<i>-of-<S>: {_listed(misplaced)}")
     data_bytes = shard_slots(m.components, m.mesh, m.version)
     shard_data = data_bytes[-1].end if data_bytes else 0
     bufs = buffer_slots(m.components)
     buf_data = bufs[-1].end if bufs else 0
-    for f in m.files:
-        if f.role == "shard" and f.size != f.data_start + shard_data:
-            raise ctx.fail("files", f"{f.path}: size {f.size} does not match its header of "
-                           f"{f.header_size} bytes plus {shard_data} bytes of tensors")
-        if f.role == "buffers" and f.size != f.data_start + buf_data:
-            raise ctx.fail("files", f"{f.path}: size {f.size} does not match its header of "
-                           f"{f.header_size} bytes plus {buf_data} bytes of buffers")
+    wrong = [f"{f.path}: size {f.size} does not match its header of {f.header_size} bytes plus "
+             f"{shard_data if f.role == 'shard' else buf_data} bytes of "
+             f"{'tensors' if f.role == 'shard' else 'buffers'}"
+             for f in m.files
+             if (f.role == "shard" and f.size != f.data_start + shard_data)
+             or (f.role == "buffers" and f.size != f.data_start + buf_data)]
+    if wrong:
+        raise ctx.fail("files", _listed(wrong))
     if bufs and m.buffers_file() is None:
         raise ctx.fail("files", "the manifest lists buffers but no buffers file")
     if sum(1 for f in m.files if f.role == "buffers") > 1:

@@ -109,6 +109,7 @@ def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int) -> 
         slot = reader.buffer_slots.get(src.fqn)
         if entry is None or slot is None:
             raise ManifestError(f"{reader.url}: no buffer {src.fqn!r}")
+        reader.check_file(entry)
         n, base = itemsize(src.dtype), entry.data_start + slot.begin
         return [(entry, base + start * n, base + end * n)]
     s = reader.slot(src.group, src.kind).shape[0]

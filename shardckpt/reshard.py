@@ -22,12 +22,18 @@ from shardckpt.checkpoint import CheckpointReader, CheckpointSpec, CheckpointWri
 from shardckpt.chunkcache import CachedRangeReader
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, ShardckptError, StorageError
 from shardckpt.layout import Copy, Mesh, ReshardPlan, itemsize, plan_reshard
-from shardckpt.manifest import MANIFEST_NAME, Component, FileEntry, Manifest, TensorSlot, parse, to_json
+from shardckpt.clean import remove_stale_saves
+from shardckpt.manifest import (
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, Component, FileEntry, Manifest, TensorSlot, parse,
+)
 from shardckpt.storage import Storage
+from shardckpt.storage.places import contains
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER = 32 << 20
+#: Smallest read batch: below it, batches re-read (and re-check) each source chunk many times.
+MIN_BUFFER = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -193,22 +199,50 @@ def _worker(args: dict[str, Any], conn: Any) -> None:
         conn.close()
 
 
-def _prepare_dst(dst: Storage, src: Storage, overwrite: bool) -> Manifest | None:
-    """Refuse an existing DST unless ``overwrite``; return DST's current manifest, if any."""
-    if dst.url.rstrip("/") == src.url.rstrip("/"):
-        raise ConfigError(f"{dst.url}: the destination is the source; choose another directory")
+def _prepare_dst(dst: Storage, src: Storage, overwrite: bool) -> bytes | None:
+    """Refuse a DST that is, holds or lies in SRC, and an existing DST unless ``overwrite``;
+    return the bytes of DST's manifest that the new one is to replace (None: create)."""
+    here, there = dst.location(), src.location()
+    if here == there:
+        raise ConfigError(f"{dst.url}: the destination is the source ({src.url}); choose another "
+                          "directory")
+    if contains(there, here):
+        raise ConfigError(f"{dst.url} lies inside the source {src.url}; choose a directory outside it")
+    if overwrite and contains(here, there):
+        raise ConfigError(f"the source {src.url} lies inside the destination {dst.url}, which "
+                          "--overwrite would replace; choose another destination")
     existing = dst.ls("")
     if not existing:
         return None
     if not overwrite:
         raise ConfigError(f"{dst.url} already exists and is not empty; pass --overwrite to replace it "
                           "(the current checkpoint there stays until the new one commits)")
-    if MANIFEST_NAME in existing:
-        try:
-            return parse(dst.read_limited(MANIFEST_NAME, 1 << 29), dst.url_of(MANIFEST_NAME))
-        except ShardckptError:
-            return None
+    if MANIFEST_NAME in existing:  # replaced as it is, readable or not (a damaged one too)
+        return dst.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     return None
+
+
+def _check_work(m: Manifest, mesh: Mesh, to: int, buffer_bytes: int) -> None:
+    """Refuse work that cannot make progress: a shard degree beyond the data (every shard of
+    every group mostly padding), or read batches so small that each checksum chunk of the source
+    is read and checked over and over."""
+    if buffer_bytes < MIN_BUFFER:
+        raise ConfigError(f"--buffer {buffer_bytes} bytes: below the minimum of {MIN_BUFFER} bytes "
+                          f"({MIN_BUFFER >> 10} KiB)")
+    if m.chunked is not None:  # reshard would drop them: it rewrites flat groups only
+        raise ConfigError("the checkpoint holds chunked tensors (saved through torch.distributed."
+                          "checkpoint); they load on any world size as they are, with "
+                          "ShardckptReader; reshard applies to flat groups only")
+    groups = [g for c in m.components.values() for g in c.layout.groups]
+    if not groups:
+        return
+    largest = max(groups, key=lambda g: g.numel)
+    limit = max(1, -(-largest.numel // 16))
+    if mesh.shard_degree > limit:
+        raise ConfigError(
+            f"--to {to}: a shard degree of {mesh.shard_degree} leaves shard ranks without data: the "
+            f"largest flat group ({largest.name}, {largest.numel} elements) fills at most {limit} "
+            f"shards of 16 elements; choose --to <= {limit * mesh.replicate_degree}")
 
 
 def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: int = 1,
@@ -236,35 +270,70 @@ def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: in
             f"{reader.storage.url_of(MANIFEST_NAME)}: --from {from_} does not match the checkpoint's "
             f"world size {m.mesh.world_size} (mesh {m.mesh.describe()})")
     mesh = Mesh.for_world(to, replicate)
-    dst_storage = as_storage(dst, dst_storage_options if dst_storage_options is not None else storage_options)
-    old = _prepare_dst(dst_storage, reader.storage, overwrite)
+    _check_work(m, mesh, to, buffer_bytes)
+    dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
+    dst_storage = as_storage(dst, dst_opts)
+    replacing = _prepare_dst(dst_storage, reader.storage, overwrite)
     spec, _ = target_spec(m, mesh)
     writer = CheckpointWriter(dst_storage, spec)
+    dst_storage.ensure_free_space("", writer.data_bytes(), "reshard")
+    try:
+        with writer.lease():  # released before the attempt's directory is removed on failure
+            entries, nread = _write_all(reader, writer, src, storage_options, dst, dst_opts,
+                                        workers, buffer_bytes, progress)
+            manifest = writer.commit(entries, replacing)
+    except BaseException as e:
+        if not writer.discard() and isinstance(e, ShardckptError):
+            e.args = (f"{e.args[0] if e.args else type(e).__name__}; `shardckpt clean {dst}` "
+                      f"removes the unfinished {writer.save_id}/",)
+        raise
+    if overwrite:
+        _remove_replaced(dst_storage, replacing, manifest.save_id)
+    written = sum(e.size for e in entries)
+    return ReshardResult(manifest, m.mesh.world_size, written, nread, time.perf_counter() - t0)
+
+
+def _write_all(reader: CheckpointReader, writer: CheckpointWriter, src: str,
+               src_options: Mapping[str, Any] | None, dst: str, dst_options: Mapping[str, Any] | None,
+               workers: int, buffer_bytes: int,
+               progress: Callable[[int], None] | None) -> tuple[list[FileEntry], int]:
+    """Write every target shard (in this process or over ``workers`` processes), then buffers."""
+    mesh = writer.spec.mesh
     S = mesh.shard_degree
     k = min(workers, S)
-    dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
     if k <= 1:
-        entries, nread = _write_shards(src, storage_options, dst, dst_opts, mesh,
+        entries, nread = _write_shards(src, src_options, dst, dst_options, mesh,
                                        writer.save_id, list(range(S)), buffer_bytes, progress)
     else:
-        entries, nread = _run_workers(src, storage_options, dst, dst_opts, mesh, writer.save_id,
+        entries, nread = _run_workers(src, src_options, dst, dst_options, mesh, writer.save_id,
                                       S, k, buffer_bytes)
-    if m.buffers_file() is not None:
+    if reader.manifest.buffers_file() is not None:
         b = writer.write_buffers(lambda slot: iter([reader.read_buffer(slot.name)[1]]))
         if b is not None:
             entries.append(b)
-    if old is not None:
-        new = writer.manifest(entries)
-        dst_storage.put(MANIFEST_NAME, to_json(new))
-        for f in old.files:
-            if f.path.split("/", 1)[0] != writer.save_id:
-                dst_storage.rm(f.path)
-        dst_storage.rm(old.save_id, recursive=True)
-        manifest = new
-    else:
-        manifest = writer.commit(entries)
-    written = sum(e.size for e in entries)
-    return ReshardResult(manifest, m.mesh.world_size, written, nread, time.perf_counter() - t0)
+    return entries, nread
+
+
+def _remove_replaced(dst: Storage, replaced: bytes | None, keep: str) -> None:
+    """After an ``--overwrite`` commit: remove the files of the manifest it replaced (where that
+    could be read) and every save directory no writer holds a lease on, except the new one."""
+    old = None
+    if replaced is not None:
+        try:
+            old = parse(replaced, dst.url_of(MANIFEST_NAME))
+        except ShardckptError:
+            old = None  # a damaged manifest: its save directory goes with the others below
+    try:
+        for f in old.files if old is not None else ():
+            if f.path.split("/", 1)[0] != keep:
+                dst.rm(f.path)
+        removed = remove_stale_saves(dst, keep)
+    except ShardckptError as e:
+        log.warning("%s: committed, but could not remove what it replaced (%s); `shardckpt clean "
+                    "%s` removes it", dst.url, e, dst.url)
+        return
+    if removed:
+        log.info("%s: removed %d earlier save directories: %s", dst.url, len(removed), ", ".join(removed))
 
 
 def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
@@ -303,5 +372,6 @@ def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
         for p, _ in procs:
             if p.is_alive():
                 p.kill()
+                p.join(30)
         raise StorageError("reshard failed; nothing was committed: " + "; ".join(errors))
     return entries, nread

@@ -14,11 +14,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol
 
-from shardckpt.checkpoint import CheckpointReader, CheckpointSpec, CheckpointWriter, as_storage, new_save_id
+from shardckpt.checkpoint import (
+    CheckpointReader, CheckpointSpec, CheckpointWriter, as_storage, new_save_id, read_manifest,
+)
 from shardckpt.collective import agree, broadcast_bytes, rank_and_world
 from shardckpt.errors import IncompatibleLayoutError, ManifestError
 from shardckpt.layout import Layout, itemsize, plan_reshard
-from shardckpt.manifest import BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot
+from shardckpt.manifest import (
+    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +177,35 @@ class SaveJob:
         """Agree on the save id, write this rank's files, exchange entries, commit on rank 0."""
         save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
                                   self.group).decode()
-        self.writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec, save_id)
-        _, reports = agree(self.write_files, f"save to {self.url}", self.group)
-        entries = [_entry(d) for rep in reports for d in rep["payload"]]
-        writer = self.writer
+        self.writer = writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec,
+                                                save_id)
+        # rank 0, which commits, holds the attempt's lease: `shardckpt clean` leaves it alone
+        with writer.lease(hold=self.rank == 0):
+            _, reports = agree(self.write_files, f"save to {self.url}", self.group,
+                               after_loss=lambda: self.commit_status(committing=False))
+            entries = [_entry(d) for rep in reports for d in rep["payload"]]
 
-        def commit() -> str | None:
-            return writer.commit(entries).save_id if self.rank == 0 else None
+            def commit() -> str | None:
+                return writer.commit(entries).save_id if self.rank == 0 else None
 
-        agree(commit, f"commit of {self.url}", self.group)
+            agree(commit, f"commit of {self.url}", self.group,
+                  after_loss=lambda: self.commit_status(committing=True))
         return writer.manifest(entries)
+
+    def commit_status(self, committing: bool) -> str:
+        """What a failed exchange left behind, as found in storage now (for error messages)."""
+        storage = as_storage(self.url, self.storage_options)
+        where = storage.url_of(MANIFEST_NAME)
+        if not storage.exists(MANIFEST_NAME):
+            if committing and self.rank:
+                return (f"not committed when rank {self.rank} looked: {where} did not exist yet; "
+                        "rank 0 may still create it, and then resume picks it")
+            return f"nothing was committed: {where} does not exist"
+        ours = self.writer is not None and read_manifest(storage).save_id == self.writer.save_id
+        if not ours:
+            return f"not committed by this save: {where} belongs to another save attempt"
+        return (f"the checkpoint committed anyway: {where} exists, and resume picks it (the "
+                "newest committed checkpoint that checks out)")
 
 
 def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
@@ -271,11 +294,16 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
         my_shard = model.layout.mesh.shard_rank(rank)
         shards = model.local_shards()
         src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
+        # a checkpoint that holds weights alone (`shardckpt import hf`, consolidated starts): the
+        # optimizer starts fresh instead of the load being refused
+        fresh = (not weights_only and m.optimizer is None
+                 and all(ks <= {"master"} for ks in src_kinds.values()))
+        skip_optim = weights_only or fresh
         requests, targets = [], []
         missing_kinds: set[str] = set()
         for c in plan.for_dst_shard(my_shard):
             for kind, tensor in shards[c.dst_group].items():
-                if weights_only and kind != "master":
+                if skip_optim and kind != "master":
                     continue
                 if kind not in src_kinds[c.src_group]:
                     missing_kinds.add(kind)
@@ -300,6 +328,11 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
             model.load_buffers(_to_tensors(bufs))
         if not weights_only and m.optimizer is not None:
             load_optimizer_info(model, m.optimizer, strict)
+        if fresh and getattr(model, "optimizer", None) is not None:
+            fresh_optimizer_state(model)
+            if rank == 0:
+                log.warning("%s holds weights only (no optimizer state): the optimizer starts "
+                            "fresh, moments zero and step 0", reader.url)
         model.refresh_params()
         return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
                 "mismatched": list(plan.mismatched), "save_id": m.save_id}
@@ -308,6 +341,25 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
     assert out is not None
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       counter["manifest"], counter["bytes"])
+
+
+def fresh_optimizer_state(model: Sharded) -> None:
+    """Zero every per-element optimizer state of ``model``'s shards and set each step to 0: the
+    state a newly built optimizer has."""
+    import torch
+
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return
+    with torch.no_grad():
+        for kinds in model.local_shards().values():
+            for kind, t in kinds.items():
+                if kind != "master":
+                    t.zero_()
+    meta = opt.optimizer_metadata()
+    for g in meta["param_groups"]:
+        g["step"] = 0
+    opt.load_optimizer_metadata(meta)
 
 
 def _to_tensors(bufs: Mapping[str, tuple[TensorSlot, bytes]]) -> dict[str, Any]:

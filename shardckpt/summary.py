@@ -9,7 +9,8 @@ from shardckpt.manifest import Manifest
 
 
 def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
-    """Format version, mesh, step, components, groups, parameters and bytes per state kind, files."""
+    """Format version, mesh, step, components (groups, every parameter with its shape, dtype, unit and
+    group, bytes per state kind), files."""
     components: dict[str, Any] = {}
     for name, c in m.components.items():
         kinds: dict[str, dict[str, int]] = {}
@@ -23,8 +24,13 @@ def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
                            "requires_grad": g.requires_grad, "params": len(g.params),
                            "numel": g.numel, "padded_numel": g.padded_numel,
                            "states": [k for k, _ in c.states[g.name]]})
+        units = {g.name: g for g in c.layout.groups}
+        params = [{"fqn": p.fqn, "shape": list(p.shape), "dtype": p.dtype, "numel": p.numel,
+                   "group": p.group, "unit": units[p.group].unit,
+                   "requires_grad": units[p.group].requires_grad} for p in c.layout.params]
         components[name] = {
             "parameters": len(c.layout.params),
+            "params": params,
             "elements": sum(p.numel for p in c.layout.params),
             "trainable_elements": sum(g.numel for g in c.layout.groups if g.requires_grad),
             "groups": groups,
@@ -48,7 +54,21 @@ def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
         },
         "per_rank_state": dict(m.per_rank_state),
         "components": components,
+        "chunked": None if m.chunked is None else _chunked(m),
         "files": [{"path": f.path, "role": f.role, "size": f.size, "crc32c": f"{f.crc32c:08x}"}
                   for f in m.files],
         "total_bytes": m.total_bytes,
+    }
+
+
+def _chunked(m: Manifest) -> dict[str, Any]:
+    """Chunked tensors (shape, dtype, chunks) and blobs (sizes only: their bytes are opaque)."""
+    assert m.chunked is not None
+    tensors = [{"fqn": t.fqn, "shape": list(t.shape), "dtype": t.dtype, "numel": t.numel,
+                "bytes": t.nbytes, "chunks": len(t.chunks)} for t in m.chunked.tensors.values()]
+    return {
+        "tensors": tensors,
+        "elements": sum(t["numel"] for t in tensors),
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "blobs": [{"key": b.key, "bytes": b.nbytes} for b in m.chunked.blobs.values()],
     }

@@ -141,6 +141,7 @@ def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int
         spec.chunk_size = chunk_size
     storage = as_storage(dst, storage_options)
     writer = CheckpointWriter(storage, spec)
+    storage.ensure_free_space("", writer.data_bytes(), "synth")
     layout = spec.components["model"].layout
     buffers = spec.components["model"].buffers
 
@@ -155,12 +156,16 @@ def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int
                 progress(memoryview(piece).nbytes)
         return writer.write_shard(shard, counted)
 
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        entries = list(pool.map(one, range(spec.mesh.shard_degree)))
-
     def buffer_values(slot: TensorSlot) -> Iterator[Any]:
         n = math.prod(slot.shape)
         yield (1.0 / (10000.0 ** (np.arange(n, dtype=np.float32) / max(1, n)))).astype(np.float32)
 
-    b = writer.write_buffers(buffer_values) if buffers else None
-    return writer.commit(entries + ([b] if b else []))
+    try:
+        with writer.lease():
+            with ThreadPoolExecutor(max(1, workers)) as pool:
+                entries = list(pool.map(one, range(spec.mesh.shard_degree)))
+            b = writer.write_buffers(buffer_values) if buffers else None
+            return writer.commit(entries + ([b] if b else []))
+    except BaseException:
+        writer.discard()
+        raise

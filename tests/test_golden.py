@@ -76,9 +76,9 @@ def test_golden_checksums_independently() -> None:
 
 
 def test_golden_verifies() -> None:
-    m, reports, problems = verify(str(GOLDEN))
-    assert problems == [] and m is not None
-    assert [(r.path, r.ok, r.problems) for r in reports] == [(f, True, ()) for f, _, _ in FILES]
+    result = verify(str(GOLDEN))
+    assert result and result.problems == () and result.manifest is not None
+    assert [(r.path, r.ok, r.problems) for r in result.reports] == [(f, True, ()) for f, _, _ in FILES]
 
 
 @pytest.mark.parametrize("fqn,kind,start,bits", PROBES, ids=[f"{p[0]}.{p[1]}@{p[2]}" for p in PROBES])

@@ -19,6 +19,7 @@ from shardckpt.layout import Mesh
 from shardckpt.manifest import (
     MAX_INT, VERSION, Manifest, buffer_slots, parse, shard_slots, to_json,
 )
+from shardckpt.manifest_integrity import seal
 from shardckpt.storage import Storage
 from shardckpt.synth import synth_spec
 
@@ -26,7 +27,8 @@ Doc = dict[str, Any]
 
 
 def dumps(doc: Doc) -> bytes:
-    return json.dumps(doc).encode()
+    """Encode an edited document with a fresh checksum, so only the edit itself can be refused."""
+    return seal(doc)
 
 
 def refuses(data: bytes | str, *needles: str) -> ManifestError:
@@ -48,8 +50,8 @@ def test_round_trip_equal(manifest_doc: Doc) -> None:
     back = parse(data)
     assert back == m
     assert to_json(back) == data
-    assert back.version == VERSION == (1, 0)
-    assert json.loads(data)["version"] == "1.0" and json.loads(data)["format"] == "shardckpt"
+    assert back.version == VERSION == (1, 1)
+    assert json.loads(data)["version"] == "1.1" and json.loads(data)["format"] == "shardckpt"
     assert back.mesh.axes == (("dp_replicate", 2), ("dp_shard", 2))
     assert back.components["model"].layout.groups == m.components["model"].layout.groups
     assert back.shard_file(1).index == 1 and back.buffers_file() is not None
@@ -309,8 +311,8 @@ HOSTILE: list[tuple[str, Callable[[Doc], None], tuple[str, ...]]] = [
     ("nul", _set(f"{F0}.path", "a\u0000.safetensors"), (f"{F0}.path",)),
     ("dup path", _dup_path, ("files", "appears twice")),
     # shard set and sizes
-    ("missing shard", _drop_shard, ("files", "one shard file for each of 2", "[0]")),
-    ("shard index out of range", _set("files[1].index", 2), ("files", "[0, 2]")),
+    ("missing shard", _drop_shard, ("files", "2 shard ranks", "1 shard files")),
+    ("shard index out of range", _set("files[1].index", 2), ("files", "shard entry 1", "has index 2")),
     ("shard size", _shard_size, ("files", "size", "does not match")),
     ("buffers size", lambda d: d["files"][2].update(size=d["files"][2]["size"] + 4), ("files", "buffers.safetensors", "does not match")),
     ("no buffers file", _no_buffers_file, ("files", "no buffers file")),
@@ -348,13 +350,13 @@ def test_hostile_manifest_refused(manifest_doc: Doc, mutate: Callable[[Doc], Non
 
 
 def test_duplicate_json_keys_refused(manifest_doc: Doc) -> None:
-    raw = dumps(manifest_doc).decode()
+    raw = json.dumps(manifest_doc)
     assert raw.startswith('{"format": "shardckpt", ')
     refuses(raw.replace('{"format": "shardckpt", ', '{"format": "shardckpt", "format": "shardckpt", ', 1),
             "duplicate key 'format'")
     # nested: two "size" keys in one file entry (json keeps the last; we refuse)
     f0 = manifest_doc["files"][0]
-    raw = dumps(manifest_doc).decode().replace(f'"size": {f0["size"]}', f'"size": 8, "size": {f0["size"]}', 1)
+    raw = json.dumps(manifest_doc).replace(f'"size": {f0["size"]}', f'"size": 8, "size": {f0["size"]}', 1)
     refuses(raw, "duplicate key 'size'")
 
 
@@ -434,17 +436,17 @@ def test_oversized_manifest_refused_before_parsing(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1000)
     # not even JSON: refused for its size, so the JSON parser never saw it
     refuses(b"x" * 1001, "size", "1001 bytes", "at most 1000")
-    # through storage: the size is checked before the file is read
+    # through storage: one read of at most limit + 1 bytes, whatever the file's size
     import shardckpt.checkpoint as ckpt_mod
     monkeypatch.setattr(ckpt_mod, "MAX_MANIFEST_BYTES", 1000)
     (tmp_path / "manifest.json").write_bytes(b" " * 5000)
     st_ = Storage(str(tmp_path))
-    reads: list[str] = []
-    real_read = st_.read
-    st_.read = lambda rel, *a, **k: reads.append(rel) or real_read(rel, *a, **k)  # type: ignore[method-assign]
-    with pytest.raises(ManifestError, match=r"manifest.json: 5000 bytes; a manifest of more than 1000 bytes is refused"):
+    reads: list[tuple[str, int]] = []
+    real_read = st_.read_prefix
+    st_.read_prefix = lambda rel, n: reads.append((rel, n)) or real_read(rel, n)  # type: ignore[method-assign]
+    with pytest.raises(ManifestError, match=r"manifest.json: more than 1000 bytes; a larger manifest is refused"):
         read_manifest(st_)
-    assert reads == []
+    assert reads == [("manifest.json", 1001)]
 
 
 def test_real_size_limit_is_generous() -> None:

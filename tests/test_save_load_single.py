@@ -85,12 +85,40 @@ def test_weights_only(tmp_path):
     plain, _ = engine_for(Net(), with_opt=False)
     save(plain, str(tmp_path / "w"))
     engine, opt = engine_for(Net(), seed=3)
-    with pytest.raises(CollectiveError, match="no exp_avg.*weights_only=True"):
-        load(engine, str(tmp_path / "w"))
+    step(engine, opt)
     load(engine, str(tmp_path / "w"), weights_only=True)
     full, ref = engine.gather_full_params(), plain.gather_full_params()
     assert all(torch.equal(full[k], ref[k]) for k in ref)
+    assert [g["step"] for g in opt.optimizer_metadata()["param_groups"]] == [1, 1]  # left alone
+
+
+def test_a_checkpoint_without_optimizer_state_starts_the_optimizer_fresh(tmp_path, caplog):
+    plain, _ = engine_for(Net(), with_opt=False)
+    save(plain, str(tmp_path / "w"))
+    engine, opt = engine_for(Net(), seed=3)
+    step(engine, opt)
+    with caplog.at_level("WARNING", logger="shardckpt.save_load"):
+        load(engine, str(tmp_path / "w"))
+    assert "optimizer starts fresh" in caplog.text
+    full, ref = engine.gather_full_params(), plain.gather_full_params()
+    assert all(torch.equal(full[k], ref[k]) for k in ref)
     assert [g["step"] for g in opt.optimizer_metadata()["param_groups"]] == [0, 0]
+    assert all(not t.any() for kinds in engine.local_shards().values()
+               for k, t in kinds.items() if k != "master")
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path):
+    """State of another optimizer is not "no optimizer state": the load is refused, not reset."""
+    from shardckpt.runtime import ShardedSGD
+
+    torch.manual_seed(0)
+    engine = ZeroEngine(Net(), policy=(nn.Linear,))
+    sgd = ShardedSGD(engine, lr=1e-2, momentum=0.9)
+    step(engine, sgd)
+    save(engine, str(tmp_path / "sgd"))
+    other, _ = engine_for(Net(), seed=3)
+    with pytest.raises(CollectiveError, match="no exp_avg.*weights_only=True"):
+        load(other, str(tmp_path / "sgd"))
 
 
 def test_missing_checkpoint_is_one_clear_error(tmp_path):

@@ -78,7 +78,7 @@ def test_shard_files_open_in_safetensors_and_match_the_reader(tiny_ckpt: tuple[s
     for f in m.files:
         with safe_open(str(Path(path, f.path)), framework="numpy") as st:
             meta = st.metadata()
-            assert meta["format"] == "shardckpt" and meta["version"] == "1.0"
+            assert meta["format"] == "shardckpt" and meta["version"] == "1.1"
             assert meta["save_id"] == m.save_id
             if f.role != "shard":
                 continue

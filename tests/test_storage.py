@@ -267,6 +267,53 @@ def test_put_replaces(storage: Storage) -> None:
     assert storage.read("latest") == b"bb"
 
 
+def test_list_sizes_is_fresh_and_lists_files_only(storage: Storage) -> None:
+    assert storage.list_sizes("d") == {}
+    storage.put("d/a", b"xyz")
+    storage.put("d/sub/b", b"q")
+    assert storage.list_sizes("d") == {"a": 3}
+    storage.put("d/a", b"xy")  # a cached listing would still say 3
+    storage.rm("d/sub", recursive=True)
+    storage.put("d/c", b"")
+    assert storage.list_sizes("d") == {"a": 2, "c": 0}
+
+
+def test_locations_compare_places_not_spellings(tmp_path: Path) -> None:
+    from shardckpt.storage.places import contains
+
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "src")
+    src = Storage(str(tmp_path / "src")).location()
+    for spelling in (f"{tmp_path}/src/.", f"{tmp_path}/link", f"{tmp_path}/nowhere/../src",
+                     f"file://{tmp_path}/src/"):
+        assert Storage(spelling).location() == src, spelling
+    sub = Storage(f"{tmp_path}/link/sub").location()
+    assert contains(src, sub) and not contains(sub, src)
+    assert not contains(src, Storage(f"{tmp_path}/src2").location())  # a prefix of the name only
+    a, b = Storage("memory://bucket/x/./y"), Storage("memory://bucket/x//y/")
+    assert a.location() == b.location() and contains(Storage("memory://bucket/x").location(), a.location())
+    assert not contains(src, a.location())
+
+
+def test_ensure_free_space_names_figures_and_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from shardckpt.errors import InsufficientSpaceError
+
+    probed = []
+
+    def statvfs(path: str) -> Any:
+        probed.append(path)
+        return SimpleNamespace(f_bavail=10, f_frsize=4096)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    s = Storage(str(tmp_path / "a" / "b"))
+    s.ensure_free_space("c", 40960, "test")  # exactly what is free
+    with pytest.raises(InsufficientSpaceError, match=r"test: .*a/b/c needs 40961 bytes .* has 40960 bytes"):
+        s.ensure_free_space("c", 40961, "test")
+    assert probed == [str(tmp_path)] * 2  # the nearest directory that exists
+    assert not (tmp_path / "a").exists()
+
+
 # --------------------------------------------------------------------------------- errors
 
 

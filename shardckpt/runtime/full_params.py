@@ -56,6 +56,59 @@ def load_buffers(mine: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.T
             mine[k].copy_(buffers[k])
 
 
+_RAW_STATE_DICT = "_shardckpt_raw_state_dict"
+
+
+def refuse_placeholder_state_dicts(engine: "ZeroEngine") -> None:
+    """Make ``state_dict()`` of the module (or any submodule) raise instead of holding placeholders.
+
+    Between steps a sharded parameter holds 0 elements, and a state dict of those saves nothing
+    (``save_pretrained``, ``torch.save(model.state_dict())``, ``dcp.save({"model": model})``).
+    Gathering whole tensors there instead would be a collective, and ``state_dict()`` is often
+    called on rank 0 alone, where a collective hangs; so the error points at the collective
+    :meth:`ZeroEngine.full_state_dict` and at the checkpointer.
+    """
+    for m in engine.module.modules():
+        if any(p is not None for p in m._parameters.values()):
+            m.register_state_dict_post_hook(
+                lambda module, *_: _refuse_placeholders(engine, module, "state_dict"))
+            m.register_load_state_dict_pre_hook(
+                lambda module, *_: _refuse_placeholders(engine, module, "load_state_dict"))
+
+
+_WAY_OUT = {
+    "state_dict": "For whole tensors call engine.full_state_dict() on every rank (a collective); "
+                  "to save and resume, use shardckpt.checkpointer.Checkpointer (any world size "
+                  "loads it; `shardckpt consolidate` turns it into safetensors)",
+    "load_state_dict": "Load whole tensors with engine.load_full_state_dict(state_dict) (local: "
+                       "each rank keeps its slice), or a shardckpt checkpoint with "
+                       "shardckpt.checkpointer.Checkpointer",
+}
+
+
+def _refuse_placeholders(engine: "ZeroEngine", module: nn.Module, what: str) -> None:
+    if getattr(engine, _RAW_STATE_DICT, False):
+        return
+    layout = engine.layout
+    for p in module._parameters.values():
+        fqn = engine._fqn_of.get(id(p)) if p is not None else None
+        if fqn is None or p.numel() or not layout.param(fqn).numel:
+            continue
+        raise ConfigError(
+            f"{type(module).__name__}.{what}(): {fqn} is a 0-element placeholder (its shape is "
+            f"{list(layout.param(fqn).shape)}): the engine keeps parameters sharded between "
+            f"steps. {_WAY_OUT[what]}")
+
+
+@contextlib.contextmanager
+def _raw_state_dict(engine: "ZeroEngine") -> Iterator[None]:
+    setattr(engine, _RAW_STATE_DICT, True)
+    try:
+        yield
+    finally:
+        setattr(engine, _RAW_STATE_DICT, False)
+
+
 def gather_full_params(engine: "ZeroEngine", fqns: list[str] | None = None
                        ) -> dict[str, torch.Tensor]:
     """Whole parameters (clones, master dtype) by canonical FQN; only groups holding ``fqns``
@@ -139,7 +192,9 @@ def full_state_dict(engine: "ZeroEngine", dtype: torch.dtype | None = None
     params = gather_full_params(engine)
     buffers = persistent_buffers(engine.module)
     out: dict[str, torch.Tensor] = {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    with _raw_state_dict(engine):
+        entries = engine.module.state_dict(keep_vars=True)
+    for key, value in entries.items():
         canon = engine.tied_aliases.get(key, key)
         if canon in params:
             if dtype is not None and params[canon].is_floating_point():

@@ -98,6 +98,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._steps: list[int] = []
         for group in self.param_groups:
             self._index_group(group)
+        self._refuse_shape_based_groups()
         self.state_kinds: tuple[str, ...] = self._state_kinds()
         self._state: dict[str, dict[str, torch.Tensor]] = {
             name: {k: torch.zeros_like(g.master) for k in self.state_kinds}
@@ -116,6 +117,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if kinds != self.state_kinds:
                 raise ConfigError(f"the new param group changes the state kinds from "
                                   f"{self.state_kinds} to {kinds}; set it at construction")
+
+    def _refuse_shape_based_groups(self) -> None:
+        """An empty decaying group beside matrices is the "no decay for ``p.ndim < 2``" recipe
+        gone wrong: parameters are 0-element placeholders, so every one looked like a vector."""
+        layout = self._engine.layout
+        has_matrix = any(len(layout.param(f).shape) >= 2 for fqns in self._fqns for f in fqns)
+        empty = [i for i, g in enumerate(self.param_groups)
+                 if not g["params"] and g.get("weight_decay", 0)]
+        if empty and has_matrix:
+            wd = self.param_groups[empty[0]]["weight_decay"]
+            raise ConfigError(
+                f"param group {empty[0]} has weight_decay={wd} "
+                "but no parameters. The engine's parameters are 0-element placeholders between "
+                "steps, so p.ndim and p.shape cannot tell matrices from vectors; build the groups "
+                "with decay_param_groups(engine, weight_decay), or from "
+                "engine.layout.param(fqn).shape")
 
     def _index_group(self, group: dict[str, Any]) -> None:
         eng = self._engine
@@ -148,6 +165,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._engine.check_grads_reduced()
+        self._engine.before_update()  # e.g. an async checkpoint still copying these shards
         for i, group in enumerate(self.param_groups):
             # The same on every rank: a flat group's gradient exists after a collective reduce.
             if not any(fg.grad is not None for fg in self._flat_groups[i]):
@@ -219,13 +237,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         raise ShardckptError(
-            "a sharded optimizer has no whole-tensor state_dict; save engine.local_shards() "
-            "and optimizer.optimizer_metadata() (shardckpt's checkpoint does both)")
+            f"{type(self).__name__}.state_dict(): each rank holds only its slice of the optimizer "
+            "state, so there is no whole-tensor torch.optim state dict. Save and resume with "
+            "shardckpt.checkpointer.Checkpointer (or shardckpt.save_load.save/load), which store "
+            "every rank's slice and load on any world size; for whole tensors offline, "
+            "consolidate the checkpoint")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         raise ShardckptError(
-            "a sharded optimizer loads through engine.local_shards() and "
-            "load_optimizer_metadata(); see shardckpt's checkpoint module")
+            f"{type(self).__name__}.load_state_dict(): a sharded optimizer loads its slices from "
+            "a shardckpt checkpoint; use shardckpt.checkpointer.Checkpointer.resume()/load() "
+            "(or shardckpt.save_load.load)")
 
 
 class ShardedAdamW(ShardedOptimizer):

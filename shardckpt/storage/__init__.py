@@ -31,7 +31,8 @@ Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
 
 Modules: :mod:`.core` (the :class:`Storage` handle and its reads), :mod:`.writer` (streaming,
 checksummed writes), :mod:`.s3` (multipart uploads, the create-only commit, open uploads),
-:mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``).
+:mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``),
+:mod:`.places` (comparable locations, free space).
 Import from this package; the split is not part of the API.
 """
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +13,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from shardckpt.errors import CommitConflictError, IntegrityError, StorageError
 from shardckpt.manifest import FileEntry
+from shardckpt.storage import places
 from shardckpt.storage.options import split_options
 from shardckpt.storage.retry import (
     NotFoundError, RetryPolicy, _describe, _is_retryable, _map_error, mapped_errors, retry_call,
@@ -36,6 +39,8 @@ class Storage:
             self.fs, root = fsspec.core.url_to_fs(url, **fs_options)
         except (ImportError, ValueError, TypeError) as e:
             raise StorageError(f"{url}: cannot open this location: {e}", url) from e
+        except OSError as e:  # filesystems that connect or open an archive when created (ftp, zip)
+            raise StorageError(f"{url}: cannot open this location: {_describe(e)}", url) from e
         if s3fs_retries is not None:
             self.fs.retries = s3fs_retries
         self.root = root.rstrip("/") if root not in ("/", "") else root
@@ -90,6 +95,8 @@ class Storage:
         info = self.call("stat", rel, lambda: self.fs.info(self.full(rel)))
         if info.get("type") == "directory":
             raise StorageError(f"{self.url_of(rel)}: is a directory, expected a file", self.url_of(rel))
+        if self.is_local and info.get("type") != "file":  # a FIFO or device: reads could block
+            raise _not_regular(self.url_of(rel), info.get("mode"))
         return int(info["size"])
 
     def ls(self, rel: str = "") -> list[str]:
@@ -110,7 +117,7 @@ class Storage:
         path = self.full(rel)
         if self.is_local:
             def local() -> bytes:
-                with open(path, "rb") as f:
+                with open_regular(path, self.url_of(rel)) as f:
                     if start:
                         f.seek(start)
                     return f.read(-1 if end is None else end - (start or 0))
@@ -144,12 +151,25 @@ class Storage:
                                    deadline=deadline)
         return b"".join(out)
 
+    def read_prefix(self, rel: str, n: int) -> bytes:
+        """At most the first ``n`` bytes of ``rel``: one bounded read under one retry deadline,
+        whatever the file claims its size is (a local file must be a regular file)."""
+        path = self.full(rel)
+        if self.is_local:
+            def local() -> bytes:
+                with open_regular(path, self.url_of(rel)) as f:
+                    return _read_upto(f, n)
+            return self.call("read", rel, local)
+        return self.call("read", rel, lambda: self.fs.cat_file(path, start=0, end=n))
+
     def read_limited(self, rel: str, limit: int) -> bytes:
-        """The whole of a small file, refusing one larger than ``limit`` before reading it."""
-        n = self.size(rel)
-        if n > limit:
-            raise StorageError(f"{self.url_of(rel)}: {n} bytes, more than the {limit} allowed", self.url_of(rel))
-        return self.read(rel)
+        """The whole of a small file, refusing one larger than ``limit`` (reads at most
+        ``limit + 1`` bytes, in one operation)."""
+        data = self.read_prefix(rel, limit + 1)
+        if len(data) > limit:
+            raise StorageError(f"{self.url_of(rel)}: at least {len(data)} bytes, more than the "
+                               f"{limit} allowed", self.url_of(rel))
+        return data
 
     def read_chunks(self, entry: FileEntry, chunk_size: int, c0: int, c1: int, prefix: str = "") -> memoryview:
         """Whole chunks ``[c0, c1)`` of ``entry``, each checked against its recorded CRC32C.
@@ -202,7 +222,7 @@ class Storage:
         path = self.full(rel)
 
         def open_map() -> "tuple[mmap.mmap, int]":
-            fd = os.open(path, os.O_RDONLY)
+            fd = _open_regular_fd(path, self.url_of(rel))
             try:
                 size = os.fstat(fd).st_size
                 if size != entry.size:
@@ -353,6 +373,38 @@ class Storage:
         except NotFoundError:
             pass
 
+    def fsync_dir(self, rel: str = "") -> None:
+        """Local: make the entries of directory ``rel`` durable (a file created in it survives a
+        power loss only once its directory is synced). Object stores have no directories: no-op."""
+        if self.is_local:
+            _fsync_dir(self.full(rel))
+
+    def list_sizes(self, rel: str = "") -> dict[str, int]:
+        """Name -> size of the files directly below ``rel``, fresh from one listing (on S3 one
+        LIST of the prefix, not a HEAD per object); empty if ``rel`` does not exist."""
+        path = self.full(rel)
+
+        def listing() -> list[Any]:
+            self.fs.invalidate_cache(path)
+            return self.fs.ls(path, detail=True)
+        try:
+            entries = self.call("list", rel, listing)
+        except NotFoundError:
+            return {}
+        base = path.rstrip("/")
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+                if e.get("type") != "directory" and e["name"].rstrip("/") != base}
+
+    def location(self, rel: str = "") -> tuple[str, str]:
+        """A key equal for two handles on the same place: see :func:`.places.location`."""
+        return places.location(self, rel)
+
+    def ensure_free_space(self, rel: str, nbytes: int, what: str) -> None:
+        """Local: refuse, before anything is written, a write of ``nbytes`` below ``rel`` that its
+        file system has no room for (:class:`InsufficientSpaceError`, naming both figures and the
+        path). Object stores: no-op. See :func:`.places.ensure_free_space`."""
+        places.ensure_free_space(self, rel, nbytes, what)
+
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
     return Storage(url, storage_options)
@@ -368,7 +420,7 @@ def iter_file_chunks(storage: Storage, rel: str, chunk_size: int, limit: int | N
     url = storage.url_of(rel)
     if storage.is_local:
         try:
-            f = open(path, "rb")  # noqa: SIM115
+            f = open_regular(path, url)
         except OSError as e:
             raise _map_error(e, "open", url) from e
         with f:
@@ -402,6 +454,50 @@ def iter_file_chunks(storage: Storage, rel: str, chunk_size: int, limit: int | N
             view = memoryview(data)
             for lo in range(0, len(view), chunk_size):
                 yield bytes(view[lo:lo + chunk_size])
+
+
+def _not_regular(url: str, mode: int | None = None) -> StorageError:
+    kind = ("a named pipe (FIFO)" if mode is not None and stat.S_ISFIFO(mode) else
+            "a device" if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else
+            "a socket" if mode is not None and stat.S_ISSOCK(mode) else "a pipe, device or socket")
+    return StorageError(f"{url}: not a regular file but {kind}; shardckpt reads only regular "
+                        "files", url)
+
+
+def _open_regular_fd(path: str, url: str) -> int:
+    """Open ``path`` read-only without blocking (a FIFO would block ``open`` until a writer came),
+    and refuse it unless it is a regular file once symlinks are followed."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            raise _not_regular(url, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_upto(f: Any, n: int) -> bytes:
+    """At most ``n`` bytes of ``f``, allocating for what the file holds rather than for ``n``."""
+    first = min(n, os.fstat(f.fileno()).st_size + 1)
+    data = f.read(first)
+    if len(data) < first or len(data) >= n:
+        return data
+    parts = [data]  # the file grew since fstat: read on in bounded pieces
+    while (left := n - sum(map(len, parts))) > 0:
+        more = f.read(min(left, 1 << 20))
+        if not more:
+            break
+        parts.append(more)
+    return b"".join(parts)
+
+
+def open_regular(path: str, url: str) -> Any:
+    """A binary file object for a local regular file (see :func:`_open_regular_fd`)."""
+    return os.fdopen(_open_regular_fd(path, url), "rb")
 
 
 def _first_bad_chunk(view: memoryview, entry: FileEntry, chunk_size: int, c0: int,

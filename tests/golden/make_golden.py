@@ -1,5 +1,6 @@
 """Write the golden checkpoint of this format version in ``tests/golden/v<MAJOR>_<MINOR>/`` (run once
-per version; commit the files as-is). ``v0_1`` was written by format 0.1, ``v1_0`` by 1.0.
+per version; commit the files as-is). ``v0_1`` was written by format 0.1, ``v1_0`` by 1.0,
+``v1_1`` by 1.1.
 
     python tests/golden/make_golden.py [DST]
 

@@ -1,0 +1,114 @@
+"""The Checkpointer in one process: an async save holds exactly the step it is labelled with,
+whatever the order in which the checkpointer and the optimizer were built; the Hugging Face
+config of the model is recorded in every manifest."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from shardckpt.checkpoint import CheckpointReader
+from shardckpt.checkpointer import Checkpointer
+from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
+from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.save_load import SaveJob
+
+CFG = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _engine(cfg: LlamaConfig = CFG) -> ZeroEngine:
+    torch.manual_seed(0)
+    return ZeroEngine(LlamaForCausalLM(cfg), policy=LLAMA_POLICY, process_mesh=ProcessMesh.single())
+
+
+def _step(engine: ZeroEngine, opt: ShardedAdamW, step: int) -> None:
+    tokens = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+    causal_lm_loss(engine(tokens), tokens).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+class PlainSharded:
+    """The save/load protocol alone (no engine update hooks): the optimizer gets hooked."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self._engine = engine
+        self.layout, self.tied_aliases = engine.layout, engine.tied_aliases
+        self.local_shards, self.refresh_params = engine.local_shards, engine.refresh_params
+        self.buffers, self.load_buffers = engine.buffers, engine.load_buffers
+
+    @property
+    def optimizer(self):
+        return self._engine.optimizer
+
+
+@pytest.mark.parametrize("hooked", ["engine", "optimizer"])
+def test_async_save_built_before_the_optimizer_holds_exactly_its_step(tmp_path, monkeypatch,
+                                                                      hooked):
+    engine = _engine()
+    target = engine if hooked == "engine" else PlainSharded(engine)
+    ckpt = Checkpointer(str(tmp_path / "run"), target, async_save=True)  # no optimizer yet
+    opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2)
+    _step(engine, opt, 0)
+    at_step_1 = {g: {k: t.clone() for k, t in kinds.items()}
+                 for g, kinds in engine.local_shards().items()}
+    stepped = threading.Event()
+    stage = SaveJob.stage
+
+    def slow_stage(job: SaveJob) -> None:
+        # hold the staging copy until the next optimizer step is done; a step that waits for
+        # the copy (as it must) lets this go on after the timeout instead
+        stepped.wait(timeout=3)
+        stage(job)
+
+    monkeypatch.setattr(SaveJob, "stage", slow_stage)
+    ckpt.save(1)
+    _step(engine, opt, 1)
+    stepped.set()
+    ckpt.close()
+    reader = CheckpointReader(ckpt.manager.url_for(1))
+    assert reader.manifest.optimizer.param_groups[0]["step"] == 1
+    for g, kinds in at_step_1.items():
+        assert set(kinds) == {"master", "exp_avg", "exp_avg_sq"}
+        for k, t in kinds.items():
+            assert bytes(reader.read_state(0, g, k)) == t.numpy().tobytes(), (g, k)
+
+
+def test_manifest_records_the_hugging_face_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    engine = _engine()
+    ckpt = Checkpointer(str(tmp_path / "run"), engine)
+    ckpt.save(1)
+    hf = CheckpointReader(ckpt.manager.url_for(1)).manifest.extras["hf_config"]
+    assert hf["architectures"] == ["LlamaForCausalLM"] and hf["model_type"] == "llama"
+    config = transformers.LlamaConfig(**hf)
+    with torch.device("meta"):
+        theirs = transformers.LlamaForCausalLM(config)
+    ours = {k: tuple(v.shape) for k, v in LlamaForCausalLM(CFG).state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in theirs.state_dict().items()} == ours
+
+
+def test_hf_config_given_explicitly(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from shardckpt.errors import ConfigError
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=256, tie_word_embeddings=True)
+    engine = _engine()
+    ckpt = Checkpointer(str(tmp_path / "run"), engine, hf_config=config)
+    ckpt.save(3)
+    hf = CheckpointReader(ckpt.manager.url_for(3)).manifest.extras["hf_config"]
+    assert hf["model_type"] == "llama" and hf["hidden_size"] == 32
+    assert transformers.LlamaConfig(**hf).num_key_value_heads == 2
+    Checkpointer(str(tmp_path / "run"), engine, hf_config={"model_type": "llama", "a": 1})
+    with pytest.raises(ConfigError, match="hf_config has no 'model_type'"):
+        Checkpointer(str(tmp_path / "run"), engine, hf_config={"hidden_size": 32})
+    with pytest.raises(ConfigError, match="hf_config is a int"):
+        Checkpointer(str(tmp_path / "run"), engine, hf_config=3)
