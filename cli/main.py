@@ -9,6 +9,8 @@ from shardckpt.cli import reshard  # noqa: F401  (registers `reshard`)
 from shardckpt.cli import clean  # noqa: F401  (registers `clean`)
 from shardckpt.cli import demo  # noqa: F401  (registers `demo`)
 from shardckpt.cli import offline  # noqa: F401
+from shardckpt.cli import importers  # noqa: F401  (registers `import hf`)
+from shardckpt.cli import watch  # noqa: F401  (registers `watch`)
 
 __all__ = ["app"]
 

@@ -1,4 +1,4 @@
-"""A small Llama (RMSNorm, rotary attention with GQA, SwiGLU MLP, tied embedding) for tests and demos.
+"""A small Llama (RMSNorm, rotary attention with GQA, SwiGLU MLP, tied or untied head) for tests and demos.
 
 Parameter names, shapes and math follow Hugging Face ``transformers``' ``LlamaForCausalLM``
 (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.q_proj.weight``, ``model.norm.weight``;
@@ -198,7 +198,8 @@ class TiedLMHead(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``model`` (embedding, blocks, final norm) and ``lm_head`` tied to the embedding.
+    """``model`` (embedding, blocks, final norm) and ``lm_head``: tied to the embedding, or with
+    its own weight when ``config.tie_word_embeddings`` is false (Llama 3, Mistral).
 
     ``forward(input_ids)`` returns logits ``[batch, seq, vocab]``; :func:`causal_lm_loss` turns
     them and the labels (the input ids) into the next-token loss.
@@ -208,8 +209,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = TiedLMHead()
-        self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: nn.Module
+        if config.tie_word_embeddings:
+            self.lm_head = TiedLMHead()
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = LlamaLinear(config.hidden_size, config.vocab_size,
+                                       config.initializer_range)
         if config.dtype != torch.float32:  # parameters only: inv_freq stays fp32
             for p in self.parameters():
                 p.data = p.data.to(config.dtype)

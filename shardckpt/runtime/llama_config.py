@@ -30,6 +30,9 @@ class LlamaConfig:
     max_position_embeddings: int = 256
     initializer_range: float = 0.02
     torch_dtype: str = "float32"
+    #: ``lm_head.weight`` is the embedding (one parameter); ``False`` gives the head its own
+    #: weight, as Llama 3 and Mistral have.
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         bad = [f"{k}={v}" for k, v in asdict(self).items()
@@ -58,10 +61,11 @@ class LlamaConfig:
         return getattr(torch, self.torch_dtype)
 
     def num_params(self) -> int:
-        """Distinct parameters (the tied head counted once)."""
+        """Distinct parameters (a tied head counted once)."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
-        return self.vocab_size * h + self.num_hidden_layers * layer + h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_hidden_layers * layer + h + head
 
     def to_hf_config(self) -> dict[str, Any]:
         """The ``config.json`` dict with which ``transformers`` loads this model as LlamaForCausalLM."""
@@ -84,21 +88,40 @@ class LlamaConfig:
             "attention_bias": False,
             "attention_dropout": 0.0,
             "mlp_bias": False,
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.torch_dtype,
             "use_cache": True,
         }
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> "LlamaConfig":
-        """Read back a ``config.json`` dict of a tied Llama (refuses what this model cannot be)."""
+        """Read a ``config.json`` dict as ``transformers`` writes it (tied or untied Llama).
+
+        Refuses, all at once, what this model cannot compute the same way: another model type,
+        an activation other than SiLU, biases, a ``head_dim`` other than hidden / heads, or rope
+        scaling.
+        """
         if config.get("model_type") != "llama":
             raise ConfigError(f"config.json has model_type {config.get('model_type')!r}, not 'llama'")
-        if not config.get("tie_word_embeddings", False):
-            raise ConfigError("this model ties lm_head to the embedding; config.json does not")
         rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or {}
+        bad = []
+        if config.get("hidden_act", "silu") != "silu":
+            bad.append(f"hidden_act {config['hidden_act']!r} (only 'silu')")
+        bad += [f"{k} true" for k in ("attention_bias", "mlp_bias") if config.get(k)]
+        kinds = {r.get("rope_type", r.get("type", "default")) for r in (rope, scaling) if r}
+        if kinds - {"default"}:
+            bad.append(f"rope scaling {sorted(kinds - {'default'})} (only the default)")
         names = [f for f in cls.__dataclass_fields__ if f != "rope_theta"]
         kwargs = {k: config[k] for k in names if k in config and config[k] is not None}
         kwargs["rope_theta"] = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
         kwargs.setdefault("torch_dtype", config.get("dtype") or "float32")
-        return cls(**kwargs)
+        kwargs["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+        out = cls(**kwargs)
+        head_dim = config.get("head_dim")
+        if head_dim is not None and head_dim != out.head_dim:
+            bad.append(f"head_dim {head_dim} (this model uses hidden_size / num_attention_heads "
+                       f"= {out.head_dim})")
+        if bad:
+            raise ConfigError(f"config.json describes a Llama this model cannot be: {'; '.join(bad)}")
+        return out
