@@ -12,7 +12,10 @@ exist. Then, for every repetition, in an order rotated by one each time, it time
 * ``raw``: each rank writes the bytes of its engine shards (masters and moments) sequentially to
   a file of its own, then fsyncs it: the disk's limit for the same bytes;
 * ``sync`` / ``async``: ``Checkpointer(...).save(step)`` without and with ``async_save``; the
-  async one is timed until ``save`` returns (blocking) and until ``wait`` returns (total).
+  async one is timed until ``save`` returns (blocking) and until ``wait`` returns (total);
+* ``dcp_sc``: the same ``dcp.save`` of the FSDP2 model with ``shardckpt.dcp.ShardckptWriter``
+  (CRC32C of every byte, create-only manifest); ``dcp_async`` / ``dcp_sc_async``:
+  ``dcp.async_save`` with ``FileSystemWriter`` / ``ShardckptWriter``, timed until it returns.
 
 Every timed save starts with its target removed, the deletion synced and left to settle, and
 the page cache dropped (when /proc/sys/vm/drop_caches is writable); it runs between two
@@ -32,8 +35,8 @@ import shutil
 import time
 from typing import Any, Callable
 
-SAVE_VARIANTS = ("shardckpt", "dcp", "raw", "sync", "async")
-LOAD_VARIANTS = ("shardckpt", "dcp")
+SAVE_VARIANTS = ("shardckpt", "dcp", "raw", "sync", "async", "dcp_sc", "dcp_async", "dcp_sc_async")
+LOAD_VARIANTS = ("shardckpt", "dcp", "dcp_sc")
 
 
 def _rotated(variants: tuple[str, ...], rep: int) -> list[str]:
@@ -206,7 +209,10 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint import FileSystemWriter
+
     from shardckpt.checkpointer import Checkpointer
+    from shardckpt.dcp import ShardckptWriter
     from shardckpt.runtime import init_distributed
     from shardckpt.save_load import save
 
@@ -222,6 +228,7 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     digest, fsdp_sha = engine_digest(engine, rank), fsdp_digest(fsdp, rank)
 
     ours, theirs, raw = (os.path.join(work, d) for d in ("shardckpt", "dcp", "raw"))
+    dcp_sc, dcp_as, dcp_sc_as = (os.path.join(work, d) for d in ("dcp-sc", "dcp-async", "dcp-sc-async"))
     run_sync, run_async = os.path.join(work, "run-sync"), os.path.join(work, "run-async")
     if rank == 0:
         os.makedirs(raw, exist_ok=True)
@@ -247,6 +254,21 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
                 dt, _ = _timed(lambda: dcp.save(dcp_state(fsdp, fopt), checkpoint_id=theirs))
                 if rank == 0:
                     nbytes["dcp"] = _dir_bytes(theirs)
+            elif v == "dcp_sc":
+                cold &= _prepare(rank, lambda: _remove(dcp_sc), settle_s)
+                dt, _ = _timed(lambda: dcp.save(dcp_state(fsdp, fopt), storage_writer=ShardckptWriter(dcp_sc)))
+                if rank == 0:
+                    nbytes["dcp_sc"] = _dir_bytes(dcp_sc)
+            elif v in ("dcp_async", "dcp_sc_async"):
+                target = dcp_as if v == "dcp_async" else dcp_sc_as
+                cold &= _prepare(rank, lambda: _remove(target), settle_s)
+                writer = FileSystemWriter(target) if v == "dcp_async" else ShardckptWriter(target)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fut = dcp.async_save(dcp_state(fsdp, fopt), storage_writer=writer)
+                dt = time.perf_counter() - t0  # this rank's blocking time
+                fut.result()
+                dist.barrier()
             elif v == "raw":
                 cold &= _prepare(rank, lambda: _remove(os.path.join(raw, "*")), settle_s)
                 dt, n = _timed(lambda: raw_write(engine, os.path.join(raw, f"rank-{rank:05d}.bin")))
@@ -274,6 +296,7 @@ def load_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    from shardckpt.dcp import ShardckptReader
     from shardckpt.runtime import init_distributed
     from shardckpt.save_load import load
 
@@ -285,9 +308,12 @@ def load_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     dcp_state(fsdp, fopt)  # AdamW's state is created here, once (ShardedAdamW's at construction)
     ours, theirs = os.path.join(work, "shardckpt"), os.path.join(work, "dcp")
 
-    def dcp_load() -> None:
+    def dcp_load(reader: Any = None) -> None:
         sd = dcp_state(fsdp, fopt)
-        dcp.load(sd, checkpoint_id=theirs)
+        if reader is None:
+            dcp.load(sd, checkpoint_id=theirs)
+        else:
+            dcp.load(sd, storage_reader=reader)
         set_model_state_dict(fsdp, sd["model"])
         set_optimizer_state_dict(fsdp, fopt, optim_state_dict=sd["optim"])
 
@@ -299,8 +325,14 @@ def load_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
             if v == "shardckpt":
                 dt, res = _timed(lambda: load(engine, ours))
                 read = res.bytes_read
-            else:
+            elif v == "dcp":
                 dt, _ = _timed(dcp_load)
+            else:
+                dt, _ = _timed(lambda: dcp_load(ShardckptReader(os.path.join(work, "dcp-sc"))))
             times[v].append(dt)
+    dcp_load()  # untimed: the weights each DCP reader gives back, checked by the parent
+    fsdp_fs = fsdp_digest(fsdp, rank)
+    dcp_load(ShardckptReader(os.path.join(work, "dcp-sc")))
+    fsdp_sc = fsdp_digest(fsdp, rank)
     return {"rank": rank, "times": times, "cold": cold, "bytes_read": read,
-            "digest": engine_digest(engine, rank), "fsdp_digest": fsdp_digest(fsdp, rank)}
+            "digest": engine_digest(engine, rank), "fsdp_digest": fsdp_fs, "fsdp_sc_digest": fsdp_sc}

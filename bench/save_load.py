@@ -34,7 +34,8 @@ import _save_load_jobs as jobs  # noqa: E402
 from common import drop_tree, median  # noqa: E402
 
 TARGETS = {"save_vs_dcp": (">=", 1.0), "save_vs_raw": (">=", 0.8), "load_vs_dcp": (">=", 1.0),
-           "async_blocking_vs_sync": ("<=", 0.10)}
+           "async_blocking_vs_sync": ("<=", 0.10), "dcp_writer_vs_fs": (">=", 1.0),
+           "dcp_reader_vs_fs": (">=", 1.0), "dcp_async_blocking_vs_fs": ("<=", 1.0)}
 
 
 def parse_count(text: str) -> int:
@@ -87,10 +88,12 @@ def main() -> None:
 
     s0, l0 = saved[0], loaded[0]
     nb = {"shardckpt": s0["bytes"]["shardckpt"], "dcp": s0["bytes"]["dcp"],
-          "raw": sum(r["bytes"]["raw"] for r in saved)}
-    sec = {f"save_{v}": median(per_rep_max(saved, v)) for v in ("shardckpt", "dcp", "raw")}
-    sec["load_shardckpt"] = median(per_rep_max(loaded, "shardckpt"))
-    sec["load_dcp"] = median(per_rep_max(loaded, "dcp"))
+          "raw": sum(r["bytes"]["raw"] for r in saved), "dcp_sc": s0["bytes"]["dcp_sc"]}
+    sec = {f"save_{v}": median(per_rep_max(saved, v)) for v in ("shardckpt", "dcp", "raw", "dcp_sc")}
+    for v in jobs.LOAD_VARIANTS:
+        sec[f"load_{v}"] = median(per_rep_max(loaded, v))
+    sec["dcp_async_blocking"] = median(per_rep_max(saved, "dcp_async"))
+    sec["dcp_sc_async_blocking"] = median(per_rep_max(saved, "dcp_sc_async"))
     sec["ckpt_sync"] = median(per_rep_max(saved, "sync"))
     sec["ckpt_async_blocking"] = median(per_rep_max(saved, "async"))
     sec["ckpt_async_total"] = median(per_rep_max(saved, "async_total"))
@@ -103,7 +106,10 @@ def main() -> None:
     ratios = {"save_vs_dcp": gbps["save_shardckpt"] / gbps["save_dcp"],
               "save_vs_raw": gbps["save_shardckpt"] / gbps["save_raw"],
               "load_vs_dcp": gbps["load_shardckpt"] / gbps["load_dcp"],
-              "async_blocking_vs_sync": sec["ckpt_async_blocking"] / sec["ckpt_sync"]}
+              "async_blocking_vs_sync": sec["ckpt_async_blocking"] / sec["ckpt_sync"],
+              "dcp_writer_vs_fs": gbps["save_dcp_sc"] / gbps["save_dcp"],
+              "dcp_reader_vs_fs": gbps["load_dcp_sc"] / gbps["load_dcp"],
+              "dcp_async_blocking_vs_fs": sec["dcp_sc_async_blocking"] / sec["dcp_async_blocking"]}
     met = {k: (v >= TARGETS[k][1] if TARGETS[k][0] == ">=" else v <= TARGETS[k][1])
            for k, v in ratios.items()}
     result = {
@@ -115,7 +121,8 @@ def main() -> None:
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "targets": {k: f"{op} {x}" for k, (op, x) in TARGETS.items()}, "met": met,
         "load_correct": {"shardckpt": s0["digest"] == l0["digest"],
-                         "dcp": s0["fsdp_digest"] == l0["fsdp_digest"]},
+                         "dcp": s0["fsdp_digest"] == l0["fsdp_digest"],
+                         "dcp_sc": s0["fsdp_digest"] == l0["fsdp_sc_digest"]},
         "first_async_blocking_s": round(max(r["first_async_blocking_s"] for r in saved), 3),
         "setup_s": round(max(r["setup_s"] for r in saved), 1), "wall_s": round(wall, 1),
         "per_rep_s": {**{f"save_{v}": [round(x, 3) for x in per_rep_max(saved, v)]
@@ -139,7 +146,9 @@ def print_table(r: dict) -> None:
     n2 = f"{r['ranks']}->{r['load_ranks']}"
     rows = [("save  shardckpt save()", "save_shardckpt"), ("save  DCP dcp.save() (FSDP2)", "save_dcp"),
             ("save  raw sequential write+fsync", "save_raw"), (f"load  shardckpt load() {n2}", "load_shardckpt"),
-            (f"load  DCP dcp.load() {n2}", "load_dcp")]
+            (f"load  DCP dcp.load() {n2}", "load_dcp"),
+            ("save  dcp.save(ShardckptWriter)", "save_dcp_sc"),
+            (f"load  dcp.load(ShardckptReader) {n2}", "load_dcp_sc")]
     for label, key in rows:
         print(f"{label:<34} {nb[key.split('_', 1)[1]] / 1e9:>7.3f} {sec[key]:>7.3f} {gb[key]:>6.2f} {dgb[key]:>9.2f}")
     for label, key in (("Checkpointer sync save", "ckpt_sync"),
@@ -147,17 +156,23 @@ def print_table(r: dict) -> None:
                        ("Checkpointer async save: total", "ckpt_async_total")):
         print(f"{label:<34} {nb['shardckpt'] / 1e9:>7.3f} {sec[key]:>7.3f}")
     print(f"{'  (first async save, allocating)':<34} {'':>7} {r['first_async_blocking_s']:>7.3f}")
+    print(f"{'dcp.async_save blocking, FS writer':<34} {nb['dcp'] / 1e9:>7.3f} {sec['dcp_async_blocking']:>7.3f}")
+    print(f"{'dcp.async_save blocking, shardckpt':<34} {nb['dcp_sc'] / 1e9:>7.3f} {sec['dcp_sc_async_blocking']:>7.3f}")
     print("GB/s: model state bytes / s (the same work for all); disk GB/s: bytes written / s")
     print(f"{'ratio':<42} {'value':>6} {'target':>8} {'met':>4}")
     labels = {"save_vs_dcp": "save GB/s, shardckpt / DCP",
               "save_vs_raw": "save GB/s, shardckpt / raw write",
               "load_vs_dcp": f"load {r['ranks']}->{r['load_ranks']} GB/s, shardckpt / DCP",
-              "async_blocking_vs_sync": "async save blocking / sync save"}
+              "async_blocking_vs_sync": "async save blocking / sync save",
+              "dcp_writer_vs_fs": "dcp.save GB/s, ShardckptWriter / FS",
+              "dcp_reader_vs_fs": f"dcp.load {r['ranks']}->{r['load_ranks']} GB/s, Shardckpt / FS",
+              "dcp_async_blocking_vs_fs": "dcp.async_save blocking, ours / FS"}
     for k, label in labels.items():
         print(f"{label:<42} {r['ratios'][k]:>6.3f} {r['targets'][k]:>8} {'yes' if r['met'][k] else 'NO':>4}")
     ok = r["load_correct"]
     print(f"weights after the {r['ranks']}->{r['load_ranks']} load equal the saved ones (SHA-256): "
-          f"shardckpt {'yes' if ok['shardckpt'] else 'NO'}, DCP {'yes' if ok['dcp'] else 'NO'}")
+          f"shardckpt {'yes' if ok['shardckpt'] else 'NO'}, DCP {'yes' if ok['dcp'] else 'NO'}, "
+          f"DCP via ShardckptReader {'yes' if ok['dcp_sc'] else 'NO'}")
 
 
 if __name__ == "__main__":
