@@ -438,12 +438,18 @@ def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int,
                           extras=extras, per_rank_state={"world_size": ranks,
                                                          "dropped_from_world_size": None})
     writer = CheckpointWriter(out, spec, new_save_id())
-    entries = []
-    for s in range(mesh.shard_degree):
-        entries.append(writer.write_shard(s, _shard_producer(source, layout, s, buffer_bytes,
-                                                             workers)))
-        log.info("import: wrote shard %d of %d", s + 1, mesh.shard_degree)
-    return writer.commit(entries)
+    out.ensure_free_space("", writer.data_bytes(), "import hf")
+    try:
+        with writer.lease():  # `shardckpt clean` leaves the attempt alone while it runs
+            entries = []
+            for s in range(mesh.shard_degree):
+                entries.append(writer.write_shard(s, _shard_producer(source, layout, s,
+                                                                     buffer_bytes, workers)))
+                log.info("import: wrote shard %d of %d", s + 1, mesh.shard_degree)
+            return writer.commit(entries)
+    except BaseException:
+        writer.discard()  # a failed import leaves no debris where it can remove it
+        raise
 
 
 def _shard_producer(source: HFSource, layout: Layout, shard: int, buffer_bytes: int,

@@ -285,6 +285,7 @@ def test_a_failed_import_leaves_no_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(IntegrityError, match="00003-of-00003.safetensors"):
         import_hf(src, str(tmp_path / "ck"), 2)
     assert not (tmp_path / "ck" / "manifest.json").exists()
+    assert not list((tmp_path / "ck").iterdir())  # its own files removed too, lease included
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
