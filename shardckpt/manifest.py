@@ -373,7 +373,7 @@ def parse(data: bytes | str, source: str = MANIFEST_NAME) -> Manifest:
     except ManifestError as e:
         if damaged is None:
             raise
-        raise ManifestError(f"{e}; also, {damaged}") from e
+        raise ManifestError(f"{e}; also, {CHECKSUM_FIELD}: {damaged}") from e
     if damaged is not None:
         raise ctx.fail(CHECKSUM_FIELD, damaged)
     return m

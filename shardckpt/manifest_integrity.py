@@ -159,7 +159,7 @@ def checksum_problem(raw: bytes, doc: Mapping[str, Any], version: tuple[int, int
                 "written without escapes")
     got = crc32c(raw[:at])
     if got != int(recorded, 16):
-        return (f"{CHECKSUM_FIELD} mismatch: the manifest records {recorded}, its bytes give "
+        return (f"mismatch: the manifest records {recorded}, its bytes give "
                 f"{got:08x}; it was changed or damaged after it was written")
     return None
 

@@ -58,5 +58,5 @@ def test_golden_v1_1_equals_v1_0_state_for_state() -> None:
 def test_golden_v1_1_manifest_damage_refused() -> None:
     raw = (V11 / "manifest.json").read_bytes()
     assert raw.count(b'"step": 42') == 3
-    with pytest.raises(ManifestError, match="manifest_crc32c mismatch"):
+    with pytest.raises(ManifestError, match="manifest_crc32c: mismatch"):
         parse(raw.replace(b'"step": 42', b'"step": 43', 1))
