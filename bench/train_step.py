@@ -29,6 +29,11 @@ Per precision (fp32; bf16 compute with fp32 reduce, fp32 masters on both sides):
                                [--intermediate 2048] [--vocab 32000] [--json]
 
 Prints a table of medians and ratios. Nothing here asserts.
+
+``--zeropp`` runs shardckpt alone instead, ZeRO-3 with and without each ZeRO++ option side by
+side, on ``--ranks`` (default 4) ranks as nodes of ``--ranks-per-node`` (default 2): bytes per
+step in-node and cross-node, and step time (``bench/_zeropp_jobs.py``; a smaller default model:
+4 layers, hidden 512, vocab 8000).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import multiprocessing
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -286,7 +292,21 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--zeropp", action="store_true",
+                    help="shardckpt ZeRO-3 with and without each ZeRO++ option, side by side")
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="--zeropp: ranks per node")
     args = ap.parse_args()
+    if args.zeropp:
+        import _zeropp_jobs
+
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        for flag, value in (("--ranks", 4), ("--layers", 4), ("--hidden", 512),
+                            ("--intermediate", 1376), ("--heads", 8), ("--kv-heads", 4),
+                            ("--vocab", 8000)):
+            if flag not in given:
+                setattr(args, flag[2:].replace("-", "_"), value)
+        _zeropp_jobs.main(args)
+        return
     rows = []
     for precision in args.precisions.split(","):
         args.precision = precision

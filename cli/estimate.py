@@ -13,11 +13,22 @@ from typing import Optional
 import typer
 
 from shardckpt.cli.app import app
-from shardckpt.estimate import (GB, EstimateError, Estimate, Precision, estimate_all, parse_count,
-                                precision_preset)
+from shardckpt.cli.common import console, guarded
+from shardckpt.estimate import (GB, EstimateError, Estimate, Precision, ZeroPPTraffic,
+                                estimate_all, parse_count, precision_preset, zeropp_traffic)
 
 _FLAG = {"params": "--params", "ranks": "--ranks", "replicate": "--replicate",
-         "precision": "--precision", "largest_unit": "--largest-unit"}
+         "precision": "--precision", "largest_unit": "--largest-unit",
+         "ranks_per_node": "--ranks-per-node", "block_size": "--block-size",
+         "grad_bits": "--grad-bits"}
+
+ZEROPP_CONVENTION = (
+    "bytes per rank per ZeRO-3 step, logical volume (all-gather output, reduce-scatter and "
+    "all-to-all input), cross-node when the collective's group spans nodes; qwZ gathers int8 "
+    "weights plus an fp32 scale per block, hpZ gathers the backward's weights inside the node "
+    "and holds secondary_bytes (Ψ·p/K) per rank, qgZ reduces int4/int8 gradients through an "
+    "in-node then a cross-node all-to-all"
+)
 
 COMM_CONVENTION = (
     "elements per step, logical volume summed over collectives: reduce-scatter / all-gather of "
@@ -46,6 +57,7 @@ def _precision_dict(p: Precision) -> dict[str, object]:
 
 
 @app.command()
+@guarded
 def estimate(
     params: str = typer.Option(..., "--params", "-p",
                                help="Parameter count Ψ: 7.5e9, 7.5B, 70B, 125M."),
@@ -57,31 +69,50 @@ def estimate(
     largest_unit: Optional[str] = typer.Option(
         None, "--largest-unit",
         help="Parameters in the largest unit: adds gathered working memory for ZeRO-3 / HSDP."),
+    ranks_per_node: Optional[str] = typer.Option(
+        None, "--ranks-per-node", "-k",
+        help="GPUs per node K (divides N): adds ZeRO++ rows (cross-node bytes, hpZ memory)."),
+    block_size: str = typer.Option("256", "--block-size",
+                                   help="ZeRO++ quantization block (elements per fp32 scale)."),
+    grad_bits: str = typer.Option("4", "--grad-bits", help="ZeRO++ qgZ gradient bits: 4 or 8."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP (GB = 1e9 B)."""
+    """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
+    --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
+    given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
+             "largest_unit": largest_unit, "ranks_per_node": ranks_per_node,
+             "block_size": block_size, "grad_bits": grad_bits}
+    zpp: tuple[ZeroPPTraffic, ...] = ()
     try:
         psi = parse_count(params, "params")
         unit = parse_count(largest_unit, "largest_unit") if largest_unit is not None else None
         n, r = _whole("ranks", ranks), _whole("replicate", replicate)
         prec = precision_preset(precision)
         rows = estimate_all(psi, n, replicate=r, precision=prec.name, largest_unit=unit)
+        if ranks_per_node is not None:
+            zpp = zeropp_traffic(psi, n, _whole("ranks_per_node", ranks_per_node),
+                                 precision=prec.name,
+                                 block_size=_whole("block_size", block_size),
+                                 grad_bits=_whole("grad_bits", grad_bits))
     except EstimateError as e:
-        given = {"params": params, "ranks": ranks, "replicate": replicate,
-                 "precision": precision, "largest_unit": largest_unit}
         raise _fail(e.option, given.get(e.option, e.value), e.reason) from None
     if as_json:
-        typer.echo(json.dumps({
-            "params": psi, "ranks": n, "replicate": r, "precision": _precision_dict(prec),
-            "gb_bytes": GB, "comm_convention": COMM_CONVENTION,
-            "strategies": [row.to_dict() for row in rows],
-        }, indent=2))
+        doc = {"params": psi, "ranks": n, "replicate": r, "precision": _precision_dict(prec),
+               "gb_bytes": GB, "comm_convention": COMM_CONVENTION,
+               "strategies": [row.to_dict() for row in rows]}
+        if zpp:
+            doc["zeropp"] = {"ranks_per_node": int(ranks_per_node or 0),
+                             "block_size": int(block_size), "grad_bits": int(grad_bits),
+                             "convention": ZEROPP_CONVENTION,
+                             "variants": [z.to_dict() for z in zpp]}
+        typer.echo(json.dumps(doc, indent=2))
         return
     _print_table(rows, prec, unit is not None)
+    if zpp:
+        _print_zeropp(zpp, psi, n, int(ranks_per_node or 0))
 
 
 def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     psi = rows[0].params
@@ -101,10 +132,26 @@ def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) ->
             sharded = r.strategy in ("zero3", "hsdp")
             cells.append(f"{r.gathered_bytes / GB:,.2f}" if sharded else "-")
         table.add_row(*cells)
-    console = Console()
-    console.print(table)
-    console.print(
+    con = console()
+    con.print(table)
+    con.print(
         f"bytes/param: params {prec.params}, grads {prec.grads}, master {prec.master}, "
         f"optim {prec.optim} (K = {prec.k}); comm = logical volume summed over collectives",
         highlight=False,
     )
+
+
+def _print_zeropp(rows: tuple[ZeroPPTraffic, ...], psi: int, n: int, k: int) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"ZeRO++: bytes per rank per step, {n // k} nodes × {k} GPUs")
+    for col in ("Variant", "Cross-node GB/step", "In-node GB/step", "vs ZeRO-3 cross-node",
+                "hpZ memory GB/GPU"):
+        table.add_column(col, justify="left" if col == "Variant" else "right")
+    for z in rows:
+        table.add_row(z.label, f"{z.cross_node_bytes / GB:,.3g}", f"{z.in_node_bytes / GB:,.3g}",
+                      f"{z.vs_zero3:.2f}×", f"{z.secondary_bytes / GB:,.3g}")
+    con = console()
+    con.print(table)
+    con.print("ZeRO++ bytes: logical volume per rank; cross-node = the collective's group spans "
+              "nodes", highlight=False)

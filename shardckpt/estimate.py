@@ -22,6 +22,11 @@ as in the paper, Section 7). A collective over a group of one rank moves nothing
 So per step: DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ, HSDP 3Ψ + 2Ψ/S (the all-reduce of the Ψ/S gradient
 shard over R; 0 when R = 1). :attr:`Estimate.comm_sent_per_rank` gives what one rank actually
 sends with ring algorithms: volume · (n − 1)/n for each collective over n ranks.
+
+ZeRO++ (Wang et al. 2023; :func:`zeropp_traffic`): the bytes one rank moves per ZeRO-3 step,
+cross-node and in-node, with quantized weight gathers (qwZ), an in-node secondary weight copy
+for the backward gather (hpZ, Ψ·p/K bytes per rank) and quantized hierarchical gradient
+reduction (qgZ), for nodes of K ranks.
 """
 
 from __future__ import annotations
@@ -305,3 +310,84 @@ def estimate_all(params: int, ranks: int, *, replicate: int = 1, precision: str 
         out.append(estimate(params, "hsdp", n, replicate=r, precision=precision,
                             largest_unit=largest_unit))
     return tuple(out)
+
+
+# ------------------------------------------------------------------------------------ ZeRO++
+
+ZEROPP_VARIANTS = ("zero3", "qwz", "hpz", "qgz", "zeropp")
+_ZEROPP_LABEL = {"zero3": "ZeRO-3", "qwz": "+ qwZ", "hpz": "+ hpZ", "qgz": "+ qgZ",
+                 "zeropp": "ZeRO++ (all three)"}
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroPPTraffic:
+    """Bytes one rank moves per ZeRO-3 step with some ZeRO++ options, split by where they go.
+
+    Logical volume in bytes (the convention of :attr:`Estimate.comm_elements`: an all-gather
+    counts its output, a reduce-scatter or an all-to-all its input), counted as cross-node when
+    the collective's group spans nodes. ``secondary_bytes``: hpZ's in-node copy of the weights
+    per rank (Ψ · p / K), held from forward to backward.
+    """
+
+    variant: str          # zero3 | qwz | hpz | qgz | zeropp
+    label: str
+    cross_node_bytes: float
+    in_node_bytes: float
+    secondary_bytes: float
+    vs_zero3: float       # ZeRO-3's cross-node bytes over this variant's (inf when 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _asdict(self)
+
+
+def zeropp_traffic(params: int, ranks: int, ranks_per_node: int, *,
+                   precision: str = "fsdp2-bf16", block_size: int = 256,
+                   grad_bits: int = 4) -> tuple[ZeroPPTraffic, ...]:
+    """Per-rank traffic of one ZeRO-3 step, alone and with each ZeRO++ option and all three.
+
+    With Ψ = ``params``, K = ``ranks_per_node``, N = ``ranks`` / K nodes, p / g the precision's
+    bytes per parameter of the compute copy / gradient, B = ``block_size``, b = ``grad_bits``:
+
+    * a weight all-gather moves Ψ·p bytes, with qwZ Ψ·(1 + 4/B) (int8, an fp32 scale per block);
+      forward and backward each gather once; with hpZ the backward's runs inside the node (Ψ·p);
+    * the gradient reduce-scatter moves Ψ·g; with qgZ an in-node all-to-all of Ψ·(b/8 + 4/B)
+      and a cross-node one of Ψ/K·(b/8 + 4/B);
+    * with one node (K = ``ranks``) nothing is cross-node.
+
+    Padding and the root unit (which stays gathered between forward and backward) are left out.
+    """
+    psi = _check_count("params", params)
+    n = _check_count("ranks", ranks)
+    k = _check_count("ranks_per_node", ranks_per_node)
+    block = _check_count("block_size", block_size)
+    if n % k:
+        raise EstimateError("ranks_per_node", k, f"must divide ranks = {n}")
+    if grad_bits not in (4, 8) or isinstance(grad_bits, bool):
+        raise EstimateError("grad_bits", grad_bits, "qgZ quantizes gradients to 4 or 8 bits")
+    prec = precision_preset(precision)
+    p, g = prec.params, prec.grads
+    multi = n // k > 1
+    gather_q = psi * (1 + 4 / block)
+    grad_q = psi * (grad_bits / 8 + 4 / block)
+    rows = []
+    base = 0.0
+    for variant in ZEROPP_VARIANTS:
+        qwz = variant in ("qwz", "zeropp")
+        hpz = variant in ("hpz", "zeropp")
+        qgz = variant in ("qgz", "zeropp")
+        gather = gather_q if qwz else float(psi * p)
+        cross = gather + (0.0 if hpz else gather)
+        local = float(psi * p) if hpz else 0.0
+        if qgz:
+            local += grad_q if k > 1 else 0.0
+            cross += grad_q / k
+        else:
+            cross += float(psi * g)
+        if not multi:
+            cross, local = 0.0, cross + local
+        if variant == "zero3":
+            base = cross
+        rows.append(ZeroPPTraffic(variant, _ZEROPP_LABEL[variant], cross, local,
+                                  psi * p / k if hpz else 0.0,
+                                  base / cross if cross else math.inf))
+    return tuple(rows)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner, Result
 
 from shardckpt.errors import ConfigError
 from shardckpt.estimate import (
-    GB, PRECISIONS, EstimateError, estimate, estimate_all, parse_count,
+    GB, PRECISIONS, EstimateError, estimate, estimate_all, parse_count, zeropp_traffic,
 )
 
 PSI = 7_500_000_000
@@ -171,6 +171,51 @@ def test_estimate_refuses(kwargs: dict, option: str) -> None:
     assert info.value.option == option
 
 
+# ------------------------------------------------------------------------------------ ZeRO++
+
+
+def test_zeropp_traffic_formula() -> None:
+    """Ψ = 1e9 on 4 nodes × 8 (paper preset: 2-byte weights and gradients, B = 256, int4)."""
+    rows = {r.variant: r for r in zeropp_traffic(10**9, 32, 8, precision="paper")}
+    psi, gq, wq = 1e9, 1e9 * (0.5 + 4 / 256), 1e9 * (1 + 4 / 256)
+    assert rows["zero3"].cross_node_bytes == 6 * psi and rows["zero3"].in_node_bytes == 0
+    assert rows["qwz"].cross_node_bytes == 2 * wq + 2 * psi
+    assert (rows["hpz"].cross_node_bytes, rows["hpz"].in_node_bytes) == (4 * psi, 2 * psi)
+    assert rows["hpz"].secondary_bytes == 2 * psi / 8
+    assert rows["qgz"].cross_node_bytes == 4 * psi + gq / 8 and rows["qgz"].in_node_bytes == gq
+    allx = rows["zeropp"]
+    assert allx.cross_node_bytes == wq + gq / 8 and allx.in_node_bytes == 2 * psi + gq
+    assert allx.vs_zero3 == pytest.approx(6 * psi / (wq + gq / 8))
+    assert allx.vs_zero3 > 4  # the paper's "about 4x less" cross-node traffic
+
+
+def test_zeropp_one_node_has_no_cross_node_traffic() -> None:
+    for r in zeropp_traffic(10**6, 8, 8):
+        assert r.cross_node_bytes == 0 and r.in_node_bytes > 0
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    (dict(ranks_per_node=3), "ranks_per_node"), (dict(ranks_per_node=0), "ranks_per_node"),
+    (dict(ranks_per_node=2, block_size=0), "block_size"),
+    (dict(ranks_per_node=2, grad_bits=2), "grad_bits"),
+])
+def test_zeropp_traffic_refuses(kwargs: dict, option: str) -> None:
+    with pytest.raises(EstimateError) as info:
+        zeropp_traffic(10**6, 8, **kwargs)
+    assert info.value.option == option
+
+
+def test_cli_zeropp_rows() -> None:
+    table = run_cli("-p", "7.5B", "-n", "64", "--ranks-per-node", "8")
+    assert table.exit_code == 0, table.output
+    for text in ("ZeRO++", "8 nodes × 8", "hpZ memory", "Cross-node"):
+        assert text in table.stdout
+    doc = json.loads(run_cli("-p", "1B", "-n", "16", "-k", "4", "--json").stdout)
+    want = [r.to_dict() for r in zeropp_traffic(10**9, 16, 4, precision="paper")]
+    assert doc["zeropp"]["variants"] == json.loads(json.dumps(want))
+    assert "zeropp" not in json.loads(run_cli("-p", "1B", "-n", "16", "--json").stdout)
+
+
 def test_results_are_frozen_values() -> None:
     e = estimate(PSI, "zero3", 64)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -227,6 +272,9 @@ def test_cli_json() -> None:
     (["--params", "lots", "--ranks", "8"], "--params lots"),
     (["--params", "1B", "--ranks", "8", "--precision", "fp8"], "--precision fp8"),
     (["--params", "1B", "--ranks", "8", "--largest-unit", "2B"], "--largest-unit 2B"),
+    (["--params", "1B", "--ranks", "8", "--ranks-per-node", "3"], "--ranks-per-node 3"),
+    (["--params", "1B", "--ranks", "8", "-k", "2", "--grad-bits", "2"], "--grad-bits 2"),
+    (["--params", "1B", "--ranks", "8", "-k", "2", "--block-size", "0"], "--block-size 0"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
     result = run_cli(*args)

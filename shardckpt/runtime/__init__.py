@@ -24,7 +24,9 @@ Typical use, on every rank (launched by ``torchrun``)::
 Checkpoints read and write ``engine.local_shards()``, ``opt.optimizer_metadata()`` and
 ``engine.buffers()``; see :class:`ZeroEngine` for the contract. ``engine.summon_full_params()``
 and ``engine.full_state_dict()`` give whole tensors of small models; ``checkpoint_units(engine)``
-turns on activation checkpointing per unit.
+turns on activation checkpointing per unit. ``ZeroEngine(..., zeropp=ZeroPP(qwz=True, hpz=True,
+qgz=True))`` turns on ZeRO++ (:mod:`shardckpt.runtime.zeropp`), with nodes of
+``init_distributed(ranks_per_node=K)`` ranks.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ _EXPORTS = {
     "build_optimizer": "optim",
     "decay_param_groups": "optim",
     "units_by_type": "units",
+    "ZeroPP": "zeropp",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -64,6 +67,7 @@ if TYPE_CHECKING:
     )
     from shardckpt.runtime.precision import MixedPrecisionPolicy  # noqa: F401
     from shardckpt.runtime.units import units_by_type  # noqa: F401
+    from shardckpt.runtime.zeropp import ZeroPP  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,11 @@ asked for, with the same bits as the synchronous :func:`reduce_scatter_mean`.
 Every function takes an optional :class:`~shardckpt.runtime.accounting.Accounting` and records
 the logical volume of each collective it issues there (none for a group of one rank).
 :func:`all_gather_shard` can also be issued asynchronously (prefetch); it then returns the
-backend's work handle, which the caller must wait on before reading or freeing ``full``.
+backend's work handle, which the caller must wait on before reading or freeing ``full``. Each
+record says whether the collective's group spans nodes (``ProcessMesh.ranks_per_node``).
+
+The ZeRO++ variants (quantized all-gather, in-node all-gather, quantized hierarchical gradient
+reduction) are in :mod:`shardckpt.runtime.zeropp` and follow the same rules.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch.distributed as dist
 
 from shardckpt.errors import CollectiveError
 from shardckpt.runtime.accounting import Accounting
+from shardckpt.layout import REPLICATE_AXIS, SHARD_AXIS
 from shardckpt.runtime.mesh import ProcessMesh
 
 FP32 = torch.float32
@@ -62,9 +67,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _record(acct: Accounting | None, op: str, t: torch.Tensor, factor: int = 1) -> None:
+def _record(acct: Accounting | None, op: str, t: torch.Tensor, factor: int = 1,
+            cross_node: bool = False, elements: int | None = None) -> None:
     if acct is not None:
-        acct.record(op, t, factor)
+        acct.record(op, t, factor, cross_node=cross_node, elements=elements)
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object,
@@ -90,7 +96,7 @@ def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor, *
     if pm.shard_degree == 1:
         full.copy_(shard)
         return None
-    _record(acct, "all_gather", full)
+    _record(acct, "all_gather", full, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
     with collective_guard("all-gather of a flat group", pm):
         return _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group, async_op)
 
@@ -160,7 +166,7 @@ def start_reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic
     work = None
     with collective_guard("reduce-scatter of a gradient", pm):
         if S > 1:
-            _record(acct, "reduce_scatter", red)
+            _record(acct, "reduce_scatter", red, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
             work = _reduce_scatter_single(out, red, pm.shard_group, async_op=True)
         else:
             out.copy_(red)
@@ -168,7 +174,8 @@ def start_reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic
     def finish() -> torch.Tensor:
         if pm.replicate_group is not None:
             with collective_guard("all-reduce of a gradient over replicas", pm):
-                _record(acct, "all_reduce", out, 2)
+                _record(acct, "all_reduce", out, 2,
+                        cross_node=pm.axis_spans_nodes(REPLICATE_AXIS))
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
         return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
 
@@ -186,7 +193,7 @@ def _start_ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
         send = torch.cat([grad[mesh.shard_rank(j) * s:(mesh.shard_rank(j) + 1) * s]
                           for j in range(W)])
     recv = torch.empty(W * s, dtype=grad.dtype, device=grad.device)
-    _record(acct, "all_to_all", send)
+    _record(acct, "all_to_all", send, cross_node=pm.world_spans_nodes)
     with collective_guard("ordered gradient exchange (all-to-all)", pm):
         work = dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group,
                                       async_op=True)
@@ -212,7 +219,7 @@ def all_reduce_shard_sum(pm: ProcessMesh, t: torch.Tensor,
                          acct: Accounting | None = None) -> torch.Tensor:
     """Sum ``t`` over the shard group, in place (replicas hold the same shards, so not over them)."""
     if pm.shard_degree > 1:
-        _record(acct, "all_reduce", t, 2)
+        _record(acct, "all_reduce", t, 2, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
         with collective_guard("all-reduce over the shard group", pm):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pm.shard_group)
     return t

@@ -27,24 +27,29 @@ Frozen groups (``requires_grad=False``) are gathered like the others but never r
 no optimizer state. Every rank must run the same modules in the same order (the collectives pair
 up by order). In stage 3, outside forward/backward every parameter is a 0-element placeholder;
 read weights through :meth:`ZeroEngine.local_shards`, :meth:`ZeroEngine.gather_full_params`,
-:meth:`ZeroEngine.summon_full_params` or :meth:`ZeroEngine.full_state_dict`.
+:meth:`ZeroEngine.summon_full_params` or :meth:`ZeroEngine.full_state_dict`. ``state_dict()`` of
+the module (or of any submodule) raises an error that says so rather than return placeholders.
+``p.ndim`` and ``p.shape`` of a placeholder mislead too: build weight-decay groups with
+:func:`~shardckpt.runtime.optim.decay_param_groups` (the layout's shapes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Mapping
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from shardckpt.errors import ConfigError
 from shardckpt.layout import Layout, build_layout
 from shardckpt.estimate import Estimate
 from shardckpt.runtime import accounting, collectives, full_params
 from shardckpt.runtime.accounting import Accounting
-from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
+from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool, torch_dtype
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
 from shardckpt.runtime.precision import (
@@ -55,6 +60,7 @@ from shardckpt.runtime.precision import (
 from shardckpt.runtime.prefetch import CommStream
 from shardckpt.runtime.stages import StageSchedule, Unit, check_stage
 from shardckpt.runtime.units import ROOT, PolicyLike, plan_units
+from shardckpt.runtime.zeropp import ZeroPP, check_zeropp
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,11 @@ class ZeroEngine:
         prefetch: issue the next unit's all-gather asynchronously while the current unit
             computes, in forward and (reverse order) in backward; on CUDA on a side stream. The
             same collectives and bits as without it (:mod:`shardckpt.runtime.prefetch`).
+        zeropp: ZeRO++ options (:class:`~shardckpt.runtime.zeropp.ZeroPP`: quantized weight
+            gathers, an in-node secondary weight copy for the backward gather, quantized
+            hierarchical gradient reduction); off by default. Nodes are blocks of
+            ``process_mesh.ranks_per_node`` ranks. Masters, optimizer state and checkpoints
+            are the same with or without them.
 
     Public surface (what checkpointing and tools rely on):
 
@@ -101,7 +112,8 @@ class ZeroEngine:
     * accounting (:mod:`shardckpt.runtime.accounting`): ``accounting`` (elements per collective
       type, gathered-weight bytes and peak), :meth:`model_state_bytes` and :meth:`estimate`.
 
-    Construction runs no collectives, but every rank must build the same module under the same
+    Construction runs no collectives (with hpZ or qgZ it creates the node process groups, which
+    every rank does alike), but every rank must build the same module under the same
     RNG state (or pass ``init_seed``), since each keeps its slice of the same whole. Set
     ``requires_grad`` before constructing: it decides the flat groups. Several synced backward
     passes before a step add their (already averaged) gradients; under :meth:`no_sync` they
@@ -113,11 +125,13 @@ class ZeroEngine:
                  mixed_precision: MixedPrecisionPolicy | None = None, deterministic: bool = False,
                  init_fn: InitFn | None = None, init_seed: int | None = None,
                  prefix: str = "model.", reshard_root_after_forward: bool = False,
-                 reshard_after_forward: bool = True, prefetch: bool = True) -> None:
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 zeropp: ZeroPP | None = None) -> None:
         stage = check_stage(stage)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
             raise ConfigError(f"mixed_precision is {mixed_precision!r}; pass a "
                               "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) or None")
+        zeropp = ZeroPP() if zeropp is None else zeropp
         self.module = module
         self.process_mesh = pm = process_mesh or current_process_mesh()
         self.deterministic = deterministic
@@ -125,6 +139,12 @@ class ZeroEngine:
         self.mixed_precision = mixed_precision
         plan = plan_units(module, policy)
         self.layout: Layout = build_layout(plan.param_infos(), pm.mesh, prefix=prefix)
+        check_zeropp(zeropp, pm, stage, [
+            (g.name, resolve_precision(mixed_precision, torch_dtype(g.dtype)).sum)
+            for g in self.layout.groups if g.requires_grad])
+        self.zeropp = zeropp
+        if zeropp.hpz or zeropp.qgz:
+            pm.node_groups()  # collective: every rank creates the node groups now, in one order
         self.tied_aliases: dict[str, str] = dict(plan.aliases)
         params, fresh = swap_meta_params(module, [(f, p) for f, p, _ in plan.params], pm.device)
         self._params = params
@@ -143,6 +163,9 @@ class ZeroEngine:
             reshard = reshard_root_after_forward if name == ROOT else reshard_after_forward
             self.units.append(Unit(name, plan.modules[name], groups, stage == 3 and reshard,
                                    trained=sum(g.trainable for g in groups)))
+            for g in groups:
+                g.zeropp = zeropp if zeropp.enabled else None
+                g.hpz = zeropp.hpz and stage == 3 and reshard  # re-gathered in backward
         unit_of = {id(params[f]): unit for f, _, unit in plan.params}
         shard_unit_by_unit(module, {u.name: u.groups for u in self.units}, unit_of,
                            {id(params[f]) for f in fresh}, pm.device, init_fn, init_seed)
@@ -150,13 +173,17 @@ class ZeroEngine:
             for g in self.groups.values():
                 g.set_precision(resolve_precision(mixed_precision, g.dtype))
         self._optimizer: Any = None
+        # an OrderedDict: RemovableHandle keeps a weak reference to it
+        self._update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._schedule = StageSchedule(self.units, stage, deterministic,
                                        input_cast_dtype(mixed_precision), prefetch, module,
                                        pool=pool)
         self.accounting.reset()  # construction gathered units one by one to initialize them
-        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s; %s", stage,
+        full_params.refuse_placeholder_state_dicts(self)
+        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s%s; %s", stage,
                  len(self.units), len(self.groups), len(params),
-                 f", {mixed_precision}" if mixed_precision else "", pm.describe())
+                 f", {mixed_precision}" if mixed_precision else "",
+                 f", {zeropp.describe()}" if zeropp.enabled else "", pm.describe())
 
     # ---------------------------------------------------------------------------- public
 
@@ -326,6 +353,21 @@ class ZeroEngine:
     @property
     def optimizer(self) -> Any:
         return self._optimizer
+
+    def register_update_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run ``hook()`` before the optimizer updates the masters and optimizer state in place.
+
+        Whatever optimizer is attached, now or later: an async checkpoint waits here until its
+        staging copy of the shards is done. Returns a handle whose ``remove()`` unregisters it.
+        """
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
+
+    def before_update(self) -> None:
+        """Called by the sharded optimizer right before it changes the shards."""
+        for hook in list(self._update_hooks.values()):
+            hook()
 
     def attach_optimizer(self, optimizer: Any) -> None:
         """Called by the sharded optimizer; one optimizer per engine."""

@@ -36,49 +36,30 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   the buffer, the mean accumulated so far is kept in a copy of ``s`` elements and put back into
   the buffer at the next reduction. Otherwise (no resident buffer, or a gradient dtype other than
   fp32) ``grad`` is a tensor of its own.
+* ZeRO++ (:mod:`shardckpt.runtime.zeropp`, set by the engine): with qwZ a gather moves the int8
+  master shard and fills ``full`` with the dequantized weights once waited for; with hpZ a
+  forward's gather (gradients enabled) keeps this rank's ``1/K`` slice of ``full``
+  (:attr:`secondary`) and every later gather runs inside the node from it, until the end of the
+  backward or the masters change; with qgZ the reduction is the quantized hierarchical one.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from shardckpt.errors import ConfigError
 from shardckpt.layout import FlatGroup, Layout, ParamSpec
-from shardckpt.runtime import collectives
+from shardckpt.runtime import collectives, zeropp
 from shardckpt.runtime.accounting import Accounting
+from shardckpt.runtime.gradpool import GradBufferPool
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import GroupPrecision, resolve_precision
 from shardckpt.runtime.prefetch import CommStream, InFlight
 
-
-class GradBufferPool:
-    """Local gradient buffers released by finished reductions, for the next group to reuse.
-
-    In a backward pass the units' groups (the decoder layers of a transformer) mostly have the
-    same size: the buffer whose reduction just finished is handed to the next group that needs
-    one instead of being returned to the allocator and allocated again (on CPU every new large
-    buffer costs a page fault per 4 KiB on first touch). The pool holds only what a backward
-    released and is emptied at the end of each backward, so nothing stays allocated between
-    steps and no more is held at once than without it. Contents of a taken buffer are undefined.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        bufs = self._free.get((numel, dtype, device))
-        if bufs:
-            return bufs.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
-
-    def clear(self) -> None:
-        self._free.clear()
+__all__ = ["FlatParamGroup", "GradBufferPool", "dtype_name", "point_params", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -128,6 +109,12 @@ class FlatParamGroup:
         self._pending_buf: torch.Tensor | None = None  # the pool-owned buffer it reads
         self._written = [False] * len(self.params)
         self._arrived = 0
+        # ZeRO++ (set by the engine): the options, and whether this group keeps an hpZ copy
+        self.zeropp: zeropp.ZeroPP | None = None
+        self.hpz = False
+        self._secondary: torch.Tensor | None = None  # hpZ: this rank's in-node slice of full
+        self._keep_secondary = False  # the gather in flight is a forward's: keep a slice
+        self._post_gather: Any = None  # qwZ: dequantize into full once the gather is done
 
     def set_precision(self, precision: GroupPrecision) -> None:
         """Switch the compute dtype (and gradient dtypes); only while freed, before training."""
@@ -196,12 +183,23 @@ class FlatParamGroup:
         if self.gathered:
             return
         self.allocate()
+        zpp = self.zeropp
         with torch.no_grad(), self.comm.issue():
-            # One shard rank: copy_ casts straight into ``full``; else cast once for the wire.
-            src = self.master if self.pm.shard_degree == 1 else self.compute
-            work = collectives.all_gather_shard(self.pm, self.full, src, async_op=True,
-                                                acct=self.acct)
-        self._inflight = InFlight(work, (src,), self.comm.stream)
+            if self._secondary is not None:  # hpZ: the forward's weights, from inside the node
+                keep: tuple[torch.Tensor, ...] = (self._secondary,)
+                work = zeropp.start_node_gather(self.pm, self.full, self._secondary, self.acct)
+            elif zpp is not None and zpp.qwz and self.dtype.is_floating_point:
+                work, keep, self._post_gather = zeropp.start_quantized_gather(
+                    self.pm, self.full, self.master, zpp.block_size, self.acct)
+            else:
+                # One shard rank: copy_ casts straight into ``full``; else cast once for the wire.
+                src = self.master if self.pm.shard_degree == 1 else self.compute
+                keep = (src,)
+                work = collectives.all_gather_shard(self.pm, self.full, src, async_op=True,
+                                                    acct=self.acct)
+        self._keep_secondary = (self.hpz and self._secondary is None
+                                and torch.is_grad_enabled() and not zeropp.in_backward())
+        self._inflight = InFlight(work, keep, self.comm.stream)
 
     def wait_gather(self) -> None:
         """Wait for an all-gather started by :meth:`start_gather` (no-op if none is in flight)."""
@@ -209,6 +207,32 @@ class FlatParamGroup:
             inflight, self._inflight = self._inflight, None
             with collectives.collective_guard("all-gather of a flat group", self.pm):
                 inflight.wait()
+            finish, self._post_gather = self._post_gather, None
+            if finish is not None:
+                with torch.no_grad():
+                    finish()
+            if self._keep_secondary:
+                self._keep_secondary = False
+                self._take_secondary()
+
+    def _take_secondary(self) -> None:
+        """hpZ: keep this rank's ``1/K`` slice of the gathered weights for the backward gather."""
+        part = self.spec.padded_numel // self.pm.node_size
+        start = self.pm.node_rank * part
+        with torch.no_grad():
+            self._secondary = self.full[start:start + part].clone()
+        self.acct.secondary(self._secondary.untyped_storage().nbytes())
+
+    def drop_secondary(self) -> None:
+        """Forget the hpZ copy (end of backward, or the masters changed)."""
+        if self._secondary is not None:
+            self.acct.secondary(-self._secondary.untyped_storage().nbytes())
+            self._secondary = None
+
+    @property
+    def secondary(self) -> torch.Tensor | None:
+        """The hpZ secondary copy held now, if any."""
+        return self._secondary
 
     def gather(self) -> None:
         """All-gather the compute shards from every shard rank into ``full``. Collective;
@@ -252,8 +276,9 @@ class FlatParamGroup:
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-derive the compute shard from ``master``: nothing to do, since the compute copy is
-        cast from ``master`` at each gather; kept so that callers need not know."""
+        """Re-derive the compute shard from ``master``: the compute copy is cast from ``master``
+        at each gather, so only an hpZ copy of the old weights is dropped."""
+        self.drop_secondary()
 
     # ---------------------------------------------------------------------- gradients
 
@@ -292,8 +317,10 @@ class FlatParamGroup:
         return self._grad_buffer
 
     def end_backward(self) -> None:
-        """Forget this backward's arrivals; an unreduced buffer keeps accumulating."""
+        """Forget this backward's arrivals (an unreduced buffer keeps accumulating) and the hpZ
+        copy."""
         self._arrived = 0
+        self.drop_secondary()
 
     @property
     def has_pending_grad(self) -> bool:
@@ -327,8 +354,12 @@ class FlatParamGroup:
                     buf[spec.offset:spec.offset + spec.numel].zero_()
         self._written = [False] * len(self.params)
         self._arrived = 0
-        self._pending = collectives.start_reduce_scatter_mean(self.pm, buf, deterministic,
-                                                              self.precision.sum, self.acct)
+        if self.zeropp is not None and self.zeropp.qgz:
+            self._pending = zeropp.start_qgz_mean(self.pm, buf, self.zeropp.grad_bits,
+                                                  self.zeropp.block_size, self.acct)
+        else:
+            self._pending = collectives.start_reduce_scatter_mean(
+                self.pm, buf, deterministic, self.precision.sum, self.acct)
         self._pending_buf = None if self.resident_grad else buf
         del buf
         if wait:

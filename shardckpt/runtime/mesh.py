@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -105,6 +105,16 @@ class ProcessMesh:
     shard_group: Any = None
     replicate_group: Any = None
     world_group: Any = None
+    #: Ranks per node (a node holds ranks ``[n * K, (n + 1) * K)``); ``None``: one node. Decides
+    #: which collectives count as cross-node traffic and the groups of the ZeRO++ options.
+    ranks_per_node: int | None = None
+    _node_groups: Any = None
+    _spans: dict[str, bool] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        k = self.ranks_per_node
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"ranks_per_node is {k!r}; it must be a whole number >= 1")
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> "ProcessMesh":
@@ -113,11 +123,14 @@ class ProcessMesh:
 
     @classmethod
     def from_process_group(cls, mesh: Mesh | None = None, device: torch.device | None = None,
-                           timeout_s: float | None = None) -> "ProcessMesh":
+                           timeout_s: float | None = None,
+                           ranks_per_node: int | None = None) -> "ProcessMesh":
         """Build on the initialized default group; creates the per-axis subgroups when R > 1.
 
-        ``timeout_s`` (for the subgroups) defaults to the default group's own timeout. Called on
-        every rank (``new_group`` is collective).
+        ``timeout_s`` (for the subgroups) defaults to the default group's own timeout.
+        ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE`` (torchrun's ranks per node) when
+        set, else the whole world is one node. Called on every rank (``new_group`` is
+        collective).
         """
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialized; call init_distributed() first")
@@ -130,7 +143,10 @@ class ProcessMesh:
         device = device or pick_device(int(os.environ.get("LOCAL_RANK", "0")), backend)
         if timeout_s is None:
             timeout_s = _group_timeout_s(device)
-        pm = cls(mesh, rank, device, backend, timeout_s, world_group=dist.group.WORLD)
+        if ranks_per_node is None:
+            ranks_per_node = _env_ranks_per_node()
+        pm = cls(mesh, rank, device, backend, timeout_s, world_group=dist.group.WORLD,
+                 ranks_per_node=ranks_per_node)
         pm.shard_group = pm._axis_group(SHARD_AXIS)
         pm.replicate_group = pm._axis_group(REPLICATE_AXIS)
         return pm
@@ -172,9 +188,67 @@ class ProcessMesh:
     def is_distributed(self) -> bool:
         return self.backend is not None
 
+    @property
+    def node_size(self) -> int:
+        """Ranks per node (the whole world when no node size was given)."""
+        return self.ranks_per_node or self.world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
+
+    def spans_nodes(self, ranks: list[int] | tuple[int, ...]) -> bool:
+        """True if the group of global ``ranks`` holds ranks of more than one node."""
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def axis_spans_nodes(self, axis: str) -> bool:
+        """True if this rank's group along mesh ``axis`` spans nodes (its traffic is cross-node)."""
+        if axis not in self._spans:
+            self._spans[axis] = self.spans_nodes(self.mesh.ranks_along(axis, self.rank))
+        return self._spans[axis]
+
+    @property
+    def world_spans_nodes(self) -> bool:
+        return self.node_size < self.world_size
+
+    def node_groups(self) -> tuple[Any, Any]:
+        """(this rank's node group, its cross-node group: the ranks of every node with the same
+        local index), created on first use and cached; ``None`` for a group of one rank.
+
+        Called on every rank, in the same order (``new_group`` is collective); the world size
+        must be a multiple of :attr:`node_size`.
+        """
+        if self._node_groups is None:
+            k, world = self.node_size, self.world_size
+            if world % k:
+                raise ConfigError(f"world size {world} is not a multiple of ranks_per_node {k}")
+            nodes = [list(range(n * k, (n + 1) * k)) for n in range(world // k)]
+            cross = [list(range(j, world, k)) for j in range(k)]
+            self._node_groups = (self._subgroup(nodes), self._subgroup(cross))
+        return self._node_groups
+
+    def _subgroup(self, partition: list[list[int]]) -> Any:
+        """Every rank creates every group of ``partition`` in one order; returns its own."""
+        if len(partition[0]) == 1:
+            return None
+        if len(partition) == 1 and self.is_distributed:
+            return dist.group.WORLD
+        mine = None
+        for ranks in partition:
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    @property
+    def node_rank(self) -> int:
+        """This rank's index inside its node."""
+        return self.rank % self.node_size
+
     def describe(self) -> str:
+        nodes = (f", {self.world_size // self.node_size} nodes x {self.node_size}"
+                 if self.ranks_per_node else "")
         return (f"rank {self.rank}/{self.world_size} on {self.device} "
-                f"({self.backend or 'no backend'}, mesh {self.mesh.describe()})")
+                f"({self.backend or 'no backend'}, mesh {self.mesh.describe()}{nodes})")
 
 
 def _group_timeout_s(device: torch.device) -> float:
@@ -186,9 +260,23 @@ def _group_timeout_s(device: torch.device) -> float:
         return DEFAULT_TIMEOUT_S
 
 
+def _env_ranks_per_node(environ: Mapping[str, str] | None = None) -> int | None:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun) as ranks per node, if set and a positive integer."""
+    value = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "")
+    try:
+        k = int(value)
+    except ValueError:
+        return None
+    return k if k >= 1 else None
+
+
 def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     replicate: int = 1, environ: Mapping[str, str] | None = None) -> ProcessMesh:
+                     replicate: int = 1, environ: Mapping[str, str] | None = None,
+                     ranks_per_node: int | None = None) -> ProcessMesh:
     """Initialize ``torch.distributed`` from the torchrun variables and return the :class:`ProcessMesh`.
+
+    ``ranks_per_node`` (default ``LOCAL_WORLD_SIZE``, else one node) says which ranks share a
+    node: it decides which traffic counts as cross-node and the groups of the ZeRO++ options.
 
     The device comes from ``LOCAL_RANK`` (``cuda:LOCAL_RANK`` with NCCL when CUDA exists, else CPU
     with gloo). A collective that waits longer than ``timeout_s`` raises on every waiting rank
@@ -210,8 +298,10 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
         )
         log.info("initialized %s process group: rank %d of %d on %s", backend, env.rank,
                  env.world_size, device)
+    if ranks_per_node is None:
+        ranks_per_node = _env_ranks_per_node(environ)
     return ProcessMesh.from_process_group(Mesh.for_world(dist.get_world_size(), replicate),
-                                          device)
+                                          device, ranks_per_node=ranks_per_node)
 
 
 def current_process_mesh() -> ProcessMesh:
