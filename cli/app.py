@@ -1,4 +1,9 @@
-"""The typer application object. Command modules register on it; heavy imports stay inside commands."""
+"""The typer application object. Command modules register on it; heavy imports stay inside commands.
+
+Help and usage errors are plain text (``rich_markup_mode=None``): typer's rich formatter imports
+rich's markdown, syntax and traceback machinery, which about doubles the time ``shardckpt --help``
+takes. Commands still print their own tables and progress bars with rich.
+"""
 
 from __future__ import annotations
 
@@ -10,4 +15,5 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )

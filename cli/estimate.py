@@ -8,14 +8,15 @@ Imports nothing heavy (no torch, no numpy); rich is imported only when a table i
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import console, guarded
-from shardckpt.estimate import (GB, EstimateError, Estimate, Precision, ZeroPPTraffic,
-                                estimate_all, parse_count, precision_preset, zeropp_traffic)
+
+if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
+    from shardckpt.estimate import Estimate, Precision, ZeroPPTraffic
 
 _FLAG = {"params": "--params", "ranks": "--ranks", "replicate": "--replicate",
          "precision": "--precision", "largest_unit": "--largest-unit",
@@ -79,6 +80,9 @@ def estimate(
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
+    from shardckpt.estimate import (GB, EstimateError, estimate_all, parse_count, precision_preset,
+                                    zeropp_traffic)
+
     given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
              "largest_unit": largest_unit, "ranks_per_node": ranks_per_node,
              "block_size": block_size, "grad_bits": grad_bits}
@@ -115,6 +119,8 @@ def estimate(
 def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) -> None:
     from rich.table import Table
 
+    from shardckpt.estimate import GB
+
     psi = rows[0].params
     table = Table(title=f"Ψ = {psi:,} parameters on {rows[0].world_size} GPUs, precision "
                         f"{prec.name}")
@@ -143,6 +149,8 @@ def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) ->
 
 def _print_zeropp(rows: tuple[ZeroPPTraffic, ...], psi: int, n: int, k: int) -> None:
     from rich.table import Table
+
+    from shardckpt.estimate import GB
 
     table = Table(title=f"ZeRO++: bytes per rank per step, {n // k} nodes × {k} GPUs")
     for col in ("Variant", "Cross-node GB/step", "In-node GB/step", "vs ZeRO-3 cross-node",

@@ -33,10 +33,14 @@ Modules: :mod:`.core` (the :class:`Storage` handle and its reads), :mod:`.writer
 checksummed writes), :mod:`.s3` (multipart uploads, the create-only commit, open uploads),
 :mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``),
 :mod:`.places` (comparable locations, free space).
-Import from this package; the split is not part of the API.
+Import from this package; the split is not part of the API. :mod:`.s3` is loaded when an ``s3://``
+location is opened or one of its names is asked for here, so that local work never loads it.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from shardckpt.storage.core import Storage, iter_file_chunks, open_storage
 from shardckpt.storage.options import (
@@ -45,9 +49,6 @@ from shardckpt.storage.options import (
 from shardckpt.storage.retry import (
     DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
 )
-from shardckpt.storage.s3 import (
-    S3_CONFIG_DEFAULTS, S3FS_RETRIES, OpenUpload, abort_upload, list_open_uploads,
-)
 from shardckpt.storage.writer import StreamWriter, crc32c
 
 # Internals that tests exercise directly; re-exported so they keep one import path.
@@ -55,6 +56,16 @@ from shardckpt.storage.retry import _is_precondition_failed as _is_precondition_
 from shardckpt.storage.retry import _is_retryable as _is_retryable  # isort: skip
 from shardckpt.storage.retry import _map_error as _map_error  # isort: skip
 from shardckpt.storage.writer import _FsspecSink as _FsspecSink  # isort: skip
+
+_S3_NAMES = frozenset({"S3_CONFIG_DEFAULTS", "S3FS_RETRIES", "OpenUpload", "abort_upload",
+                       "list_open_uploads"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _S3_NAMES:
+        return getattr(importlib.import_module("shardckpt.storage.s3"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEADLINE_ENV", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "DeadlineExceededError", "MiB",

@@ -18,7 +18,6 @@ from shardckpt.storage.options import split_options
 from shardckpt.storage.retry import (
     NotFoundError, RetryPolicy, _describe, _is_retryable, _map_error, mapped_errors, retry_call,
 )
-from shardckpt.storage.s3 import put_if_absent
 from shardckpt.storage.writer import StreamWriter, crc32c
 
 log = logging.getLogger(__name__)
@@ -347,6 +346,8 @@ class Storage:
                 _write_local(path, data, link)
             return
         if self.is_s3:
+            from shardckpt.storage.s3 import put_if_absent
+
             put_if_absent(self, rel, data, conflict)
             return
         # other filesystems: best effort (check, then write)

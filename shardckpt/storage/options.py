@@ -13,7 +13,6 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from shardckpt.errors import ConfigError
 from shardckpt.storage.retry import DEADLINE_ENV, RetryPolicy
-from shardckpt.storage.s3 import fill_s3_defaults
 
 T = TypeVar("T")
 
@@ -63,7 +62,11 @@ def split_options(url: str, options: Mapping[str, Any] | None,
         raise ConfigError(f"storage option shardckpt_part_size={part}: S3 parts must be >= 5 MiB")
     tuning = Tuning(part or DEFAULT_PART_SIZE,
                     _positive(own, "shardckpt_concurrency", int) or DEFAULT_CONCURRENCY)
-    s3fs_retries = fill_s3_defaults(opts) if url.startswith(("s3://", "s3a://")) else None
+    s3fs_retries = None
+    if url.startswith(("s3://", "s3a://")):
+        from shardckpt.storage.s3 import fill_s3_defaults
+
+        s3fs_retries = fill_s3_defaults(opts)
     return opts, retry, tuning, s3fs_retries
 
 

@@ -17,7 +17,6 @@ import crc32c as _crc32c
 
 from shardckpt.errors import StorageError
 from shardckpt.storage.retry import _describe, _map_error, mapped_errors
-from shardckpt.storage.s3 import _S3Upload
 
 if TYPE_CHECKING:
     from shardckpt.storage.core import Storage
@@ -148,6 +147,8 @@ class StreamWriter:
         if storage.is_local:
             self._sink: Any = _LocalSink(storage, rel)
         elif storage.is_s3:
+            from shardckpt.storage.s3 import _S3Upload
+
             self._sink = _S3Upload(storage, rel)
         else:
             self._sink = _FsspecSink(storage, rel)
