@@ -145,7 +145,7 @@ def test_os_errors_nobody_named_are_one_line(monkeypatch: pytest.MonkeyPatch, ho
         raise OSError(errno.EIO, "Input/output error", "/dev/sdz")
     monkeypatch.setattr(shardckpt.summary, "summarize", broken)
     one_line_error(cli("inspect", hostile), "/dev/sdz", "Input/output error")
-    import shardckpt.cli.estimate
+    import shardckpt.estimate
 
-    monkeypatch.setattr(shardckpt.cli.estimate, "estimate_all", broken)
+    monkeypatch.setattr(shardckpt.estimate, "estimate_all", broken)
     one_line_error(cli("estimate", "--params", "7B", "--ranks", "8"), "/dev/sdz", "Input/output error")
