@@ -15,6 +15,12 @@ A DeepSpeed ZeRO checkpoint of the package's Llama (about ``--params`` parameter
 Peak RSS is summed over each command's process tree. Nothing here asserts.
 
     DS_ACCELERATOR=cpu python bench/interop.py [--params 50e6] [--ranks 2] [--stage 3] [--to 4]
+
+With ``--dcp``: ``shardckpt import dcp`` against ``python -m torch.distributed.checkpoint.format_utils
+dcp_to_torch`` (DCP's ``dcp_to_torch_save``) on a checkpoint DCP's own ``FileSystemWriter`` wrote
+from FSDP2 (model + AdamW; ``--params 170e6`` is about 2 GB), time and peak RSS in the same run::
+
+    python bench/interop.py --dcp --params 170e6 --ranks 2
 """
 
 from __future__ import annotations
@@ -63,6 +69,66 @@ def job_save(rank: int, world: int, out: str, stage: int, cfg: dict) -> None:
     engine.save_checkpoint(out, tag="bench")
 
 
+def job_save_dcp(rank: int, world: int, out: str, cfg: dict) -> None:
+    """FSDP2 Llama, one AdamW step, saved by DCP's own FileSystemWriter (model + optimizer)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 16))
+    causal_lm_loss(model(tokens), tokens).backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=out)
+
+
+def main_dcp(args: argparse.Namespace, work: str) -> None:
+    """``shardckpt import dcp`` against DCP's ``dcp_to_torch_save`` on one stock DCP checkpoint
+    (``--params`` about 170e6 gives about 2 GB with AdamW), interleaved, median of ``--reps``."""
+    src = os.path.join(work, f"dcp-{args.ranks}-{int(args.params)}")
+    if not os.path.exists(os.path.join(src, ".metadata")):
+        from distutil import run_distributed
+
+        run_distributed(job_save_dcp, args.ranks, args=(src, model_config(args.params)),
+                        timeout_s=3600, pg_timeout_s=1800)
+    exe = [sys.executable, "-m", "shardckpt.cli.main"]
+    cmds = {
+        "dcp_to_torch_save": lambda d: [sys.executable, "-m",
+                                        "torch.distributed.checkpoint.format_utils",
+                                        "dcp_to_torch", src, d + ".pt"],
+        "import dcp": lambda d: [*exe, "import", "dcp", src, d],
+    }
+    times: dict[str, list[float]] = {k: [] for k in cmds}
+    peaks: dict[str, list[int]] = {k: [] for k in cmds}
+    for rep in range(args.reps):
+        for which in (cmds if rep % 2 == 0 else reversed(list(cmds))):
+            dst = os.path.join(work, "out-" + which.replace(" ", "-"))
+            drop_tree(dst)
+            drop_tree(dst + ".pt")
+            dt, peak = run_measured(cmds[which](dst))
+            times[which].append(dt)
+            peaks[which].append(peak)
+    rows = {k: {"seconds": median(v), "peak_rss_mb": max(peaks[k]) / 2**20} for k, v in times.items()}
+    result = {"source_bytes": dir_bytes(src), "ranks": args.ranks, "results": rows}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(f"DCP checkpoint (FSDP2, {args.ranks} ranks), {result['source_bytes'] / 2**20:.1f} MiB")
+    for k, r in rows.items():
+        print(f"  {k:<18} {r['seconds']:8.2f} s   peak RSS {r['peak_rss_mb']:8.1f} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=50e6)
@@ -72,9 +138,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dcp", action="store_true", help="benchmark `import dcp` against DCP's "
+                    "dcp_to_torch_save instead (FSDP2 checkpoint by DCP's FileSystemWriter)")
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-interop-")
+    if args.dcp:
+        main_dcp(args, work)
+        return
     src = os.path.join(work, f"ds-z{args.stage}-{args.ranks}-{int(args.params)}")
     if not os.path.exists(os.path.join(src, "latest")):
         from distutil import run_distributed

@@ -1,4 +1,5 @@
-"""``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``).
+"""``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``,
+``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``).
 
 Thin: parse options, call :func:`shardckpt.hf.import_hf`, print one line or JSON. Errors become
 one line on stderr and a non-zero exit (``guarded``).
@@ -17,7 +18,7 @@ from shardckpt.cli.common import (
 from shardckpt.cli.offline import parse_size
 
 import_app = typer.Typer(help="Import a foreign checkpoint as a shardckpt checkpoint.",
-                         no_args_is_help=True)
+                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(import_app, name="import")
 
 
@@ -93,3 +94,87 @@ def import_deepspeed_command(
         typer.echo(f"imported {src} (ZeRO-{ds.get('stage')}, {ds.get('world_size')} ranks, step "
                    f"{m.extras.get('step')}) -> {dst}: {summary['params']} parameters, "
                    f"{ranks} ranks, {human_bytes(m.total_bytes)}")
+
+
+@import_app.command("dcp")
+@guarded
+def import_dcp_command(
+    src: str = typer.Argument(..., help="Folder DCP's FileSystemWriter wrote (holds .metadata and "
+                                        "__*_*.distcp; path or fsspec URL)."),
+    dst: str = typer.Argument(..., help="Checkpoint to create (path or fsspec URL)."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="Write ZeroEngine flat groups for "
+                                        "this world size (default: keep DCP's chunks)."),
+    replicate: int = typer.Option(1, "--replicate", help="HSDP replicate degree (divides --ranks)."),
+    unit: Optional[list[str]] = typer.Option(
+        None, "--unit", help="With --ranks: regular expression whose match (whole name "
+                             "components) is one unit (repeatable). Default: (?:.*\\.)?layers\\.\\d+."),
+    model_key: str = typer.Option("model", "--model-key", help="With --ranks: the state-dict key "
+                                  "of the model ('' for torchtitan's top-level model keys)."),
+    optim_key: Optional[str] = typer.Option(None, "--optim-key", help="With --ranks: the key of "
+                                            "the optimizer (default: optim or optimizer)."),
+    buffer: str = typer.Option("32MB", "--buffer", help="Bytes per read (bounds memory)."),
+    tmp_dir: Optional[str] = typer.Option(None, "--tmp-dir", help="With --ranks: local folder "
+                                          "for the staged source (about its size)."),
+    storage_option: Optional[list[str]] = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Write a DCP checkpoint as a shardckpt checkpoint (its chunks, or flat groups for --ranks)."""
+    from shardckpt.dcp_flat import import_dcp_flat
+    from shardckpt.dcp_import import import_dcp
+
+    opts = parse_storage_options(storage_option)
+    if ranks is not None:
+        if ranks < 1 or replicate < 1 or ranks % replicate:
+            fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
+        m = import_dcp_flat(src, dst, ranks, replicate, unit, model_key, optim_key, opts, opts,
+                            parse_size(buffer, "--buffer"), tmp_dir)
+        comp = m.components["model"]
+        summary = {"destination": dst, "save_id": m.save_id, "ranks": ranks,
+                   "replicate": replicate, "params": len(comp.layout.params),
+                   "units": len({g.unit for g in comp.layout.groups}), "bytes": m.total_bytes,
+                   "step": m.extras.get("step")}
+        if json_out:
+            echo_json(summary)
+        else:
+            typer.echo(f"imported {src} -> {dst}: {summary['params']} parameters, "
+                       f"{summary['units']} units, {ranks} ranks, {human_bytes(m.total_bytes)}")
+        return
+    m = import_dcp(src, dst, opts, opts)
+    assert m.chunked is not None
+    summary = {"destination": dst, "save_id": m.save_id, "tensors": len(m.chunked.tensors),
+               "values": len(m.chunked.blobs), "files": len(m.files), "bytes": m.total_bytes}
+    if json_out:
+        echo_json(summary)
+    else:
+        typer.echo(f"imported {src} -> {dst}: {summary['tensors']} tensors, {summary['values']} "
+                   f"other values, {human_bytes(m.total_bytes)}")
+
+
+export_app = typer.Typer(help="Export a shardckpt checkpoint to a foreign format.",
+                         no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("dcp")
+@guarded
+def export_dcp_command(
+    src: str = typer.Argument(..., help="shardckpt checkpoint (path or fsspec URL)."),
+    dst: str = typer.Argument(..., help="Folder to write for DCP's FileSystemReader (must not "
+                                        "hold a .metadata)."),
+    model_key: str = typer.Option("model", "--model-key", help="Flat groups: the state-dict key "
+                                  "the model is written under."),
+    optim_key: str = typer.Option("optim", "--optim-key", help="Flat groups: the state-dict key "
+                                  "the optimizer is written under."),
+    storage_option: Optional[list[str]] = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Write SRC as a directory stock dcp.load reads (.metadata and __<n>_0.distcp); .metadata last."""
+    from shardckpt.dcp_export import export_dcp
+
+    opts = parse_storage_options(storage_option)
+    summary = export_dcp(src, dst, opts, opts, model_key, optim_key)
+    if json_out:
+        echo_json(summary)
+    else:
+        typer.echo(f"exported {src} -> {dst}: {summary['tensors']} tensors, {summary['values']} "
+                   f"other values, {len(summary['files'])} files, {human_bytes(summary['bytes'])}")

@@ -45,8 +45,6 @@ def iter_tensor_bands(reader: Any, t: ChunkedTensor, budget: int) -> Iterator[tu
     """(first element, row-major bytes) of the whole tensor ``t`` in bands along dim 0 of at most
     ``budget`` bytes (at least one row), each assembled from the chunks it meets: memory is one
     band, whatever the tensor or chunk size."""
-    import numpy as np
-
     elem = itemsize(t.dtype)
     if not t.shape:
         yield 0, read_box(reader, t, t.chunks[0], (), ())
@@ -55,14 +53,44 @@ def iter_tensor_bands(reader: Any, t: ChunkedTensor, budget: int) -> Iterator[tu
     for off, size in row_bands((0,) * len(t.shape), t.shape, elem, budget):
         if not prod(size):
             continue
-        band = np.empty((*size, elem), np.uint8)
-        for c in chunks_for(t, off, size):
-            box = intersection(c.offsets, c.sizes, off, size)
-            if box is None:
-                continue
-            data = np.frombuffer(read_box(reader, t, c, *box), np.uint8).reshape((*box[1], elem))
-            band[tuple(slice(o - b, o - b + n) for o, b, n in zip(box[0], off, box[1]))] = data
-        yield off[0] * row, band.tobytes()
+        yield off[0] * row, read_rows(reader, t, off[0], size[0])
+
+
+def read_rows(reader: Any, t: ChunkedTensor, first: int, n: int) -> bytes:
+    """Rows ``[first, first + n)`` (along dim 0) of tensor ``t`` (at least 1-D) as row-major
+    bytes, assembled from the chunks they meet."""
+    import numpy as np
+
+    elem = itemsize(t.dtype)
+    off, size = (first, *(0,) * (len(t.shape) - 1)), (n, *t.shape[1:])
+    band = np.empty((*size, elem), np.uint8)
+    for c in chunks_for(t, off, size):
+        box = intersection(c.offsets, c.sizes, off, size)
+        if box is None:
+            continue
+        data = np.frombuffer(read_box(reader, t, c, *box), np.uint8).reshape((*box[1], elem))
+        band[tuple(slice(o - b, o - b + k) for o, b, k in zip(box[0], off, box[1]))] = data
+    return band.tobytes()
+
+
+def iter_elements(reader: Any, t: ChunkedTensor, start: int, end: int,
+                  budget: int) -> Iterator[bytes]:
+    """Elements ``[start, end)`` of tensor ``t`` in row-major order, as bytes, in pieces of
+    whole rows of at most ``budget`` bytes (at least one row) trimmed to the range."""
+    elem = itemsize(t.dtype)
+    if start >= end:
+        return
+    if not t.shape:
+        yield read_box(reader, t, t.chunks[0], (), ())
+        return
+    row = prod(t.shape[1:])
+    r0, r1 = start // row, (end - 1) // row + 1
+    step = max(1, budget // max(1, row * elem))
+    for r in range(r0, r1, step):
+        n = min(step, r1 - r)
+        data = read_rows(reader, t, r, n)
+        lo, hi = max(start, r * row) - r * row, min(end, (r + n) * row) - r * row
+        yield data[lo * elem:hi * elem]
 
 
 class ChunkedPieces:

@@ -254,40 +254,49 @@ def _planner_data(pd: Any) -> dict[str, tuple[str | int, ...]]:
 
 
 class ShardckptReader(StorageReader):
-    """A DCP ``StorageReader`` for a committed shardckpt checkpoint of chunked tensors.
+    """A DCP ``StorageReader`` for a committed shardckpt checkpoint.
 
     Each rank reads only the byte ranges its load plan names (the smallest span of each stored
     chunk that holds the requested box), in batches of at most ``read_batch_bytes``, with every
-    CRC32C chunk it touches checked.
+    CRC32C chunk it touches checked. A checkpoint of flat groups (``ZeroEngine``) is presented
+    as the state dict ``get_state_dict(model, optimizer)`` gives, under
+    ``{model_key: ..., optim_key: ...}`` (:class:`shardckpt.dcp_flatview.FlatView`).
     """
 
     def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None, *,
-                 workers: int = 8, read_batch_bytes: int = DEFAULT_READ_BATCH) -> None:
+                 workers: int = 8, read_batch_bytes: int = DEFAULT_READ_BATCH,
+                 model_key: str = "model", optim_key: str = "optim") -> None:
         super().__init__()
         self.checkpoint_id = str(url)
         self.storage_options = dict(storage_options or {})
         self.workers, self.read_batch_bytes = workers, read_batch_bytes
+        self.model_key, self.optim_key = model_key, optim_key
         self._reader: CheckpointReader | None = None
+        self._flat: Any = None
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[ChunkedTensor, ChunkRecord]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.checkpoint_id = str(checkpoint_id)
-        self._reader = None
+        self._reader, self._flat = None, None
 
     def _open(self) -> CheckpointReader:
         if self._reader is None:
             r = CheckpointReader(self.checkpoint_id, self.storage_options)
             if r.manifest.chunked is None:
-                raise ManifestError(f"{r.url}: holds flat groups (a ZeroEngine checkpoint), not "
-                                    "chunked tensors; load it with shardckpt.load or ZeroEngine")
-            self._chunks = {(t.fqn, c.offsets): (t, c) for t in r.manifest.chunked.tensors.values()
-                            for c in t.chunks}
+                from shardckpt.dcp_flatview import FlatView
+
+                self._flat = FlatView(r, self.model_key, self.optim_key)
+            else:
+                self._chunks = {(t.fqn, c.offsets): (t, c)
+                                for t in r.manifest.chunked.tensors.values() for c in t.chunks}
             self._reader = r
         return self._reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         r = self._open()
+        if self._flat is not None:
+            return self._flat.metadata(self.checkpoint_id, r.manifest.save_id)
         section = r.manifest.chunked
         assert section is not None
         sd: dict[str, Any] = {}
@@ -314,6 +323,11 @@ class ShardckptReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         r = self._open()
+        if self._flat is not None:
+            self._read_flat(plan, planner)
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
         batch: list[tuple[ReadItem, tuple[FileEntry, int, int], Any]] = []
         size = 0
         for item in plan.items:
@@ -324,9 +338,19 @@ class ShardckptReader(StorageReader):
                 self._apply(r, batch, planner)
                 batch, size = [], 0
         self._apply(r, batch, planner)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_flat(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, self._flat.value(fqn))
+                continue
+            target = planner.resolve_tensor(item)
+            target.copy_(self._flat.box(fqn, item.storage_offsets, item.lengths))
+            planner.commit_tensor(item, target)
 
     def _locate(self, r: CheckpointReader, item: ReadItem) -> tuple[FileEntry, int, int, Any]:
         section = r.manifest.chunked
