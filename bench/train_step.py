@@ -30,6 +30,13 @@ Per precision (fp32; bf16 compute with fp32 reduce, fp32 masters on both sides):
 
 Prints a table of medians and ratios. Nothing here asserts.
 
+``--offload cpu|nvme`` runs shardckpt alone instead, ZeRO-3 with the optimizer offloaded against
+the resident optimizer, interleaved as above (``--offload-dir`` for ``nvme``, default a temporary
+directory): peak RSS per rank of each, the optimizer bytes per rank that left memory
+((4 + 8)·Ψ/N: the fp32 master copy and two Adam moments) and the step time overhead; for
+``nvme`` the bytes read and written per step (twice the offloaded state) over that overhead, to
+set against the disk's bandwidth.
+
 ``--zeropp`` runs shardckpt alone instead, ZeRO-3 with and without each ZeRO++ option side by
 side, on ``--ranks`` (default 4) ranks as nodes of ``--ranks-per-node`` (default 2): bytes per
 step in-node and cross-node, and step time (``bench/_zeropp_jobs.py``; a smaller default model:
@@ -68,11 +75,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sides(args: argparse.Namespace) -> tuple[str, str]:
+    """The two sides compared; the second is the baseline of the ratios."""
+    return (args.offload, "resident") if args.offload else SIDES
+
+
 def schedule(args: argparse.Namespace) -> list[tuple[str, int]]:
     """(side, step) per turn: A B, B A, A B, ...; the last step of each side counts bytes."""
     turns = []
+    pair = sides(args)
     for k in range(args.warmup + args.steps + 1):
-        for side in (SIDES if k % 2 == 0 else SIDES[::-1]):
+        for side in (pair if k % 2 == 0 else pair[::-1]):
             turns.append((side, k))
     return turns
 
@@ -92,7 +105,7 @@ def build(side: str, args: argparse.Namespace, rank: int, world: int) -> tuple[A
                       num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       max_position_embeddings=max(256, args.seq))
     bf16 = args.precision == "bf16"
-    if side == "shardckpt":
+    if side in ("shardckpt", "resident", "cpu", "nvme"):
         from shardckpt.runtime import (MixedPrecisionPolicy, ShardedAdamW, ZeroEngine,
                                        decay_param_groups)
         from shardckpt.runtime.mesh import ProcessMesh
@@ -101,7 +114,9 @@ def build(side: str, args: argparse.Namespace, rank: int, world: int) -> tuple[A
             model = LlamaForCausalLM(cfg)
         engine = ZeroEngine(model, policy=LLAMA_POLICY,
                             process_mesh=ProcessMesh.from_process_group(), init_seed=0,
-                            mixed_precision=MixedPrecisionPolicy() if bf16 else None)
+                            mixed_precision=MixedPrecisionPolicy() if bf16 else None,
+                            offload_optimizer=side if side in ("cpu", "nvme") else None,
+                            offload_dir=args.offload_dir if side == "nvme" else None)
         opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=3e-4)
         return engine, opt, sum(spec.numel for spec in engine.layout.params)
     from torch.distributed.device_mesh import init_device_mesh
@@ -213,7 +228,11 @@ def rank_main(side: str, rank: int, args: argparse.Namespace, port: int, baton_p
                 result["times"].append(dt)
             if baton.add(f"done/{t}", 1) == args.ranks:
                 baton.set(f"go/{t + 1}", "1")
-        result.update(peak_rss=peak_rss_bytes(), ok=True)
+        store = getattr(opt, "_offload", None)
+        result.update(peak_rss=peak_rss_bytes(), ok=True,
+                      offloaded_bytes=store.state_bytes if store is not None else 0)
+        if hasattr(forward, "close"):
+            forward.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
     Path(out_dir, f"{side}-{rank}.json").write_text(json.dumps(result))
@@ -232,14 +251,15 @@ def run_precision(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="train-step-") as out:
         procs = [ctx.Process(target=rank_main, args=(side, r, args, port, baton_port, out))
-                 for side, port in ((s, free_port()) for s in SIDES) for r in range(args.ranks)]
+                 for side, port in ((s, free_port()) for s in sides(args))
+                 for r in range(args.ranks)]
         for p in procs:
             p.start()
         baton.set("go/0", "1")
         for p in procs:
             p.join()
-        results: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
-        for side in SIDES:
+        results: dict[str, list[dict[str, Any]]] = {s: [] for s in sides(args)}
+        for side in sides(args):
             for r in range(args.ranks):
                 path = Path(out, f"{side}-{r}.json")
                 res = json.loads(path.read_text()) if path.exists() else {
@@ -254,7 +274,7 @@ def run_precision(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> list[dict]:
     rows = []
     compute = 2 if args.precision == "bf16" else 4
-    for side in SIDES:
+    for side in sides(args):
         ranks = results[side]
         per_step = [max(ts) for ts in zip(*(r["times"] for r in ranks))]
         wire = ranks[0]["wire"]
@@ -265,7 +285,8 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
                      "steps_s": per_step, "peak_rss_mb": [r["peak_rss"] / 1e6 for r in ranks],
                      "rss_during_steps": all(r["rss_reset"] for r in ranks), "params": psi,
                      "elements": elements, "elements_by_op": wire, "vs_3psi": elements / (3 * psi),
-                     "loss": ranks[0]["loss"]})
+                     "loss": ranks[0]["loss"],
+                     "offloaded_bytes": [r["offloaded_bytes"] for r in ranks]})
     base = rows[1]
     for row in rows:
         row["ratio"] = row["median_s"] / base["median_s"]
@@ -295,7 +316,12 @@ def main() -> None:
     ap.add_argument("--zeropp", action="store_true",
                     help="shardckpt ZeRO-3 with and without each ZeRO++ option, side by side")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="--zeropp: ranks per node")
+    ap.add_argument("--offload", choices=("cpu", "nvme"),
+                    help="shardckpt ZeRO-3 with the optimizer offloaded against resident")
+    ap.add_argument("--offload-dir", help="--offload nvme: the directory (default: a temp dir)")
     args = ap.parse_args()
+    if args.offload == "nvme" and not args.offload_dir:
+        args.offload_dir = tempfile.mkdtemp(prefix="train-step-offload-")
     if args.zeropp:
         import _zeropp_jobs
 
@@ -327,11 +353,30 @@ def main() -> None:
         print(f"{r['precision']:>9} {r['side']:>10} {r['median_s']:>9.3f} {r['ratio']:>6.3f} "
               f"{r['paired_ratio']:>7.3f} {min(r['steps_s']):>7.3f} {max(r['steps_s']):>7.3f} "
               f"{rss:>17} {r['elements']:>14,} {r['vs_3psi']:>6.3f} {r['loss']:>10.4f}")
+    if args.offload:
+        print_offload(rows)
     if not all(r["rss_during_steps"] for r in rows):
         print("note: /proc/self/clear_refs refused; peak RSS is over the whole process life")
-    print("ratio: median step time over FSDP2's (target <= 1.0); paired: median over steps of "
+    print("ratio: median step time over the second side's (FSDP2's, target <= 1.0; with "
+          "--offload the resident optimizer's); paired: median over steps of "
           "the ratio of back-to-back steps; elements: logical volume (all-gather output, "
           "reduce-scatter input, 2x all-reduce) per step, over 3Ψ")
+
+
+def print_offload(rows: list[dict]) -> None:
+    """Per precision: memory that left the ranks against the offloaded bytes, and the step
+    time overhead against the bytes moved (nvme: the state read and written once each)."""
+    for off, res in zip(rows[::2], rows[1::2]):
+        saved = [b - a for a, b in zip(off["peak_rss_mb"], res["peak_rss_mb"])]
+        state = [b / 1e6 for b in off["offloaded_bytes"]]
+        extra = off["median_s"] - res["median_s"]
+        line = (f"{off['precision']}: offload {off['side']} peak RSS lower by "
+                f"{'/'.join(f'{m:.0f}' for m in saved)} MB/rank; offloaded state "
+                f"{'/'.join(f'{m:.0f}' for m in state)} MB/rank (master copy + moments); "
+                f"step {extra:+.3f} s")
+        if off["side"] == "nvme" and extra > 0:
+            line += f", {2 * max(state) / 1e3 / extra:.2f} GB/s of state moved per s overhead"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ from shardckpt.cli.app import app
 from shardckpt.cli.common import console, guarded
 
 if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
-    from shardckpt.estimate import Estimate, Precision, ZeroPPTraffic
+    from shardckpt.estimate import Estimate, OffloadSplit, Precision, ZeroPPTraffic
 
 _FLAG = {"params": "--params", "ranks": "--ranks", "replicate": "--replicate",
          "precision": "--precision", "largest_unit": "--largest-unit",
          "ranks_per_node": "--ranks-per-node", "block_size": "--block-size",
-         "grad_bits": "--grad-bits"}
+         "grad_bits": "--grad-bits", "offload": "--offload"}
 
 ZEROPP_CONVENTION = (
     "bytes per rank per ZeRO-3 step, logical volume (all-gather output, reduce-scatter and "
@@ -36,6 +36,14 @@ COMM_CONVENTION = (
     "a buffer of n elements count n, all-reduce counts 2n, a group of one rank counts 0 "
     "(DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ, HSDP 3Ψ + 2Ψ/S); comm_sent_per_rank is what one rank "
     "sends with ring algorithms, n·(g−1)/g per collective over g ranks"
+)
+
+
+OFFLOAD_CONVENTION = (
+    "bytes per rank: the per-element optimizer state and an fp32 master copy ((4 + optim)·Ψ/S) "
+    "leave the device, which keeps its weight shard and gradients; cpu holds them in host "
+    "memory, nvme on disk with a host window of three groups of the largest unit "
+    "(--largest-unit) plus a gradient buffer"
 )
 
 
@@ -76,17 +84,21 @@ def estimate(
     block_size: str = typer.Option("256", "--block-size",
                                    help="ZeRO++ quantization block (elements per fp32 scale)."),
     grad_bits: str = typer.Option("4", "--grad-bits", help="ZeRO++ qgZ gradient bits: 4 or 8."),
+    offload: Optional[str] = typer.Option(
+        None, "--offload",
+        help="cpu | nvme: adds device, host and disk bytes per rank with the optimizer offloaded."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
-    from shardckpt.estimate import (GB, EstimateError, estimate_all, parse_count, precision_preset,
-                                    zeropp_traffic)
+    from shardckpt.estimate import (GB, EstimateError, estimate_all, offload_split, parse_count,
+                                    precision_preset, zeropp_traffic)
 
     given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
              "largest_unit": largest_unit, "ranks_per_node": ranks_per_node,
-             "block_size": block_size, "grad_bits": grad_bits}
+             "block_size": block_size, "grad_bits": grad_bits, "offload": offload}
     zpp: tuple[ZeroPPTraffic, ...] = ()
+    off: list[OffloadSplit] = []
     try:
         psi = parse_count(params, "params")
         unit = parse_count(largest_unit, "largest_unit") if largest_unit is not None else None
@@ -98,6 +110,8 @@ def estimate(
                                  precision=prec.name,
                                  block_size=_whole("block_size", block_size),
                                  grad_bits=_whole("grad_bits", grad_bits))
+        if offload is not None:
+            off = [offload_split(row, offload) for row in rows if row.strategy != "ddp"]
     except EstimateError as e:
         raise _fail(e.option, given.get(e.option, e.value), e.reason) from None
     if as_json:
@@ -109,11 +123,16 @@ def estimate(
                              "block_size": int(block_size), "grad_bits": int(grad_bits),
                              "convention": ZEROPP_CONVENTION,
                              "variants": [z.to_dict() for z in zpp]}
+        if offload is not None:
+            doc["offload"] = {"mode": offload, "convention": OFFLOAD_CONVENTION,
+                              "strategies": [o.to_dict() for o in off]}
         typer.echo(json.dumps(doc, indent=2))
         return
     _print_table(rows, prec, unit is not None)
     if zpp:
         _print_zeropp(zpp, psi, n, int(ranks_per_node or 0))
+    if off:
+        _print_offload(off)
 
 
 def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) -> None:
@@ -163,3 +182,19 @@ def _print_zeropp(rows: tuple[ZeroPPTraffic, ...], psi: int, n: int, k: int) -> 
     con.print(table)
     con.print("ZeRO++ bytes: logical volume per rank; cross-node = the collective's group spans "
               "nodes", highlight=False)
+
+
+def _print_offload(rows: list[OffloadSplit]) -> None:
+    from rich.table import Table
+
+    from shardckpt.estimate import GB
+
+    table = Table(title=f"Optimizer offload {rows[0].mode}: bytes per rank")
+    for col in ("Strategy", "Device GB", "Host GB", "Disk GB"):
+        table.add_column(col, justify="left" if col == "Strategy" else "right")
+    for o in rows:
+        table.add_row(o.label, f"{o.device_bytes / GB:,.2f}", f"{o.host_bytes / GB:,.2f}",
+                      f"{o.disk_bytes / GB:,.2f}")
+    con = console()
+    con.print(table)
+    con.print("offload: " + OFFLOAD_CONVENTION, highlight=False)

@@ -391,3 +391,49 @@ def zeropp_traffic(params: int, ranks: int, ranks_per_node: int, *,
                                   psi * p / k if hpz else 0.0,
                                   base / cross if cross else math.inf))
     return tuple(rows)
+
+
+# --------------------------------------------------------------------- optimizer offload
+
+OFFLOAD_MODES = ("cpu", "nvme")
+#: Groups whose master and state an ``nvme`` step holds in host memory at once: the one
+#: computing, the one being read ahead, the one being written back.
+OFFLOAD_WINDOW_GROUPS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadSplit:
+    """Model-state bytes per rank with the optimizer offloaded (shardckpt's runtime:
+    ``offload_optimizer``): the per-element optimizer state and an fp32 master copy, ``(4 +
+    optim) · Ψ / S``, leave the device, which keeps its weight shard, gradients and (when
+    separate) master shard. ``cpu``: host memory holds them; ``nvme``: the disk does, and host
+    memory holds the streaming window of :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest
+    unit's shard plus a gradient buffer (0 when ``largest_unit`` is unknown)."""
+
+    mode: str
+    strategy: str
+    label: str
+    device_bytes: float
+    host_bytes: float
+    disk_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return _asdict(self)
+
+
+def offload_split(row: Estimate, mode: str) -> OffloadSplit:
+    """Where ``row``'s model state lives per rank with ``offload_optimizer=mode``."""
+    if mode not in OFFLOAD_MODES:
+        raise EstimateError("offload", mode, f"unknown; known: {', '.join(OFFLOAD_MODES)}")
+    if row.strategy == "ddp":
+        raise EstimateError("strategy", "ddp", "offload applies to ZeRO-1/2/3 and HSDP")
+    optim = row.kind("optim")
+    per_param = 4 + optim.bytes_per_param  # fp32 master copy + per-element state
+    moved = per_param * row.params / row.shard
+    device = row.model_state_bytes - optim.bytes
+    unit = (row.largest_unit or 0) / row.shard
+    grad_buffer = 4 * unit
+    if mode == "cpu":
+        return OffloadSplit(mode, row.strategy, row.label, device, moved + grad_buffer, 0.0)
+    window = OFFLOAD_WINDOW_GROUPS * per_param * unit + grad_buffer
+    return OffloadSplit(mode, row.strategy, row.label, device, window, moved)

@@ -143,7 +143,10 @@ class SaveJob:
             return
         for g, kinds in self.shards.items():
             for k, t in kinds.items():
-                self.staging[g][k].copy_(t)
+                if hasattr(t, "read_into"):  # state in an offload file
+                    t.read_into(self.staging[g][k])
+                else:
+                    self.staging[g][k].copy_(t)
         self.shards = self.staging
 
     def write_files(self) -> list[dict[str, Any]]:
@@ -154,7 +157,11 @@ class SaveJob:
 
             def produce(slot: TensorSlot) -> Iterator[Any]:
                 gname, kind = slot.name.rsplit(".", 1)
-                yield _bytes_of(shards[gname][kind])
+                t = shards[gname][kind]
+                if hasattr(t, "iter_bytes"):  # state in an offload file: streamed from it
+                    yield from t.iter_bytes()
+                else:
+                    yield _bytes_of(t)
 
             entries.append(w.write_shard(self.shard, produce))
         if self.rank == 0 and w.buffer_slots:
@@ -316,9 +323,11 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
                 f"{reader.url}: the checkpoint has no {', '.join(sorted(missing_kinds))} state; "
                 "load with weights_only=True to take the weights alone")
         for (tensor, off, n), data in zip(targets, reader.read_ranges(requests)):
-            view = _bytes_of(tensor)
             k = itemsize(_dtype_name(tensor))
-            view[off * k:(off + n) * k] = memoryview(data).cast("B")
+            if hasattr(tensor, "write_bytes"):  # state in an offload file: written in place
+                tensor.write_bytes(off * k, data)
+            else:
+                _bytes_of(tensor)[off * k:(off + n) * k] = memoryview(data).cast("B")
             counter["bytes"] += len(data)
         if m.components["model"].buffers:
             bufs = {}

@@ -15,7 +15,8 @@ from typer.testing import CliRunner, Result
 
 from shardckpt.errors import ConfigError
 from shardckpt.estimate import (
-    GB, PRECISIONS, EstimateError, estimate, estimate_all, parse_count, zeropp_traffic,
+    GB, PRECISIONS, EstimateError, estimate, estimate_all, offload_split, parse_count,
+    zeropp_traffic,
 )
 
 PSI = 7_500_000_000
@@ -214,6 +215,37 @@ def test_cli_zeropp_rows() -> None:
     want = [r.to_dict() for r in zeropp_traffic(10**9, 16, 4, precision="paper")]
     assert doc["zeropp"]["variants"] == json.loads(json.dumps(want))
     assert "zeropp" not in json.loads(run_cli("-p", "1B", "-n", "16", "--json").stdout)
+
+
+def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
+    z3 = estimate(PSI, "zero3", 64, precision="fsdp2-bf16", largest_unit=10**8)
+    cpu, nvme = offload_split(z3, "cpu"), offload_split(z3, "nvme")
+    moved = (4 + 8) * PSI / 64  # fp32 master copy + two Adam moments, this rank's shard
+    assert cpu.device_bytes == nvme.device_bytes == z3.model_state_bytes - 8 * PSI / 64
+    assert (cpu.host_bytes, cpu.disk_bytes) == (moved + 4 * 10**8 / 64, 0.0)
+    assert nvme.disk_bytes == moved
+    assert nvme.host_bytes == 3 * 12 * 10**8 / 64 + 4 * 10**8 / 64  # window of three groups
+    z1 = offload_split(estimate(PSI, "zero1", 64), "cpu")
+    assert z1.host_bytes == moved and z1.device_bytes == (2 + 2) * PSI + 4 * PSI / 64
+    with pytest.raises(EstimateError, match="offload"):
+        offload_split(z3, "gpu")
+    with pytest.raises(EstimateError, match="ZeRO"):
+        offload_split(estimate(PSI, "ddp", 64), "cpu")
+
+
+def test_cli_offload_rows() -> None:
+    table = run_cli("-p", "7B", "-n", "8", "--largest-unit", "200M", "--offload", "nvme")
+    assert table.exit_code == 0, table.output
+    for text in ("Optimizer offload nvme", "Device GB", "Host GB", "Disk GB"):
+        assert text in table.stdout
+    doc = json.loads(run_cli("-p", "1B", "-n", "16", "--offload", "cpu", "--json").stdout)
+    rows = estimate_all(10**9, 16)[1:]
+    assert doc["offload"]["strategies"] == json.loads(json.dumps(
+        [offload_split(r, "cpu").to_dict() for r in rows]))
+    assert "offload" not in json.loads(run_cli("-p", "1B", "-n", "16", "--json").stdout)
+    bad = run_cli("-p", "1B", "-n", "8", "--offload", "gpu")
+    assert bad.exit_code == 2 and bad.stderr.strip().count("\n") == 0
+    assert "--offload gpu" in bad.stderr
 
 
 def test_results_are_frozen_values() -> None:

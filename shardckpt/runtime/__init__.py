@@ -26,7 +26,9 @@ Checkpoints read and write ``engine.local_shards()``, ``opt.optimizer_metadata()
 and ``engine.full_state_dict()`` give whole tensors of small models; ``checkpoint_units(engine)``
 turns on activation checkpointing per unit. ``ZeroEngine(..., zeropp=ZeroPP(qwz=True, hpz=True,
 qgz=True))`` turns on ZeRO++ (:mod:`shardckpt.runtime.zeropp`), with nodes of
-``init_distributed(ranks_per_node=K)`` ranks.
+``init_distributed(ranks_per_node=K)`` ranks. ``ZeroEngine(..., offload_optimizer="cpu")`` (or
+``"nvme"`` with ``offload_dir=``) keeps the fp32 masters, optimizer state and step in host memory
+or in files (:mod:`shardckpt.runtime.offload`); ``engine.close()`` removes the files.
 """
 
 from __future__ import annotations

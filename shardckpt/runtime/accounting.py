@@ -128,7 +128,7 @@ def model_state_bytes(engine: "ZeroEngine") -> dict[str, int]:
     seen: set[int] = set()
 
     def add(kind: str, t: torch.Tensor | None) -> None:
-        if t is None:
+        if not isinstance(t, torch.Tensor):  # None, or optimizer state in an offload file
             return
         storage = t.untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:

@@ -51,6 +51,7 @@ from shardckpt.runtime import accounting, collectives, full_params
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool, torch_dtype
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
+from shardckpt.runtime.offload import OffloadConfig, check_offload
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
 from shardckpt.runtime.precision import (
     MixedPrecisionPolicy,
@@ -97,6 +98,14 @@ class ZeroEngine:
             hierarchical gradient reduction); off by default. Nodes are blocks of
             ``process_mesh.ranks_per_node`` ranks. Masters, optimizer state and checkpoints
             are the same with or without them.
+        offload_optimizer: ``None`` (optimizer state and step on the device), ``"cpu"`` (fp32
+            masters, optimizer state and step in host memory, pinned on CUDA) or ``"nvme"``
+            (in files under ``offload_dir``, streamed group by group); the weight shard the
+            all-gathers read stays on the device. Same bits, same checkpoints
+            (:mod:`shardckpt.runtime.offload`). Call :meth:`close` to remove the files.
+        offload_dir: the local directory for ``offload_optimizer="nvme"`` (created if
+            missing; must be writable, checked here; the space is checked and reserved when
+            the optimizer is built).
 
     Public surface (what checkpointing and tools rely on):
 
@@ -126,8 +135,10 @@ class ZeroEngine:
                  init_fn: InitFn | None = None, init_seed: int | None = None,
                  prefix: str = "model.", reshard_root_after_forward: bool = False,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 zeropp: ZeroPP | None = None) -> None:
+                 zeropp: ZeroPP | None = None, offload_optimizer: str | None = None,
+                 offload_dir: Any = None) -> None:
         stage = check_stage(stage)
+        self.offload: OffloadConfig | None = check_offload(offload_optimizer, offload_dir)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
             raise ConfigError(f"mixed_precision is {mixed_precision!r}; pass a "
                               "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) or None")
@@ -180,10 +191,11 @@ class ZeroEngine:
                                        pool=pool)
         self.accounting.reset()  # construction gathered units one by one to initialize them
         full_params.refuse_placeholder_state_dicts(self)
-        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s%s; %s", stage,
-                 len(self.units), len(self.groups), len(params),
+        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s%s%s; %s",
+                 stage, len(self.units), len(self.groups), len(params),
                  f", {mixed_precision}" if mixed_precision else "",
-                 f", {zeropp.describe()}" if zeropp.enabled else "", pm.describe())
+                 f", {zeropp.describe()}" if zeropp.enabled else "",
+                 f", {self.offload.describe()}" if self.offload else "", pm.describe())
 
     # ---------------------------------------------------------------------------- public
 
@@ -374,6 +386,13 @@ class ZeroEngine:
         if self._optimizer is not None and self._optimizer is not optimizer:
             raise ConfigError("this engine already has an optimizer; create one per engine")
         self._optimizer = optimizer
+
+    def close(self) -> None:
+        """Release the optimizer's offloaded state (``offload_optimizer``: its files are
+        removed). The engine cannot step afterwards. Idempotent."""
+        close = getattr(self._optimizer, "close_offload", None)
+        if close is not None:
+            close()
 
     @property
     def in_backward(self) -> bool:

@@ -100,6 +100,9 @@ class FlatParamGroup:
         self.shard_start, self.shard_end = layout.shard_range(spec, pm.shard_rank)
         self.master = torch.zeros(self.shard_numel, dtype=torch_dtype(spec.master_dtype),
                                   device=pm.device)
+        # set whenever ``master`` may have changed outside an offloaded step (the offload store
+        # copies it in before the next step; :mod:`shardckpt.runtime.offload`)
+        self.master_changed = True
         self._make_compute_buffers()
         self.gathered = False
         self.grad: torch.Tensor | None = None
@@ -278,6 +281,7 @@ class FlatParamGroup:
     def refresh(self) -> None:
         """Re-derive the compute shard from ``master``: the compute copy is cast from ``master``
         at each gather, so only an hpZ copy of the old weights is dropped."""
+        self.master_changed = True
         self.drop_secondary()
 
     # ---------------------------------------------------------------------- gradients

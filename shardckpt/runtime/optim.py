@@ -28,6 +28,7 @@ import torch
 from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.runtime.engine import ZeroEngine
 from shardckpt.runtime.flat import FlatParamGroup
+from shardckpt.runtime.offload import OffloadStore
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._index_group(group)
         self._refuse_shape_based_groups()
         self.state_kinds: tuple[str, ...] = self._state_kinds()
-        self._state: dict[str, dict[str, torch.Tensor]] = {
-            name: {k: torch.zeros_like(g.master) for k in self.state_kinds}
-            for name, g in engine.groups.items() if g.trainable
-        }
+        self._offload: OffloadStore | None = None
+        self._state: dict[str, dict[str, torch.Tensor]] = {}
+        trained = {name: g for name, g in engine.groups.items() if g.trainable}
+        if engine.offload is None:
+            self._state = {name: {k: torch.zeros_like(g.master) for k in self.state_kinds}
+                           for name, g in trained.items()}
+        else:
+            pm = engine.process_mesh
+            self._offload = OffloadStore(engine.offload,
+                                         {n: g.shard_numel for n, g in trained.items()},
+                                         self.state_kinds, pm.device, pm.rank)
         self._ready = True
         engine.attach_optimizer(self)
 
@@ -153,8 +161,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._steps.append(0)
 
     def local_state(self, group_name: str) -> dict[str, torch.Tensor]:
-        """State kind -> this rank's live shard of the flat group (empty for frozen groups)."""
+        """State kind -> this rank's live shard of the flat group (empty for frozen groups):
+        a tensor, or with ``offload_optimizer="nvme"`` an
+        :class:`~shardckpt.runtime.offload.OffloadedShard` (its file)."""
+        if self._offload is not None:
+            return self._offload.local_state(group_name)
         return dict(self._state.get(group_name, {}))
+
+    def close_offload(self) -> None:
+        """Release the offloaded state (files removed); see :meth:`ZeroEngine.close`."""
+        if self._offload is not None:
+            self._offload.close()
 
     # ------------------------------------------------------------------------ step
 
@@ -166,6 +183,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._engine.check_grads_reduced()
         self._engine.before_update()  # e.g. an async checkpoint still copying these shards
+        # flat group -> its segments to update, with their param group's step and hyper
+        work: dict[str, list[tuple[_Segment, int, dict[str, Any]]]] = {}
         for i, group in enumerate(self.param_groups):
             # The same on every rank: a flat group's gradient exists after a collective reduce.
             if not any(fg.grad is not None for fg in self._flat_groups[i]):
@@ -174,14 +193,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
             hyper = {k: (float(v) if isinstance(v, torch.Tensor) else v)
                      for k, v in group.items() if k != "params"}
             for seg in self._segments[i]:
-                fg = seg.group
-                if fg.grad is None:
-                    continue
-                state = {k: v[seg.lo:seg.hi] for k, v in self._state[fg.name].items()}
-                self._update(fg.master[seg.lo:seg.hi], fg.grad[seg.lo:seg.hi], state,
-                             self._steps[i], hyper)
+                if seg.group.grad is not None:
+                    work.setdefault(seg.group.name, []).append((seg, self._steps[i], hyper))
+        groups = self._engine.groups
+        if self._offload is None:
+            for name, items in work.items():
+                fg = groups[name]
+                self._update_segments(fg.master, fg.grad, self._state[name], items)
+        else:
+            for name in work:  # the device shard changed since the last step (a load, ...)
+                if groups[name].master_changed:
+                    self._offload.pull_master(name, groups[name].master)
+            self._offload.step(work, {n: groups[n].master for n in work},
+                               {n: groups[n].grad for n in work}, self._update_segments)
         self._engine.after_step()
+        for name in work:  # after_step re-derived them from what the store holds too
+            groups[name].master_changed = False
         return loss
+
+    def _update_segments(self, master: torch.Tensor, grad: torch.Tensor,
+                         state: Mapping[str, torch.Tensor],
+                         items: list[tuple[_Segment, int, dict[str, Any]]]) -> None:
+        """Update one flat group's shard: each segment with its param group's step and hyper
+        (element-wise, so the order of the segments does not change any bit)."""
+        for seg, step, hyper in items:
+            self._update(master[seg.lo:seg.hi], grad[seg.lo:seg.hi],
+                         {k: v[seg.lo:seg.hi] for k, v in state.items()}, step, hyper)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad(set_to_none)

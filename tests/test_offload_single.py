@@ -1,0 +1,259 @@
+"""Optimizer offload in one process: configuration and disk faults, the files of ``"nvme"``,
+the host step bit for bit, and checkpoints that stream from and into the offload files.
+
+Multi-rank parity at stages 1-3 lives in ``integration/test_offload_runtime.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardckpt.checkpointer import Checkpointer
+from shardckpt.errors import ConfigError
+from shardckpt.runtime import ShardedAdamW, ShardedSGD, ZeroEngine, decay_param_groups
+from shardckpt.runtime import offload as offload_module
+from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.save_load import load, save
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _engine(stage: int = 3, **kwargs) -> ZeroEngine:
+    torch.manual_seed(0)
+    return ZeroEngine(LlamaForCausalLM(CFG), policy=LLAMA_POLICY, stage=stage,
+                      process_mesh=ProcessMesh.single(), deterministic=True, **kwargs)
+
+
+def _adamw(engine: ZeroEngine) -> ShardedAdamW:
+    return ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2, betas=(0.9, 0.95))
+
+
+def _train(engine: ZeroEngine, opt: torch.optim.Optimizer, steps: range) -> None:
+    for s in steps:
+        tokens = torch.randint(0, CFG.vocab_size, (2, 8),
+                               generator=torch.Generator().manual_seed(s))
+        causal_lm_loss(engine(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _state(engine: ZeroEngine) -> dict[tuple[str, str], torch.Tensor]:
+    """Every kind of every group as a tensor (offload files read back)."""
+    out = {}
+    for g, kinds in engine.local_shards().items():
+        for k, t in kinds.items():
+            if not isinstance(t, torch.Tensor):
+                host = torch.empty(t.shape, dtype=t.dtype)
+                t.read_into(host)
+                t = host
+            out[g, k] = t.clone()
+    return out
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"differ: {bad}"
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(offload_optimizer="gpu"), "offload_optimizer is 'gpu'"),
+    (dict(offload_optimizer="nvme"), "needs offload_dir"),
+    (dict(offload_optimizer="cpu", offload_dir="/tmp"), "only for offload_optimizer='nvme'"),
+    (dict(offload_dir="/tmp"), "offload_optimizer is None"),
+])
+def test_bad_offload_settings_are_one_clear_error(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        _engine(**kwargs)
+
+
+def test_an_unwritable_offload_directory_is_refused_at_construction(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")  # a directory below a regular file cannot be created, even by root
+    with pytest.raises(ConfigError, match=f"offload directory {blocker / 'off'} is not writable"):
+        _engine(offload_optimizer="nvme", offload_dir=blocker / "off")
+
+
+def test_a_full_disk_is_refused_when_the_optimizer_is_built(tmp_path, monkeypatch):
+    engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path)
+    need = sum(g.shard_numel for g in engine.groups.values() if g.trainable) * 4 * 3
+    monkeypatch.setattr(offload_module.os, "statvfs",
+                        lambda path: SimpleNamespace(f_bavail=1, f_frsize=4096))
+    with pytest.raises(ConfigError) as err:
+        _adamw(engine)
+    msg = str(err.value)
+    assert str(tmp_path) in msg and f"needs {need} bytes" in msg and "only 4096 bytes" in msg
+    assert os.listdir(tmp_path) == []  # nothing half-created
+
+
+def test_nvme_files_one_per_group_and_kind_unique_per_run_removed_at_close(tmp_path):
+    engines = [_engine(offload_optimizer="nvme", offload_dir=tmp_path) for _ in range(2)]
+    for e in engines:
+        _adamw(e)
+    runs = sorted(os.listdir(tmp_path))
+    assert len(runs) == 2 and all(r.startswith("shardckpt-offload-") and r.endswith("-rank00000")
+                                  for r in runs)
+    trained = [n for n, g in engines[0].groups.items() if g.trainable]
+    want = sorted(f"{n}.{k}.bin" for n in trained for k in ("master", "exp_avg", "exp_avg_sq"))
+    assert sorted(os.listdir(tmp_path / runs[0])) == want
+    size = {n: g.shard_numel * 4 for n, g in engines[0].groups.items()}
+    for f in want:
+        assert (tmp_path / runs[0] / f).stat().st_size == size[f.split(".bin")[0].rsplit(".", 1)[0]]
+    engines[0].close()
+    engines[0].close()  # idempotent
+    assert len(os.listdir(tmp_path)) == 1
+    engines[1].close()
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_offloaded_step_is_bit_exact_against_the_resident_one(tmp_path, stage, mode):
+    base = _engine(stage)
+    _train(base, _adamw(base), range(3))
+    kwargs = dict(offload_dir=tmp_path) if mode == "nvme" else {}
+    engine = _engine(stage, offload_optimizer=mode, **kwargs)
+    opt = _adamw(engine)
+    _train(engine, opt, range(3))
+    _assert_same(_state(base), _state(engine))
+    # the host path ran: the store's masters are tensors of their own, not the device shards
+    store = opt._offload
+    assert store is not None and store.config.mode == mode
+    if mode == "cpu":
+        name = next(iter(store.sizes))
+        assert (store._host[name]["master"].data_ptr()
+                != engine.groups[name].master.data_ptr())
+    engine.close()
+
+
+def test_sgd_with_momentum_offloaded_is_bit_exact(tmp_path):
+    base = _engine(2)
+    _train(base, ShardedSGD(base, lr=1e-2, momentum=0.9), range(3))
+    engine = _engine(2, offload_optimizer="nvme", offload_dir=tmp_path)
+    _train(engine, ShardedSGD(engine, lr=1e-2, momentum=0.9), range(3))
+    _assert_same(_state(base), _state(engine))
+    engine.close()
+
+
+def test_masters_written_between_steps_reach_the_offloaded_step(tmp_path):
+    """A load (or any write of the device shard plus refresh_params) is what the next step
+    starts from."""
+    base, engine = _engine(), _engine(offload_optimizer="nvme", offload_dir=tmp_path)
+    opts = [_adamw(base), _adamw(engine)]
+    for e, o in zip((base, engine), opts):
+        _train(e, o, range(1))
+        for kinds in e.local_shards().values():
+            kinds["master"].mul_(0.5)
+        e.refresh_params()
+        _train(e, o, range(1, 2))
+    _assert_same(_state(base), _state(engine))
+    engine.close()
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def test_save_streams_from_the_offload_files_in_bounded_pieces(tmp_path, monkeypatch):
+    engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
+    _train(engine, _adamw(engine), range(2))
+    monkeypatch.setattr(offload_module, "IO_CHUNK", 256)
+    reads: list[int] = []
+    real = offload_module._pread_into
+    monkeypatch.setattr(offload_module, "_pread_into",
+                        lambda fd, buf, off, path: (reads.append(len(buf)), real(fd, buf, off,
+                                                                                 path)))
+    save(engine, str(tmp_path / "ck"))
+    largest = max(g.shard_numel for g in engine.groups.values()) * 4
+    assert reads and max(reads) <= 256 < largest
+    engine.close()
+
+
+@pytest.mark.parametrize("src, dst", [("nvme", None), (None, "nvme"), ("cpu", "nvme")])
+def test_checkpoints_load_with_offload_on_or_off_bit_for_bit(tmp_path, src, dst):
+    def build(mode, where):
+        kw = dict(offload_optimizer=mode, offload_dir=tmp_path / where) if mode == "nvme" \
+            else dict(offload_optimizer=mode)
+        e = _engine(**kw)
+        return e, _adamw(e)
+
+    saver, opt = build(src, "a")
+    _train(saver, opt, range(2))
+    save(saver, str(tmp_path / "ck"))
+    loader, opt2 = build(dst, "b")
+    load(loader, str(tmp_path / "ck"))
+    _assert_same(_state(saver), _state(loader))
+    _train(saver, opt, range(2, 4))
+    _train(loader, opt2, range(2, 4))
+    _assert_same(_state(saver), _state(loader))
+    saver.close()
+    loader.close()
+
+
+def test_async_checkpointer_stages_from_the_offload_files(tmp_path):
+    engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
+    opt = _adamw(engine)
+    ckpt = Checkpointer(str(tmp_path / "run"), engine, async_save=True)
+    _train(engine, opt, range(1))
+    want = _state(engine)
+    ckpt.save(1)
+    _train(engine, opt, range(1, 2))
+    ckpt.close()
+    other = _engine(offload_optimizer="cpu")
+    _adamw(other)
+    assert Checkpointer(str(tmp_path / "run"), other).resume() == 1
+    _assert_same(want, _state(other))
+    engine.close()
+
+
+def test_a_weights_only_checkpoint_zeroes_the_offloaded_state(tmp_path):
+    weights = _engine()  # no optimizer: the checkpoint holds masters alone
+    save(weights, str(tmp_path / "ck"))
+    engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
+    _train(engine, _adamw(engine), range(1))
+    assert any(t.any() for (g, k), t in _state(engine).items() if k != "master")
+    load(engine, str(tmp_path / "ck"))
+    state = _state(engine)
+    assert all(not t.any() for (g, k), t in state.items() if k != "master")
+    assert all(torch.equal(state[key], t) for key, t in _state(weights).items())
+    engine.close()
+    assert os.listdir(tmp_path / "off") == []
+
+
+def test_a_failed_write_back_is_one_error_and_no_checkpoint_is_taken_after_it(tmp_path,
+                                                                             monkeypatch):
+    engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
+    opt = _adamw(engine)
+    _train(engine, opt, range(1))
+    save(engine, str(tmp_path / "good"))
+    real = offload_module.os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(offload_module.os, "pwrite", full)
+    with pytest.raises(Exception) as err:
+        _train(engine, opt, range(1, 2))
+    assert "offload file" in str(err.value) and "No space left" in str(err.value)
+    assert str(tmp_path / "off") in str(err.value)
+    monkeypatch.setattr(offload_module.os, "pwrite", real)
+    with pytest.raises(Exception, match="inconsistent"):
+        save(engine, str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()
+    other = _engine()
+    _adamw(other)
+    load(other, str(tmp_path / "good"))  # the previous checkpoint is intact
+    engine.close()
