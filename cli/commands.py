@@ -170,8 +170,16 @@ def verify(
         m: Any = read_manifest(storage)
     except ShardckptError as e:
         m = e
-    with progress(0 if isinstance(m, ShardckptError) else m.total_bytes, "verify") as tick:
-        result = run_verify(storage, workers=workers, progress=tick, manifest=m)
+    from shardckpt.distributed_tools import job_from_environment
+
+    with job_from_environment() as job:  # under torchrun: this process checks its share
+        with progress(0 if isinstance(m, ShardckptError) else m.total_bytes, "verify",
+                      enabled=job is None) as tick:
+            result = run_verify(storage, workers=workers, progress=tick, manifest=m, job=job)
+    if job is not None and not job.is_root:
+        if not result:
+            raise typer.Exit(EXIT_FAILED)
+        return
     if json_out:
         echo_json({"url": ckpt, "ok": result.ok, "problems": list(result.problems),
                    "files": [{"path": r.path, "size": r.size, "ok": r.ok, "problems": list(r.problems)}

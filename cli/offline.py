@@ -63,8 +63,14 @@ def consolidate(
     src = checkpoint_location(src, opts)
     reader = CheckpointReader(src, opts)
     plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src, prefix)
-    with progress(plan.source_bytes, "consolidate") as tick:
-        r = write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick, copy_from)
+    from shardckpt.distributed_tools import job_from_environment
+
+    with job_from_environment() as job:  # under torchrun: this process's share of the files
+        with progress(plan.source_bytes, "consolidate", enabled=job is None) as tick:
+            r = write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick,
+                                    copy_from, job=job)
+    if job is not None and not job.is_root:
+        return
     if json_out:
         echo_json({"src": src, "dst": dst, "save_id": r.save_id, "step": r.step, "dtype": r.dtype,
                    "component": r.component, "tensors": r.tensors, "total_size": r.total_size,
@@ -95,8 +101,15 @@ def diff(
     opts = parse_storage_options(storage_option)
     ra, rb = CheckpointReader(a, opts), CheckpointReader(b, opts)
     plan = plan_diff(ra.manifest, rb.manifest)
-    with progress(plan.total_bytes, "diff") as tick:
-        r = run_diff(ra, rb, plan, parse_bytes(buffer, "--buffer"), tick)
+    from shardckpt.distributed_tools import job_from_environment
+
+    with job_from_environment() as job:  # under torchrun: this process compares its share
+        with progress(plan.total_bytes, "diff", enabled=job is None) as tick:
+            r = run_diff(ra, rb, plan, parse_bytes(buffer, "--buffer"), tick, job=job)
+    if job is not None and not job.is_root:
+        if not r.equal:
+            raise typer.Exit(EXIT_FAILED)
+        return
     if json_out:
         echo_json(r.to_dict())
     elif r.equal:

@@ -20,7 +20,8 @@ def reshard(
     to: int = typer.Option(..., "--to", help="Target world size M."),
     from_: Optional[int] = typer.Option(None, "--from", help="Guard: the source's world size N."),
     replicate: int = typer.Option(1, "--replicate", help="Target HSDP replicate degree R (mesh R x M/R)."),
-    workers: int = typer.Option(1, "--workers", help="Processes that split the target shards."),
+    workers: int = typer.Option(1, "--workers", help="Processes that split the target shards "
+                                "(under torchrun, the job's processes split them instead)."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace DST (a damaged checkpoint too) once the new one is "
                                         "complete, then remove earlier attempts' directories there."),
@@ -30,7 +31,10 @@ def reshard(
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
-    """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last."""
+    """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last.
+
+    Under torchrun (`torchrun --nproc_per_node K -m shardckpt reshard ...`) the job's processes
+    split the target files by bytes and rank 0 commits once all are written."""
     from shardckpt.checkpoint import read_manifest, as_storage
     from shardckpt.cli.common import parse_bytes
     from shardckpt.reshard import reshard as run
@@ -39,15 +43,21 @@ def reshard(
     from shardckpt.cli.common import checkpoint_location
 
     src = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
-    total = 0
-    if workers <= 1:
-        try:
-            total = read_manifest(as_storage(src, opts)).total_bytes
-        except Exception:  # noqa: BLE001 - the real error is raised by run() below
-            total = 0
-    with progress(total, "reshard", enabled=workers <= 1) as tick:
-        r = run(src, dst, to, from_, replicate, workers, overwrite, opts,
-                buffer_bytes=parse_bytes(buffer, "--buffer"), progress=tick)
+    from shardckpt.distributed_tools import job_from_environment
+
+    buffer_bytes = parse_bytes(buffer, "--buffer")
+    with job_from_environment() as job:  # under torchrun: this process's share of the job
+        total = 0
+        if workers <= 1 and job is None:
+            try:
+                total = read_manifest(as_storage(src, opts)).total_bytes
+            except Exception:  # noqa: BLE001 - the real error is raised by run() below
+                total = 0
+        with progress(total, "reshard", enabled=workers <= 1 and job is None) as tick:
+            r = run(src, dst, to, from_, replicate, workers, overwrite, opts,
+                    buffer_bytes=buffer_bytes, progress=tick, job=job)
+    if job is not None and not job.is_root:
+        return
     m = r.manifest
     if json_out:
         echo_json({"src": src, "dst": dst, "from": r.source_world_size, "to": m.mesh.world_size,

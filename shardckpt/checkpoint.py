@@ -15,7 +15,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from shardckpt import commit as _commit
 from shardckpt.errors import (
@@ -329,15 +329,22 @@ class VerifyResult:
 
 def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
            workers: int = 4, progress: Callable[[int], None] | None = None,
-           manifest: "Manifest | ShardckptError | None" = None) -> VerifyResult:
+           manifest: "Manifest | ShardckptError | None" = None,
+           paths: "Collection[str] | None" = None, job: Any = None) -> VerifyResult:
     """Check every file against the manifest: presence, size, whole and per-chunk CRC32C, header.
 
     Never stops at the first problem. ``progress(nbytes)`` is called as bytes are checked.
     Memory is bounded by the chunk size times ``workers``. ``manifest``: the manifest already
     read by the caller with :func:`read_manifest` (or the error that gave), so that it is not
-    read twice.
+    read twice. ``paths``: check only these of the manifest's files. ``job`` (a
+    :class:`shardckpt.distributed_tools.Job`): the processes of a ``torchrun`` job split the
+    files by bytes, and every process gets the whole result.
     """
     storage = as_storage(location, storage_options)
+    if job is not None:
+        from shardckpt.distributed_tools import verify_job
+
+        return verify_job(job, storage, workers, progress, manifest)
     if manifest is None:
         try:
             manifest = read_manifest(storage)
@@ -388,7 +395,7 @@ def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None 
         return FileReport(entry.path, entry.size, not problems, tuple(problems))
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        reports = tuple(pool.map(check, m.files))
+        reports = tuple(pool.map(check, [f for f in m.files if paths is None or f.path in paths]))
     return VerifyResult(storage.url, m, reports, tuple(p for r in reports for p in r.problems))
 
 

@@ -344,22 +344,23 @@ def _remove_quietly(storage: Storage, names: Sequence[str]) -> None:
             log.warning("could not remove partial %s", storage.url_of(rel))
 
 
-def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
-                        overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
-                        buffer_bytes: int = DEFAULT_BUFFER,
-                        progress: Callable[[int], None] | None = None,
-                        copy_from: "str | Storage | None" = None) -> ConsolidateResult:
-    """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
+@dataclass
+class Target:
+    """Where a consolidation goes and under which names: :func:`prepare_target`'s answer."""
 
-    Refuses a DST holding weights or an index unless ``overwrite``; other files (a README,
-    tokenizer files) are kept and do not need it. The new weights go beside the old ones, the
-    index is replaced atomically, then our old outputs that the new index does not name are
-    removed: a kill at any point leaves the old consolidation loadable or the new one complete.
-    ``config.json`` is written from the manifest's ``hf_config``; ``copy_from`` names a model
-    folder whose tokenizer and generation files (and ``config.json``, if the checkpoint has
-    none) are copied. On failure, every weight file this run wrote is removed.
-    """
-    t0 = time.perf_counter()
+    storage: Storage
+    existing: list[str]
+    token: str
+    model_files: tuple[OutFile, ...]
+    opt_files: tuple[OutFile, ...]
+    copy_source: Storage | None
+    copies: list[str]
+
+
+def prepare_target(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+                   overwrite: bool, storage_options: Mapping[str, Any] | None,
+                   copy_from: "str | Storage | None", token: str | None = None) -> Target:
+    """Guard ``dst`` and name the output files (see :func:`write_consolidation`)."""
     storage = as_storage(dst, storage_options)
     if storage.url.rstrip("/") == reader.url.rstrip("/"):
         raise ConfigError(f"{storage.url}: the destination is the source; choose another directory")
@@ -371,16 +372,60 @@ def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: 
                           "its consolidated files")
     source = as_storage(copy_from, storage_options) if copy_from is not None else None
     copies = files_to_copy(source, plan.hf_config is None) if source is not None else []
-    token = uuid.uuid4().hex[:8]
+    token = token or uuid.uuid4().hex[:8]
     model_files = _fresh_names(plan.files, existing, token)
     opt_files = _fresh_names(plan.optimizer_files, existing, token)
     storage.ensure_free_space("", plan.output_bytes, "consolidate")
-    chunked = reader.manifest.chunked is not None and not reader.manifest.components
-    engine: Any = ChunkedPieces(reader, buffer_bytes) if chunked else PieceReader([reader], buffer_bytes)
-    written = _install(storage, model_files + opt_files, engine, token, progress)
+    return Target(storage, existing, token, model_files, opt_files, source, copies)
+
+
+def piece_reader(reader: CheckpointReader, buffer_bytes: int) -> Any:
+    """The engine that reads (and checks) the source's pieces of each output file."""
+    m = reader.manifest
+    if m.chunked is not None and not m.components:
+        return ChunkedPieces(reader, buffer_bytes)
+    return PieceReader([reader], buffer_bytes)
+
+
+def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+                        overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
+                        buffer_bytes: int = DEFAULT_BUFFER,
+                        progress: Callable[[int], None] | None = None,
+                        copy_from: "str | Storage | None" = None, job: Any = None) -> ConsolidateResult:
+    """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
+
+    Refuses a DST holding weights or an index unless ``overwrite``; other files (a README,
+    tokenizer files) are kept and do not need it. The new weights go beside the old ones, the
+    index is replaced atomically, then our old outputs that the new index does not name are
+    removed: a kill at any point leaves the old consolidation loadable or the new one complete.
+    ``config.json`` is written from the manifest's ``hf_config``; ``copy_from`` names a model
+    folder whose tokenizer and generation files (and ``config.json``, if the checkpoint has
+    none) are copied. On failure, every weight file this run wrote is removed. ``job`` (a
+    :class:`shardckpt.distributed_tools.Job`): the processes of a ``torchrun`` job split the
+    weight files (every process calls this).
+    """
+    if job is not None:
+        from shardckpt.distributed_tools import consolidate_job
+
+        return consolidate_job(job, reader, plan, str(dst) if not isinstance(dst, Storage) else dst,
+                               overwrite, storage_options, buffer_bytes, progress, copy_from)
+    t0 = time.perf_counter()
+    target = prepare_target(reader, plan, dst, overwrite, storage_options, copy_from)
+    engine = piece_reader(reader, buffer_bytes)
+    written = _install(target.storage, target.model_files + target.opt_files, engine, target.token,
+                       progress)
+    commit_target(reader, plan, target)
+    return result_of(reader, plan, target, engine.bytes_read, written, t0)
+
+
+def commit_target(reader: CheckpointReader, plan: ConsolidationPlan, target: Target) -> None:
+    """Once every weight file is written: copied files, config, the indexes (the model index
+    last: the commit), provenance; then the earlier consolidation's files go. On failure before
+    the commit, every new weight file is removed."""
+    storage, model_files, opt_files = target.storage, target.model_files, target.opt_files
     try:
-        if source is not None:
-            copy_files(source, storage, copies)
+        if target.copy_source is not None:
+            copy_files(target.copy_source, storage, target.copies)
         if plan.hf_config is not None:
             storage.put(CONFIG, config_bytes(plan.hf_config))
         if opt_files:
@@ -397,17 +442,23 @@ def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: 
     storage.put(PROVENANCE, json.dumps(provenance, indent=2).encode())
     keep = {f.name for f in model_files + opt_files} | {MODEL_INDEX, PROVENANCE}
     keep |= {OPTIMIZER_INDEX} if opt_files else set()
-    for name in existing:
+    for name in target.existing:
         if _OUTPUT_NAME.match(name) and name not in keep:
             storage.rm(name)
+
+
+def result_of(reader: CheckpointReader, plan: ConsolidationPlan, target: Target, bytes_read: int,
+              written: int, t0: float) -> ConsolidateResult:
+    model_files, opt_files = target.model_files, target.opt_files
     secs = time.perf_counter() - t0
-    log.info("consolidated %s -> %s: %d files, %d bytes in %.2f s", reader.url, storage.url,
+    log.info("consolidated %s -> %s: %d files, %d bytes in %.2f s", reader.url, target.storage.url,
              len(model_files) + len(opt_files), written, secs)
-    return ConsolidateResult(storage.url, plan.source or reader.url, plan.save_id, plan.step, plan.dtype,
-                             plan.component, tuple((f.name, f.size) for f in model_files),
+    return ConsolidateResult(target.storage.url, plan.source or reader.url, plan.save_id, plan.step,
+                             plan.dtype, plan.component,
+                             tuple((f.name, f.size) for f in model_files),
                              tuple((f.name, f.size) for f in opt_files),
                              sum(len(f.tensors) for f in plan.files), sum(f.data_bytes for f in plan.files),
-                             dict(plan.omitted_aliases), engine.bytes_read, written, secs)
+                             dict(plan.omitted_aliases), bytes_read, written, secs)
 
 
 def consolidate(src: "str | CheckpointReader", dst: "str | Storage", dtype: str = "bfloat16",

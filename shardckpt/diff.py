@@ -206,10 +206,19 @@ def compare_bytes(a: bytes, b: bytes, dtype_a: str, dtype_b: str) -> tuple[int, 
 
 def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None = None,
              buffer_bytes: int = DEFAULT_BUFFER,
-             progress: Callable[[int], None] | None = None) -> DiffResult:
-    """Compare every planned pair in aligned pieces; ``progress(nbytes)`` as pieces are compared."""
+             progress: Callable[[int], None] | None = None, job: Any = None,
+             chunked: bool = True) -> DiffResult:
+    """Compare every planned pair in aligned pieces; ``progress(nbytes)`` as pieces are compared.
+
+    ``job`` (a :class:`shardckpt.distributed_tools.Job`): the processes of a ``torchrun`` job
+    split the pairs by bytes, and every process gets the whole result. ``chunked``: also compare
+    the chunked tensors and blobs."""
     t0 = time.perf_counter()
     plan = plan or plan_diff(ra.manifest, rb.manifest)
+    if job is not None:
+        from shardckpt.distributed_tools import diff_job
+
+        return diff_job(job, ra, rb, plan, buffer_bytes, progress)
     engine = PieceReader([ra, rb], buffer_bytes)
     stats = [[0, 0.0] for _ in plan.comparisons]
     items = [(c.numel, (c.a, c.b)) for c in plan.comparisons]
@@ -232,7 +241,7 @@ def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None =
             diffs.append(TensorDiff(c.component, c.name, c.kind, DIFFERENT, c.numel, int(n), float(mx), detail))
     compared, elements, nbytes = len(plan.comparisons), sum(c.numel for c in plan.comparisons), 0
     identical = compared - len(diffs)
-    if ra.manifest.chunked is not None or rb.manifest.chunked is not None:
+    if chunked and (ra.manifest.chunked is not None or rb.manifest.chunked is not None):
         more, n_cmp, n_same, n_el, nbytes = _chunked_diff(ra, rb, buffer_bytes, progress)
         diffs += more
         compared, identical, elements = compared + n_cmp, identical + n_same, elements + n_el

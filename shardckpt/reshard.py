@@ -23,6 +23,7 @@ from shardckpt.chunkcache import CachedRangeReader
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, ShardckptError, StorageError
 from shardckpt.layout import Copy, Mesh, ReshardPlan, itemsize, plan_reshard
 from shardckpt.clean import remove_stale_saves
+from shardckpt.split import balance, shard_bytes
 from shardckpt.manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, Component, FileEntry, Manifest, TensorSlot, parse,
 )
@@ -184,15 +185,24 @@ def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: 
     return entries, ranged.bytes_read
 
 
+def entry_json(e: FileEntry) -> dict[str, Any]:
+    """A written file's entry as JSON, to send to the process that commits."""
+    return {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
+            "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index}
+
+
+def entry_from_json(e: Mapping[str, Any]) -> FileEntry:
+    return FileEntry(e["path"], e["role"], e["size"], e["header_size"], e["crc32c"],
+                     tuple(e["chunks"]), e["index"])
+
+
 def _worker(args: dict[str, Any], conn: Any) -> None:
     """Entry point of a worker process: write some target shards, send their entries as JSON."""
     try:
         entries, nread = _write_shards(args["src"], args["src_options"], args["dst"], args["dst_options"],
                                        Mesh(tuple((a, s) for a, s in args["mesh"])), args["save_id"],
                                        args["shards"], args["buffer_bytes"])
-        conn.send(json.dumps({"ok": True, "read": nread, "entries": [
-            {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
-             "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index} for e in entries]}))
+        conn.send(json.dumps({"ok": True, "read": nread, "entries": [entry_json(e) for e in entries]}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
     finally:
@@ -250,19 +260,48 @@ def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: in
             storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,
             buffer_bytes: int = DEFAULT_BUFFER,
-            progress: Callable[[int], None] | None = None) -> ReshardResult:
+            progress: Callable[[int], None] | None = None, job: Any = None) -> ReshardResult:
     """Reshard ``src`` to a world of ``to`` ranks (mesh ``replicate`` x ``to/replicate``) at ``dst``.
 
     ``from_`` is a guard: it must equal the source's world size. With ``overwrite``, an existing
-    checkpoint at ``dst`` is replaced only once the new one is complete.
+    checkpoint at ``dst`` is replaced only once the new one is complete. ``job`` (a
+    :class:`shardckpt.distributed_tools.Job`): split the target shards over the processes of a
+    ``torchrun`` job instead (every process calls this; ``workers`` is then ignored).
     """
+    if job is not None:
+        from shardckpt.distributed_tools import reshard_job
+
+        return reshard_job(job, src, dst, to, from_, replicate, overwrite, storage_options,
+                           dst_storage_options, buffer_bytes, progress)
     t0 = time.perf_counter()
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be >= 1")
+    reader, mesh = open_source(src, to, from_, replicate, storage_options, buffer_bytes)
+    m = reader.manifest
+    dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
+    dst_storage, replacing, writer = open_destination(reader, mesh, dst, dst_opts, overwrite)
+    try:
+        with writer.lease():  # released before the attempt's directory is removed on failure
+            entries, nread = _write_all(reader, writer, src, storage_options, dst, dst_opts,
+                                        workers, buffer_bytes, progress)
+            manifest = writer.commit(entries, replacing)
+    except BaseException as e:
+        discard_attempt(writer, dst, e)
+        raise
+    if overwrite:
+        _remove_replaced(dst_storage, replacing, manifest.save_id)
+    written = sum(e.size for e in entries)
+    return ReshardResult(manifest, m.mesh.world_size, written, nread, time.perf_counter() - t0)
+
+
+def open_source(src: str, to: int, from_: int | None, replicate: int,
+                storage_options: Mapping[str, Any] | None,
+                buffer_bytes: int) -> tuple[CheckpointReader, Mesh]:
+    """Check the options and open the source: its reader and the target mesh."""
     if to is None or to < 1:
         raise ConfigError(f"--to {to}: the target world size must be >= 1")
     if replicate < 1 or to % replicate:
         raise ConfigError(f"--to {to} is not divisible by --replicate {replicate}")
-    if workers < 1:
-        raise ConfigError(f"--workers {workers}: must be >= 1")
     reader = CheckpointReader(src, storage_options)
     m = reader.manifest
     if from_ is not None and from_ != m.mesh.world_size:
@@ -271,26 +310,28 @@ def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: in
             f"world size {m.mesh.world_size} (mesh {m.mesh.describe()})")
     mesh = Mesh.for_world(to, replicate)
     _check_work(m, mesh, to, buffer_bytes)
-    dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
-    dst_storage = as_storage(dst, dst_opts)
+    return reader, mesh
+
+
+def open_destination(reader: CheckpointReader, mesh: Mesh, dst: str,
+                     dst_options: Mapping[str, Any] | None, overwrite: bool,
+                     ) -> tuple[Storage, bytes | None, CheckpointWriter]:
+    """Guard the destination and make the writer of a new attempt there: the destination's
+    storage, the manifest bytes the new one is to replace (None: create), the writer."""
+    dst_storage = as_storage(dst, dst_options)
     replacing = _prepare_dst(dst_storage, reader.storage, overwrite)
-    spec, _ = target_spec(m, mesh)
+    spec, _ = target_spec(reader.manifest, mesh)
     writer = CheckpointWriter(dst_storage, spec)
     dst_storage.ensure_free_space("", writer.data_bytes(), "reshard")
-    try:
-        with writer.lease():  # released before the attempt's directory is removed on failure
-            entries, nread = _write_all(reader, writer, src, storage_options, dst, dst_opts,
-                                        workers, buffer_bytes, progress)
-            manifest = writer.commit(entries, replacing)
-    except BaseException as e:
-        if not writer.discard() and isinstance(e, ShardckptError):
-            e.args = (f"{e.args[0] if e.args else type(e).__name__}; `shardckpt clean {dst}` "
-                      f"removes the unfinished {writer.save_id}/",)
-        raise
-    if overwrite:
-        _remove_replaced(dst_storage, replacing, manifest.save_id)
-    written = sum(e.size for e in entries)
-    return ReshardResult(manifest, m.mesh.world_size, written, nread, time.perf_counter() - t0)
+    return dst_storage, replacing, writer
+
+
+def discard_attempt(writer: CheckpointWriter, dst: str, error: BaseException) -> None:
+    """After a failure (the lease released): remove the attempt's directory; where that fails,
+    the error says how to remove it."""
+    if not writer.discard() and isinstance(error, ShardckptError):
+        error.args = (f"{error.args[0] if error.args else type(error).__name__}; `shardckpt clean "
+                      f"{dst}` removes the unfinished {writer.save_id}/",)
 
 
 def _write_all(reader: CheckpointReader, writer: CheckpointWriter, src: str,
@@ -305,8 +346,10 @@ def _write_all(reader: CheckpointReader, writer: CheckpointWriter, src: str,
         entries, nread = _write_shards(src, src_options, dst, dst_options, mesh,
                                        writer.save_id, list(range(S)), buffer_bytes, progress)
     else:
+        _, plans = target_spec(reader.manifest, mesh)
+        parts = balance([r + w for r, w in shard_bytes(writer.spec, plans)], k)
         entries, nread = _run_workers(src, src_options, dst, dst_options, mesh, writer.save_id,
-                                      S, k, buffer_bytes)
+                                      parts, buffer_bytes)
     if reader.manifest.buffers_file() is not None:
         b = writer.write_buffers(lambda slot: iter([reader.read_buffer(slot.name)[1]]))
         if b is not None:
@@ -337,16 +380,16 @@ def _remove_replaced(dst: Storage, replaced: bytes | None, keep: str) -> None:
 
 
 def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
-                 dst_options: Mapping[str, Any] | None, mesh: Mesh, save_id: str, S: int, k: int,
-                 buffer_bytes: int) -> tuple[list[FileEntry], int]:
-    """Split target shards round-robin over ``k`` spawned processes; fail if any fails."""
+                 dst_options: Mapping[str, Any] | None, mesh: Mesh, save_id: str,
+                 parts: Sequence[Sequence[int]], buffer_bytes: int) -> tuple[list[FileEntry], int]:
+    """Write the target shards of ``parts[w]`` in spawned process ``w``; fail if any fails."""
     ctx = mp.get_context("spawn")
     procs = []
-    for w in range(k):
+    for w, shards in enumerate(parts):
         parent, child = ctx.Pipe(duplex=False)
         args = {"src": src, "src_options": dict(src_options or {}), "dst": dst,
                 "dst_options": dict(dst_options or {}), "mesh": [list(a) for a in mesh.axes],
-                "save_id": save_id, "shards": list(range(w, S, k)), "buffer_bytes": buffer_bytes}
+                "save_id": save_id, "shards": list(shards), "buffer_bytes": buffer_bytes}
         p = ctx.Process(target=_worker, args=(args, child), daemon=True)
         p.start()
         child.close()
@@ -366,8 +409,7 @@ def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
             errors.append(f"worker {w}: {msg['error']}")
             continue
         nread += msg["read"]
-        entries += [FileEntry(e["path"], e["role"], e["size"], e["header_size"], e["crc32c"],
-                              tuple(e["chunks"]), e["index"]) for e in msg["entries"]]
+        entries += [entry_from_json(e) for e in msg["entries"]]
     if errors:
         for p, _ in procs:
             if p.is_alive():

@@ -1,0 +1,104 @@
+"""The offline tools under torchrun on ``s3://`` (Ceph RGW): the same bytes as the single-process
+command; a process killed mid-run commits nothing, and a rerun succeeds."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+from shardckpt.checkpoint import verify
+from shardckpt.manifest import MANIFEST_NAME
+from shardckpt.synth import synthesize
+
+try:
+    from .test_dist_tools_local import contents, shardckpt, torchrun
+except ImportError:
+    from test_dist_tools_local import contents, shardckpt, torchrun
+
+pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def cli_options(bucket: Any) -> list[str]:
+    o = bucket.storage_options
+    return ["-o", f"key={o['key']}", "-o", f"secret={o['secret']}",
+            "-o", f"client_kwargs.endpoint_url={o['client_kwargs']['endpoint_url']}",
+            "-o", f"client_kwargs.region_name={o['client_kwargs']['region_name']}"]
+
+
+def test_reshard_on_s3_under_torchrun_equals_one_process(ceph_server: Any, s3_bucket: Any) -> None:
+    b = s3_bucket(ceph_server)
+    src = f"{b.url}/src"
+    synthesize(src, 300_000, ranks=4, units=3, seed=7, storage_options=b.storage_options)
+    r = shardckpt("reshard", src, f"{b.url}/ref", "--to", "6", *cli_options(b))
+    assert r.returncode == 0, r.stderr
+    fs = b.filesystem()
+    reference = contents(f"{b.name}/ref", fs)
+    dst = f"{b.url}/dst"
+    r = torchrun(3, "reshard", src, dst, "--to", "6", *cli_options(b))
+    assert r.returncode == 0, r.stderr[-3000:]
+    fs.invalidate_cache()
+    assert contents(f"{b.name}/dst", fs) == reference
+    result = verify(dst, b.storage_options)
+    assert result, result.problems
+    # no lease and no other attempt left behind
+    assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(f"{b.name}/dst")) == sorted(
+        [MANIFEST_NAME, result.manifest.save_id])
+
+
+def test_consolidate_on_s3_under_torchrun_equals_one_process(ceph_server: Any,
+                                                              s3_bucket: Any) -> None:
+    b = s3_bucket(ceph_server)
+    src = f"{b.url}/src"
+    synthesize(src, 300_000, ranks=4, units=3, seed=8, storage_options=b.storage_options)
+    opts = ["--max-shard-size", "300KB", *cli_options(b)]
+    assert shardckpt("consolidate", src, f"{b.url}/one", *opts).returncode == 0
+    r = torchrun(2, "consolidate", src, f"{b.url}/job", *opts)
+    assert r.returncode == 0, r.stderr[-3000:]
+    fs = b.filesystem()
+    one, job = (sorted(fs.find(f"{b.name}/{d}")) for d in ("one", "job"))
+    assert len(job) >= 4 and [k.split("/")[-1] for k in job] == [k.split("/")[-1] for k in one]
+    assert all(fs.cat_file(x) == fs.cat_file(y) for x, y in zip(one, job))
+
+
+def test_sigkill_on_s3_commits_nothing_and_a_rerun_succeeds(ceph_server: Any, s3_bucket: Any) -> None:
+    b = s3_bucket(ceph_server)
+    src, dst = f"{b.url}/src", f"{b.url}/dst"
+    synthesize(src, 2_000_000, ranks=4, units=4, storage_options=b.storage_options)  # ~24 MB
+    fs = b.filesystem()
+    proc = torchrun(2, "reshard", src, dst, "--to", "8", "--buffer", "64KiB", *cli_options(b),
+                    wait=False)
+    killed = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and killed is None:
+            fs.invalidate_cache()
+            written = [k for k in fs.find(f"{b.name}/dst") if "/shard-" in k]
+            if written:  # a first target file is complete: the job is mid-run
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    try:
+                        if child.environ().get("RANK") == "1":
+                            child.send_signal(signal.SIGKILL)
+                            killed = child.pid
+                    except psutil.Error:
+                        continue
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed is not None, "the job finished before a process could be killed; make it bigger"
+    assert proc.returncode != 0, err[-3000:]
+    fs.invalidate_cache()
+    assert not fs.exists(f"{b.name}/dst/{MANIFEST_NAME}")
+    r = torchrun(2, "reshard", src, dst, "--to", "8", "--overwrite", *cli_options(b))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = verify(dst, b.storage_options)
+    assert result, result.problems
+    fs.invalidate_cache()
+    assert sorted(k.rsplit("/", 1)[-1] for k in fs.ls(f"{b.name}/dst")) == sorted(
+        [MANIFEST_NAME, result.manifest.save_id])
