@@ -294,6 +294,11 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
     def work() -> dict[str, Any]:
         reader = CheckpointReader(url, storage_options)
         m = counter["manifest"] = reader.manifest
+        if "model" not in m.components and m.chunked is not None:
+            raise ManifestError(
+                f"{reader.url} holds chunked tensors (saved through DCP), not flat groups: load it "
+                "with shardckpt.dcp_flat.load_chunked(engine, url), or into FSDP2 with "
+                "dcp.load(..., storage_reader=ShardckptReader(url))")
         if "model" not in m.components:
             raise ManifestError(f"{reader.url}: no 'model' component (found {sorted(m.components)})")
         src = m.components["model"]

@@ -233,3 +233,17 @@ def test_one_writer_and_reader_follow_checkpoint_id(tmp_path: Path) -> None:
         assert torch.equal(sd["t"]["w"], golden_state()["t"]["w"])
         assert verify(str(tmp_path / f"step-{step}"))
     assert not (tmp_path / "unused").exists()
+
+
+def test_runtime_load_of_a_chunked_checkpoint_says_where_to_go(tmp_path: Path) -> None:
+    """``shardckpt.save_load.load`` takes flat groups; given DCP's chunks it names the loaders
+    that take them instead of saying only that there is no model component."""
+    from torch import nn
+
+    from shardckpt.errors import CollectiveError
+    from shardckpt.runtime import ZeroEngine
+    from shardckpt.save_load import load
+
+    engine = ZeroEngine(nn.Sequential(nn.Linear(4, 4)), policy=(nn.Linear,))
+    with pytest.raises(CollectiveError, match="chunked tensors.*load_chunked.*ShardckptReader"):
+        load(engine, str(GOLDEN))
