@@ -170,12 +170,13 @@ def verify(
         m: Any = read_manifest(storage)
     except ShardckptError as e:
         m = e
-    from shardckpt.distributed_tools import job_from_environment
+    from shardckpt.distributed_tools import job_from_environment, verify_job
 
     with job_from_environment() as job:  # under torchrun: this process checks its share
         with progress(0 if isinstance(m, ShardckptError) else m.total_bytes, "verify",
                       enabled=job is None) as tick:
-            result = run_verify(storage, workers=workers, progress=tick, manifest=m, job=job)
+            result = (run_verify(storage, workers=workers, progress=tick, manifest=m)
+                      if job is None else verify_job(job, storage, workers, tick, m))
     if job is not None and not job.is_root:
         if not result:
             raise typer.Exit(EXIT_FAILED)

@@ -63,12 +63,13 @@ def consolidate(
     src = checkpoint_location(src, opts)
     reader = CheckpointReader(src, opts)
     plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src, prefix)
-    from shardckpt.distributed_tools import job_from_environment
+    from shardckpt.distributed_tools import consolidate_job, job_from_environment
 
     with job_from_environment() as job:  # under torchrun: this process's share of the files
         with progress(plan.source_bytes, "consolidate", enabled=job is None) as tick:
-            r = write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick,
-                                    copy_from, job=job)
+            r = (write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick, copy_from)
+                 if job is None else
+                 consolidate_job(job, reader, plan, dst, overwrite, opts, buffer_bytes, tick, copy_from))
     if job is not None and not job.is_root:
         return
     if json_out:
@@ -101,11 +102,13 @@ def diff(
     opts = parse_storage_options(storage_option)
     ra, rb = CheckpointReader(a, opts), CheckpointReader(b, opts)
     plan = plan_diff(ra.manifest, rb.manifest)
-    from shardckpt.distributed_tools import job_from_environment
+    from shardckpt.distributed_tools import diff_job, job_from_environment
 
+    buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process compares its share
         with progress(plan.total_bytes, "diff", enabled=job is None) as tick:
-            r = run_diff(ra, rb, plan, parse_bytes(buffer, "--buffer"), tick, job=job)
+            r = (run_diff(ra, rb, plan, buffer_bytes, tick) if job is None
+                 else diff_job(job, ra, rb, plan, buffer_bytes, tick))
     if job is not None and not job.is_root:
         if not r.equal:
             raise typer.Exit(EXIT_FAILED)

@@ -43,7 +43,7 @@ def reshard(
     from shardckpt.cli.common import checkpoint_location
 
     src = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
-    from shardckpt.distributed_tools import job_from_environment
+    from shardckpt.distributed_tools import job_from_environment, reshard_job
 
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process's share of the job
@@ -54,8 +54,10 @@ def reshard(
             except Exception:  # noqa: BLE001 - the real error is raised by run() below
                 total = 0
         with progress(total, "reshard", enabled=workers <= 1 and job is None) as tick:
-            r = run(src, dst, to, from_, replicate, workers, overwrite, opts,
-                    buffer_bytes=buffer_bytes, progress=tick, job=job)
+            r = (run(src, dst, to, from_, replicate, workers, overwrite, opts,
+                     buffer_bytes=buffer_bytes, progress=tick) if job is None else
+                 reshard_job(job, src, dst, to, from_, replicate, overwrite, opts, None,
+                             buffer_bytes, tick))
     if job is not None and not job.is_root:
         return
     m = r.manifest

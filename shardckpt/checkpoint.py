@@ -330,21 +330,16 @@ class VerifyResult:
 def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
            workers: int = 4, progress: Callable[[int], None] | None = None,
            manifest: "Manifest | ShardckptError | None" = None,
-           paths: "Collection[str] | None" = None, job: Any = None) -> VerifyResult:
+           paths: "Collection[str] | None" = None) -> VerifyResult:
     """Check every file against the manifest: presence, size, whole and per-chunk CRC32C, header.
 
     Never stops at the first problem. ``progress(nbytes)`` is called as bytes are checked.
     Memory is bounded by the chunk size times ``workers``. ``manifest``: the manifest already
     read by the caller with :func:`read_manifest` (or the error that gave), so that it is not
-    read twice. ``paths``: check only these of the manifest's files. ``job`` (a
-    :class:`shardckpt.distributed_tools.Job`): the processes of a ``torchrun`` job split the
-    files by bytes, and every process gets the whole result.
+    read twice. ``paths``: check only these of the manifest's files (a ``torchrun`` job's share:
+    :func:`shardckpt.distributed_tools.verify_job` splits the files over the job's processes).
     """
     storage = as_storage(location, storage_options)
-    if job is not None:
-        from shardckpt.distributed_tools import verify_job
-
-        return verify_job(job, storage, workers, progress, manifest)
     if manifest is None:
         try:
             manifest = read_manifest(storage)

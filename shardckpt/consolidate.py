@@ -391,7 +391,7 @@ def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: 
                         overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                         buffer_bytes: int = DEFAULT_BUFFER,
                         progress: Callable[[int], None] | None = None,
-                        copy_from: "str | Storage | None" = None, job: Any = None) -> ConsolidateResult:
+                        copy_from: "str | Storage | None" = None) -> ConsolidateResult:
     """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
 
     Refuses a DST holding weights or an index unless ``overwrite``; other files (a README,
@@ -400,15 +400,10 @@ def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: 
     removed: a kill at any point leaves the old consolidation loadable or the new one complete.
     ``config.json`` is written from the manifest's ``hf_config``; ``copy_from`` names a model
     folder whose tokenizer and generation files (and ``config.json``, if the checkpoint has
-    none) are copied. On failure, every weight file this run wrote is removed. ``job`` (a
-    :class:`shardckpt.distributed_tools.Job`): the processes of a ``torchrun`` job split the
-    weight files (every process calls this).
+    none) are copied. On failure, every weight file this run wrote is removed. Under
+    ``torchrun``, :func:`shardckpt.distributed_tools.consolidate_job` splits the weight files over
+    the job's processes.
     """
-    if job is not None:
-        from shardckpt.distributed_tools import consolidate_job
-
-        return consolidate_job(job, reader, plan, str(dst) if not isinstance(dst, Storage) else dst,
-                               overwrite, storage_options, buffer_bytes, progress, copy_from)
     t0 = time.perf_counter()
     target = prepare_target(reader, plan, dst, overwrite, storage_options, copy_from)
     engine = piece_reader(reader, buffer_bytes)

@@ -206,19 +206,14 @@ def compare_bytes(a: bytes, b: bytes, dtype_a: str, dtype_b: str) -> tuple[int, 
 
 def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None = None,
              buffer_bytes: int = DEFAULT_BUFFER,
-             progress: Callable[[int], None] | None = None, job: Any = None,
+             progress: Callable[[int], None] | None = None,
              chunked: bool = True) -> DiffResult:
     """Compare every planned pair in aligned pieces; ``progress(nbytes)`` as pieces are compared.
 
-    ``job`` (a :class:`shardckpt.distributed_tools.Job`): the processes of a ``torchrun`` job
-    split the pairs by bytes, and every process gets the whole result. ``chunked``: also compare
-    the chunked tensors and blobs."""
+    ``chunked``: also compare the chunked tensors and blobs. Under ``torchrun``,
+    :func:`shardckpt.distributed_tools.diff_job` splits the pairs over the job's processes."""
     t0 = time.perf_counter()
     plan = plan or plan_diff(ra.manifest, rb.manifest)
-    if job is not None:
-        from shardckpt.distributed_tools import diff_job
-
-        return diff_job(job, ra, rb, plan, buffer_bytes, progress)
     engine = PieceReader([ra, rb], buffer_bytes)
     stats = [[0, 0.0] for _ in plan.comparisons]
     items = [(c.numel, (c.a, c.b)) for c in plan.comparisons]

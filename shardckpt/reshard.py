@@ -260,19 +260,13 @@ def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: in
             storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,
             buffer_bytes: int = DEFAULT_BUFFER,
-            progress: Callable[[int], None] | None = None, job: Any = None) -> ReshardResult:
+            progress: Callable[[int], None] | None = None) -> ReshardResult:
     """Reshard ``src`` to a world of ``to`` ranks (mesh ``replicate`` x ``to/replicate``) at ``dst``.
 
     ``from_`` is a guard: it must equal the source's world size. With ``overwrite``, an existing
-    checkpoint at ``dst`` is replaced only once the new one is complete. ``job`` (a
-    :class:`shardckpt.distributed_tools.Job`): split the target shards over the processes of a
-    ``torchrun`` job instead (every process calls this; ``workers`` is then ignored).
+    checkpoint at ``dst`` is replaced only once the new one is complete. Under ``torchrun``,
+    :func:`shardckpt.distributed_tools.reshard_job` splits the same work over the job's processes.
     """
-    if job is not None:
-        from shardckpt.distributed_tools import reshard_job
-
-        return reshard_job(job, src, dst, to, from_, replicate, overwrite, storage_options,
-                           dst_storage_options, buffer_bytes, progress)
     t0 = time.perf_counter()
     if workers < 1:
         raise ConfigError(f"--workers {workers}: must be >= 1")
