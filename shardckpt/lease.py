@@ -42,7 +42,7 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _write(self) -> None:
-        doc = {"expires": time.time() + self.ttl_s, **_whoami()}
+        doc = {"expires": time.time() + self.ttl_s, **whoami()}
         self.storage.put(self.rel, json.dumps(doc).encode())
 
     def _renew(self) -> None:
@@ -111,14 +111,15 @@ def _pid_namespace() -> int | None:
         return None
 
 
-def _whoami() -> dict[str, Any]:
+def whoami() -> dict[str, Any]:
+    """This process as a lease names its holder: host, PID namespace and pid."""
     return {"host": socket.gethostname(), "pidns": _pid_namespace(), "pid": os.getpid()}
 
 
 def _writer_gone(doc: dict[str, Any]) -> bool:
     """Whether the lease's writer is a process of this host and PID namespace that has exited
     (a killed writer's lease then ends at once, not after its expiry)."""
-    me = _whoami()
+    me = whoami()
     pid = doc.get("pid")
     if doc.get("host") != me["host"] or me["pidns"] is None or doc.get("pidns") != me["pidns"]:
         return False

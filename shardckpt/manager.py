@@ -26,7 +26,7 @@ from shardckpt.storage import NotFoundError, Storage
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 def step_dir(step: int) -> str:
@@ -61,7 +61,7 @@ class CheckpointManager:
         """(step, name) of every step directory, committed or not, oldest first."""
         out = []
         for name in self.storage.ls(""):
-            m = _STEP_DIR.match(name)
+            m = STEP_DIR.match(name)
             if m:
                 out.append((int(m.group(1)), name))
         return sorted(out)
@@ -77,7 +77,7 @@ class CheckpointManager:
             name = self.storage.read_limited(LATEST, 4096).decode().strip()
         except (NotFoundError, UnicodeDecodeError):
             return None
-        return name if _STEP_DIR.match(name) else None
+        return name if STEP_DIR.match(name) else None
 
     def check(self, found: Found, full: bool = False) -> list[str]:
         """Problems of one committed checkpoint: manifest and sizes, or every checksum if ``full``."""

@@ -39,7 +39,7 @@ from typing import Any
 from shardckpt import watch_records, watch_steps
 from shardckpt.checkpoint import read_manifest
 from shardckpt.errors import ShardckptError
-from shardckpt.manager import _STEP_DIR
+from shardckpt.manager import STEP_DIR
 from shardckpt.manifest import MANIFEST_NAME, Manifest
 from shardckpt.storage import Storage
 from shardckpt.watch_config import Pipeline, StepSpec
@@ -125,7 +125,7 @@ class Watcher:
         """(step, name) of the step directories not yet settled, oldest first: one LIST."""
         out = []
         for name in self.watch.ls(""):
-            m = _STEP_DIR.match(name)
+            m = STEP_DIR.match(name)
             if m and name not in self._settled:
                 out.append((int(m.group(1)), name))
         return sorted(out)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardckpt.errors import CommitConflictError, ShardckptError
-from shardckpt.lease import LEASE_PREFIX, Lease, _whoami, live_until
+from shardckpt.lease import LEASE_PREFIX, Lease, whoami, live_until
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class StepClaim:
         if self.settled():  # after the lease check: a holder records before it releases
             return False
         n = 1 + max((int(m.group(1)) for m in map(_CLAIM.match, names) if m), default=0)
-        doc = {"expires": time.time() + self.ttl_s, **_whoami()}
+        doc = {"expires": time.time() + self.ttl_s, **whoami()}
         try:
             self.storage.create_only(f"{self.dir}/{LEASE_PREFIX}claim-{n:04d}", json.dumps(doc).encode())
         except CommitConflictError:
@@ -160,7 +160,7 @@ class StepClaim:
         self.lease = None
         rel = f"{self.dir}/{LEASE_PREFIX}claim-{self.attempt:04d}"
         try:
-            self.storage.put(rel, json.dumps({"expires": 0, "released": True, **_whoami()}).encode())
+            self.storage.put(rel, json.dumps({"expires": 0, "released": True, **whoami()}).encode())
         except ShardckptError as e:
             log.warning("could not release the claim %s (%s); it expires in %g s",
                         self.storage.url_of(rel), e, self.ttl_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardckpt.manager import _STEP_DIR
+from shardckpt.manager import STEP_DIR
 from shardckpt.manifest import MANIFEST_NAME
 from shardckpt.storage import Storage
 from shardckpt.watch_config import Pipeline
@@ -25,11 +25,11 @@ def pipeline_status(p: Pipeline, watch: Storage | None = None, state: Storage | 
     watch = watch or Storage(p.watch, p.storage_options)
     state = state or Storage(p.state, p.storage_options)
     keys = [s.key for s in p.steps]
-    present = {n for n in watch.ls("") if _STEP_DIR.match(n)}
-    recorded = {n for n in record_names(state, p.name) if _STEP_DIR.match(n)}
+    present = {n for n in watch.ls("") if STEP_DIR.match(n)}
+    recorded = {n for n in record_names(state, p.name) if STEP_DIR.match(n)}
     checkpoints = []
     totals = {s: 0 for s in STATES}
-    for name in sorted(present | recorded, key=lambda n: int(_STEP_DIR.match(n).group(1))):  # type: ignore[union-attr]
+    for name in sorted(present | recorded, key=lambda n: int(STEP_DIR.match(n).group(1))):  # type: ignore[union-attr]
         committed = name in present and watch.exists(f"{name}/{MANIFEST_NAME}")
         states = step_states(state, p.name, name, keys, bodies=True) if name in recorded else {}
         steps, blocked = [], False

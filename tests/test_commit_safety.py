@@ -146,7 +146,7 @@ def test_lease_of_a_writer_gone_from_this_host_has_ended(tmp_path):
     import subprocess
     import sys
 
-    from shardckpt.lease import _whoami
+    from shardckpt.lease import whoami
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
@@ -154,10 +154,10 @@ def test_lease_of_a_writer_gone_from_this_host_has_ended(tmp_path):
     sid = new_save_id()
     for pid, live in ((int(gone.stdout), False), (os.getpid(), True)):
         s.put(f"{sid}/{LEASE_PREFIX}0000abcd", json.dumps(
-            {"expires": time.time() + 3600, **_whoami(), "pid": pid}).encode())
+            {"expires": time.time() + 3600, **whoami(), "pid": pid}).encode())
         assert (live_until(s, sid) is not None) == live
     s.put(f"{sid}/{LEASE_PREFIX}0000abcd", json.dumps(
-        {"expires": time.time() + 3600, **_whoami(), "host": "elsewhere", "pid": int(gone.stdout)}).encode())
+        {"expires": time.time() + 3600, **whoami(), "host": "elsewhere", "pid": int(gone.stdout)}).encode())
     assert live_until(s, sid) is not None  # another host's writer: only its expiry counts
 
 
