@@ -200,18 +200,12 @@ def _producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: 
 
     def produce(slot: Any) -> Iterator[Any]:
         gname, kind = slot.name.rsplit(".", 1)
-        g = layout.group(gname)
-        lo, hi = layout.shard_range(g, shard)
-        pos = lo
-        for p in layout.group_params(g):
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-            if a >= b:
-                continue
+        pieces, padding = layout.shard_pieces(gname, shard)
+        for p, a, b in pieces:
             t = model.params[p.fqn] if kind == "master" else model.moments[p.fqn][kind]
-            yield from fp32(t, a - p.offset, b - p.offset)
-            pos = b
-        if hi > max(pos, lo):
-            yield np.zeros(hi - max(pos, lo), np.float32)
+            yield from fp32(t, a, b)
+        if padding:
+            yield np.zeros(padding, np.float32)
 
     return produce
 

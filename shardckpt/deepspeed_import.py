@@ -320,21 +320,15 @@ def _producer(source: DeepSpeedSource, layout: Layout, shard: int,
 
     def produce(slot: Any) -> Iterator[Any]:
         gname, kind = slot.name.rsplit(".", 1)
-        g = layout.group(gname)
-        lo, hi = layout.shard_range(g, shard)
-        pos = lo
-        for p in layout.group_params(g):
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-            if a >= b:
-                continue
+        pieces, padding = layout.shard_pieces(gname, shard)
+        for p, a, b in pieces:
             for s in source.segments[p.fqn]:
-                x, y = max(a - p.offset, s.start), min(b - p.offset, s.end)
+                x, y = max(a, s.start), min(b, s.end)
                 for u in range(x, y, step):
                     v = min(y, u + step)
                     yield source.staged.read(f"{s.src}.{kind}", s.pos + u - s.start, v - u)
-            pos = b
-        if hi > max(pos, lo):
-            yield bytes((hi - max(pos, lo)) * 4)
+        if padding:
+            yield bytes(padding * 4)
 
     return produce
 

@@ -247,6 +247,21 @@ class Layout:
         g = self.group(group) if isinstance(group, str) else group
         return [self._param_index[f] for f in g.params]
 
+    def shard_pieces(self, group: FlatGroup | str,
+                     shard_rank: int) -> tuple[list[tuple[ParamSpec, int, int]], int]:
+        """What ``shard_rank``'s slice of ``group`` holds, in flat order: each parameter that
+        overlaps it with the element range ``[start, end)`` *inside the parameter* that falls in
+        the slice; then the number of padding elements that end the slice (the parameters tile
+        ``[0, numel)``, so padding is whatever of the slice lies past ``numel``)."""
+        g = self.group(group) if isinstance(group, str) else group
+        lo, hi = self.shard_range(g, shard_rank)
+        pieces = []
+        for p in self.group_params(g):
+            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if a < b:
+                pieces.append((p, a - p.offset, b - p.offset))
+        return pieces, hi - max(lo, min(hi, g.numel))
+
     def with_mesh(self, mesh: Mesh) -> "Layout":
         """The same groups and params, padded for another mesh."""
         groups = tuple(

@@ -92,19 +92,12 @@ def shard_producer(layout: Layout, seed: int, shard: int) -> Callable[[TensorSlo
 
     def produce(slot: TensorSlot) -> Iterator[Any]:
         gname, kind = slot.name.rsplit(".", 1)
-        g = layout.group(gname)
-        lo, hi = layout.shard_range(g, shard)
-        pos = lo
-        for p in layout.group_params(g):
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-            if a >= b:
-                continue
+        pieces, padding = layout.shard_pieces(gname, shard)
+        for p, a, b in pieces:
             for x in range(a, b, BLOCK * 16):
-                y = min(b, x + BLOCK * 16)
-                yield values(seed, p.fqn, kind, x - p.offset, y - p.offset)
-            pos = b
-        if pos < hi:
-            yield bytes((hi - max(pos, lo)) * 4)
+                yield values(seed, p.fqn, kind, x, min(b, x + BLOCK * 16))
+        if padding:
+            yield bytes(padding * 4)
 
     return produce
 
