@@ -40,7 +40,7 @@ def _save_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardckpt.synth import llama_params, values
+    from shardckpt.tools.synth import llama_params, values
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Rank-side jobs of bench/save_load.py, run by ``shardckpt.launch.launch`` (one process per rank).
+"""Rank-side jobs of bench/save_load.py, run by ``shardckpt.training.launch.launch`` (one process per rank).
 
 ``save_job`` (N ranks, 4 by default) builds the same Llama twice on the meta device, each
 materializing only its shards: a ``ZeroEngine`` + ``ShardedAdamW`` (unit-by-unit init) and an
@@ -13,7 +13,7 @@ exist. Then, for every repetition, in an order rotated by one each time, it time
   a file of its own, then fsyncs it: the disk's limit for the same bytes;
 * ``sync`` / ``async``: ``Checkpointer(...).save(step)`` without and with ``async_save``; the
   async one is timed until ``save`` returns (blocking) and until ``wait`` returns (total);
-* ``dcp_sc``: the same ``dcp.save`` of the FSDP2 model with ``shardckpt.dcp.ShardckptWriter``
+* ``dcp_sc``: the same ``dcp.save`` of the FSDP2 model with ``shardckpt.interop.dcp_storage.ShardckptWriter``
   (CRC32C of every byte, create-only manifest); ``dcp_async`` / ``dcp_sc_async``:
   ``dcp.async_save`` with ``FileSystemWriter`` / ``ShardckptWriter``, timed until it returns.
 
@@ -211,10 +211,10 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from shardckpt.checkpointer import Checkpointer
-    from shardckpt.dcp import ShardckptWriter
+    from shardckpt.training.checkpointer import Checkpointer
+    from shardckpt.interop.dcp_storage import ShardckptWriter
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
 
     pm = init_distributed()
     rank, world = pm.rank, pm.world_size
@@ -296,9 +296,9 @@ def load_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from shardckpt.dcp import ShardckptReader
+    from shardckpt.interop.dcp_storage import ShardckptReader
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     pm = init_distributed()
     rank, world = pm.rank, pm.world_size

@@ -38,7 +38,7 @@ WORKER = os.path.join(HERE, "_dcp_consolidate_worker.py")
 
 
 def weight_bytes(params: int, units: int) -> int:
-    from shardckpt.synth import llama_params
+    from shardckpt.tools.synth import llama_params
 
     infos, buffers, _ = llama_params(params, units)
     return 4 * (sum(math.prod(p.shape) for p in infos) + sum(math.prod(b.shape) for b in buffers))
@@ -46,8 +46,8 @@ def weight_bytes(params: int, units: int) -> int:
 
 def index_mapping(src: str) -> dict[str, int]:
     """fqn -> output file index (1-based) of shardckpt's plan, so both sides split files alike."""
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.consolidate import plan_consolidation
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.tools.consolidate import plan_consolidation
 
     plan = plan_consolidation(CheckpointReader(src).manifest, "fp32")
     return {t.name: i + 1 for i, f in enumerate(plan.files) for t in f.tensors}

@@ -26,12 +26,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
 
-    from shardckpt.checkpoint import CheckpointWriter
-    from shardckpt.layout import Mesh
-    from shardckpt.reshard import target_spec
-    from shardckpt.split import balance, shard_bytes
+    from shardckpt.checkpoint.writer import CheckpointWriter
+    from shardckpt.format.layout import Mesh
+    from shardckpt.tools.reshard import target_spec
+    from shardckpt.tools.split import balance, shard_bytes
     from shardckpt.storage import Storage
-    from shardckpt.synth import synth_spec
+    from shardckpt.tools.synth import synth_spec
 
     spec = synth_spec(int(args.params), args.src, 1, args.units, 100, 0)
     writer = CheckpointWriter(Storage("memory://dist-plan"), spec)

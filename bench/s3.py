@@ -175,8 +175,8 @@ def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks
     synth_s = time.perf_counter() - t0
     fs.invalidate_cache()
     nbytes = sum(fs.du(f"{bucket}/src", total=False).values())
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.manifest import shard_slots
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.format.manifest import shard_slots
 
     m = CheckpointReader(src, {"key": server.key, "secret": server.secret,
                                "client_kwargs": {"endpoint_url": server.endpoint_url}}).manifest

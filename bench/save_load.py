@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from shardckpt.launch import launch
+    from shardckpt.training.launch import launch
 
     cfg = llama_config(parse_count(args.params))
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")

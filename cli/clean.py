@@ -23,7 +23,7 @@ def clean(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Remove save directories no manifest names; abort multipart uploads left open."""
-    from shardckpt.clean import clean as run
+    from shardckpt.tools.clean import clean as run
 
     r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=parse_storage_options(storage_option))
     if json_out:

@@ -28,8 +28,8 @@ def synth(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write a valid synthetic checkpoint of a Llama-shaped layout (fp32 masters + AdamW moments)."""
-    from shardckpt.synth import synth_spec, synthesize
-    from shardckpt.manifest import shard_slots
+    from shardckpt.tools.synth import synth_spec, synthesize
+    from shardckpt.format.manifest import shard_slots
 
     n = parse_count(params, "--params")
     if ranks < 1:
@@ -59,8 +59,8 @@ def inspect(
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables (lists every parameter)."),
 ) -> None:
     """Show a checkpoint's format version, mesh, step, components, groups, parameters, states and files."""
-    from shardckpt.checkpoint import read_manifest, as_storage
-    from shardckpt.summary import summarize
+    from shardckpt.checkpoint.reader import read_manifest, as_storage
+    from shardckpt.tools.summary import summarize
 
     opts = parse_storage_options(storage_option)
     url = checkpoint_location(ckpt, opts)
@@ -72,7 +72,7 @@ def inspect(
 
 
 def _print_summary(s: dict[str, Any], params: bool, limit: int) -> None:
-    """Tables of :func:`shardckpt.summary.summarize`; every name is printed as plain text."""
+    """Tables of :func:`shardckpt.tools.summary.summarize`; every name is printed as plain text."""
     from rich.table import Table
     from rich.text import Text
 
@@ -159,7 +159,8 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Check every file's presence, size, checksums and header; exit 0 only if all hold."""
-    from shardckpt.checkpoint import as_storage, read_manifest, verify as run_verify
+    from shardckpt.checkpoint.reader import as_storage, read_manifest
+    from shardckpt.checkpoint.verify import verify as run_verify
 
     from shardckpt.errors import ShardckptError
 
@@ -170,7 +171,7 @@ def verify(
         m: Any = read_manifest(storage)
     except ShardckptError as e:
         m = e
-    from shardckpt.distributed_tools import job_from_environment, verify_job
+    from shardckpt.tools.distributed import job_from_environment, verify_job
 
     with job_from_environment() as job:  # under torchrun: this process checks its share
         with progress(0 if isinstance(m, ShardckptError) else m.total_bytes, "verify",

@@ -174,7 +174,7 @@ def console(stderr: bool = False) -> Any:
 def checkpoint_location(url: str, storage_options: dict[str, Any]) -> str:
     """The checkpoint ``url`` names: a run directory resolves to the checkpoint its ``latest``
     names, and stderr says so."""
-    from shardckpt.manager import resolve_checkpoint
+    from shardckpt.checkpoint.run_dir import resolve_checkpoint
 
     resolved, note = resolve_checkpoint(url, storage_options)
     if note:

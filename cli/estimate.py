@@ -1,6 +1,6 @@
 """``shardckpt estimate``: model-state memory per GPU and communication per step (ZeRO paper).
 
-Thin: parse the options, call :func:`shardckpt.estimate.estimate_all`, print a table or JSON.
+Thin: parse the options, call :func:`shardckpt.tools.estimate.estimate_all`, print a table or JSON.
 Bad input prints one line on stderr naming the option and its value, and exits with code 2.
 Imports nothing heavy (no torch, no numpy); rich is imported only when a table is printed.
 """
@@ -16,7 +16,7 @@ from shardckpt.cli.app import app
 from shardckpt.cli.common import console, guarded
 
 if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
-    from shardckpt.estimate import Estimate, OffloadSplit, Precision, ZeroPPTraffic
+    from shardckpt.tools.estimate import Estimate, OffloadSplit, Precision, ZeroPPTraffic
 
 _FLAG = {"params": "--params", "ranks": "--ranks", "replicate": "--replicate",
          "precision": "--precision", "largest_unit": "--largest-unit",
@@ -91,7 +91,7 @@ def estimate(
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
-    from shardckpt.estimate import (GB, EstimateError, estimate_all, offload_split, parse_count,
+    from shardckpt.tools.estimate import (GB, EstimateError, estimate_all, offload_split, parse_count,
                                     precision_preset, zeropp_traffic)
 
     given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
@@ -138,7 +138,7 @@ def estimate(
 def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) -> None:
     from rich.table import Table
 
-    from shardckpt.estimate import GB
+    from shardckpt.tools.estimate import GB
 
     psi = rows[0].params
     table = Table(title=f"Ψ = {psi:,} parameters on {rows[0].world_size} GPUs, precision "
@@ -169,7 +169,7 @@ def _print_table(rows: tuple[Estimate, ...], prec: Precision, gathered: bool) ->
 def _print_zeropp(rows: tuple[ZeroPPTraffic, ...], psi: int, n: int, k: int) -> None:
     from rich.table import Table
 
-    from shardckpt.estimate import GB
+    from shardckpt.tools.estimate import GB
 
     table = Table(title=f"ZeRO++: bytes per rank per step, {n // k} nodes × {k} GPUs")
     for col in ("Variant", "Cross-node GB/step", "In-node GB/step", "vs ZeRO-3 cross-node",
@@ -187,7 +187,7 @@ def _print_zeropp(rows: tuple[ZeroPPTraffic, ...], psi: int, n: int, k: int) -> 
 def _print_offload(rows: list[OffloadSplit]) -> None:
     from rich.table import Table
 
-    from shardckpt.estimate import GB
+    from shardckpt.tools.estimate import GB
 
     table = Table(title=f"Optimizer offload {rows[0].mode}: bytes per rank")
     for col in ("Strategy", "Device GB", "Host GB", "Disk GB"):

@@ -1,7 +1,7 @@
 """``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``,
 ``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``).
 
-Thin: parse options, call :func:`shardckpt.hf.import_hf`, print one line or JSON. Errors become
+Thin: parse options, call :func:`shardckpt.interop.hf_import.import_hf`, print one line or JSON. Errors become
 one line on stderr and a non-zero exit (``guarded``).
 """
 
@@ -38,7 +38,7 @@ def import_hf_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC's weights as a weights-only checkpoint for --ranks ranks; manifest last."""
-    from shardckpt.hf import import_hf
+    from shardckpt.interop.hf_import import import_hf
 
     if ranks < 1 or replicate < 1 or ranks % replicate:
         fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
@@ -75,7 +75,7 @@ def import_deepspeed_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."""
-    from shardckpt.deepspeed_import import import_deepspeed
+    from shardckpt.interop.deepspeed_import import import_deepspeed
 
     if ranks < 1 or replicate < 1 or ranks % replicate:
         fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
@@ -119,8 +119,8 @@ def import_dcp_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write a DCP checkpoint as a shardckpt checkpoint (its chunks, or flat groups for --ranks)."""
-    from shardckpt.dcp_flat import import_dcp_flat
-    from shardckpt.dcp_import import import_dcp
+    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    from shardckpt.interop.dcp_import import import_dcp
 
     opts = parse_storage_options(storage_option)
     if ranks is not None:
@@ -169,7 +169,7 @@ def export_dcp_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC as a directory stock dcp.load reads (.metadata and __<n>_0.distcp); .metadata last."""
-    from shardckpt.dcp_export import export_dcp
+    from shardckpt.interop.dcp_export import export_dcp
 
     opts = parse_storage_options(storage_option)
     summary = export_dcp(src, dst, opts, opts, model_key, optim_key)

@@ -1,6 +1,6 @@
 """Offline commands: ``consolidate`` (shards -> Hugging Face safetensors) and ``diff``.
 
-Thin: parse options, call :mod:`shardckpt.consolidate` / :mod:`shardckpt.diff`, print a line, a
+Thin: parse options, call :mod:`shardckpt.tools.consolidate` / :mod:`shardckpt.tools.diff`, print a line, a
 table or JSON. Errors become one line on stderr and a non-zero exit (``guarded``); ``diff`` exits
 0 only when the checkpoints are equal and 1 when they differ.
 """
@@ -54,8 +54,8 @@ def consolidate(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC as Hugging Face safetensors (and config.json) in DST; its index is written last."""
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.consolidate import plan_consolidation, write_consolidation
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.tools.consolidate import plan_consolidation, write_consolidation
 
     size = parse_size(max_shard_size, "--max-shard-size")
     buffer_bytes = parse_bytes(buffer, "--buffer")
@@ -63,7 +63,7 @@ def consolidate(
     src = checkpoint_location(src, opts)
     reader = CheckpointReader(src, opts)
     plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src, prefix)
-    from shardckpt.distributed_tools import consolidate_job, job_from_environment
+    from shardckpt.tools.distributed import consolidate_job, job_from_environment
 
     with job_from_environment() as job:  # under torchrun: this process's share of the files
         with progress(plan.source_bytes, "consolidate", enabled=job is None) as tick:
@@ -96,13 +96,13 @@ def diff(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal."""
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.diff import plan_diff, run_diff
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.tools.diff import plan_diff, run_diff
 
     opts = parse_storage_options(storage_option)
     ra, rb = CheckpointReader(a, opts), CheckpointReader(b, opts)
     plan = plan_diff(ra.manifest, rb.manifest)
-    from shardckpt.distributed_tools import diff_job, job_from_environment
+    from shardckpt.tools.distributed import diff_job, job_from_environment
 
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process compares its share

@@ -35,15 +35,15 @@ def reshard(
 
     Under torchrun (`torchrun --nproc_per_node K -m shardckpt reshard ...`) the job's processes
     split the target files by bytes and rank 0 commits once all are written."""
-    from shardckpt.checkpoint import read_manifest, as_storage
+    from shardckpt.checkpoint.reader import read_manifest, as_storage
     from shardckpt.cli.common import parse_bytes
-    from shardckpt.reshard import reshard as run
+    from shardckpt.tools.reshard import reshard as run
 
     opts = parse_storage_options(storage_option)
     from shardckpt.cli.common import checkpoint_location
 
     src = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
-    from shardckpt.distributed_tools import job_from_environment, reshard_job
+    from shardckpt.tools.distributed import job_from_environment, reshard_job
 
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process's share of the job

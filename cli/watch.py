@@ -27,9 +27,9 @@ def watch(
     """Verify, reshard, consolidate, copy and prune every checkpoint of a run, each step exactly once."""
     import logging
 
-    from shardckpt.watch import Watcher
-    from shardckpt.watch_config import load_pipeline
-    from shardckpt.watch_status import pipeline_status, status_lines
+    from shardckpt.watch.service import Watcher
+    from shardckpt.watch.config import load_pipeline
+    from shardckpt.watch.status import pipeline_status, status_lines
 
     if json_out and not status:
         fail("--json goes with --status", EXIT_USAGE)
@@ -49,7 +49,7 @@ def watch(
     w = Watcher(p)
     server = None
     if serve is not None:
-        from shardckpt.watch_serve import serve as start_server
+        from shardckpt.watch.http import serve as start_server
 
         server = start_server(serve, lambda: pipeline_status(p, w.watch, w.state), w.counters)
         echo(f"serving the status of {p.name} on http://127.0.0.1:{server.server_address[1]}/", err=True)

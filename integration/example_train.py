@@ -17,7 +17,7 @@ import logging
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from shardckpt.checkpointer import Checkpointer
+from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
 from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss

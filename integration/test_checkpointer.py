@@ -21,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def job_async(rank: int, world: int, root: str) -> dict:
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.checkpointer import Checkpointer
-    from shardckpt.manager import CheckpointManager, step_dir
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.training.checkpointer import Checkpointer
+    from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
     from shardckpt.runtime import init_distributed
 
     register_all()
@@ -74,7 +74,7 @@ def job_async(rank: int, world: int, root: str) -> dict:
 
 
 def test_async_save(tmp_path):
-    from shardckpt.manager import step_dir
+    from shardckpt.checkpoint.run_dir import step_dir
 
     out = run_distributed(job_async, 2, args=(str(tmp_path),), timeout_s=150)
     for o in out:
@@ -92,7 +92,7 @@ def test_async_save(tmp_path):
 def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int) -> dict:
     from torch.optim.lr_scheduler import LambdaLR
 
-    from shardckpt.checkpointer import Checkpointer, JsonState
+    from shardckpt.training.checkpointer import Checkpointer, JsonState
     from shardckpt.runtime import init_distributed
     from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
 
@@ -122,8 +122,8 @@ def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int)
 
 
 def test_app_state_round_trip_and_resume_on_other_world_size(tmp_path):
-    from shardckpt.manager import step_dir
-    from shardckpt.reshard import reshard
+    from shardckpt.checkpoint.run_dir import step_dir
+    from shardckpt.tools.reshard import reshard
 
     run2, run1 = str(tmp_path / "run2"), str(tmp_path / "run1")
     first = run_distributed(job_app_state, 2, args=(run2, 3, 2), timeout_s=120)
@@ -149,7 +149,7 @@ def test_app_state_round_trip_and_resume_on_other_world_size(tmp_path):
 
 
 def job_save_steps(rank: int, world: int, run: str, steps: list) -> dict:
-    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.runtime import init_distributed
 
     pm = init_distributed(timeout_s=60)
@@ -165,8 +165,8 @@ def job_save_steps(rank: int, world: int, run: str, steps: list) -> dict:
 def job_resume(rank: int, world: int, run: str) -> dict:
     import logging
 
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.runtime import init_distributed
 
     records: list[logging.LogRecord] = []
@@ -184,11 +184,11 @@ def job_resume(rank: int, world: int, run: str) -> dict:
     return {"step": step, "differ": differ,
             "opt_steps": [g["step"] for g in opt.optimizer_metadata()["param_groups"]],
             "logs": [(r.levelname, r.getMessage()) for r in records
-                     if r.name == "shardckpt.checkpointer"]}
+                     if r.name == "shardckpt.training.checkpointer"]}
 
 
 def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path):
-    from shardckpt.manager import CheckpointManager, step_dir
+    from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
 
     run = str(tmp_path / "run")
     run_distributed(job_save_steps, 2, args=(run, [1, 2]), timeout_s=120)

@@ -31,9 +31,9 @@ PG_TIMEOUT = 20
 
 def job_save_then_die(rank: int, world: int, root: str, victim: int, kill_after: int) -> dict:
     from shardckpt.errors import CollectiveError
-    from shardckpt.manager import CheckpointManager
+    from shardckpt.checkpoint.run_dir import CheckpointManager
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
 
     register()
     pm = init_distributed(timeout_s=PG_TIMEOUT)
@@ -56,7 +56,7 @@ def job_save_then_die(rank: int, world: int, root: str, victim: int, kill_after:
 
 def job_load(rank: int, world: int, url: str) -> dict:
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     pm = init_distributed(timeout_s=60)
     _, engine, opt = build(pm, seed=7)
@@ -66,9 +66,9 @@ def job_load(rank: int, world: int, url: str) -> dict:
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["rank0-dies", "rank1-dies"])
 def test_rank_killed_mid_save(tmp_path, victim):
-    from shardckpt.checkpoint import verify
-    from shardckpt.manager import CheckpointManager, step_dir
-    from shardckpt.manifest import MANIFEST_NAME
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
+    from shardckpt.format.manifest import MANIFEST_NAME
 
     root = str(tmp_path)
     results = run_ranks(job_save_then_die, 3, args=(root, victim, 20_000), timeout_s=150,
@@ -98,12 +98,12 @@ def test_rank_killed_mid_save(tmp_path, victim):
 
 
 def job_die_after_manifest(rank: int, world: int, root: str, victim: int) -> dict:
-    from shardckpt import save_load
-    from shardckpt.checkpoint import CheckpointWriter
-    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.training import save_load
+    from shardckpt.checkpoint.writer import CheckpointWriter
+    from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.errors import CollectiveError
-    from shardckpt.manager import step_dir
-    from shardckpt.manifest import MANIFEST_NAME
+    from shardckpt.checkpoint.run_dir import step_dir
+    from shardckpt.format.manifest import MANIFEST_NAME
     from shardckpt.runtime import init_distributed
 
     pm = init_distributed(timeout_s=PG_TIMEOUT)
@@ -142,8 +142,8 @@ def job_die_after_manifest(rank: int, world: int, root: str, victim: int) -> dic
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["rank0-dies", "rank1-dies"])
 def test_rank_killed_after_the_manifest_was_created(tmp_path, victim):
-    from shardckpt.manager import CheckpointManager, step_dir
-    from shardckpt.manifest import MANIFEST_NAME
+    from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
+    from shardckpt.format.manifest import MANIFEST_NAME
 
     root = str(tmp_path)
     results = run_ranks(job_die_after_manifest, 3, args=(root, victim), timeout_s=150,

@@ -111,7 +111,7 @@ def save_job(rank: int, world: int, root: str, ref: str, opts: dict | None = Non
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from shardckpt.dcp import ShardckptWriter
+    from shardckpt.interop.dcp_storage import ShardckptWriter
 
     model, opt, _ = build(world, 0)
     for s in range(STEPS):
@@ -137,7 +137,7 @@ def load_job(rank: int, world: int, url: str, ref: str, hsdp: bool = False,
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from shardckpt.dcp import ShardckptReader
+    from shardckpt.interop.dcp_storage import ShardckptReader
 
     model, opt, _ = build(world, 1, hsdp)
     train_step(model, opt, 99, rank)  # optimizer state exists and differs from the checkpoint's
@@ -145,7 +145,7 @@ def load_job(rank: int, world: int, url: str, ref: str, hsdp: bool = False,
     dcp.load(sd, storage_reader=ShardckptReader(url, opts))
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     if save_to is not None:
-        from shardckpt.dcp import ShardckptWriter
+        from shardckpt.interop.dcp_storage import ShardckptWriter
 
         dcp.save(state(model, opt, world, 1) | {"tp": sd["tp"]},
                  storage_writer=ShardckptWriter(save_to, opts))
@@ -164,7 +164,7 @@ def kill_job(rank: int, world: int, root: str, opts: dict | None = None) -> dict
     """Save a good checkpoint, then a second one during which rank 1 is SIGKILLed mid-write."""
     import torch.distributed.checkpoint as dcp
 
-    from shardckpt.dcp import ShardckptWriter
+    from shardckpt.interop.dcp_storage import ShardckptWriter
 
     model, opt, _ = build(world, 0)
     train_step(model, opt, 0, rank)
@@ -204,7 +204,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
                          ids=["1", "2", "3", "hsdp2x2"])
 def test_load_fsdp2_any_world_bit_for_bit(saved: tuple[str, list[float]], world: int,
                                           hsdp: bool) -> None:
-    from shardckpt.diff import diff
+    from shardckpt.tools.diff import diff
 
     root, next_losses = saved
     again = f"{root}/again-{world}{'-hsdp' if hsdp else ''}"
@@ -226,7 +226,8 @@ def test_async_save_loads_bit_for_bit(saved: tuple[str, list[float]]) -> None:
 
 
 def test_manifest_is_json_with_blobs_and_verifies(saved: tuple[str, list[float]]) -> None:
-    from shardckpt.checkpoint import CheckpointReader, verify
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.verify import verify
 
     root, _ = saved
     m = CheckpointReader(f"{root}/ck").manifest
@@ -242,7 +243,7 @@ def test_killed_rank_commits_nothing_and_previous_loads(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from shardckpt.dcp import ShardckptReader
+    from shardckpt.interop.dcp_storage import ShardckptReader
 
     results = run_ranks(kill_job, 2, args=(str(tmp_path),), timeout_s=300, pg_timeout_s=20)
     assert not results[1].ok and results[1].exitcode == -signal.SIGKILL
@@ -257,7 +258,7 @@ def test_killed_rank_commits_nothing_and_previous_loads(tmp_path: Path) -> None:
 
 def loop_job(rank: int, world: int, run: str, steps: int) -> dict[str, Any]:
     """A plain FSDP2 loop: resume from the newest good checkpoint, train, save every step."""
-    from shardckpt.dcp import DcpCheckpointer
+    from shardckpt.interop.dcp_storage import DcpCheckpointer
 
     model, opt, _ = build(world, 0)
     ckpt = DcpCheckpointer(run, keep_last=2)
@@ -276,8 +277,8 @@ def loop_job(rank: int, world: int, run: str, steps: int) -> dict[str, Any]:
 
 
 def test_checkpointer_latest_retention_resume_skips_damaged(tmp_path: Path) -> None:
-    from shardckpt.checkpoint import verify
-    from shardckpt.manager import CheckpointManager
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.checkpoint.run_dir import CheckpointManager
 
     run = str(tmp_path / "run")
     assert [r["start"] for r in run_distributed(loop_job, 2, args=(run, 3), timeout_s=300)] == [None] * 2
@@ -298,7 +299,7 @@ def test_consolidate_fsdp2_checkpoint_default_prefix(saved: tuple[str, list[floa
                                                      tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from shardckpt.consolidate import consolidate
+    from shardckpt.tools.consolidate import consolidate
 
     root, _ = saved
     r = consolidate(f"{root}/ck", str(tmp_path / "hf"), dtype="fp32", buffer_bytes=64)

@@ -1,7 +1,7 @@
 """One checkpoint across runtimes, under real FSDP2 on gloo.
 
 * A checkpoint DCP's own ``FileSystemWriter`` wrote from 2 ranks is imported (``shardckpt import
-  dcp``) and loads through :class:`shardckpt.dcp.ShardckptReader` into 3 ranks; exported back
+  dcp``) and loads through :class:`shardckpt.interop.dcp_storage.ShardckptReader` into 3 ranks; exported back
   (``shardckpt export dcp``), stock ``dcp.load`` + ``set_state_dict`` read it into 1, 2 and 3.
 * FSDP2 (stock DCP, 2 ranks) -> ``import dcp --ranks 3`` -> ``ZeroEngine`` on 3 ranks.
 * ``ZeroEngine`` (2 ranks) -> FSDP2 on 3 ranks, through ``ShardckptReader`` (no conversion) and
@@ -76,8 +76,8 @@ def stock_load_job(rank: int, world: int, path: str, ref: str) -> dict[str, Any]
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
     """A stock DCP checkpoint from 2 FSDP2 ranks, imported, and exported back."""
-    from shardckpt.dcp_export import export_dcp
-    from shardckpt.dcp_import import import_dcp
+    from shardckpt.interop.dcp_export import export_dcp
+    from shardckpt.interop.dcp_import import import_dcp
 
     root = str(tmp_path_factory.mktemp("interop"))
     out = run_distributed(stock_save_job, 2, args=(root,), timeout_s=300)
@@ -88,7 +88,8 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]
 
 def test_imported_stock_checkpoint_loads_through_shardckpt_reader(
         imported: tuple[str, list[float]]) -> None:
-    from shardckpt.checkpoint import CheckpointReader, verify
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.verify import verify
 
     root, _ = imported
     m = CheckpointReader(f"{root}/ck").manifest
@@ -154,7 +155,7 @@ def fsdp2_llama_job(rank: int, world: int, root: str) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardckpt.dcp import ShardckptWriter
+    from shardckpt.interop.dcp_storage import ShardckptWriter
     from shardckpt.runtime.llama import LlamaDecoderLayer
     try:
         from .test_runtime_parity import two_groups
@@ -187,10 +188,10 @@ def engine_job(rank: int, world: int, ckpt: str, mode: str) -> list[float]:
     """ZeroEngine (other init, lr 1.0: all must come from the checkpoint): load flat groups
     (``mode="flat"``) or chunked tensors (``"chunked"``), save what it holds to ``<ckpt>-resaved``,
     continue."""
-    from shardckpt.dcp_flat import load_chunked
+    from shardckpt.interop.dcp_to_flat import load_chunked
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
     from shardckpt.runtime.llama import LLAMA_POLICY
-    from shardckpt.save_load import load, save
+    from shardckpt.training.save_load import load, save
     try:
         from .test_runtime_stages import WD, _model
     except ImportError:
@@ -208,7 +209,7 @@ def flat_state(ckpt: str, fqn: str, kind: str) -> torch.Tensor:
     """One parameter's ``kind`` state, assembled shard by shard from a flat-group checkpoint."""
     import numpy as np
 
-    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpoint.reader import CheckpointReader
 
     r = CheckpointReader(ckpt)
     lay = r.manifest.components["model"].layout
@@ -233,7 +234,7 @@ def llama_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[flo
 def assert_engine_state_is_reference(root: str, ckpt: str) -> None:
     from safetensors.torch import load_file
 
-    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpoint.reader import CheckpointReader
 
     m = CheckpointReader(ckpt).manifest
     want = load_file(f"{root}/llama-reference.safetensors")
@@ -251,7 +252,7 @@ def assert_engine_state_is_reference(root: str, ckpt: str) -> None:
 
 def test_fsdp2_stock_checkpoint_imports_for_zero_engine_at_3_ranks(
         llama_fsdp2: tuple[str, list[float]]) -> None:
-    from shardckpt.dcp_flat import import_dcp_flat
+    from shardckpt.interop.dcp_to_flat import import_dcp_flat
 
     root, fsdp2 = llama_fsdp2
     m = import_dcp_flat(f"{root}/llama", f"{root}/flat", 3)
@@ -279,7 +280,7 @@ def engine_save_job(rank: int, world: int, root: str) -> list[float]:
     """ZeroEngine, LLAMA_STEPS steps, shardckpt.save; then NEXT_STEPS more (global mean losses)."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
     from shardckpt.runtime.llama import LLAMA_POLICY
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
     try:
         from .test_runtime_stages import BETAS, LR, WD, _model
     except ImportError:
@@ -302,7 +303,7 @@ def fsdp2_from_flat_job(rank: int, world: int, root: str, via: str) -> dict[str,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardckpt.dcp import ShardckptReader
+    from shardckpt.interop.dcp_storage import ShardckptReader
     from shardckpt.runtime.llama import LlamaDecoderLayer
     try:
         from .test_runtime_parity import two_groups
@@ -336,7 +337,7 @@ def fsdp2_from_flat_job(rank: int, world: int, root: str, via: str) -> dict[str,
 @pytest.fixture(scope="module")
 def zero_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
     """A ZeroEngine checkpoint from 2 ranks, its DCP export, and the engine's next losses."""
-    from shardckpt.dcp_export import export_dcp
+    from shardckpt.interop.dcp_export import export_dcp
 
     root = str(tmp_path_factory.mktemp("zero"))
     theirs = run_distributed(engine_save_job, 2, args=(root,), timeout_s=300)[0]
@@ -349,7 +350,7 @@ def test_zero_engine_checkpoint_loads_into_fsdp2_at_3_ranks(zero_saved: tuple[st
                                                             via: str) -> None:
     from safetensors.torch import load_file
 
-    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpoint.reader import CheckpointReader
 
     root, theirs = zero_saved
     out = run_distributed(fsdp2_from_flat_job, 3, args=(root, via), timeout_s=300)[0]

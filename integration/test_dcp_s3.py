@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.s3,
 
 
 def test_fsdp2_save_to_s3_load_on_3_ranks(ceph_server, s3_bucket, tmp_path: Path) -> None:
-    from shardckpt.checkpoint import verify
+    from shardckpt.checkpoint.verify import verify
 
     b = s3_bucket(ceph_server)
     root = f"{b.url}/run"
@@ -38,7 +38,7 @@ def test_killed_rank_on_s3_commits_nothing(ceph_server, s3_bucket) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from shardckpt.dcp import ShardckptReader
+    from shardckpt.interop.dcp_storage import ShardckptReader
 
     b = s3_bucket(ceph_server)
     root = f"{b.url}/run"

@@ -36,7 +36,7 @@ def job_resume(rank: int, world: int, ckpt: str, doc: dict) -> list[float]:
         MixedPrecisionPolicy, ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed,
     )
     from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     pm = init_distributed(timeout_s=60)
     torch.manual_seed(99)  # another init: everything must come from the checkpoint
@@ -65,7 +65,7 @@ def job_resume(rank: int, world: int, ckpt: str, doc: dict) -> list[float]:
 @pytest.mark.parametrize("name,world", [("zero1-fp32-2", 4), ("zero2-bf16-2", 1),
                                         ("zero3-fp32-3", 2), ("zero3-bf16-2", 4)])
 def test_resume_continues_like_deepspeed(tmp_path: Path, name: str, world: int) -> None:
-    from shardckpt.deepspeed_import import import_deepspeed
+    from shardckpt.interop.deepspeed_import import import_deepspeed
 
     doc = json.loads((FIXTURES / name / "reference.json").read_text())
     dst = str(tmp_path / "imported")

@@ -17,9 +17,9 @@ import fsspec
 import psutil
 import pytest
 
-from shardckpt.checkpoint import verify
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.synth import synthesize
+from shardckpt.checkpoint.verify import verify
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.synth import synthesize
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

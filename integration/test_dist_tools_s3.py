@@ -10,9 +10,9 @@ from typing import Any
 import psutil
 import pytest
 
-from shardckpt.checkpoint import verify
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.synth import synthesize
+from shardckpt.checkpoint.verify import verify
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.synth import synthesize
 
 try:
     from .test_dist_tools_local import contents, shardckpt, torchrun

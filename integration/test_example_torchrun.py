@@ -20,8 +20,9 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_example_trains_saves_and_resumes_on_more_ranks(tmp_path):
-    from shardckpt.checkpoint import CheckpointReader, verify
-    from shardckpt.manager import CheckpointManager
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.checkpoint.run_dir import CheckpointManager
 
     run = str(tmp_path / "run")
     r = torchrun(2, "--ckpt-dir", run, "--steps", "4", "--save-every", "2")

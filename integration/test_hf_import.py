@@ -60,7 +60,7 @@ def test_import_of_two_gigabytes_stays_under_512_mb(tmp_path: Path) -> None:
     info = write_big(src, 2 * GB)
     code = (
         "import sys, json\n"
-        "from shardckpt.hf import import_hf\n"
+        "from shardckpt.interop.hf_import import import_hf\n"
         f"import_hf({str(src)!r}, {str(dst)!r}, 4)\n"
         "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
         "print(json.dumps({'peak_kb': int(hwm.split()[1]), 'torch': 'torch' in sys.modules}))\n")
@@ -71,7 +71,7 @@ def test_import_of_two_gigabytes_stays_under_512_mb(tmp_path: Path) -> None:
     print(f"import hf of 2 GB: peak RSS {out['peak_kb'] / 1024:.0f} MB")
     assert out["peak_kb"] * 1024 < 512 * 2**20, f"peak RSS {out['peak_kb'] / 1024:.0f} MB"
 
-    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpoint.reader import CheckpointReader
 
     reader = CheckpointReader(str(dst))
     layout = reader.manifest.components["model"].layout

@@ -139,11 +139,11 @@ def _reference(path: str, world: int) -> Any:
 
 
 def _variant(pm: Any, folder: str, name: str, out: str) -> dict[str, Any]:
-    from shardckpt.consolidate import consolidate
+    from shardckpt.tools.consolidate import consolidate
     from shardckpt.runtime import ShardedAdamW
     from shardckpt.runtime.hf_load import load_hf
     from shardckpt.runtime.llama import causal_lm_loss
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
 
     path, problems = f"{folder}/{name}", []
     engine = _engine(pm, path)
@@ -197,7 +197,7 @@ def _from_import(pm: Any, folder: str, imported: str) -> list[str]:
     """A run starts from an offline import made for another world size, fresh optimizer."""
     from shardckpt.runtime import ShardedAdamW
     from shardckpt.runtime.llama import causal_lm_loss
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     engine = _engine(pm, f"{folder}/untied-bf16")
     load(engine, imported)
@@ -216,7 +216,7 @@ def _from_import(pm: Any, folder: str, imported: str) -> list[str]:
 
 
 def _job(rank: int, world: int, folder: str, out: str, hsdp: bool, imported: str) -> dict[str, Any]:
-    from shardckpt.layout import Mesh
+    from shardckpt.format.layout import Mesh
     from shardckpt.runtime.mesh import ProcessMesh
 
     pm = ProcessMesh.from_process_group(Mesh.hsdp(2, world // 2) if hsdp else Mesh.for_world(world))
@@ -229,7 +229,7 @@ def _job(rank: int, world: int, folder: str, out: str, hsdp: bool, imported: str
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardckpt.hf import import_hf
+    from shardckpt.interop.hf_import import import_hf
 
     root = tmp_path_factory.mktemp("hf")
     for name, (tied, dtype) in VARIANTS.items():

@@ -21,11 +21,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from shardckpt import synth  # noqa: E402
-from shardckpt.checkpoint import CheckpointSpec, CheckpointWriter, as_storage  # noqa: E402
-from shardckpt.consolidate import consolidate  # noqa: E402
-from shardckpt.layout import Mesh, ParamInfo, build_layout  # noqa: E402
-from shardckpt.manifest import Component, default_states  # noqa: E402
+from shardckpt.tools import synth  # noqa: E402
+from shardckpt.checkpoint.reader import as_storage
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter  # noqa: E402
+from shardckpt.tools.consolidate import consolidate  # noqa: E402
+from shardckpt.format.layout import Mesh, ParamInfo, build_layout  # noqa: E402
+from shardckpt.format.manifest import Component, default_states  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
 
 def test_load_and_import_from_s3(moto_server, s3_bucket, tmp_path: Path) -> None:  # noqa: ANN001
-    from shardckpt.hf import import_hf
+    from shardckpt.interop.hf_import import import_hf
     from shardckpt.runtime import ZeroEngine
     from shardckpt.runtime.hf_load import load_hf
     from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=80,

@@ -107,7 +107,7 @@ def case_parity(pm: Any) -> list[str]:
 def case_checkpoint(pm: Any) -> list[str]:
     """Save from nvme-offloaded state, load with offload on and off; save from a resident run
     and load into an offloaded one; training on gives the same bits."""
-    from shardckpt.save_load import load, save
+    from shardckpt.training.save_load import load, save
 
     root = _shared_dir(pm, "ckpt")
     problems = []

@@ -9,9 +9,9 @@ import subprocess
 import sys
 import time
 
-from shardckpt.checkpoint import verify
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.synth import synthesize
+from shardckpt.checkpoint.verify import verify
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.synth import synthesize
 
 
 def test_kill_9_midway_leaves_no_manifest(tmp_path):

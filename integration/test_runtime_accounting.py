@@ -265,7 +265,7 @@ def case_hsdp_comm(pm) -> list[str]:
     """HSDP 2 x 2: default mode sends the estimator's 3Ψ + 2Ψ/S (all-gathers and reduce-scatter
     in the shard group, all-reduce of the gradient shard across replicas); deterministic mode
     exchanges R·Ψ instead of Ψ + 2Ψ/S (each rank sums all R·S contributions in rank order)."""
-    from shardckpt.layout import Mesh
+    from shardckpt.format.layout import Mesh
     from shardckpt.runtime.mesh import ProcessMesh
 
     hsdp = ProcessMesh.from_process_group(Mesh.hsdp(2, 2))

@@ -199,7 +199,7 @@ def case_adamw_llama(pm) -> list[str]:
 def case_adamw_hsdp(pm) -> list[str]:
     """HSDP 2 x 2: deterministic mode equals the 4-rank reference bit for bit; the default
     (reduce-scatter in the shard group, all-reduce across replicas) up to rounding."""
-    from shardckpt.layout import Mesh
+    from shardckpt.format.layout import Mesh
     from shardckpt.runtime.mesh import ProcessMesh
 
     hsdp = ProcessMesh.from_process_group(Mesh.hsdp(2, pm.world_size // 2))

@@ -60,7 +60,7 @@ def compare(pm, runs: dict[str, dict[str, Any]], base: dict[str, Any]) -> list[s
 
 
 def _hsdp(replicate: int, shard: int):
-    from shardckpt.layout import Mesh
+    from shardckpt.format.layout import Mesh
     from shardckpt.runtime.mesh import ProcessMesh
 
     return ProcessMesh.from_process_group(Mesh.hsdp(replicate, shard))

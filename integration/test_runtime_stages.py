@@ -243,7 +243,7 @@ def case_stages_fp32(pm) -> list[str]:
     if pm.world_size > 1:  # the backend's reduce-scatter: equal up to rounding
         runs["stage 1, default reduction"] = dict(stage=1, deterministic=False)
     if pm.world_size == 4:
-        from shardckpt.layout import Mesh
+        from shardckpt.format.layout import Mesh
         from shardckpt.runtime.mesh import ProcessMesh
 
         hsdp = ProcessMesh.from_process_group(Mesh.hsdp(2, 2))

@@ -22,7 +22,7 @@ import s3fs
 
 from shardckpt.errors import CommitConflictError
 from shardckpt.storage import Storage, list_open_uploads
-from shardckpt.synth import synthesize
+from shardckpt.tools.synth import synthesize
 
 try:
     from .clihelpers import cli, ok, one_line_error
@@ -215,9 +215,10 @@ def test_flipped_byte_caught_by_verify_and_by_ranged_reshard(site: Site, tmp_pat
 
 _SAVER = r"""
 import sys, time, os
-from shardckpt.checkpoint import CheckpointWriter, as_storage
+from shardckpt.checkpoint.reader import as_storage
+from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.errors import CommitConflictError
-from shardckpt.synth import shard_producer, synth_spec
+from shardckpt.tools.synth import shard_producer, synth_spec
 url, barrier, me = sys.argv[1], sys.argv[2], sys.argv[3]
 spec = synth_spec(600_000, 2, seed=int(me))
 writer = CheckpointWriter(as_storage(url), spec)

@@ -26,7 +26,7 @@ from shardckpt.storage import (
     DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, _is_precondition_failed, _is_retryable, _map_error,
     split_options,
 )
-from shardckpt.synth import synthesize
+from shardckpt.tools.synth import synthesize
 
 try:
     from .clihelpers import cli, ok, one_line_error

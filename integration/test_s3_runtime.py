@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
 
 def job_save(rank: int, world: int, s3_run: str, opts: dict, local_run: str) -> dict:
-    from shardckpt.checkpointer import Checkpointer
+    from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.runtime import init_distributed
 
     pm = init_distributed(timeout_s=60)
@@ -32,7 +32,7 @@ def job_save(rank: int, world: int, s3_run: str, opts: dict, local_run: str) -> 
 
 def job_load(rank: int, world: int, url: str, opts: dict) -> dict:
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     pm = init_distributed(timeout_s=60)
     _, engine, opt = build(pm, seed=9)
@@ -45,9 +45,9 @@ def job_load(rank: int, world: int, url: str, opts: dict) -> dict:
 
 
 def test_runtime_save_to_s3_and_load_from_s3(ceph_server, s3_bucket, tmp_path):
-    from shardckpt.checkpoint import verify
-    from shardckpt.diff import diff
-    from shardckpt.manager import CheckpointManager
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.tools.diff import diff
+    from shardckpt.checkpoint.run_dir import CheckpointManager
 
     b = s3_bucket(ceph_server)
     s3_run, local_run = f"{b.url}/run", str(tmp_path / "run")

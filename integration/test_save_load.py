@@ -78,7 +78,7 @@ def global_tensor(reader, fqn: str, kind: str) -> torch.Tensor:
 
 def job_save(rank: int, world: int, root: str) -> dict:
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
 
     pm = init_distributed(timeout_s=60)
     cfg, engine, opt = build(pm, seed=0)
@@ -88,9 +88,9 @@ def job_save(rank: int, world: int, root: str) -> dict:
 
 
 def job_load(rank: int, world: int, root: str, replicate: int, policy: str, more: bool) -> dict:
-    from shardckpt.checkpoint import CheckpointReader
+    from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import load, save
+    from shardckpt.training.save_load import load, save
 
     register()
     pm = init_distributed(timeout_s=60, replicate=replicate)
@@ -166,9 +166,10 @@ def saved(tmp_path_factory) -> str:
 
 
 def test_saved_checkpoint_passes_offline_tools(saved):
-    from shardckpt.checkpoint import CheckpointReader, verify
-    from shardckpt.diff import diff
-    from shardckpt.reshard import reshard
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.tools.diff import diff
+    from shardckpt.tools.reshard import reshard
 
     result = verify(f"{saved}/ck4")
     assert result, result.problems
@@ -205,7 +206,7 @@ def check_hf_round_trip(root: str) -> None:
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from shardckpt.consolidate import consolidate
+    from shardckpt.tools.consolidate import consolidate
     from shardckpt.runtime.llama_config import LlamaConfig
 
     out = f"{root}/hf"
@@ -222,7 +223,7 @@ def check_hf_round_trip(root: str) -> None:
 
 def job_save_hsdp(rank: int, world: int, root: str) -> dict:
     from shardckpt.runtime import init_distributed
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
 
     register()
     pm = init_distributed(timeout_s=60, replicate=2)
@@ -234,7 +235,8 @@ def job_save_hsdp(rank: int, world: int, root: str) -> dict:
 
 
 def test_save_from_hsdp_writes_each_shard_once_spread_over_replicas(tmp_path):
-    from shardckpt.checkpoint import CheckpointReader, verify
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.verify import verify
 
     out = run_distributed(job_save_hsdp, 4, args=(str(tmp_path),), timeout_s=120)
     m = CheckpointReader(f"{tmp_path}/hsdp").manifest

@@ -18,11 +18,13 @@ from typing import Any
 
 import pytest
 
-from shardckpt.checkpoint import read_manifest, verify
-from shardckpt.consolidate import consolidate
-from shardckpt.manager import CheckpointManager
+from shardckpt.checkpoint.reader import read_manifest
+
+from shardckpt.checkpoint.verify import verify
+from shardckpt.tools.consolidate import consolidate
+from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.storage import Storage
-from shardckpt.synth import synthesize
+from shardckpt.tools.synth import synthesize
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
@@ -33,7 +35,8 @@ WEIGHTS = "model-00001-of-00001.safetensors"
 # The watcher's own entry: log each step that ran to completion (a step done twice shows twice).
 CHILD = r'''
 import json, os, sys
-from shardckpt import watch, watch_steps
+from shardckpt.watch import service as watch
+from shardckpt.watch import steps as watch_steps
 from shardckpt.cli.main import app
 log = sys.argv[2]
 real = watch_steps.run_step

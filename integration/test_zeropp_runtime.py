@@ -266,7 +266,7 @@ def case_loss(pm) -> dict[str, Any]:
 
 def case_checkpoint(pm) -> list[str]:
     """Saved with ZeRO++ on, loaded with it off (and the other way round): same bits."""
-    from shardckpt.save_load import load, save
+    from shardckpt.training.save_load import load, save
 
     pm2, problems = _mesh(), []
     data = batches(pm.rank, pm.world_size)

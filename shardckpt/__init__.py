@@ -1,2 +1,57 @@
-"""shardckpt: sharded checkpoints for ZeRO-3 / FSDP training."""
+"""shardckpt: sharded checkpoints for ZeRO-3 / FSDP training.
+
+The package is grouped by layer, lowest first; a layer imports only those below it:
+
+- :mod:`shardckpt.format` — the on-disk format: layout math, the manifest, chunked tensors,
+  safetensors headers. Pure; no I/O.
+- :mod:`shardckpt.storage` — bytes: the backend for a URL (local, S3, any fsspec), checked ranged
+  reads, streaming writes, retries, the commit and writer leases.
+- :mod:`shardckpt.checkpoint` — one checkpoint as files: writing, reading, verifying, tensor
+  pieces, run directories and ``latest``. No torch.
+- :mod:`shardckpt.tools` — the offline tools (reshard, consolidate, diff, clean, inspect, estimate,
+  synth) and their ``torchrun`` form. No torch.
+- :mod:`shardckpt.interop` — Hugging Face, DCP and DeepSpeed in and out.
+- :mod:`shardckpt.training` — the training-loop side: save/load from a running job, the Checkpointer.
+- :mod:`shardckpt.runtime` — the ZeRO-1/2/3 engine.
+- :mod:`shardckpt.watch` — ``shardckpt watch``, the pipeline service.
+
+The names most programs need are importable from here (lazily: ``import shardckpt`` costs nothing).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Checkpointer": "training.checkpointer",
+    "CheckpointReader": "checkpoint.reader",
+    "verify": "checkpoint.verify",
+    "consolidate": "tools.consolidate",
+    "diff": "tools.diff",
+    "reshard": "tools.reshard",
+    "synthesize": "tools.synth",
+    "ShardckptReader": "interop.dcp_storage",
+    "ShardckptWriter": "interop.dcp_storage",
+    "DcpCheckpointer": "interop.dcp_storage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.verify import verify  # noqa: F401
+    from shardckpt.interop.dcp_storage import DcpCheckpointer, ShardckptReader, ShardckptWriter  # noqa: F401
+    from shardckpt.tools.consolidate import consolidate  # noqa: F401
+    from shardckpt.tools.diff import diff  # noqa: F401
+    from shardckpt.tools.reshard import reshard  # noqa: F401
+    from shardckpt.tools.synth import synthesize  # noqa: F401
+    from shardckpt.training.checkpointer import Checkpointer  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"shardckpt.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'shardckpt' has no attribute {name!r}")

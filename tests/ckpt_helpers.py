@@ -8,12 +8,12 @@ import random
 from pathlib import Path
 from typing import Any
 
-from shardckpt.checkpoint import CheckpointSpec, shard_file_name
-from shardckpt.manifest import (
+from shardckpt.checkpoint.writer import CheckpointSpec, shard_file_name
+from shardckpt.format.manifest import (
     VERSION, FileEntry, Manifest, buffer_slots, shard_slots, to_json,
 )
-from shardckpt.stheader import build_header
-from shardckpt.synth import synth_spec, synthesize
+from shardckpt.format.safetensors_header import build_header
+from shardckpt.tools.synth import synth_spec, synthesize
 
 TINY_PARAMS = 3000  # d=8, ff=24, V=256: ~3.8k elements, ~24 KB per shard at 2 ranks
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ckpt_helpers import make_ckpt, manifest_doc_of_tiny
-from shardckpt.manifest import Manifest
+from shardckpt.format.manifest import Manifest
 
 
 @pytest.fixture

@@ -9,12 +9,12 @@ import threading
 import pytest
 import torch
 
-from shardckpt.checkpoint import CheckpointReader
-from shardckpt.checkpointer import Checkpointer
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
-from shardckpt.save_load import SaveJob
+from shardckpt.training.save_load import SaveJob
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)

@@ -7,11 +7,11 @@ import shutil
 
 from typer.testing import CliRunner
 
-from shardckpt.checkpoint import verify
+from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
-from shardckpt.clean import clean
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.synth import synthesize
+from shardckpt.tools.clean import clean
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.synth import synthesize
 
 
 def make_run(tmp_path):

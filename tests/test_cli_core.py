@@ -20,7 +20,7 @@ from ckpt_helpers import TINY_PARAMS, make_ckpt
 from shardckpt import storage as storage_mod
 from shardckpt.cli.common import parse_storage_options
 from shardckpt.cli.main import app
-from shardckpt.manifest import Manifest, parse, to_json
+from shardckpt.format.manifest import Manifest, parse, to_json
 from shardckpt.storage import crc32c
 
 runner = CliRunner()

@@ -15,10 +15,11 @@ import numpy as np
 from typer.testing import CliRunner, Result
 
 from ckpt_helpers import make_ckpt
-from shardckpt.checkpoint import CheckpointSpec, CheckpointWriter, as_storage
+from shardckpt.checkpoint.reader import as_storage
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.cli.main import app
-from shardckpt.layout import Mesh, ParamInfo, build_layout
-from shardckpt.manifest import Component, Manifest, default_states
+from shardckpt.format.layout import Mesh, ParamInfo, build_layout
+from shardckpt.format.manifest import Component, Manifest, default_states
 
 
 def cli(*args: str) -> Result:

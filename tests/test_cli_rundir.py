@@ -15,9 +15,9 @@ from typer.testing import CliRunner, Result
 from ckpt_helpers import TINY_PARAMS
 from shardckpt.cli.main import app
 from shardckpt.errors import IncompleteCheckpointError
-from shardckpt.manager import resolve_checkpoint
+from shardckpt.checkpoint.run_dir import resolve_checkpoint
 from shardckpt.storage import Storage
-from shardckpt.synth import synthesize
+from shardckpt.tools.synth import synthesize
 
 NOTE = "run directory: using latest -> step-00000200\n"
 

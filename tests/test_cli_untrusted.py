@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner, Result
 
-from shardckpt.checkpoint import CheckpointSpec, CheckpointWriter, as_storage
+from shardckpt.checkpoint.reader import as_storage
+
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.cli.common import safe_text
 from shardckpt.cli.main import app
-from shardckpt.layout import Mesh, ParamInfo, build_layout
-from shardckpt.manifest import Component, OptimizerInfo, TensorSlot, default_states
+from shardckpt.format.layout import Mesh, ParamInfo, build_layout
+from shardckpt.format.manifest import Component, OptimizerInfo, TensorSlot, default_states
 
 MARKUP = "[/]"
 BOLD_CLOSE = "[/bold]"
@@ -139,13 +141,13 @@ def test_locations_that_cannot_be_opened(tmp_path: Path, url: str) -> None:
 
 
 def test_os_errors_nobody_named_are_one_line(monkeypatch: pytest.MonkeyPatch, hostile: str) -> None:
-    import shardckpt.summary
+    import shardckpt.tools.summary
 
     def broken(*a: Any, **k: Any) -> None:
         raise OSError(errno.EIO, "Input/output error", "/dev/sdz")
-    monkeypatch.setattr(shardckpt.summary, "summarize", broken)
+    monkeypatch.setattr(shardckpt.tools.summary, "summarize", broken)
     one_line_error(cli("inspect", hostile), "/dev/sdz", "Input/output error")
-    import shardckpt.estimate
+    import shardckpt.tools.estimate
 
-    monkeypatch.setattr(shardckpt.estimate, "estimate_all", broken)
+    monkeypatch.setattr(shardckpt.tools.estimate, "estimate_all", broken)
     one_line_error(cli("estimate", "--params", "7B", "--ranks", "8"), "/dev/sdz", "Input/output error")

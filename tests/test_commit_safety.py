@@ -13,15 +13,17 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from shardckpt.checkpoint import CheckpointWriter, new_save_id, verify
+from shardckpt.checkpoint.verify import verify
+
+from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.cli.main import app
-from shardckpt.clean import clean
+from shardckpt.tools.clean import clean
 from shardckpt.errors import InsufficientSpaceError, IncompleteCheckpointError
-from shardckpt.lease import LEASE_PREFIX, Lease, live_until
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.reshard import reshard
+from shardckpt.storage.lease import LEASE_PREFIX, Lease, live_until
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.reshard import reshard
 from shardckpt.storage import Storage
-from shardckpt.synth import shard_producer, synth_spec, synthesize
+from shardckpt.tools.synth import shard_producer, synth_spec, synthesize
 
 PARAMS = 20_000
 
@@ -146,7 +148,7 @@ def test_lease_of_a_writer_gone_from_this_host_has_ended(tmp_path):
     import subprocess
     import sys
 
-    from shardckpt.lease import whoami
+    from shardckpt.storage.lease import whoami
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

@@ -14,10 +14,10 @@ import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from shardckpt import synth
-from shardckpt.checkpoint import CheckpointReader
+from shardckpt.tools import synth
+from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.cli.main import app
-from shardckpt.consolidate import (
+from shardckpt.tools.consolidate import (
     MODEL_INDEX, OPTIMIZER_INDEX, PROVENANCE, cast_bytes, consolidate, decode, f32_to_bf16_bits,
 )
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, IntegrityError
@@ -150,9 +150,10 @@ def test_fp16_and_fp8_casts_match_torch() -> None:
 
 def write_mixed(dst: str, ranks: int) -> None:
     """A checkpoint with a frozen bf16 parameter, and int64 and float16 buffers."""
-    from shardckpt.checkpoint import CheckpointSpec, CheckpointWriter, as_storage
-    from shardckpt.layout import Mesh, ParamInfo, build_layout
-    from shardckpt.manifest import BufferSpec, Component, default_states
+    from shardckpt.checkpoint.reader import as_storage
+    from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
+    from shardckpt.format.layout import Mesh, ParamInfo, build_layout
+    from shardckpt.format.manifest import BufferSpec, Component, default_states
 
     infos = [ParamInfo("a.weight", (40, 24), "float32", True, "a"),
              ParamInfo("a.frozen", (7, 9), "bfloat16", False, "a"), ParamInfo("b.bias", (24,), "float32")]
@@ -194,7 +195,7 @@ def test_frozen_bf16_and_non_float_buffers(tmp_path: Path) -> None:
     assert f32["pos_ids"].dtype == b16["pos_ids"].dtype == np.int64  # integers keep their dtype
     np.testing.assert_array_equal(b16["pos_ids"], np.arange(16))
     np.testing.assert_array_equal(f32["scale"], np.array([0.5, 1.0, 65504], np.float32))
-    from shardckpt.diff import diff
+    from shardckpt.tools.diff import diff
 
     assert diff(str(tmp_path / "m2"), str(tmp_path / "m5")).equal
 

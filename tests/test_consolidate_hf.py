@@ -19,7 +19,7 @@ from typer.testing import CliRunner, Result  # noqa: E402
 
 from ckpt_helpers import make_ckpt  # noqa: E402
 from shardckpt.cli.main import app  # noqa: E402
-from shardckpt.hf_files import COPY_ALLOWED  # noqa: E402
+from shardckpt.interop.hf_files import COPY_ALLOWED  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def save_llama(dst: str) -> tuple[Any, Any]:
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
     from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
     from shardckpt.runtime.mesh import ProcessMesh
-    from shardckpt.save_load import save
+    from shardckpt.training.save_load import save
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     torch.manual_seed(0)

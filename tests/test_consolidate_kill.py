@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from shardckpt import synth
-from shardckpt.consolidate import MODEL_INDEX, consolidate
+from shardckpt.tools import synth
+from shardckpt.tools.consolidate import MODEL_INDEX, consolidate
 
 PARAMS = 20_000
 
@@ -25,7 +25,7 @@ PARAMS = 20_000
 #: writing the step's name to a marker file (the parent then kills it with SIGKILL).
 CHILD = r"""
 import os, sys, time
-import shardckpt.consolidate as c
+import shardckpt.tools.consolidate as c
 from shardckpt.storage import Storage
 
 src, dst, pause_at, marker, limit = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])

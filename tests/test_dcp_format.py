@@ -17,13 +17,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardckpt import manifest as manifest_mod
-from shardckpt.checkpoint import CheckpointReader, verify
-from shardckpt.chunked import ChunkRecord, ChunkedTensor, box_byte_span, tiling_problems
-from shardckpt.dcp import ShardckptReader, ShardckptWriter
+from shardckpt.format import manifest as manifest_mod
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.checkpoint.verify import verify
+from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, box_byte_span, tiling_problems
+from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter
 from shardckpt.errors import ManifestError
-from shardckpt.manifest import parse, to_json
-from shardckpt.manifest_integrity import seal
+from shardckpt.format.manifest import parse, to_json
+from shardckpt.format.integrity import seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -236,13 +237,13 @@ def test_one_writer_and_reader_follow_checkpoint_id(tmp_path: Path) -> None:
 
 
 def test_runtime_load_of_a_chunked_checkpoint_says_where_to_go(tmp_path: Path) -> None:
-    """``shardckpt.save_load.load`` takes flat groups; given DCP's chunks it names the loaders
+    """``shardckpt.training.save_load.load`` takes flat groups; given DCP's chunks it names the loaders
     that take them instead of saying only that there is no model component."""
     from torch import nn
 
     from shardckpt.errors import CollectiveError
     from shardckpt.runtime import ZeroEngine
-    from shardckpt.save_load import load
+    from shardckpt.training.save_load import load
 
     engine = ZeroEngine(nn.Sequential(nn.Linear(4, 4)), policy=(nn.Linear,))
     with pytest.raises(CollectiveError, match="chunked tensors.*load_chunked.*ShardckptReader"):

@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner, Result
 
 from shardckpt.cli.main import app
-from shardckpt.dcp import ShardckptWriter
-from shardckpt.diff import diff
+from shardckpt.interop.dcp_storage import ShardckptWriter
+from shardckpt.tools.diff import diff
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from shardckpt import synth
-from shardckpt.checkpoint import CheckpointSpec, CheckpointWriter, as_storage
+from shardckpt.tools import synth
+from shardckpt.checkpoint.reader import as_storage
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.cli.main import app
-from shardckpt.diff import compare_bytes, diff
-from shardckpt.layout import Mesh, build_layout
-from shardckpt.manifest import Component, TensorSlot, default_states
+from shardckpt.tools.diff import compare_bytes, diff
+from shardckpt.format.layout import Mesh, build_layout
+from shardckpt.format.manifest import Component, TensorSlot, default_states
 
 PARAMS, SEED = 50_000, 3
 

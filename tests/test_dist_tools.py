@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from shardckpt.distributed_tools import Job, _same_error, job_from_environment, launched
+from shardckpt.tools.distributed import Job, _same_error, job_from_environment, launched
 from shardckpt.errors import CollectiveError, ConfigError, IncompatibleLayoutError
-from shardckpt.layout import Mesh, itemsize
-from shardckpt.manifest import shard_slots
-from shardckpt.reshard import target_spec
-from shardckpt.split import balance, contiguous_split, shard_bytes
-from shardckpt.synth import synth_spec
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.layout import Mesh
+from shardckpt.format.manifest import shard_slots
+from shardckpt.tools.reshard import target_spec
+from shardckpt.tools.split import balance, contiguous_split, shard_bytes
+from shardckpt.tools.synth import synth_spec
 
 from ckpt_helpers import manifest_from_spec
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner, Result
 
 from shardckpt.errors import ConfigError
-from shardckpt.estimate import (
+from shardckpt.tools.estimate import (
     GB, PRECISIONS, EstimateError, estimate, estimate_all, offload_split, parse_count,
     zeropp_traffic,
 )

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from shardckpt.checkpoint import CheckpointReader, verify
-from shardckpt.layout import Mesh
-from shardckpt.manifest import parse
+from shardckpt.checkpoint.reader import CheckpointReader
+
+from shardckpt.checkpoint.verify import verify
+from shardckpt.format.layout import Mesh
+from shardckpt.format.manifest import parse
 
 from golden.make_golden import element as state_elements  # located through the layout only
 
@@ -112,8 +114,8 @@ def test_format_doc_worked_example() -> None:
     a writer produces for the data it describes (master 1..20, zero moments)."""
     import re
 
-    from shardckpt.manifest import shard_slots
-    from shardckpt.stheader import build_header
+    from shardckpt.format.manifest import shard_slots
+    from shardckpt.format.safetensors_header import build_header
 
     text = FORMAT_MD.read_text()
     example = re.search(r"```json\n(.*?)```", text, re.S).group(1)

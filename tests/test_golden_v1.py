@@ -14,8 +14,10 @@ from pathlib import Path
 import crc32c as crc32c_pkg
 import numpy as np
 
-from shardckpt.checkpoint import CheckpointReader, verify
-from shardckpt.manifest import shard_slots
+from shardckpt.checkpoint.reader import CheckpointReader
+
+from shardckpt.checkpoint.verify import verify
+from shardckpt.format.manifest import shard_slots
 
 HERE = Path(__file__).resolve().parent / "golden"
 V1, V0 = HERE / "v1_0", HERE / "v0_1"
@@ -80,8 +82,8 @@ def test_golden_v1_equals_v0_state_for_state() -> None:
 def test_reshard_of_v0_writes_v1_with_the_same_content(tmp_path: Path) -> None:
     """Resharding a 0.1 checkpoint writes the current format; its content is the 0.1 golden's
     (and the 1.0 golden's) whatever the world size, and its weights are one range per file."""
-    from shardckpt.diff import diff
-    from shardckpt.reshard import reshard
+    from shardckpt.tools.diff import diff
+    from shardckpt.tools.reshard import reshard
 
     for to in (2, 3):
         dst = tmp_path / f"to{to}"

@@ -14,9 +14,11 @@ from pathlib import Path
 import crc32c as crc32c_pkg
 import pytest
 
-from shardckpt.checkpoint import CheckpointReader, verify
+from shardckpt.checkpoint.reader import CheckpointReader
+
+from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import ManifestError
-from shardckpt.manifest import parse
+from shardckpt.format.manifest import parse
 
 HERE = Path(__file__).resolve().parent / "golden"
 V11, V10 = HERE / "v1_1", HERE / "v1_0"

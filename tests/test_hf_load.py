@@ -160,8 +160,8 @@ def test_an_attached_optimizer_starts_fresh(tmp_path: Path, one_thread: None) ->
 def test_a_run_resumes_from_an_offline_import(tmp_path: Path, one_thread: None) -> None:
     """``import hf`` into ``<run>/step-00000000``: ``Checkpointer.resume()`` starts from it, and
     the optimizer built afterwards starts fresh."""
-    from shardckpt.checkpointer import Checkpointer
-    from shardckpt.hf import import_hf
+    from shardckpt.training.checkpointer import Checkpointer
+    from shardckpt.interop.hf_import import import_hf
 
     path = save_tiny(tmp_path / "m", tied=False, dtype="bfloat16")
     import_hf(str(path), str(tmp_path / "run" / "step-00000000"), ranks=3)
@@ -185,8 +185,8 @@ def test_a_run_with_its_optimizer_built_first_resumes_from_an_import(tmp_path: P
                                                                      one_thread: None) -> None:
     """The usual loop builds engine, optimizer and Checkpointer, then resumes: a weights-only
     checkpoint loads the weights and the optimizer state starts fresh, moments zero, step 0."""
-    from shardckpt.checkpointer import Checkpointer
-    from shardckpt.hf import import_hf
+    from shardckpt.training.checkpointer import Checkpointer
+    from shardckpt.interop.hf_import import import_hf
 
     path = save_tiny(tmp_path / "m", tied=True)
     import_hf(str(path), str(tmp_path / "run" / "step-00000000"), ranks=2)

@@ -18,10 +18,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError, ManifestError
-from shardckpt.hf import (
+from shardckpt.interop.hf_import import (
     fetch, import_hf, import_layout, match_tensors, open_hf, plan_shard_reads,
 )
-from shardckpt.layout import Mesh, ParamInfo, build_layout
+from shardckpt.format.layout import Mesh, ParamInfo, build_layout
 
 SHAPES = {"model.embed_tokens.weight": (50, 8), "model.layers.0.mlp.up_proj.weight": (12, 8),
           "model.layers.0.input_layernorm.weight": (8,), "model.layers.1.mlp.up_proj.weight": (12, 8),
@@ -247,8 +247,8 @@ def test_import_layout_units_and_tied_head(tmp_path: Path) -> None:
 @pytest.mark.parametrize("ranks,replicate,files", [(3, 1, 3), (4, 2, 1)])
 def test_import_then_consolidate_gives_back_every_byte(tmp_path: Path, ranks: int, replicate: int,
                                                        files: int) -> None:
-    from shardckpt.checkpoint import CheckpointReader
-    from shardckpt.consolidate import consolidate
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.tools.consolidate import consolidate
 
     values = tensors(5)
     config = {"model_type": "llama", "tie_word_embeddings": False}
@@ -314,7 +314,7 @@ def test_cli_import_hf(tmp_path: Path) -> None:
 
 def test_import_does_not_import_torch(tmp_path: Path) -> None:
     folder = write_folder(tmp_path / "m", tensors())
-    code = ("import sys; from shardckpt.hf import import_hf; "
+    code = ("import sys; from shardckpt.interop.hf_import import import_hf; "
             f"import_hf({str(folder)!r}, {str(tmp_path / 'ck')!r}, 2); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

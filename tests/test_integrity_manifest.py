@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from shardckpt.errors import ManifestError
-from shardckpt.manifest import VERSION, parse, to_json
-from shardckpt.manifest_integrity import CHECKSUM_FIELD, MAX_FREE, MAX_NAME, crc32c, seal
+from shardckpt.format.manifest import VERSION, parse, to_json
+from shardckpt.format.integrity import CHECKSUM_FIELD, MAX_FREE, MAX_NAME, crc32c, seal
 
 Doc = dict[str, Any]
 SRC = "s3://b/run/manifest.json"

@@ -14,14 +14,15 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from ckpt_helpers import make_ckpt
-from shardckpt.checkpoint import CheckpointReader, read_manifest, verify
+from shardckpt.checkpoint.reader import CheckpointReader, read_manifest
+from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
-from shardckpt.consolidate import consolidate
-from shardckpt.diff import diff
+from shardckpt.tools.consolidate import consolidate
+from shardckpt.tools.diff import diff
 from shardckpt.errors import IntegrityError
-from shardckpt.manifest import Manifest
-from shardckpt.manifest_integrity import seal
-from shardckpt.reshard import reshard
+from shardckpt.format.manifest import Manifest
+from shardckpt.format.integrity import seal
+from shardckpt.tools.reshard import reshard
 from shardckpt.storage import Storage
 from shardckpt.storage import core as storage_core
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardckpt.errors import ConfigError, IncompatibleLayoutError
-from shardckpt.layout import (
-    DTYPES, SHARD_ALIGN, Layout, Mesh, ParamInfo, ReshardPlan, build_layout, itemsize,
-    padded_numel, plan_reshard, regroup,
+from shardckpt.format.dtypes import DTYPES, itemsize
+from shardckpt.format.layout import (
+    SHARD_ALIGN, Layout, Mesh, ParamInfo, ReshardPlan, build_layout, padded_numel, plan_reshard, regroup,
 )
 
 PROPS = settings(max_examples=100, deadline=None,

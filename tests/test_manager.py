@@ -7,9 +7,9 @@ import os
 import pytest
 
 from shardckpt.errors import IncompleteCheckpointError, ShardckptError
-from shardckpt.manager import CheckpointManager, step_dir
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.synth import synthesize
+from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.synth import synthesize
 
 
 def save(mgr: CheckpointManager, step: int) -> None:

@@ -12,16 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_helpers import TINY_PARAMS, manifest_from_spec
-from shardckpt import manifest as manifest_mod
-from shardckpt.checkpoint import read_manifest
+from shardckpt.format import manifest as manifest_mod
+from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.errors import ManifestError, ShardckptError
-from shardckpt.layout import Mesh
-from shardckpt.manifest import (
+from shardckpt.format.layout import Mesh
+from shardckpt.format.manifest import (
     MAX_INT, VERSION, Manifest, buffer_slots, parse, shard_slots, to_json,
 )
-from shardckpt.manifest_integrity import seal
+from shardckpt.format.integrity import seal
 from shardckpt.storage import Storage
-from shardckpt.synth import synth_spec
+from shardckpt.tools.synth import synth_spec
 
 Doc = dict[str, Any]
 
@@ -437,7 +437,7 @@ def test_oversized_manifest_refused_before_parsing(monkeypatch: pytest.MonkeyPat
     # not even JSON: refused for its size, so the JSON parser never saw it
     refuses(b"x" * 1001, "size", "1001 bytes", "at most 1000")
     # through storage: one read of at most limit + 1 bytes, whatever the file's size
-    import shardckpt.checkpoint as ckpt_mod
+    import shardckpt.checkpoint.reader as ckpt_mod
     monkeypatch.setattr(ckpt_mod, "MAX_MANIFEST_BYTES", 1000)
     (tmp_path / "manifest.json").write_bytes(b" " * 5000)
     st_ = Storage(str(tmp_path))

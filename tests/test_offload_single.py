@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardckpt.checkpointer import Checkpointer
+from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ShardedSGD, ZeroEngine, decay_param_groups
 from shardckpt.runtime import offload as offload_module
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
-from shardckpt.save_load import load, save
+from shardckpt.training.save_load import load, save
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from shardckpt.checkpoint import CheckpointReader, verify
+from shardckpt.checkpoint.reader import CheckpointReader
+
+from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.reshard import MIN_BUFFER, reshard
-from shardckpt.synth import synthesize, values
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.reshard import MIN_BUFFER, reshard
+from shardckpt.tools.synth import synthesize, values
 
 PARAMS = 300_000
 

@@ -11,16 +11,20 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from shardckpt.checkpoint import CheckpointReader, CheckpointWriter, new_save_id, verify
+from shardckpt.checkpoint.reader import CheckpointReader
+
+from shardckpt.checkpoint.verify import verify
+
+from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.cli.common import parse_bytes
 from shardckpt.cli.main import app
-from shardckpt.clean import SAVE_ID
+from shardckpt.tools.clean import SAVE_ID
 from shardckpt.errors import CommitConflictError, ConfigError, IntegrityError
-from shardckpt.lease import LEASE_PREFIX
-from shardckpt.manifest import MANIFEST_NAME
-from shardckpt.reshard import MIN_BUFFER, reshard
+from shardckpt.storage.lease import LEASE_PREFIX
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.tools.reshard import MIN_BUFFER, reshard
 from shardckpt.storage import Storage
-from shardckpt.synth import synthesize
+from shardckpt.tools.synth import synthesize
 
 PARAMS = 20_000
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardckpt.errors import ConfigError, ShardckptError
-from shardckpt.layout import Mesh, ParamInfo, build_layout
+from shardckpt.format.layout import Mesh, ParamInfo, build_layout
 from shardckpt.runtime import (
     ShardedAdamW,
     ShardedSGD,

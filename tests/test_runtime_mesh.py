@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import Mesh
+from shardckpt.format.layout import Mesh
 from shardckpt.runtime import collectives
 from shardckpt.runtime.mesh import ProcessMesh, TorchrunEnv, init_distributed, pick_device
 from shardckpt.runtime.units import as_policy, plan_units, units_by_type

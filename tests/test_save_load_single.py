@@ -8,7 +8,7 @@ from torch import nn
 
 from shardckpt.errors import CollectiveError, IncompatibleLayoutError
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-from shardckpt.save_load import load, save
+from shardckpt.training.save_load import load, save
 
 
 class Net(nn.Module):
@@ -97,7 +97,7 @@ def test_a_checkpoint_without_optimizer_state_starts_the_optimizer_fresh(tmp_pat
     save(plain, str(tmp_path / "w"))
     engine, opt = engine_for(Net(), seed=3)
     step(engine, opt)
-    with caplog.at_level("WARNING", logger="shardckpt.save_load"):
+    with caplog.at_level("WARNING", logger="shardckpt.training.save_load"):
         load(engine, str(tmp_path / "w"))
     assert "optimizer starts fresh" in caplog.text
     full, ref = engine.gather_full_params(), plain.gather_full_params()

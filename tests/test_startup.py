@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shardckpt.synth import synthesize
+from shardckpt.tools.synth import synthesize
 
 #: Never loaded by an offline command on local paths: the training stack and the S3 client stack.
 NEVER = ("torch", "s3fs", "aiobotocore", "botocore")
@@ -20,7 +20,7 @@ RICH_HELP = ("typer.rich_utils", "rich", "rich.markdown", "pygments", "markdown_
 #: The part of it that a command printing its own tables (rich.table) still never needs.
 HELP_ONLY = ("typer.rich_utils", "rich.markdown")
 WATCHED = NEVER + RICH_HELP + ("numpy", "pydantic", "fsspec", "shardckpt.storage.s3",
-                               "shardckpt.estimate")
+                               "shardckpt.tools.estimate")
 
 # Runs ``python -m shardckpt.cli.main ARGS`` in this interpreter and, however it ends, writes the
 # watched modules it loaded as JSON to the file named first; the exit code is the command's.
@@ -60,7 +60,7 @@ def test_help_imports_no_array_or_rich_help_stack(tmp_path: Path) -> None:
     """``--help`` builds the command table only: no numpy, no pydantic coercion, no rich help."""
     mods = loaded_by(tmp_path, "--help")
     assert not mods & set(NEVER + RICH_HELP + ("numpy", "pydantic", "fsspec",
-                                               "shardckpt.estimate")), mods
+                                               "shardckpt.tools.estimate")), mods
 
 
 def test_command_help_and_usage_errors_stay_plain(tmp_path: Path) -> None:

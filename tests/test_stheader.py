@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from shardckpt.checkpoint import CheckpointReader
+from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import IntegrityError
-from shardckpt.layout import DTYPES
-from shardckpt.manifest import Manifest, TensorSlot
-from shardckpt.stheader import MAX_HEADER, build_header, header_length, parse_header
+from shardckpt.format.dtypes import DTYPES
+from shardckpt.format.manifest import Manifest, TensorSlot
+from shardckpt.format.safetensors_header import MAX_HEADER, build_header, header_length, parse_header
 
 NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "int64": np.int64,
       "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}

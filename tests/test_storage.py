@@ -15,7 +15,7 @@ import pytest
 from shardckpt.errors import (
     CommitConflictError, IntegrityError, ShardckptError, StorageError,
 )
-from shardckpt.manifest import FileEntry
+from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import NotFoundError, RetryPolicy, Storage, iter_file_chunks
 
 CHUNK = 4096
@@ -425,7 +425,7 @@ def test_iter_file_chunks(storage: Storage) -> None:
 
 
 def test_map_many_views_checks_each_chunk_once(tmp_path: Path) -> None:
-    from shardckpt.chunkcache import CachedRangeReader
+    from shardckpt.storage.cached_reads import CachedRangeReader
 
     storage = Storage(str(tmp_path))
     data = payload(5 * CHUNK + 100)
@@ -444,7 +444,7 @@ def test_map_many_views_checks_each_chunk_once(tmp_path: Path) -> None:
 
 
 def test_map_many_refuses_truncated_and_corrupted(tmp_path: Path) -> None:
-    from shardckpt.chunkcache import CachedRangeReader
+    from shardckpt.storage.cached_reads import CachedRangeReader
 
     storage = Storage(str(tmp_path))
     data = payload(3 * CHUNK)

@@ -14,16 +14,17 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_helpers import TINY_PARAMS
-from shardckpt.checkpoint import read_manifest, verify
-from shardckpt.consolidate import consolidate
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.checkpoint.verify import verify
+from shardckpt.tools.consolidate import consolidate
 from shardckpt.errors import ConfigError
-from shardckpt.reshard import reshard
+from shardckpt.tools.reshard import reshard
 from shardckpt.storage import Storage
-from shardckpt.synth import synthesize
-from shardckpt.watch import Watcher
-from shardckpt.watch_config import load_pipeline, parse_pipeline
-from shardckpt.watch_records import StepClaim, checkpoint_dir
-from shardckpt.watch_status import pipeline_status
+from shardckpt.tools.synth import synthesize
+from shardckpt.watch.service import Watcher
+from shardckpt.watch.config import load_pipeline, parse_pipeline
+from shardckpt.watch.records import StepClaim, checkpoint_dir
+from shardckpt.watch.status import pipeline_status
 
 PIPELINE = """\
 name = "t"
@@ -126,7 +127,7 @@ def test_long_running_watcher_survives_a_storage_failure(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from shardckpt import watch_records
+    from shardckpt.watch import records as watch_records
     from shardckpt.errors import StorageError
 
     path = make_run(tmp_path, (100,))

@@ -20,14 +20,16 @@ from pathlib import Path
 import pytest
 
 from ckpt_helpers import TINY_PARAMS
-from shardckpt.checkpoint import read_manifest, verify
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.checkpoint.verify import verify
 from shardckpt.storage import Storage
-from shardckpt.synth import synthesize
-from shardckpt.watch_records import checkpoint_dir
+from shardckpt.tools.synth import synthesize
+from shardckpt.watch.records import checkpoint_dir
 
 CHILD = r'''
 import json, os, sys, time
-from shardckpt import watch_records, watch_steps
+from shardckpt.watch import records as watch_records
+from shardckpt.watch import steps as watch_steps
 from shardckpt.cli.main import app
 
 pipeline, point, log, markers = sys.argv[1:5]
@@ -60,7 +62,7 @@ watch_steps.run_step = run_step
 
 if where == "midstep":
     from shardckpt.storage import Storage
-    from shardckpt.checkpoint import CheckpointWriter
+    from shardckpt.checkpoint.writer import CheckpointWriter
     real_put, real_create, real_commit = Storage.put, Storage.create_only, CheckpointWriter.commit
     def put(self, rel, data):
         if kind == "consolidate" and rel == "model.safetensors.index.json":

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from ckpt_helpers import TINY_PARAMS
-from shardckpt.synth import synthesize
-from shardckpt.watch import Watcher
-from shardckpt.watch_config import load_pipeline
-from shardckpt.watch_serve import serve
-from shardckpt.watch_status import pipeline_status
+from shardckpt.tools.synth import synthesize
+from shardckpt.watch.service import Watcher
+from shardckpt.watch.config import load_pipeline
+from shardckpt.watch.http import serve
+from shardckpt.watch.status import pipeline_status
 
 PIPELINE = """\
 name = "served"

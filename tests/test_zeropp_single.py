@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import Mesh
+from shardckpt.format.layout import Mesh
 from shardckpt.runtime import MixedPrecisionPolicy, ShardedSGD, ZeroEngine, ZeroPP
 from shardckpt.runtime import quant
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss

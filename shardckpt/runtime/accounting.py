@@ -1,4 +1,4 @@
-"""Per-rank accounting of the ZeRO runtime, in the units of :mod:`shardckpt.estimate`.
+"""Per-rank accounting of the ZeRO runtime, in the units of :mod:`shardckpt.tools.estimate`.
 
 Three figures, each for this rank:
 
@@ -6,7 +6,7 @@ Three figures, each for this rank:
   elements (and bytes): an all-gather or a reduce-scatter of an ``n``-element flat buffer counts
   ``n``, an all-reduce ``2n``, the deterministic mode's all-to-all exchange of ``n`` elements
   ``n``; a collective over a group of one rank is not issued and counts nothing. These are the
-  conventions of :attr:`shardckpt.estimate.Estimate.comm_elements`, so a ZeRO-3 step counts 3Ψ
+  conventions of :attr:`shardckpt.tools.estimate.Estimate.comm_elements`, so a ZeRO-3 step counts 3Ψ
   (forward all-gather, backward all-gather, reduce-scatter), where Ψ is the *padded* parameter
   count (each flat group is padded to a multiple of 16·S elements);
 * **in-node and cross-node bytes**: the same logical volume in bytes, split by whether the
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardckpt.errors import ConfigError
-from shardckpt.estimate import Estimate, estimate
+from shardckpt.tools.estimate import Estimate, estimate
 
 if TYPE_CHECKING:
     from shardckpt.runtime.engine import ZeroEngine
@@ -163,7 +163,7 @@ def precision_preset_for(engine: "ZeroEngine") -> str:
 
 
 def estimate_for(engine: "ZeroEngine", precision: str | None = None) -> Estimate:
-    """:func:`shardckpt.estimate.estimate` for this engine: Ψ = the padded parameter count,
+    """:func:`shardckpt.tools.estimate.estimate` for this engine: Ψ = the padded parameter count,
     the strategy of its stage and mesh (``hsdp`` when R > 1), ``largest_unit`` = the padded
     size of its largest unit, and the preset of :func:`precision_preset_for` unless given."""
     pm, layout = engine.process_mesh, engine.layout

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from shardckpt.errors import CollectiveError
 from shardckpt.runtime.accounting import Accounting
-from shardckpt.layout import REPLICATE_AXIS, SHARD_AXIS
+from shardckpt.format.layout import REPLICATE_AXIS, SHARD_AXIS
 from shardckpt.runtime.mesh import ProcessMesh
 
 FP32 = torch.float32

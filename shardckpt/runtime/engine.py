@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import Layout, build_layout
-from shardckpt.estimate import Estimate
+from shardckpt.format.layout import Layout, build_layout
+from shardckpt.tools.estimate import Estimate
 from shardckpt.runtime import accounting, collectives, full_params
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool, torch_dtype

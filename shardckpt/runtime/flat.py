@@ -28,7 +28,7 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   ``grad`` is updated when it is finished. With ``resident_grad`` (ZeRO-1: gradients are not
   partitioned) it is :attr:`grad_buffer`: allocated once, kept for the life of the group and
   zeroed at the start of each accumulation window, so every rank holds a whole-size gradient
-  buffer, as the ZeRO paper and :mod:`shardckpt.estimate` count it.
+  buffer, as the ZeRO paper and :mod:`shardckpt.tools.estimate` count it.
 * ``grad`` (trained groups only) is ``None`` or the fp32 shard of the mean gradient over ranks,
   the same bits at every stage. With ``resident_grad`` and an fp32 gradient dtype, once reduced
   it is the view of the buffer's own ``[shard_start, shard_end)`` (the rest of the buffer then
@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import FlatGroup, Layout, ParamSpec
+from shardckpt.format.layout import FlatGroup, Layout, ParamSpec
 from shardckpt.runtime import collectives, zeropp
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.gradpool import GradBufferPool
@@ -76,7 +76,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class FlatParamGroup:
-    """Runtime state of one :class:`~shardckpt.layout.FlatGroup` on this rank (see module docstring)."""
+    """Runtime state of one :class:`~shardckpt.format.layout.FlatGroup` on this rank (see module docstring)."""
 
     def __init__(self, spec: FlatGroup, layout: Layout, params: Sequence[nn.Parameter],
                  pm: ProcessMesh, acct: Accounting | None = None,

@@ -78,11 +78,11 @@ def refuse_placeholder_state_dicts(engine: "ZeroEngine") -> None:
 
 _WAY_OUT = {
     "state_dict": "For whole tensors call engine.full_state_dict() on every rank (a collective); "
-                  "to save and resume, use shardckpt.checkpointer.Checkpointer (any world size "
+                  "to save and resume, use shardckpt.training.checkpointer.Checkpointer (any world size "
                   "loads it; `shardckpt consolidate` turns it into safetensors)",
     "load_state_dict": "Load whole tensors with engine.load_full_state_dict(state_dict) (local: "
                        "each rank keeps its slice), or a shardckpt checkpoint with "
-                       "shardckpt.checkpointer.Checkpointer",
+                       "shardckpt.training.checkpointer.Checkpointer",
 }
 
 

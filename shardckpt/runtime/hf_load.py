@@ -9,7 +9,7 @@ Typical use, on every rank::
     opt = ShardedAdamW(engine, ...)
 
 Every rank opens the index and the file headers (small), matches the file's names to the model's
-FQNs, plans the element ranges of its own flat shards (:func:`shardckpt.hf.plan_shard_reads`) and
+FQNs, plans the element ranges of its own flat shards (:func:`shardckpt.interop.hf_import.plan_shard_reads`) and
 reads exactly those byte ranges, cast from the file's dtype to the masters' dtype as they arrive.
 No rank holds a whole tensor it does not own, let alone the model: memory is the rank's shards plus
 a few read buffers, whatever the stage, world size or HSDP mesh (replicas read the same ranges).
@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import torch
 
-from shardckpt.collective import agree
+from shardckpt.training.collective import agree
 from shardckpt.errors import IncompatibleLayoutError
-from shardckpt.hf import (
+from shardckpt.interop.hf_import import (
     DEFAULT_BUFFER, HFSource, NameMap, as_bytes, fetch, match_tensors, open_hf, plan_shard_reads,
 )
-from shardckpt.pieces import cast_bytes
+from shardckpt.checkpoint.pieces import cast_bytes
 from shardckpt.runtime.flat import dtype_name
 from shardckpt.runtime.init import default_init
-from shardckpt.save_load import fresh_optimizer_state
+from shardckpt.training.save_load import fresh_optimizer_state
 
 if TYPE_CHECKING:
     from shardckpt.runtime.engine import ZeroEngine

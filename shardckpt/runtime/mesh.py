@@ -1,6 +1,6 @@
 """Process topology of the runtime: the torchrun environment, the device, and process groups per mesh axis.
 
-All rank arithmetic comes from :class:`shardckpt.layout.Mesh`; this module only turns it into live
+All rank arithmetic comes from :class:`shardckpt.format.layout.Mesh`; this module only turns it into live
 ``torch.distributed`` process groups. A :class:`ProcessMesh` without a backend is a single process
 that never calls ``torch.distributed`` (the fast path for single-process tests and tools).
 """
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import REPLICATE_AXIS, SHARD_AXIS, Mesh
+from shardckpt.format.layout import REPLICATE_AXIS, SHARD_AXIS, Mesh
 
 log = logging.getLogger(__name__)
 

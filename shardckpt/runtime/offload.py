@@ -205,7 +205,7 @@ class OffloadStore:
         return sum(self.sizes.values()) * 4 * (1 + len(self.kinds))
 
     def _create_files(self, rank: int) -> None:
-        from shardckpt.checkpoint import new_save_id
+        from shardckpt.checkpoint.writer import new_save_id
 
         assert self.config.directory is not None
         base = self.config.directory

@@ -276,15 +276,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         raise ShardckptError(
             f"{type(self).__name__}.state_dict(): each rank holds only its slice of the optimizer "
             "state, so there is no whole-tensor torch.optim state dict. Save and resume with "
-            "shardckpt.checkpointer.Checkpointer (or shardckpt.save_load.save/load), which store "
+            "shardckpt.training.checkpointer.Checkpointer (or shardckpt.training.save_load.save/load), which store "
             "every rank's slice and load on any world size; for whole tensors offline, "
             "consolidate the checkpoint")
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         raise ShardckptError(
             f"{type(self).__name__}.load_state_dict(): a sharded optimizer loads its slices from "
-            "a shardckpt checkpoint; use shardckpt.checkpointer.Checkpointer.resume()/load() "
-            "(or shardckpt.save_load.load)")
+            "a shardckpt checkpoint; use shardckpt.training.checkpointer.Checkpointer.resume()/load() "
+            "(or shardckpt.training.save_load.load)")
 
 
 class ShardedAdamW(ShardedOptimizer):

@@ -14,7 +14,7 @@ from typing import Callable, Union
 from torch import nn
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import ParamInfo
+from shardckpt.format.layout import ParamInfo
 from shardckpt.runtime.flat import dtype_name
 
 #: Decides whether the module at ``fqn`` is its own unit. The root is always a unit.

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from shardckpt.errors import ConfigError
-from shardckpt.layout import SHARD_AXIS
+from shardckpt.format.layout import SHARD_AXIS
 from shardckpt.runtime import quant
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.collectives import (FP32, PendingMean, _all_gather_single, _bytes,

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from shardckpt.errors import CommitConflictError, IntegrityError, StorageError
-from shardckpt.manifest import FileEntry
+from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import places
 from shardckpt.storage.options import split_options
 from shardckpt.storage.retry import (

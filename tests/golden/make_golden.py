@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shardckpt.checkpoint import CheckpointReader
-from shardckpt.manifest import VERSION
-from shardckpt.synth import synthesize
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.format.manifest import VERSION
+from shardckpt.tools.synth import synthesize
 
 HERE = Path(__file__).resolve().parent
 DST = HERE / f"v{VERSION[0]}_{VERSION[1]}"

@@ -1,0 +1,213 @@
+"""Pieces of tensors read from checkpoints, and the dtype casts applied to them. No torch.
+
+Shared by :mod:`shardckpt.tools.consolidate` (one reader, cast and written out) and :mod:`shardckpt.tools.diff`
+(two readers, compared). A :class:`Source` says where a tensor's elements lie in one checkpoint;
+a :class:`PieceReader` yields aligned pieces of many tensors, in bounded memory; the casts are
+pure numpy on little-endian bytes (bf16 is round-to-nearest-even, bit-identical to torch's CPU
+cast, NaN included).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.storage.cached_reads import CachedRangeReader
+from shardckpt.errors import ConfigError, ManifestError
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.manifest import FileEntry
+
+DEFAULT_BUFFER = 64 << 20
+
+
+# ----------------------------------------------------------------------------- dtype casts (pure)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float32 ``x``: round to nearest, ties to even.
+
+    Adds ``0x7FFF + lsb`` to the uint32 pattern and keeps the high half; infinities stay
+    infinities, overflow rounds to infinity, subnormals round like normals. Every NaN becomes
+    ``0xFFFF``, what torch's CPU cast gives.
+    """
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    t = u >> np.uint32(16)
+    t &= np.uint32(1)
+    t += np.uint32(0x7FFF)
+    t += u  # wraps only for NaNs with the sign bit set; those are replaced below
+    t >>= np.uint32(16)
+    out = t.astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        out[nan] = np.uint16(0xFFFF)
+    return out
+
+
+def _fp8_table(dtype: str) -> np.ndarray:
+    """The 256 float32 values of an fp8 format (e4m3fn: no infinities; e5m2: IEEE-like)."""
+    exp_bits, man_bits, bias = (4, 3, 7) if dtype == "float8_e4m3fn" else (5, 2, 15)
+    code = np.arange(256)
+    e, m = (code >> man_bits) & ((1 << exp_bits) - 1), code & ((1 << man_bits) - 1)
+    frac = m / (1 << man_bits)
+    val = np.where(e == 0, np.ldexp(frac, 1 - bias), np.ldexp(1 + frac, e - bias))
+    if dtype == "float8_e5m2":
+        val = np.where(e == 31, np.where(m == 0, np.inf, np.nan), val)
+    else:
+        val = np.where((e == 15) & (m == 7), np.nan, val)
+    return np.where(code & 0x80, -val, val).astype(np.float32)
+
+
+_NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4",
+          "int16": "<i2", "int8": "i1", "uint8": "u1", "bool": "u1"}
+
+
+def decode(raw: Any, dtype: str) -> np.ndarray:
+    """Little-endian bytes of ``dtype`` as a numpy array (bf16 and fp8 widened to float32)."""
+    if dtype == "bfloat16":
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if dtype.startswith("float8"):
+        return _fp8_table(dtype)[np.frombuffer(raw, np.uint8)]
+    return np.frombuffer(raw, _NUMPY[dtype])
+
+
+def cast_bytes(raw: Any, src: str, dst: str) -> Any:
+    """Bytes of ``raw`` (``src``) cast to ``dst``; identity when they are equal."""
+    if src == dst:
+        return raw
+    x = decode(raw, src)
+    if dst == "bfloat16":
+        return f32_to_bf16_bits(x.astype(np.float32, copy=False))
+    if x.dtype == np.float64 and dst != "float64":
+        x = x.astype(np.float32)  # double -> float -> half, as torch does
+    with np.errstate(over="ignore"):  # out of range -> inf, as torch casts
+        return x.astype(_NUMPY[dst])
+
+
+# ------------------------------------------------------------------------- piece reads (effectful)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a tensor's elements lie: state ``kind`` of flat ``group`` from element ``offset``,
+    or (``group`` None) the buffer ``fqn``."""
+
+    dtype: str
+    group: str | None
+    kind: str
+    offset: int
+    fqn: str
+
+
+def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int) -> list[tuple[FileEntry, int, int]]:
+    """Absolute byte ranges (one per shard file touched) of elements ``[start, end)`` of ``src``."""
+    if src.group is None:
+        entry = reader.manifest.buffers_file()
+        slot = reader.buffer_slots.get(src.fqn)
+        if entry is None or slot is None:
+            raise ManifestError(f"{reader.url}: no buffer {src.fqn!r}")
+        reader.check_file(entry)
+        n, base = itemsize(src.dtype), entry.data_start + slot.begin
+        return [(entry, base + start * n, base + end * n)]
+    s = reader.slot(src.group, src.kind).shape[0]
+    x, stop = src.offset + start, src.offset + end
+    out = []
+    while x < stop:
+        shard = x // s
+        hi = min(stop, (shard + 1) * s)
+        out.append(reader.state_range(shard, src.group, src.kind, x - shard * s, hi - shard * s))
+        x = hi
+    return out
+
+
+#: Most bytes of boundary chunks a PieceReader keeps per checkpoint (see ``_cache_capacity``).
+MAX_CACHE_BYTES = 256 << 20
+
+
+def _cache_capacity(reader: CheckpointReader, batch_bytes: int) -> int:
+    """Chunks to cache: one partly consumed chunk per shard file (consecutive pieces of a tensor
+    run through every shard, and each file is read front to back, so every file has a chunk whose
+    rest the next batch takes), plus a batch's worth; at most :data:`MAX_CACHE_BYTES`."""
+    cs = reader.manifest.chunk_size
+    want = max(2, batch_bytes // cs) + len(reader.manifest.files) + 2
+    return max(2, min(want, MAX_CACHE_BYTES // cs))
+
+
+class Piece(NamedTuple):
+    index: int               # which item
+    start: int               # element range [start, end) inside the item's tensor
+    end: int
+    data: tuple[bytes, ...]  # one per reader
+
+
+class PieceReader:
+    """Reads aligned pieces of tensors from one or more checkpoints, in batches.
+
+    ``pieces(items)`` yields, for item ``i = (numel, sources)`` with one source per reader, the
+    pieces ``[a, b)`` that tile ``[0, numel)`` in order, with the same boundaries on every reader.
+    A batch holds at most ``buffer_bytes / 4`` source bytes; one batch is read ahead while the
+    caller consumes the previous one, and boundary chunks shared by consecutive ranges are cached
+    (one per source file, up to :data:`MAX_CACHE_BYTES`), so memory is about ``buffer_bytes`` plus
+    a chunk per source file, whatever the tensor sizes.
+    """
+
+    def __init__(self, readers: Sequence[CheckpointReader], buffer_bytes: int = DEFAULT_BUFFER,
+                 workers: int = 4) -> None:
+        if buffer_bytes < 1:
+            raise ConfigError(f"buffer of {buffer_bytes} bytes; it must be positive")
+        self.readers = list(readers)
+        self.batch_bytes = max(1, buffer_bytes // 4)
+        self.cached = [CachedRangeReader(r.storage, r.manifest.chunk_size,
+                                         capacity=_cache_capacity(r, self.batch_bytes))
+                       for r in self.readers]
+        self.workers = workers
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(c.bytes_read for c in self.cached)
+
+    def _batches(self, items: Sequence[tuple[int, Sequence[Source]]]) -> Iterator[list[tuple[int, int, int]]]:
+        batch: list[tuple[int, int, int]] = []
+        size = 0
+        for i, (numel, sources) in enumerate(items):
+            per_elem = sum(itemsize(s.dtype) for s in sources)
+            step = max(1, self.batch_bytes // per_elem)
+            for a in range(0, numel, step):
+                b = min(numel, a + step)
+                batch.append((i, a, b))
+                size += (b - a) * per_elem
+                if size >= self.batch_bytes:
+                    yield batch
+                    batch, size = [], 0
+        if batch:
+            yield batch
+
+    def _read(self, items: Sequence[tuple[int, Sequence[Source]]], batch: list[tuple[int, int, int]]) -> list[Piece]:
+        sides = []
+        for side, (reader, cached) in enumerate(zip(self.readers, self.cached)):
+            requests, owner = [], []
+            for k, (i, a, b) in enumerate(batch):
+                for r in byte_ranges(reader, items[i][1][side], a, b):
+                    requests.append(r)
+                    owner.append(k)
+            parts: list[list[bytes]] = [[] for _ in batch]
+            got = cached.map_many(requests) if cached.storage.can_map else \
+                cached.read_many(requests, self.workers)
+            for k, data in zip(owner, got):
+                parts[k].append(data)
+            sides.append([p[0] if len(p) == 1 else b"".join(p) for p in parts])
+        return [Piece(i, a, b, tuple(s[k] for s in sides)) for k, (i, a, b) in enumerate(batch)]
+
+    def pieces(self, items: Sequence[tuple[int, Sequence[Source]]]) -> Iterator[Piece]:
+        with ThreadPoolExecutor(1) as pool:
+            pending = None
+            for batch in self._batches(items):
+                job = pool.submit(self._read, items, batch)
+                if pending is not None:
+                    yield from pending.result()
+                pending = job
+            if pending is not None:
+                yield from pending.result()

@@ -1,0 +1,182 @@
+"""Checkpoint directories of one run: ``<run>/step-00000100/``, the ``latest`` pointer, retention.
+
+Rules (what a resumed job relies on):
+
+* a step directory counts only once its ``manifest.json`` exists (the save committed);
+* ``latest`` names a committed directory and is written only after that commit (also when a
+  rank was lost after the manifest was created: the save committed, and rank 0 says so);
+* retention keeps the newest ``keep_last`` committed checkpoints and never deletes the newest one;
+* resume picks the newest committed checkpoint that passes a check (manifest parses, every file
+  present with its recorded size; optionally every checksum), skipping directories without a
+  manifest and checkpoints that fail, whatever ``latest`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from shardckpt.checkpoint.reader import read_manifest
+
+from shardckpt.checkpoint.verify import verify
+from shardckpt.errors import IncompleteCheckpointError, ShardckptError
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.storage import NotFoundError, Storage
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    name: str
+    url: str
+
+
+class CheckpointManager:
+    """The step directories below ``run_url``. Safe to call from one process (rank 0)."""
+
+    def __init__(self, run_url: str, keep_last: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ShardckptError(f"keep_last must be >= 1 (or None to keep all); got {keep_last}")
+        self.storage = Storage(run_url, storage_options)
+        self.keep_last = keep_last
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def url_for(self, step: int) -> str:
+        return self.storage.url_of(step_dir(step))
+
+    def step_dirs(self) -> list[tuple[int, str]]:
+        """(step, name) of every step directory, committed or not, oldest first."""
+        out = []
+        for name in self.storage.ls(""):
+            m = STEP_DIR.match(name)
+            if m:
+                out.append((int(m.group(1)), name))
+        return sorted(out)
+
+    def committed(self) -> list[Found]:
+        """Step directories with a manifest, oldest first."""
+        return [Found(s, n, self.storage.url_of(n)) for s, n in self.step_dirs()
+                if self.storage.exists(f"{n}/{MANIFEST_NAME}")]
+
+    def read_latest(self) -> str | None:
+        """The directory name ``latest`` points at, or None."""
+        try:
+            name = self.storage.read_limited(LATEST, 4096).decode().strip()
+        except (NotFoundError, UnicodeDecodeError):
+            return None
+        return name if STEP_DIR.match(name) else None
+
+    def check(self, found: Found, full: bool = False) -> list[str]:
+        """Problems of one committed checkpoint: manifest and sizes, or every checksum if ``full``."""
+        child = self.storage.child(found.name)
+        if full:
+            return list(verify(child).problems)
+        try:
+            m = read_manifest(child)
+        except ShardckptError as e:
+            return [str(e)]
+        problems = []
+        for f in m.files:
+            try:
+                size = child.size(f.path)
+            except ShardckptError as e:
+                problems.append(str(e))
+                continue
+            if size != f.size:
+                problems.append(f"{child.url_of(f.path)}: {size} bytes, the manifest records {f.size}")
+        return problems
+
+    def is_committed(self, step: int) -> bool:
+        return self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
+
+    def resume_points(self, full_verify: bool = False) -> Iterator[Found]:
+        """Committed checkpoints that pass :meth:`check`, newest first (checked as iterated)."""
+        for found in reversed(self.committed()):
+            problems = self.check(found, full_verify)
+            if not problems:
+                yield found
+            else:
+                log.warning("skipping %s: %s", found.url, problems[0])
+
+    def resume_point(self, full_verify: bool = False) -> Found | None:
+        """The newest committed checkpoint that passes :meth:`check`; None if there is none."""
+        return next(self.resume_points(full_verify), None)
+
+    def mark_committed(self, step: int) -> None:
+        """Point ``latest`` at ``step`` (which must be committed), then apply retention."""
+        name = step_dir(step)
+        if not self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+            raise IncompleteCheckpointError(f"{self.storage.url_of(name)} has no {MANIFEST_NAME}; "
+                                            "latest is not moved to an uncommitted save")
+        self.storage.put(LATEST, (name + "\n").encode())
+        self.apply_retention()
+
+    def apply_retention(self) -> list[str]:
+        """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted."""
+        if self.keep_last is None:
+            return []
+        committed = self.committed()
+        protect = {committed[-1].name} if committed else set()
+        latest = self.read_latest()
+        if latest:
+            protect.add(latest)
+        doomed = [f for f in committed[:-self.keep_last] if f.name not in protect]
+        for f in doomed:
+            # the manifest goes first: a half-deleted checkpoint must not look committed
+            self.storage.rm(f"{f.name}/{MANIFEST_NAME}")
+            self.storage.rm(f.name, recursive=True)
+            log.info("retention removed %s", f.url)
+        return [f.url for f in doomed]
+
+
+def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str | None]:
+    """The checkpoint ``url`` names, and a note for the user when that is not ``url`` itself.
+
+    A ``url`` with its own ``manifest.json``, or one that is no run directory, comes back as it is
+    (its reader reports whatever is wrong with it). A run directory (``latest`` or
+    ``step-XXXXXXXX`` directories, no manifest of its own) resolves to the committed checkpoint
+    that ``latest`` names, with the note ``"run directory: using latest -> step-00000100"``;
+    without a usable ``latest``, :class:`IncompleteCheckpointError` says that ``url`` is a run
+    directory and lists the committed checkpoints it holds.
+    """
+    manager = CheckpointManager(url, storage_options=storage_options)
+    storage = manager.storage
+    if storage.exists(MANIFEST_NAME):
+        return url, None
+    has_latest = storage.exists(LATEST)
+    steps = manager.step_dirs()
+    if not has_latest and not steps:
+        return url, None
+    committed = manager.committed()
+    latest = manager.read_latest()
+    if latest is not None and any(f.name == latest for f in committed):
+        return storage.url_of(latest), f"run directory: using latest -> {latest}"
+    if not committed:
+        raise IncompleteCheckpointError(
+            f"{storage.url} is a run directory with no committed checkpoint: none of its "
+            f"{len(steps)} step directories has a {MANIFEST_NAME} (the saves never committed)")
+    if latest is not None:
+        why = f"its latest names {latest}, which has no {MANIFEST_NAME}"
+    else:
+        why = "it has no usable latest pointer" if has_latest else "it has no latest pointer"
+    names = [f.name for f in committed]
+    listed = ", ".join(names) if len(names) <= 6 else \
+        f"{', '.join(names[:2])}, ..., {', '.join(names[-3:])} ({len(names)} in all)"
+    raise IncompleteCheckpointError(
+        f"{storage.url} is a run directory, not a checkpoint, and {why}; its committed "
+        f"checkpoints: {listed}. Name one, e.g. {storage.url_of(names[-1])}")

@@ -1,0 +1,116 @@
+"""``verify``: re-read every file of a checkpoint and list every problem."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Mapping
+
+from shardckpt.errors import (
+    ShardckptError, StorageError,
+)
+from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
+from shardckpt.format.manifest import (
+    FileEntry, Manifest, buffer_slots, chunked_slots, shard_slots,
+)
+from shardckpt.checkpoint.reader import as_storage, check_header, read_manifest
+from shardckpt.storage import NotFoundError, Storage, crc32c, iter_file_chunks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileReport:
+    path: str
+    size: int
+    ok: bool
+    problems: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What :func:`verify` found. True exactly when every check held.
+
+    ``problems`` lists every problem: the manifest's (then ``manifest`` is None and there are
+    no reports), then each file's, in manifest order.
+    """
+
+    url: str
+    manifest: Manifest | None
+    reports: tuple[FileReport, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
+           workers: int = 4, progress: Callable[[int], None] | None = None,
+           manifest: "Manifest | ShardckptError | None" = None,
+           paths: "Collection[str] | None" = None) -> VerifyResult:
+    """Check every file against the manifest: presence, size, whole and per-chunk CRC32C, header.
+
+    Never stops at the first problem. ``progress(nbytes)`` is called as bytes are checked.
+    Memory is bounded by the chunk size times ``workers``. ``manifest``: the manifest already
+    read by the caller with :func:`read_manifest` (or the error that gave), so that it is not
+    read twice. ``paths``: check only these of the manifest's files (a ``torchrun`` job's share:
+    :func:`shardckpt.tools.distributed.verify_job` splits the files over the job's processes).
+    """
+    storage = as_storage(location, storage_options)
+    if manifest is None:
+        try:
+            manifest = read_manifest(storage)
+        except ShardckptError as e:
+            manifest = e
+    if isinstance(manifest, ShardckptError):
+        return VerifyResult(storage.url, None, (), (str(manifest),))
+    m = manifest
+    expected = {"shard": shard_slots(m.components, m.mesh, m.version), "buffers": buffer_slots(m.components)}
+    expected.update({f.path: chunked_slots(m, f.path) for f in m.files if f.role == CHUNKS_ROLE})
+
+    def check(entry: FileEntry) -> FileReport:
+        url = storage.url_of(entry.path)
+        problems: list[str] = []
+        try:
+            actual = storage.size(entry.path)
+        except NotFoundError:
+            return FileReport(entry.path, entry.size, False, (f"{url}: missing",))
+        except StorageError as e:
+            return FileReport(entry.path, entry.size, False, (str(e),))
+        if actual != entry.size:
+            what = "truncated" if actual < entry.size else "extended"
+            problems.append(f"{url}: {what}: {actual} bytes, the manifest records {entry.size}")
+        crc, i, head = 0, 0, b""
+        bad_chunks = []
+        try:
+            for data in iter_file_chunks(storage, entry.path, m.chunk_size, limit=entry.size):
+                crc = crc32c(data, crc)
+                if i < len(entry.chunk_crc32c) and crc32c(data) != entry.chunk_crc32c[i]:
+                    bad_chunks.append(i)
+                if len(head) < 8 + entry.header_size:
+                    head += data[: 8 + entry.header_size - len(head)]
+                i += 1
+                if progress:
+                    progress(len(data))
+        except StorageError as e:
+            problems.append(str(e))
+            return FileReport(entry.path, entry.size, False, tuple(problems))
+        if bad_chunks:
+            spans = ", ".join(f"[{c * m.chunk_size}, {min(entry.size, (c + 1) * m.chunk_size)})"
+                              for c in bad_chunks[:5])
+            problems.append(f"{url}: {len(bad_chunks)} chunk(s) fail their CRC32C check (bytes {spans}"
+                            f"{', ...' if len(bad_chunks) > 5 else ''}); the file is corrupted")
+        elif actual == entry.size and crc != entry.crc32c:
+            problems.append(f"{url}: whole-file CRC32C {crc:08x} differs from the recorded {entry.crc32c:08x}")
+        problems += check_header(url, entry, head, actual,
+                                  expected.get(entry.path if entry.role == CHUNKS_ROLE else entry.role))
+        return FileReport(entry.path, entry.size, not problems, tuple(problems))
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        reports = tuple(pool.map(check, [f for f in m.files if paths is None or f.path in paths]))
+    return VerifyResult(storage.url, m, reports, tuple(p for r in reports for p in r.problems))

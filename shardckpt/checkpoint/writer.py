@@ -1,0 +1,175 @@
+"""Write a checkpoint in the shardckpt format, through :mod:`shardckpt.storage`.
+
+``CheckpointWriter`` streams shard files (header first, tensors in manifest order, checksums as bytes
+go by) and commits by creating ``manifest.json`` last, create-only.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from shardckpt.storage import commit as _commit
+from shardckpt.errors import (
+    ShardckptError,
+)
+from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
+from shardckpt.format.layout import Mesh
+from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
+from shardckpt.format.manifest import (
+    CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, VERSION, Component, FileEntry,
+    Manifest, OptimizerInfo, TensorSlot, buffer_slots, parse, shard_slots, to_json,
+)
+from shardckpt.format.safetensors_header import build_header
+from shardckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+Producer = Callable[[TensorSlot], Iterable[Any]]
+
+
+def new_save_id() -> str:
+    """Unique per save attempt: a UTC timestamp and 8 random hex digits."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+
+
+def shard_file_name(save_id: str, shard: int, shard_degree: int) -> str:
+    return f"{save_id}/shard-{shard:05d}-of-{shard_degree:05d}.safetensors"
+
+
+@dataclass
+class CheckpointSpec:
+    """Everything a manifest says except its files: what a writer is asked to write."""
+
+    mesh: Mesh
+    components: Mapping[str, Component]
+    optimizer: OptimizerInfo | None = None
+    extras: Mapping[str, Any] = field(default_factory=dict)
+    per_rank_state: Mapping[str, Any] = field(default_factory=dict)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunked: ChunkedSection | None = None  # chunked tensors and blobs (format 1.2)
+
+
+class CheckpointWriter:
+    """Writes the files of one save attempt below ``storage`` and commits them.
+
+    Each shard rank's file may be written by a different process: construct a writer with the
+    same ``spec`` and ``save_id`` everywhere, write your files, gather the :class:`FileEntry`
+    results to one process, and call :meth:`commit` there once every file is durable.
+    """
+
+    def __init__(self, storage: Storage, spec: CheckpointSpec, save_id: str | None = None) -> None:
+        self.storage = storage
+        self.spec = spec
+        self.save_id = save_id or new_save_id()
+        self.slots = shard_slots(spec.components, spec.mesh)
+        self.buffer_slots = buffer_slots(spec.components)
+
+    def _stream(self, rel: str, role: str, index: int | None, slots: list[TensorSlot],
+                produce: Producer, meta: dict[str, str]) -> FileEntry:
+        header = build_header(slots, {"format": "shardckpt", "version": f"{VERSION[0]}.{VERSION[1]}",
+                                      "save_id": self.save_id, **meta})
+        with self.storage.writer(rel, self.spec.chunk_size) as w:
+            w.write(header)
+            for slot in slots:
+                expected = slot.end - slot.begin
+                got = 0
+                for piece in produce(slot):
+                    view = memoryview(piece).cast("B")
+                    got += len(view)
+                    if got > expected:
+                        raise ShardckptError(f"{self.storage.url_of(rel)}: producer gave more than "
+                                             f"{expected} bytes for {slot.name}")
+                    w.write(view)
+                if got != expected:
+                    raise ShardckptError(f"{self.storage.url_of(rel)}: producer gave {got} of "
+                                         f"{expected} bytes for {slot.name}")
+            size, crc, chunks = w.close()
+        return FileEntry(rel, role, size, len(header) - 8, crc, chunks, index)
+
+    def write_shard(self, shard: int, produce: Producer) -> FileEntry:
+        """Stream shard ``shard``: ``produce(slot)`` yields the bytes of each ``<group>.<kind>``."""
+        S = self.spec.mesh.shard_degree
+        rel = shard_file_name(self.save_id, shard, S)
+        return self._stream(rel, "shard", shard, self.slots, produce,
+                            {"shard": str(shard), "shard_degree": str(S)})
+
+    def write_buffers(self, produce: Producer) -> FileEntry | None:
+        if not self.buffer_slots:
+            return None
+        return self._stream(f"{self.save_id}/buffers.safetensors", "buffers", None,
+                            self.buffer_slots, produce, {})
+
+    def write_rank_state(self, rank: int, slots: list[TensorSlot], produce: Producer) -> FileEntry:
+        return self._stream(f"{self.save_id}/rank-{rank:05d}.safetensors", "rank", rank, slots,
+                            produce, {"rank": str(rank)})
+
+    def write_chunks(self, rank: int, slots: list[TensorSlot], produce: Producer) -> FileEntry:
+        """Stream one rank's file of chunked tensors and blobs (``slots`` named as
+        :func:`shardckpt.format.chunked.chunk_name` / ``blob_name`` give, in byte order)."""
+        v = CHUNKED_VERSION
+        return self._stream(f"{self.save_id}/chunks-{rank:05d}.safetensors", CHUNKS_ROLE, rank,
+                            slots, produce, {"rank": str(rank), "version": f"{v[0]}.{v[1]}"})
+
+    def manifest(self, files: Iterable[FileEntry]) -> Manifest:
+        created = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        order = {"shard": 0, "buffers": 1, "rank": 2, CHUNKS_ROLE: 3}
+        entries = sorted(files, key=lambda f: (order[f.role], f.index or 0, f.path))
+        s = self.spec
+        return Manifest(VERSION if s.chunked is None else CHUNKED_VERSION, self.save_id, created,
+                        s.mesh, s.chunk_size, dict(s.components), s.optimizer, dict(s.extras),
+                        dict(s.per_rank_state), tuple(entries), s.chunked)
+
+    def data_bytes(self) -> int:
+        """About the bytes of the shard and buffer files this save writes (headers aside)."""
+        shard = self.slots[-1].end if self.slots else 0
+        buffers = self.buffer_slots[-1].end if self.buffer_slots else 0
+        return shard * self.spec.mesh.shard_degree + buffers
+
+    def lease(self, ttl_s: float = DEFAULT_TTL_S, hold: bool = True) -> "Lease | nullcontext[None]":
+        """A context manager holding this attempt's lease while it writes and commits, so that
+        ``shardckpt clean`` leaves the attempt's directory alone whatever its age. Where several
+        processes write one attempt, the one that commits holds it (``hold=False`` elsewhere)."""
+        return Lease(self.storage, self.save_id, ttl_s) if hold else nullcontext()
+
+    def commit(self, files: Iterable[FileEntry], replacing: bytes | None = None) -> Manifest:
+        """Commit the save: call once, after every file is durable.
+
+        Every file the manifest names must be there with its size (else
+        :class:`IncompleteCheckpointError`, nothing committed); local directories are synced;
+        then ``manifest.json`` is created, create-only. With ``replacing`` (the bytes of the
+        manifest there when the save began), that manifest is replaced instead, only if it is
+        still there unchanged, and read back (:func:`shardckpt.storage.commit.replace`).
+        """
+        m = self.manifest(files)
+        data = to_json(m)
+        parse(data, self.storage.url_of(MANIFEST_NAME))  # never commit what we could not read back
+        _commit.check_files(self.storage, m)
+        _commit.sync_dirs(self.storage, self.save_id)
+        if replacing is None:
+            self.storage.create_only(MANIFEST_NAME, data)
+        else:
+            _commit.replace(self.storage, data, replacing, self.save_id)
+        log.info("committed %s (%d files, %d bytes)", self.storage.url, len(m.files), m.total_bytes)
+        return m
+
+    def discard(self) -> bool:
+        """After a failure, with the lease released: remove this attempt's directory, unless the
+        manifest there names it (then it is the checkpoint, not debris).
+
+        Returns False where the directory could not be removed; ``shardckpt clean`` removes it.
+        """
+        try:
+            if f"save {self.save_id}" == _commit.save_id_of(_commit.current_manifest(self.storage)):
+                return True
+            self.storage.rm(self.save_id, recursive=True)
+        except ShardckptError as e:
+            log.warning("could not remove %s (%s)", self.storage.url_of(self.save_id), e)
+            return False
+        return True

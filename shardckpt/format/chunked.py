@@ -1,0 +1,328 @@
+"""Chunked tensors: the part of a manifest that describes tensors the way
+``torch.distributed.checkpoint`` (DCP) shards them, and opaque blobs. Pure; no torch.
+
+A chunked tensor has a global shape and dtype and a set of N-D boxes (``offsets``, ``sizes``),
+each stored whole, row-major, as one tensor of a ``chunks`` file, at bytes ``[begin, end)`` of
+that file's data section. A blob is a byte string that a planner serialized itself; it is stored
+as a ``uint8`` tensor and shardckpt never interprets its bytes. docs/FORMAT.md section 13 is the
+specification; :func:`parse_section` refuses a box outside its tensor, two boxes that overlap, a
+tensor its boxes do not tile, and a byte range outside the file that holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from shardckpt.format.dtypes import itemsize
+
+from shardckpt.format.layout import prod
+
+#: Feature name a manifest with a chunked section lists in ``requires``.
+FEATURE = "chunked_tensors"
+ROLE = "chunks"
+#: Offenders listed by name in one error; the rest are counted.
+MAX_LISTED = 10
+#: Chunks a single tensor may have (DCP writes one per rank holding a distinct piece).
+MAX_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One stored box of a tensor: its position in the tensor and its bytes in ``file``."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    begin: int  # relative to the start of the file's data section, like safetensors offsets
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class ChunkedTensor:
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """Bytes a planner serialized itself (DCP: ``torch.save`` of a non-tensor value); opaque."""
+
+    key: str
+    file: str
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ChunkedSection:
+    tensors: Mapping[str, ChunkedTensor]
+    blobs: Mapping[str, Blob] = field(default_factory=dict)
+    #: DCP's planner data (the default planner's flattening map: key -> path of str / int).
+    planner_data: Mapping[str, tuple[str | int, ...]] = field(default_factory=dict)
+
+    def files(self) -> set[str]:
+        return ({c.file for t in self.tensors.values() for c in t.chunks}
+                | {b.file for b in self.blobs.values()})
+
+
+def chunk_name(fqn: str, offsets: Sequence[int]) -> str:
+    """The safetensors name of a stored box: ``<fqn>@<offsets, comma-separated>``."""
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"
+
+
+def blob_name(key: str) -> str:
+    """The safetensors name of a blob (never equal to a chunk name: those end in ``@digits``)."""
+    return f"{key}#blob"
+
+
+# ------------------------------------------------------------------------------------ encode
+
+
+def section_doc(s: ChunkedSection) -> dict[str, Any]:
+    return {
+        "tensors": [
+            {"fqn": t.fqn, "dtype": t.dtype, "shape": list(t.shape),
+             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
+                         "begin": c.begin, "end": c.end} for c in t.chunks]}
+            for t in s.tensors.values()
+        ],
+        "blobs": [{"key": b.key, "file": b.file, "begin": b.begin, "end": b.end}
+                  for b in s.blobs.values()],
+        "planner_data": {k: list(v) for k, v in s.planner_data.items()},
+    }
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def parse_section(ctx: Any, v: Any, data_sizes: Mapping[str, int]) -> ChunkedSection:
+    """Decode and validate the ``chunked`` section with the manifest's validation context ``ctx``;
+    ``data_sizes`` maps each ``chunks`` file's path to the size of its data section."""
+    w = "chunked"
+    d = ctx.obj(v, w)
+    tensors: dict[str, ChunkedTensor] = {}
+    for i, td in enumerate(ctx.lst(ctx.key(d, "tensors", w), f"{w}.tensors")):
+        t = _parse_tensor(ctx, f"{w}.tensors[{i}]", td, data_sizes)
+        if t.fqn in tensors:
+            raise ctx.fail(f"{w}.tensors[{i}]", f"tensor {t.fqn!r} appears twice")
+        tensors[t.fqn] = t
+    blobs: dict[str, Blob] = {}
+    for i, bd in enumerate(ctx.lst(d.get("blobs", []), f"{w}.blobs")):
+        bw = f"{w}.blobs[{i}]"
+        bd = ctx.obj(bd, bw)
+        key = ctx.str_(ctx.key(bd, "key", bw), f"{bw}.key")
+        path, begin, end = _parse_range(ctx, bw, bd, data_sizes)
+        if key in blobs or key in tensors:
+            raise ctx.fail(bw, f"{key!r} names another blob or tensor too")
+        blobs[key] = Blob(key, path, begin, end)
+    planner: dict[str, tuple[str | int, ...]] = {}
+    for k, p in ctx.obj(d.get("planner_data", {}), f"{w}.planner_data").items():
+        pw = f"{w}.planner_data.{k[:64]}"
+        ctx.str_(k, pw)
+        path = ctx.lst(p, pw)
+        if len(path) > 64 or not all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
+                                     for x in path):
+            raise ctx.fail(pw, "expected a list of at most 64 strings and integers")
+        planner[k] = tuple(ctx.str_(x, pw) if isinstance(x, str) else ctx.int_(x, pw) for x in path)
+    section = ChunkedSection(tensors, blobs, planner)
+    overlaps = byte_overlaps(section)
+    if overlaps:
+        raise ctx.fail(w, f"byte ranges overlap in a file: {_listed(overlaps)}")
+    return section
+
+
+def _parse_range(ctx: Any, w: str, d: dict[str, Any], data_sizes: Mapping[str, int]) -> tuple[str, int, int]:
+    path = ctx.str_(ctx.key(d, "file", w), f"{w}.file")
+    if path not in data_sizes:
+        raise ctx.fail(f"{w}.file", f"{path!r} is not a {ROLE!r} file of this manifest")
+    begin = ctx.int_(ctx.key(d, "begin", w), f"{w}.begin")
+    end = ctx.int_(ctx.key(d, "end", w), f"{w}.end")
+    if not begin <= end <= data_sizes[path]:
+        raise ctx.fail(w, f"bytes [{begin}, {end}) of the data section of {path} are past its end "
+                       f"({data_sizes[path]} bytes) or reversed")
+    return path, begin, end
+
+
+def _parse_tensor(ctx: Any, w: str, v: Any, data_sizes: Mapping[str, int]) -> ChunkedTensor:
+    d = ctx.obj(v, w)
+    fqn = ctx.str_(ctx.key(d, "fqn", w), f"{w}.fqn")
+    dtype = ctx.dtype(ctx.key(d, "dtype", w), f"{w}.dtype")
+    shape = ctx.shape(ctx.key(d, "shape", w), f"{w}.shape")
+    chunks_doc = ctx.lst(ctx.key(d, "chunks", w), f"{w}.chunks")
+    if len(chunks_doc) > MAX_CHUNKS:
+        raise ctx.fail(f"{w}.chunks", f"{len(chunks_doc)} chunks; at most {MAX_CHUNKS} are allowed")
+    chunks = []
+    for j, cd in enumerate(chunks_doc):
+        cw = f"{w}.chunks[{j}]"
+        cd = ctx.obj(cd, cw)
+        offsets = tuple(ctx.int_(o, f"{cw}.offsets") for o in
+                        ctx.lst(ctx.key(cd, "offsets", cw), f"{cw}.offsets")[:17])
+        sizes = ctx.shape(ctx.key(cd, "sizes", cw), f"{cw}.sizes")
+        path, begin, end = _parse_range(ctx, cw, cd, data_sizes)
+        c = ChunkRecord(offsets, sizes, path, begin, end)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise ctx.fail(cw, f"{fqn!r} has {len(shape)} dimensions but the chunk's offsets and "
+                           f"sizes have {len(offsets)} and {len(sizes)}")
+        if end - begin != c.numel * itemsize(dtype):
+            raise ctx.fail(cw, f"{fqn!r}: bytes [{begin}, {end}) of {path} hold {end - begin} bytes, "
+                           f"but a {list(sizes)} box of {dtype} needs {c.numel * itemsize(dtype)}")
+        chunks.append(c)
+    t = ChunkedTensor(fqn, dtype, shape, tuple(chunks))
+    problems = tiling_problems(t)
+    if problems:
+        raise ctx.fail(w, f"{fqn!r}: {_listed(problems)}")
+    return t
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def _box(c: ChunkRecord) -> str:
+    return f"offsets {list(c.offsets)} sizes {list(c.sizes)}"
+
+
+def overlap(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
+            b_size: Sequence[int]) -> bool:
+    """Do two N-D boxes share an element? (Empty boxes share none.)"""
+    if prod(a_size) == 0 or prod(b_size) == 0:
+        return False
+    return all(a < b + m and b < a + n for a, n, b, m in zip(a_off, a_size, b_off, b_size))
+
+
+def tiling_problems(t: ChunkedTensor) -> list[str]:
+    """Every box outside the shape, every overlapping pair, and a box set that leaves elements
+    uncovered: the boxes of a tensor must tile it exactly."""
+    out = [f"chunk {_box(c)} lies outside the shape {list(t.shape)}"
+           for c in t.chunks if any(o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape))]
+    if out:
+        return out
+    # Sweep along the dim the chunks split most: only boxes whose ranges there meet can overlap.
+    live = [c for c in t.chunks if c.numel]
+    d = max(range(len(t.shape)), key=lambda i: len({c.offsets[i] for c in live}), default=None)
+    order = sorted(live, key=lambda c: c.offsets[d] if d is not None else 0)
+    for i, a in enumerate(order):
+        a_end = a.offsets[d] + a.sizes[d] if d is not None else 1
+        for b in order[i + 1:]:
+            if d is not None and b.offsets[d] >= a_end:
+                break
+            if overlap(a.offsets, a.sizes, b.offsets, b.sizes):
+                out.append(f"chunks {_box(a)} and {_box(b)} overlap")
+                if len(out) > MAX_LISTED:
+                    return out
+    if out:
+        return out
+    covered = sum(c.numel for c in t.chunks)
+    if covered != t.numel:
+        out.append(f"its chunks hold {covered} of its {t.numel} elements; a chunked tensor must be "
+                   "stored whole")
+    return out
+
+
+def byte_overlaps(s: ChunkedSection) -> list[str]:
+    """Byte ranges of two chunks or blobs that overlap in one file."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for t in s.tensors.values():
+        for c in t.chunks:
+            if c.end > c.begin:
+                spans.setdefault(c.file, []).append((c.begin, c.end, chunk_name(t.fqn, c.offsets)))
+    for b in s.blobs.values():
+        if b.end > b.begin:
+            spans.setdefault(b.file, []).append((b.begin, b.end, blob_name(b.key)))
+    out = []
+    for path, items in spans.items():
+        items.sort()
+        out += [f"{path}: {q[2]} [{q[0]}, {q[1]}) and {p[2]} [{p[0]}, {p[1]})"
+                for p, q in zip(items, items[1:]) if q[0] < p[1]]
+    return out
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - MAX_LISTED
+    return "; ".join(items[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+# --------------------------------------------------------------------- helpers for readers
+
+
+def file_layout(s: ChunkedSection, path: str) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """(name, dtype, shape, begin, end) of every tensor file ``path`` holds, in byte order."""
+    out = [(chunk_name(t.fqn, c.offsets), t.dtype, c.sizes, c.begin, c.end)
+           for t in s.tensors.values() for c in t.chunks if c.file == path]
+    out += [(blob_name(b.key), "uint8", (b.nbytes,), b.begin, b.end)
+            for b in s.blobs.values() if b.file == path]
+    return sorted(out, key=lambda x: (x[3], x[4]))
+
+
+def box_byte_span(c: ChunkRecord, elem: int, offsets: Sequence[int],
+                  lengths: Sequence[int]) -> tuple[int, int]:
+    """Bytes ``[a, b)`` (relative to the chunk's first byte) of the smallest contiguous span of
+    the row-major box ``c`` that holds the sub-box at ``offsets`` (relative to the chunk) with
+    ``lengths``. An empty sub-box spans nothing."""
+    if prod(lengths) == 0:
+        return 0, 0
+    strides = [1] * len(c.sizes)
+    for i in range(len(c.sizes) - 2, -1, -1):
+        strides[i] = strides[i + 1] * c.sizes[i + 1]
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    return first * elem, (last + 1) * elem
+
+
+def chunks_for(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int]) -> Iterable[ChunkRecord]:
+    """The chunks of ``t`` that share elements with the box (``offsets``, ``sizes``)."""
+    return (c for c in t.chunks if overlap(c.offsets, c.sizes, offsets, sizes))
+
+
+def intersection(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
+                 b_size: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The box two boxes share, or None if they share no element."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_size, b_off, b_size))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def row_bands(offsets: Sequence[int], sizes: Sequence[int], elem: int,
+              budget: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The box split along dim 0 into bands of at most ``budget`` bytes (at least one row)."""
+    if not sizes:
+        yield tuple(offsets), tuple(sizes)
+        return
+    row = prod(sizes[1:]) * elem
+    step = max(1, budget // max(1, row))
+    for r in range(0, sizes[0], step):
+        n = min(step, sizes[0] - r)
+        yield (offsets[0] + r, *offsets[1:]), (n, *sizes[1:])
+
+
+def iter_pairs(ta: ChunkedTensor, tb: ChunkedTensor, budget: int
+               ) -> Iterator[tuple[ChunkRecord, ChunkRecord, tuple[int, ...], tuple[int, ...]]]:
+    """Every (chunk of a, chunk of b, band) whose elements both hold, bands within ``budget``
+    bytes: what comparing two equally shaped tensors element by element reads."""
+    elem = max(itemsize(ta.dtype), itemsize(tb.dtype))
+    for ca in ta.chunks:
+        for cb in chunks_for(tb, ca.offsets, ca.sizes):
+            box = intersection(ca.offsets, ca.sizes, cb.offsets, cb.sizes)
+            if box is not None:
+                for off, size in row_bands(box[0], box[1], elem, budget):
+                    yield ca, cb, off, size

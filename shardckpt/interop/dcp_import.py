@@ -1,0 +1,328 @@
+"""Import a checkpoint written by DCP's own ``FileSystemWriter`` as a shardckpt checkpoint.
+
+What DCP writes: ``.metadata`` (a pickle of :class:`torch.distributed.checkpoint.metadata.Metadata`:
+every tensor's global shape, dtype and chunks, the keys of non-tensor values, and, per item, the
+file, byte offset and length where it went) and ``__<rank>_<n>.distcp`` payload files, in which
+each tensor chunk is a ``torch.save`` archive at its offset and each non-tensor value is the bytes
+DCP's planner serialized.
+
+How it is read (docs/FORMAT.md, "Foreign formats"): the metadata only through
+:class:`MetadataUnpickler`, whose ``find_class`` admits DCP's metadata classes, ``torch.Size``,
+dtypes and plain containers and refuses every other global by name; tensor payloads only through
+``torch.load(weights_only=True)`` on their byte range, one chunk at a time; non-tensor values are
+copied as opaque blobs, never deserialized. Everything the metadata says is checked before a byte
+is written (files present, ranges inside them, the chunks of every tensor tiling it); a payload
+that does not decode to the tensor the metadata describes stops the import with nothing committed.
+
+The output keeps DCP's chunks (format 1.2 chunked tensors): one ``chunks`` file per source file,
+loadable through :class:`shardckpt.interop.dcp_storage.ShardckptReader` and read by every offline tool.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from shardckpt.checkpoint.reader import as_storage
+
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.format.chunked import (
+    Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name, tiling_problems,
+)
+from shardckpt.errors import ConfigError, IntegrityError
+from shardckpt.format.dtypes import DTYPES, itemsize
+from shardckpt.format.layout import Mesh, prod
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
+from shardckpt.storage import NotFoundError, Storage
+
+log = logging.getLogger(__name__)
+
+__all__ = ["import_dcp", "read_dcp_metadata", "MetadataUnpickler"]
+
+METADATA_NAME = ".metadata"
+#: A ``.metadata`` larger than this is refused before it is unpickled.
+MAX_METADATA_BYTES = 1 << 30
+_MD = "torch.distributed.checkpoint.metadata"
+_DTYPE_NAMES = tuple(DTYPES) + ("bool", "int8", "int16", "int32", "int64", "uint8", "float8_e4m3fn",
+                                "float8_e5m2", "complex64", "complex128")
+_PAYLOAD = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and nothing else: ``find_class`` admits DCP's metadata
+    dataclasses, the ``FileSystemWriter``'s per-item storage record, ``torch.Size``, dtypes and
+    layouts, ``OrderedDict`` and ``PosixPath`` (the checkpoint id DCP records); any other global is
+    refused by name, before it is imported or called."""
+
+    def __init__(self, file: Any, url: str) -> None:
+        super().__init__(file)
+        self.url = url
+
+    def find_class(self, module: str, name: str) -> Any:
+        import collections
+        import pathlib
+
+        import torch
+        from torch.distributed.checkpoint import filesystem, metadata
+
+        allowed: dict[tuple[str, str], Any] = {
+            (_MD, n): getattr(metadata, n) for n in (
+                "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                "_MEM_FORMAT_ENCODING")}
+        allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+        allowed[("torch", "Size")] = torch.Size
+        allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+        allowed[("collections", "OrderedDict")] = collections.OrderedDict
+        allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
+        allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+        if module == "torch" and name in _DTYPE_NAMES and isinstance(getattr(torch, name, None),
+                                                                     torch.dtype):
+            return getattr(torch, name)
+        if (module, name) not in allowed:
+            raise IntegrityError(f"{self.url}: names the global {module}.{name}, which is not one "
+                                 "of DCP's metadata classes; refused without running it")
+        return allowed[(module, name)]
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One stored value: a tensor chunk (``offsets``/``sizes``) or a blob (``offsets`` None)."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class DcpSource:
+    """A DCP checkpoint's metadata, checked against its files."""
+
+    url: str
+    tensors: dict[str, tuple[str, tuple[int, ...]]]   # fqn -> (dtype, shape)
+    items: dict[str, list[_Item]]                      # payload file -> items, in byte order
+    planner_data: dict[str, tuple[str | int, ...]]
+    version: str | None
+
+
+def read_dcp_metadata(storage: Storage) -> Any:
+    """The ``Metadata`` in ``storage``'s ``.metadata``, through :class:`MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    url = storage.url_of(METADATA_NAME)
+    try:
+        data = storage.read_limited(METADATA_NAME, MAX_METADATA_BYTES)
+    except NotFoundError:
+        raise IntegrityError(f"{url}: missing; not a checkpoint DCP's FileSystemWriter wrote") from None
+    try:
+        md = MetadataUnpickler(io.BytesIO(data), url).load()
+    except IntegrityError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of a foreign pickle is one clear error
+        raise IntegrityError(f"{url}: not a readable DCP metadata pickle (truncated or damaged): "
+                             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(md, Metadata):
+        raise IntegrityError(f"{url}: holds a {type(md).__name__}, not DCP's Metadata")
+    return md
+
+
+def _dtype(dtype: Any, url: str, fqn: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise IntegrityError(f"{url}: {fqn!r} is {name}; shardckpt stores {', '.join(DTYPES)}")
+    return name
+
+
+def _ints(v: Any, url: str, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and x >= 0 for x in v):
+        raise IntegrityError(f"{url}: {what} is not a list of non-negative integers")
+    return tuple(int(x) for x in v)
+
+
+def _storage_info(md: Any, url: str, fqn: str, offsets: tuple[int, ...] | None) -> tuple[str, int, int]:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    where = "" if offsets is None else f" at offsets {list(offsets)}"
+    key = MetadataIndex(fqn, None if offsets is None else offsets)
+    info = md.storage_data.get(key) if isinstance(md.storage_data, dict) else None
+    if not isinstance(info, _StorageInfo):
+        raise IntegrityError(f"{url}: no storage record for {fqn!r}{where}")
+    path, off, n = info.relative_path, info.offset, info.length
+    if not isinstance(path, str) or not _PAYLOAD.fullmatch(path) or path in (".", ".."):
+        raise IntegrityError(f"{url}: {fqn!r}{where} is stored in {path!r}, not a file beside it")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (off, n)):
+        raise IntegrityError(f"{url}: {fqn!r}{where} has offset {off!r} and length {n!r}")
+    if getattr(info, "transform_descriptors", None):
+        raise IntegrityError(f"{url}: {fqn!r}{where} is stored with transforms "
+                             f"{list(info.transform_descriptors)}; only plain payloads are read")
+    return path, off, n
+
+
+def read_dcp(storage: Storage) -> DcpSource:
+    """Read and check ``storage``'s DCP metadata against its payload files (nothing else read)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    md = read_dcp_metadata(storage)
+    url = storage.url_of(METADATA_NAME)
+    if not isinstance(md.state_dict_metadata, dict):
+        raise IntegrityError(f"{url}: state_dict_metadata is not a map")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    items: dict[str, list[_Item]] = {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise IntegrityError(f"{url}: a key is {type(fqn).__name__}, not a string")
+        if isinstance(tmd, BytesStorageMetadata):
+            path, off, n = _storage_info(md, url, fqn, None)
+            items.setdefault(path, []).append(_Item(fqn, None, (n,), path, off, n))
+            continue
+        if not isinstance(tmd, TensorStorageMetadata) or not isinstance(tmd.chunks, list):
+            raise IntegrityError(f"{url}: {fqn!r} has metadata {type(tmd).__name__}")
+        dtype = _dtype(getattr(tmd.properties, "dtype", None), url, fqn)
+        shape = _ints(tmd.size, url, f"the shape of {fqn!r}")
+        records = []
+        for c in tmd.chunks:
+            off = _ints(c.offsets, url, f"a chunk offset of {fqn!r}")
+            sizes = _ints(c.sizes, url, f"a chunk size of {fqn!r}")
+            if len(off) != len(shape) or len(sizes) != len(shape):
+                raise IntegrityError(f"{url}: {fqn!r} has {len(shape)} dimensions but a chunk's "
+                                     f"offsets and sizes have {len(off)} and {len(sizes)}")
+            records.append(ChunkRecord(off, sizes, "", 0, prod(sizes) * itemsize(dtype)))
+        problems = tiling_problems(ChunkedTensor(fqn, dtype, shape, tuple(records)))
+        if problems:
+            raise IntegrityError(f"{url}: the chunks of {fqn!r} do not tile its shape "
+                                 f"{list(shape)}: {problems[0]}")
+        for c in records:
+            path, pos, n = _storage_info(md, url, fqn, c.offsets)
+            items.setdefault(path, []).append(_Item(fqn, c.offsets, c.sizes, path, pos, n))
+        tensors[fqn] = (dtype, shape)
+    for path, its in items.items():
+        try:
+            size = storage.size(path)
+        except NotFoundError:
+            raise IntegrityError(f"{storage.url_of(path)}: missing (the metadata stores "
+                                 f"{its[0].fqn!r} there)") from None
+        its.sort(key=lambda i: (i.offset, i.length))
+        for it in its:
+            if it.offset + it.length > size:
+                raise IntegrityError(f"{storage.url_of(path)}: {it.fqn!r} is stored at bytes "
+                                     f"[{it.offset}, {it.offset + it.length}), past the file's end "
+                                     f"({size} bytes); the file is truncated")
+    planner = md.planner_data if isinstance(md.planner_data, dict) else {}
+    planner_data = {k: tuple(v) for k, v in planner.items()
+                    if isinstance(k, str) and isinstance(v, (tuple, list))
+                    and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)}
+    version = md.version if isinstance(md.version, str) else None
+    return DcpSource(storage.url, tensors, dict(sorted(items.items())), planner_data, version)
+
+
+def load_chunk(storage: Storage, it: _Item, dtype: str) -> Any:
+    """The tensor chunk ``it`` (its byte range through ``torch.load(weights_only=True)``),
+    checked to be the dtype and shape the metadata says."""
+    import torch
+
+    url = storage.url_of(it.file)
+    where = f"{it.fqn!r} at offsets {list(it.offsets or ())}"
+    data = storage.read(it.file, it.offset, it.offset + it.length)
+    if len(data) != it.length:
+        raise IntegrityError(f"{url}: {where}: read {len(data)} of {it.length} bytes at "
+                             f"{it.offset}; the file is truncated")
+    try:
+        t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a foreign payload: any failure is one clear error
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise IntegrityError(f"{url}: {where}: bytes [{it.offset}, {it.offset + it.length}) are "
+                             f"not a readable torch.save tensor: {first}") from None
+    if not isinstance(t, torch.Tensor):
+        raise IntegrityError(f"{url}: {where} holds a {type(t).__name__}, not a tensor")
+    got = str(t.dtype).removeprefix("torch.")
+    if got != dtype or tuple(t.shape) != it.sizes:
+        raise IntegrityError(f"{url}: {where} holds a {got} tensor of shape {list(t.shape)}; the "
+                             f"metadata says {dtype} {list(it.sizes)}")
+    return t
+
+
+def _plan(source: DcpSource, save_id: str
+          ) -> tuple[list[list[TensorSlot]], ChunkedSection, dict[str, _Item]]:
+    """Per output file (one per source file), its slots; the chunked section; item by slot."""
+    files: list[list[TensorSlot]] = []
+    by_name: dict[str, _Item] = {}
+    chunks: dict[str, list[ChunkRecord]] = {f: [] for f in source.tensors}
+    blobs: dict[str, Blob] = {}
+    for i, (path, its) in enumerate(source.items.items()):
+        rel = f"{save_id}/chunks-{i:05d}.safetensors"  # as CheckpointWriter.write_chunks names it
+        slots, pos = [], 0
+        for it in its:
+            if it.offsets is None:
+                name, dtype, shape, n = blob_name(it.fqn), "uint8", (it.length,), it.length
+                blobs[it.fqn] = Blob(it.fqn, rel, pos, pos + n)
+            else:
+                dtype, _ = source.tensors[it.fqn]
+                name, shape = chunk_name(it.fqn, it.offsets), it.sizes
+                n = prod(shape) * itemsize(dtype)
+                chunks[it.fqn].append(ChunkRecord(it.offsets, it.sizes, rel, pos, pos + n))
+            slots.append(TensorSlot(name, dtype, shape, pos, pos + n))
+            by_name[f"{i}:{name}"] = it
+            pos += n
+        files.append(slots)
+    tensors = {f: ChunkedTensor(f, d, s, tuple(chunks[f])) for f, (d, s) in source.tensors.items()}
+    return files, ChunkedSection(tensors, blobs, source.planner_data), by_name
+
+
+def import_dcp(src: "str | Storage", dst: "str | Storage",
+               storage_options: Mapping[str, Any] | None = None,
+               dst_storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """Write the DCP checkpoint ``src`` as a chunked shardckpt checkpoint at ``dst``.
+
+    Keeps DCP's chunks and keys (``dcp.load`` through :class:`shardckpt.interop.dcp_storage.ShardckptReader`
+    gives back what ``dcp.load`` of the source gives). Memory: one source chunk at a time. Refuses
+    a ``dst`` that holds a checkpoint; on any error nothing is committed.
+    """
+    store = as_storage(src, storage_options)
+    out = as_storage(dst, dst_storage_options)
+    if out.exists(MANIFEST_NAME):
+        raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
+    source = read_dcp(store)
+    save_id = new_save_id()
+    files, section, by_name = _plan(source, save_id)
+    spec = CheckpointSpec(Mesh.for_world(max(1, len(files))), {},
+                          extras={"source": store.url, "dcp": {"version": source.version,
+                                                                "files": sorted(source.items)}},
+                          chunked=section)
+    writer = CheckpointWriter(out, spec, save_id)
+    out.ensure_free_space("", sum(s[-1].end for s in files if s), "import dcp")
+
+    import torch
+
+    def producer(i: int) -> Any:
+        def produce(slot: TensorSlot) -> Iterator[Any]:
+            it = by_name[f"{i}:{slot.name}"]
+            if it.offsets is None:
+                data = store.read(it.file, it.offset, it.offset + it.length)
+                if len(data) != it.length:
+                    raise IntegrityError(f"{store.url_of(it.file)}: {it.fqn!r}: read {len(data)} "
+                                         f"of {it.length} bytes; the file is truncated")
+                yield data
+                return
+            t = load_chunk(store, it, slot.dtype)
+            if t.numel():
+                yield t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return produce
+
+    try:
+        with writer.lease():
+            entries = [writer.write_chunks(i, slots, producer(i)) for i, slots in enumerate(files)]
+            m = writer.commit(entries)
+    except BaseException:
+        writer.discard()
+        raise
+    log.info("imported %s (%d tensors, %d values) -> %s", store.url, len(section.tensors),
+             len(section.blobs), out.url)
+    return m

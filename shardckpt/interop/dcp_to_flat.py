@@ -1,0 +1,327 @@
+"""DCP state as ``ZeroEngine`` flat groups: ``shardckpt import dcp SRC DST --ranks N``.
+
+A DCP checkpoint of a model and its Adam-family optimizer, in the layout
+``torch.distributed.checkpoint.state_dict.get_state_dict`` gives (``{"model": ..., "optim": ...}``
+or torchtitan's ``{<model keys>, "optimizer", "lr_scheduler", "dataloader", "train_state"}``), is
+first imported with its chunks (:func:`shardckpt.interop.dcp_import.import_dcp`, every check of that
+import) into a local staging folder, then streamed from there into flat groups for ``N`` ranks:
+fp32 masters, ``exp_avg``, ``exp_avg_sq``, the step and the hyper-parameters of each param group.
+
+Which tensor is what: ``<model_key>.<fqn>`` is a parameter when ``<optim_key>.state.<fqn>.exp_avg``
+and ``exp_avg_sq`` exist (Adam's state); a tensor without that state that equals a parameter of
+its shape bit for bit is that parameter, tied (saved under both names); any other is a
+persistent buffer. Param groups are read from
+``<optim_key>.param_groups.<i>.{params, lr, ...}`` (``get_state_dict``) or from the per-parameter
+``<optim_key>.param_groups.<fqn>.<name>`` of ``flatten_optimizer_state_dict`` (torchtitan); these
+values are DCP blobs, decoded only with ``torch.load(weights_only=True)``. Memory: one band of at
+most ``buffer_bytes`` bytes of one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from shardckpt.checkpoint.reader import CheckpointReader, as_storage
+
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
+from shardckpt.checkpoint.chunked_read import iter_elements, read_blob
+from shardckpt.errors import ConfigError, IntegrityError
+from shardckpt.interop.hf_import import compile_units, unit_of
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
+from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
+
+log = logging.getLogger(__name__)
+
+__all__ = ["import_dcp_flat", "DEFAULT_UNITS"]
+
+#: One unit per transformer block (``...layers.<i>``); everything else in the root.
+DEFAULT_UNITS = (r"(?:.*\.)?layers\.\d+",)
+DEFAULT_BUFFER = 32 << 20
+MOMENTS = ("exp_avg", "exp_avg_sq")
+HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+#: Top-level keys of torchtitan's checkpoint that are not the model.
+APP_KEYS = ("lr_scheduler", "dataloader", "train_state")
+
+
+@dataclass
+class DcpModel:
+    """Which chunked tensors are parameters, their Adam state, and buffers."""
+
+    params: dict[str, ChunkedTensor]                 # fqn -> weights, state-dict order
+    moments: dict[str, dict[str, ChunkedTensor]]     # fqn -> kind -> tensor
+    buffers: dict[str, ChunkedTensor]
+    aliases: dict[str, str]                          # tied: alias fqn -> parameter fqn
+    optimizer: OptimizerInfo
+    step: int | None
+
+
+def _optim_key(section: ChunkedSection, optim_key: str | None, url: str) -> str:
+    found = [k for k in ((optim_key,) if optim_key else ("optim", "optimizer"))
+             if any(f.startswith(f"{k}.state.") for f in section.tensors)]
+    if not found:
+        raise IntegrityError(f"{url}: no optimizer state under "
+                             f"{optim_key or 'optim or optimizer'!r} (keys '<key>.state.<fqn>."
+                             "exp_avg'); pass --optim-key, or import without --ranks")
+    return found[0]
+
+
+def _value(reader: CheckpointReader, section: ChunkedSection, key: str) -> Any:
+    """A non-tensor value (a blob, decoded with ``torch.load(weights_only=True)``) or a scalar
+    tensor's value; None if absent."""
+    import torch
+
+    if key in section.tensors:
+        t = section.tensors[key]
+        data = b"".join(iter_elements(reader, t, 0, max(1, t.numel), 1 << 20))
+        v = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, t.dtype))
+        return v.tolist()[0] if v.numel() == 1 else v.tolist()
+    if key not in section.blobs:
+        return None
+    try:
+        data = io.BytesIO(read_blob(reader, section.blobs[key]))
+        v = torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a foreign value: any failure is one clear error
+        raise IntegrityError(f"{reader.url}: the value {key!r} is not readable with "
+                             f"torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
+    return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+
+
+def _hparams(get: Callable[[str], Any], prefix: str) -> dict[str, Any]:
+    out = {}
+    for k in HPARAMS:
+        v = get(f"{prefix}.{k}")
+        if v is not None:
+            out[k] = list(v) if isinstance(v, (tuple, list)) else v
+    return out
+
+
+def _groups(reader: CheckpointReader, section: ChunkedSection, opt: str,
+            trained: Sequence[str]) -> list[tuple[list[str], dict[str, Any], Any]]:
+    """(params, hparams, decoupled_weight_decay) per param group."""
+    def get(key: str) -> Any:
+        return _value(reader, section, key)
+
+    pat = re.compile(rf"{re.escape(opt)}\.param_groups\.(\d+)\.params")
+    ids = sorted(int(m.group(1)) for k in section.blobs if (m := pat.fullmatch(k)))
+    if ids:
+        out = []
+        for i in ids:
+            names = get(f"{opt}.param_groups.{i}.params")
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise IntegrityError(f"{reader.url}: {opt}.param_groups.{i}.params is not a list "
+                                     "of parameter names (save the optimizer with get_state_dict)")
+            prefix = f"{opt}.param_groups.{i}"
+            out.append(([n for n in names if n in trained], _hparams(get, prefix),
+                        get(f"{prefix}.decoupled_weight_decay")))
+        return out
+    by_hp: dict[str, tuple[list[str], dict[str, Any], Any]] = {}
+    for fqn in trained:  # flatten_optimizer_state_dict: hyper-parameters per parameter
+        prefix = f"{opt}.param_groups.{fqn}"
+        hp = _hparams(get, prefix)
+        entry = by_hp.setdefault(repr(sorted(hp.items())),
+                                 ([], hp, get(f"{prefix}.decoupled_weight_decay")))
+        entry[0].append(fqn)
+    return list(by_hp.values())
+
+
+def read_model(reader: CheckpointReader, model_key: str = "model",
+               optim_key: str | None = None) -> DcpModel:
+    section = reader.manifest.chunked
+    if section is None:
+        raise IntegrityError(f"{reader.url}: not a checkpoint of chunked tensors")
+    opt = _optim_key(section, optim_key, reader.url)
+    order = list(section.planner_data) or list(section.tensors)
+    order += [k for k in section.tensors if k not in section.planner_data]
+    if model_key:
+        names = {k: k[len(model_key) + 1:] for k in order
+                 if k in section.tensors and k.startswith(f"{model_key}.")}
+    else:
+        skip = tuple(f"{k}." for k in (opt, *APP_KEYS))
+        names = {k: k for k in order if k in section.tensors and not k.startswith(skip)}
+    if not names:
+        raise IntegrityError(f"{reader.url}: no model tensors under {model_key!r}; pass "
+                             "--model-key ('' for torchtitan's top-level model keys)")
+    params, moments, rest = {}, {}, {}
+    for key, fqn in names.items():
+        t = section.tensors[key]
+        kinds = {k: section.tensors.get(f"{opt}.state.{fqn}.{k}") for k in MOMENTS}
+        if any(v is None for v in kinds.values()):
+            rest[fqn] = t
+            continue
+        for k, v in kinds.items():
+            assert v is not None
+            if v.shape != t.shape:
+                raise IntegrityError(f"{reader.url}: {opt}.state.{fqn}.{k} has shape "
+                                     f"{list(v.shape)}, the parameter {list(t.shape)}")
+        params[fqn], moments[fqn] = t, kinds
+    aliases = {f: p for f, t in rest.items()
+               for p in [next((p for p, pt in params.items() if _same(reader, t, pt)), None)] if p}
+    buffers = {f: t for f, t in rest.items() if f not in aliases}
+    groups = _groups(reader, section, opt, list(params))
+    grouped = {f for names_, _, _ in groups for f in names_}
+    if grouped != set(params):
+        raise IntegrityError(f"{reader.url}: parameters with Adam state in no param group: "
+                             f"{sorted(set(params) - grouped)[:10]}")
+    steps = {f: _value(reader, section, f"{opt}.state.{f}.step") for f in params}
+    name = "adam" if groups and all(d is False for _, _, d in groups) else "adamw"
+    info = OptimizerInfo(name, tuple(
+        {"params": ps, "hparams": hp, "step": int(steps[ps[0]] or 0) if ps else 0}
+        for ps, hp, _ in groups))
+    step = _value(reader, section, "train_state.step")
+    return DcpModel(params, moments, buffers, aliases, info, None if step is None else int(step))
+
+
+def _same(reader: CheckpointReader, a: ChunkedTensor, b: ChunkedTensor) -> bool:
+    """Equal dtype, shape and bytes (streamed): a tied parameter, saved under both names."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    pieces = zip(iter_elements(reader, a, 0, a.numel, 1 << 24),
+                 iter_elements(reader, b, 0, b.numel, 1 << 24))
+    return all(x == y for x, y in pieces)
+
+
+def _producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
+              buffer_bytes: int) -> Callable[[Any], Iterator[Any]]:
+    import numpy as np
+    import torch
+
+    def fp32(t: ChunkedTensor, a: int, b: int) -> Iterator[Any]:
+        budget = max(1, buffer_bytes * itemsize(t.dtype) // 4)
+        for data in iter_elements(reader, t, a, b, budget):
+            if t.dtype == "float32":
+                yield data
+            else:
+                v = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, t.dtype))
+                yield v.to(torch.float32).numpy()
+
+    def produce(slot: Any) -> Iterator[Any]:
+        gname, kind = slot.name.rsplit(".", 1)
+        pieces, padding = layout.shard_pieces(gname, shard)
+        for p, a, b in pieces:
+            t = model.params[p.fqn] if kind == "master" else model.moments[p.fqn][kind]
+            yield from fp32(t, a, b)
+        if padding:
+            yield np.zeros(padding, np.float32)
+
+    return produce
+
+
+def _buffers(reader: CheckpointReader, model: DcpModel) -> Callable[[Any], Iterator[Any]]:
+    def produce(slot: Any) -> Iterator[Any]:
+        t = model.buffers[slot.name]
+        yield from iter_elements(reader, t, 0, t.numel, 1 << 24)
+    return produce
+
+
+def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
+                    units: Sequence[str] | None = None, model_key: str = "model",
+                    optim_key: str | None = None,
+                    storage_options: Mapping[str, Any] | None = None,
+                    dst_storage_options: Mapping[str, Any] | None = None,
+                    buffer_bytes: int = DEFAULT_BUFFER, tmp_dir: str | None = None) -> Manifest:
+    """Write the DCP checkpoint ``src`` as ``ZeroEngine`` flat groups for ``ranks`` ranks at
+    ``dst`` (masters, Adam moments, step, hyper-parameters, buffers). Refuses a ``dst`` that
+    holds a checkpoint; on any error nothing is committed. The source is staged, with its chunks,
+    below ``tmp_dir`` (default: the system's temporary folder; about the source's size)."""
+    from shardckpt.interop.dcp_import import import_dcp
+
+    out = as_storage(dst, dst_storage_options)
+    if out.exists(MANIFEST_NAME):
+        raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
+    mesh = Mesh.for_world(ranks, replicate)
+    with tempfile.TemporaryDirectory(prefix="shardckpt-dcp-", dir=tmp_dir) as folder:
+        import_dcp(src, f"{folder}/staged", storage_options)
+        reader = CheckpointReader(f"{folder}/staged")
+        model = read_model(reader, model_key, optim_key)
+        pats = compile_units(units or DEFAULT_UNITS)
+        layout = build_layout([ParamInfo(f, t.shape, "float32", True, unit_of(f, pats))
+                               for f, t in model.params.items()], mesh, "model.")
+        states = {g.name: (("master", "float32"), ("exp_avg", "float32"),
+                           ("exp_avg_sq", "float32")) for g in layout.groups}
+        bufs = tuple(BufferSpec(f, t.shape, t.dtype) for f, t in model.buffers.items())
+        extras: dict[str, Any] = {"source": str(src), "dcp": reader.manifest.extras.get("dcp")}
+        steps = [g["step"] for g in model.optimizer.param_groups]
+        if model.step is not None or steps:
+            extras["step"] = model.step if model.step is not None else max(steps)
+        spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
+                              model.optimizer, extras,
+                              {"world_size": mesh.world_size, "dropped_from_world_size": None})
+        writer = CheckpointWriter(out, spec, new_save_id())
+        out.ensure_free_space("", writer.data_bytes(), "import dcp")
+        try:
+            with writer.lease():
+                entries = [writer.write_shard(s, _producer(reader, model, layout, s, buffer_bytes))
+                           for s in range(mesh.shard_degree)]
+                b = writer.write_buffers(_buffers(reader, model))
+                m = writer.commit(entries + ([b] if b else []))
+        except BaseException:
+            writer.discard()
+            raise
+    log.info("imported %s -> %s (%d parameters, %d ranks)", src, out.url, len(model.params), ranks)
+    return m
+
+
+class _Slot:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None = None, *,
+                 model_key: str = "model", optim_key: str | None = None, strict: bool = True,
+                 buffer_bytes: int = DEFAULT_BUFFER, group: Any = None) -> Manifest:
+    """Load a checkpoint of chunked tensors (FSDP2 saved it through
+    :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or ``import dcp`` kept DCP's chunks) into
+    ``ZeroEngine`` ``model`` at any world size, without a conversion step: each rank reads the
+    elements of its own shard of every flat group (masters, Adam moments) from the chunks that
+    hold them, then buffers and the optimizer's hyper-parameters and step. Collective."""
+    import torch
+
+    from shardckpt.training.collective import agree, rank_and_world
+    from shardckpt.training.save_load import load_optimizer_info
+
+    rank, _ = rank_and_world(group)
+    lay = model.layout
+    my_shard = lay.mesh.shard_rank(rank)
+
+    def work() -> str:
+        reader = CheckpointReader(url, storage_options)
+        src = read_model(reader, model_key, optim_key)
+        missing = sorted(p.fqn for p in lay.params if p.fqn not in src.params)
+        if missing and strict:
+            raise IntegrityError(f"{reader.url}: no weights with Adam state for {len(missing)} "
+                                 f"parameters of the model: {missing[:10]}")
+        produce = _producer(reader, src, lay, my_shard, buffer_bytes)
+        with torch.no_grad():
+            for gname, kinds in model.local_shards().items():
+                if any(p.fqn not in src.params for p in lay.group_params(gname)):
+                    continue
+                for kind, tensor in kinds.items():
+                    if kind != "master" and kind not in MOMENTS:
+                        raise IntegrityError(f"{reader.url}: holds Adam state; the optimizer "
+                                             f"keeps {kind!r}")
+                    pieces = produce(_Slot(f"{gname}.{kind}"))
+                    data = bytearray().join(memoryview(x).cast("B") for x in pieces)
+                    if data:
+                        flat = torch.frombuffer(data, dtype=torch.uint8).view(torch.float32)
+                        tensor.view(-1).copy_(flat)
+        bufs = {}
+        for f, t in src.buffers.items():
+            raw = bytearray(b"".join(iter_elements(reader, t, 0, t.numel, 1 << 24)))
+            dtype = getattr(torch, t.dtype)
+            bufs[f] = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(t.shape)
+                       if raw else torch.empty(t.shape, dtype=dtype))
+        if bufs:
+            model.load_buffers(bufs)
+        load_optimizer_info(model, src.optimizer, strict)
+        model.refresh_params()
+        return reader.manifest.save_id
+
+    agree(work, f"load of {url}", group)
+    return CheckpointReader(url, storage_options).manifest

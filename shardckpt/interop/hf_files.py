@@ -1,0 +1,73 @@
+"""The files of a Hugging Face model folder that are not weights.
+
+* ``config.json`` comes from the checkpoint: a manifest's ``extras["hf_config"]`` holds the
+  model's Hugging Face config (a JSON object); it is written with ``torch_dtype`` and ``dtype``
+  (the key newer ``transformers`` read) set to the dtype of the consolidated weights.
+* Tokenizer and generation files are copied from another model folder (``--copy-from``), by an
+  explicit allow-list: never weights, never code.
+
+Does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from shardckpt.errors import ConfigError, ManifestError
+from shardckpt.format.manifest import Manifest
+from shardckpt.storage import Storage
+
+HF_CONFIG_KEY = "hf_config"
+CONFIG = "config.json"
+
+#: What a copy takes from a model folder: tokenizers of the common families, chat templates and
+#: generation settings. ``config.json`` only when the checkpoint carries no config of its own.
+COPY_ALLOWED = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+    "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+MAX_COPY_BYTES = 1 << 30  # a tokenizer is megabytes; anything near this is not one
+
+#: Names that hold weights (or an index of them) in a model folder, in any common format.
+WEIGHT_NAME = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack)(\.index\.json)?$"
+                         r"|\.safetensors\.partial-[0-9a-f]+$")
+
+
+def hf_config(m: Manifest, dtype: str, source: str = "") -> dict[str, Any] | None:
+    """The ``config.json`` of ``m``'s weights cast to ``dtype``; None if ``m`` records no config."""
+    cfg = m.extras.get(HF_CONFIG_KEY)
+    if cfg is None:
+        return None
+    if not isinstance(cfg, dict):
+        raise ManifestError(f"{source or 'the manifest'}: extras.{HF_CONFIG_KEY}: expected an "
+                            f"object (a Hugging Face config), found {type(cfg).__name__}")
+    return {**cfg, "torch_dtype": dtype, "dtype": dtype}
+
+
+def config_bytes(config: Mapping[str, Any]) -> bytes:
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def files_to_copy(src: Storage, with_config: bool) -> list[str]:
+    """The allow-listed files of model folder ``src`` (and ``config.json`` if ``with_config``).
+
+    Raises :class:`ConfigError` when ``src`` is missing or holds none of them.
+    """
+    names = set(src.ls(""))
+    wanted = COPY_ALLOWED + ((CONFIG,) if with_config else ())
+    chosen = [n for n in wanted if n in names]
+    if not names:
+        raise ConfigError(f"{src.url}: no such model folder (nothing is there) to copy "
+                          "tokenizer files from")
+    if not chosen:
+        raise ConfigError(f"{src.url} holds none of the files a copy takes ({', '.join(wanted)})")
+    return chosen
+
+
+def copy_files(src: Storage, dst: Storage, names: list[str]) -> None:
+    """Copy ``names`` from ``src`` to ``dst``, each replaced atomically where the store allows."""
+    for name in names:
+        dst.put(name, src.read_limited(name, MAX_COPY_BYTES))

@@ -1,0 +1,479 @@
+"""Hugging Face safetensors checkpoints as a source: headers, index, planned ranged reads, import.
+
+A Hugging Face model folder holds ``model.safetensors`` or ``model-0000i-of-0000K.safetensors``
+files with ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), and usually a
+``config.json``. :func:`open_hf` reads only the index and each file's header (strictly parsed;
+offsets checked against the file size), never tensor data. From a target layout, a shard rank and
+a match of names, :func:`plan_shard_reads` says which element range of which source tensor lands
+at which offset of which flat group: exactly the rank's share, every byte of it once. :func:`fetch`
+reads those ranges with at most ``buffer_bytes`` per request and a few requests in flight, so
+memory stays about the caller's own shard plus the buffers.
+
+:func:`import_hf` writes a weights-only shardckpt checkpoint (``master`` state only, fp32 for
+floating tensors) from such a folder, one shard file at a time, streaming. The source's
+``config.json`` is kept under ``extras["hf_config"]``.
+
+Does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, Union
+
+import numpy as np
+
+from shardckpt.checkpoint.reader import as_storage
+
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError, ManifestError
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
+from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest, no_duplicate_keys
+from shardckpt.checkpoint.pieces import cast_bytes
+from shardckpt.format.safetensors_header import header_length, parse_header
+from shardckpt.storage import NotFoundError, Storage
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+MAX_INDEX_BYTES = 64 << 20
+MAX_CONFIG_BYTES = 16 << 20
+DEFAULT_BUFFER = 32 << 20
+FLOATS = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+#: Unit pattern of Hugging Face decoder models: one unit per block, the rest in the root.
+DEFAULT_UNITS = (r"model\.layers\.\d+",)
+#: The output head Hugging Face ties to the input embedding (``tie_word_embeddings``).
+TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+
+NameMap = Union[Mapping[str, str], Callable[[str], "str | None"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class HFTensor:
+    """One tensor of a source file: bytes ``[begin, end)`` of ``file`` (absolute offsets)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """An opened Hugging Face checkpoint: its tensors by name and its ``config.json`` (or None)."""
+
+    storage: Storage
+    tensors: Mapping[str, HFTensor]
+    config: Mapping[str, Any] | None = None
+    files: tuple[str, ...] = field(default=())
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.end - t.begin for t in self.tensors.values())
+
+
+# ------------------------------------------------------------------------------ opening
+
+
+def _split(url: str) -> tuple[str, str]:
+    """(folder, file name) of a URL that names a file."""
+    if "/" not in url.rstrip("/"):
+        return ".", url
+    head, tail = url.rstrip("/").rsplit("/", 1)
+    return (head or "/"), tail
+
+
+def read_header(storage: Storage, rel: str) -> dict[str, HFTensor]:
+    """The tensors of one safetensors file, with absolute byte ranges; reads the header only."""
+    url = storage.url_of(rel)
+    try:
+        size = storage.size(rel)
+    except NotFoundError:
+        raise IntegrityError(f"{url}: no such file") from None
+    n = header_length(storage.read(rel, 0, min(size, 8)), size, url)
+    raw = storage.read(rel, 8, 8 + n)
+    slots, _ = parse_header(raw, size, url)
+    base = 8 + n
+    return {s.name: HFTensor(s.name, s.dtype, tuple(s.shape), rel, base + s.begin, base + s.end)
+            for s in slots.values()}
+
+
+def _read_json(storage: Storage, rel: str, limit: int) -> Any:
+    try:
+        return json.loads(storage.read_limited(rel, limit), object_pairs_hook=no_duplicate_keys)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{storage.url_of(rel)}: not valid JSON: {e}") from e
+
+
+def _weight_map(storage: Storage, rel: str) -> dict[str, str]:
+    doc = _read_json(storage, rel, MAX_INDEX_BYTES)
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise ManifestError(f"{storage.url_of(rel)}: 'weight_map' must map tensor names to file names")
+    bad = sorted({f for f in wm.values() if not f or f.startswith("/") or ".." in f.split("/")})
+    if bad:
+        raise ManifestError(f"{storage.url_of(rel)}: weight_map names files outside the folder: {bad}")
+    return wm
+
+
+def open_hf(location: "str | Storage", storage_options: Mapping[str, Any] | None = None) -> HFSource:
+    """Open a folder (``model.safetensors.index.json`` or ``model.safetensors``), a ``.safetensors``
+    file or an index file, local or any fsspec URL. Reads the index, ``config.json`` and headers.
+
+    Raises one error naming the file (and tensor) for a missing file, a truncated file, a header
+    whose offsets run past the end, or an index that names tensors a file does not hold.
+    """
+    url = location if isinstance(location, str) else location.url
+    if isinstance(location, str) and (url.endswith(".safetensors") or url.endswith(".json")):
+        folder, name = _split(url)
+        storage = Storage(folder, storage_options)
+        index = name if name.endswith(".json") else None
+        single = None if index else name
+    elif (storage := as_storage(location, storage_options)).exists(INDEX_NAME):
+        index, single = INDEX_NAME, None
+    elif storage.exists(SINGLE_NAME):
+        index, single = None, SINGLE_NAME
+    else:
+        what = "holds neither" if storage.exists("") else "does not exist; expected a folder with either"
+        raise ManifestError(f"{url} {what} {SINGLE_NAME} {'nor' if 'neither' in what else 'or'} "
+                            f"{INDEX_NAME}")
+    tensors: dict[str, HFTensor] = {}
+    if index is not None:
+        wm = _weight_map(storage, index)
+        files = tuple(dict.fromkeys(wm.values()))
+        for f in files:
+            if not storage.exists(f):
+                names = [n for n, v in wm.items() if v == f]
+                more = ", ..." if len(names) > 3 else ""
+                raise IntegrityError(f"{storage.url_of(f)}: missing; {index} names it for "
+                                     f"{len(names)} tensor(s) ({', '.join(names[:3])}{more})")
+            held = read_header(storage, f)
+            absent = sorted(n for n, v in wm.items() if v == f and n not in held)
+            if absent:
+                raise IntegrityError(f"{storage.url_of(f)}: {index} places {', '.join(absent[:5])} "
+                                     "in this file, whose header does not hold it")
+            tensors.update((n, t) for n, t in held.items() if wm.get(n) == f)
+    else:
+        files = (single,)  # type: ignore[assignment]
+        tensors = read_header(storage, single)  # type: ignore[arg-type]
+    config = None
+    if storage.exists(CONFIG_NAME):
+        config = _read_json(storage, CONFIG_NAME, MAX_CONFIG_BYTES)
+        if not isinstance(config, dict):
+            raise ManifestError(f"{storage.url_of(CONFIG_NAME)}: not a JSON object")
+    log.info("opened %s: %d tensors in %d file(s), %d bytes", url, len(tensors), len(files),
+             sum(t.end - t.begin for t in tensors.values()))
+    return HFSource(storage, tensors, config, tuple(files))
+
+
+# ------------------------------------------------------------------------- matching (pure)
+
+
+@dataclass(frozen=True)
+class Match:
+    """Target FQN -> source tensor, and every name that does not fit (all listed at once)."""
+
+    sources: Mapping[str, HFTensor]
+    missing: tuple[str, ...] = ()      # in the model, not in the file
+    unexpected: tuple[str, ...] = ()   # in the file, not in the model
+    mismatched: tuple[str, ...] = ()   # "<name> (<file>: [..] <dtype>; model: [..] <dtype>)"
+    tied: tuple[tuple[str, HFTensor], ...] = ()  # (canonical FQN, the alias's own tensor)
+
+    def error(self, url: str, strict: bool = True) -> IncompatibleLayoutError | None:
+        """One error listing every offender (mis-shaped always; missing/unexpected if strict)."""
+        parts = []
+        if strict and self.missing:
+            parts.append(f"missing from the file: {', '.join(self.missing)}")
+        if strict and self.unexpected:
+            parts.append(f"not in the model: {', '.join(self.unexpected)}")
+        if self.mismatched:
+            parts.append(f"shape or dtype the model cannot take: {', '.join(self.mismatched)}")
+        if not parts:
+            return None
+        return IncompatibleLayoutError(
+            f"{url}: the weights do not fit the model; " + "; ".join(parts), self.missing,
+            self.unexpected, tuple(m.split(" ", 1)[0] for m in self.mismatched))
+
+
+def _mapper(name_map: NameMap) -> Callable[[str], "str | None"]:
+    if name_map is None:
+        return lambda n: n
+    if callable(name_map):
+        return name_map
+    return lambda n: name_map.get(n, n)
+
+
+def match_tensors(targets: Mapping[str, tuple[tuple[int, ...], str]], tensors: Mapping[str, HFTensor],
+                  aliases: Mapping[str, str] | None = None, name_map: NameMap = None) -> Match:
+    """Match source ``tensors`` to ``targets`` (FQN -> (shape, dtype the values go into)).
+
+    ``name_map`` turns a file's name into the model's FQN (a dict, or a callable returning None to
+    skip a tensor). A tied alias in the file (``lm_head.weight``) fills its canonical parameter
+    when the canonical name is absent; when both are there, the canonical one is loaded and the
+    alias is returned in ``tied`` (to be compared). Floating tensors go into floating targets
+    (cast); other dtypes must be equal.
+    """
+    rename, aliases = _mapper(name_map), dict(aliases or {})
+    sources: dict[str, HFTensor] = {}
+    via_alias: dict[str, HFTensor] = {}
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    seen: dict[str, str] = {}
+    bad: set[str] = set()
+    for name, t in tensors.items():
+        fqn = rename(name)
+        if fqn is None:
+            continue
+        canon = aliases.get(fqn, fqn)
+        if canon not in targets:
+            unexpected.append(name)
+            continue
+        if fqn != canon:
+            via_alias[canon] = t
+            continue
+        if canon in seen:
+            raise ConfigError(f"the name map sends both {seen[canon]!r} and {name!r} to {canon!r}")
+        seen[canon] = name
+        sources[canon] = t
+    tied = []
+    for canon, t in via_alias.items():
+        if canon in sources:
+            tied.append((canon, t))
+        else:
+            sources[canon] = t
+    for fqn, t in list(sources.items()):
+        shape, dtype = targets[fqn]
+        float_ok = t.dtype in FLOATS and dtype in FLOATS
+        if tuple(t.shape) != tuple(shape) or not (float_ok or t.dtype == dtype):
+            mismatched.append(f"{t.name} ({t.file}: {list(t.shape)} {t.dtype}; model: {list(shape)} "
+                              f"{dtype})")
+            bad.add(fqn)
+            del sources[fqn]
+    for canon, t in tied:
+        shape, _ = targets[canon]
+        if tuple(t.shape) != tuple(shape):
+            mismatched.append(f"{t.name} ({t.file}: {list(t.shape)} {t.dtype}; model: "
+                              f"{list(shape)}, tied to {canon})")
+    missing = [f for f in targets if f not in sources and f not in bad]
+    return Match(sources, tuple(missing), tuple(unexpected), tuple(mismatched),
+                 tuple((c, t) for c, t in tied if c in sources))
+
+
+# ---------------------------------------------------------------------------- planning (pure)
+
+
+class Read(NamedTuple):
+    """Elements ``[start, stop)`` of source ``tensor`` go to element ``dst_offset`` of ``group``'s
+    shard (in the shard's own dtype)."""
+
+    group: str
+    dst_offset: int
+    tensor: HFTensor
+    start: int
+    stop: int
+
+    @property
+    def src_begin(self) -> int:
+        return self.tensor.begin + self.start * itemsize(self.tensor.dtype)
+
+    @property
+    def src_end(self) -> int:
+        return self.tensor.begin + self.stop * itemsize(self.tensor.dtype)
+
+
+def plan_shard_reads(layout: Layout, shard_rank: int, sources: Mapping[str, HFTensor],
+                     max_bytes: int = DEFAULT_BUFFER) -> list[Read]:
+    """The reads that fill ``shard_rank``'s shard of every flat group, in target order.
+
+    Covers each element of the shard that belongs to a parameter in ``sources`` exactly once and
+    nothing else (no padding, no other rank's elements); no read is larger than ``max_bytes``.
+    """
+    out: list[Read] = []
+    for g in layout.groups:
+        lo, hi = layout.shard_range(g, shard_rank)
+        for p in layout.group_params(g):
+            t = sources.get(p.fqn)
+            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if t is None or a >= b:
+                continue
+            step = max(1, max_bytes // itemsize(t.dtype))
+            for x in range(a, b, step):
+                y = min(b, x + step)
+                out.append(Read(g.name, x - lo, t, x - p.offset, y - p.offset))
+    return out
+
+
+def coalesce(reads: Sequence[Read], max_bytes: int) -> list[tuple[str, int, int, list[Read]]]:
+    """Consecutive reads that follow each other in one file become one request of at most
+    ``max_bytes``: (file, begin, end, reads). Order is kept."""
+    spans: list[tuple[str, int, int, list[Read]]] = []
+    for r in reads:
+        if spans:
+            f, a, b, rs = spans[-1]
+            if f == r.tensor.file and b == r.src_begin and r.src_end - a <= max_bytes:
+                spans[-1] = (f, a, r.src_end, rs + [r])
+                continue
+        spans.append((r.tensor.file, r.src_begin, r.src_end, [r]))
+    return spans
+
+
+# --------------------------------------------------------------------------- reading (effectful)
+
+
+def fetch(source: HFSource, reads: Sequence[Read], buffer_bytes: int = DEFAULT_BUFFER,
+          workers: int = 4) -> Iterator[tuple[Read, memoryview]]:
+    """Yield ``(read, raw bytes in the file's dtype)`` for every read, in the given order.
+
+    Adjacent reads are merged into requests of at most ``buffer_bytes``; at most ``workers``
+    requests are in flight, so memory is about ``workers x buffer_bytes``.
+    """
+    spans = coalesce(reads, buffer_bytes)
+    storage = source.storage
+
+    def get(span: tuple[str, int, int, list[Read]]) -> bytes:
+        f, a, b, _ = span
+        data = storage.read(f, a, b)
+        if len(data) != b - a:
+            raise IntegrityError(f"{storage.url_of(f)}: bytes [{a}, {b}) came back as {len(data)} "
+                                 "bytes; the file is shorter than its header says")
+        return data
+
+    step = max(1, workers)
+    with ThreadPoolExecutor(step) as pool:
+        for i in range(0, len(spans), step):
+            batch = spans[i:i + step]
+            for span, data in zip(batch, pool.map(get, batch)):
+                view, base = memoryview(data), span[1]
+                for r in span[3]:
+                    yield r, view[r.src_begin - base:r.src_end - base]
+
+
+def as_bytes(values: Any) -> memoryview:
+    """A flat byte view of bytes or a numpy array (what :func:`cast_bytes` returns)."""
+    if isinstance(values, np.ndarray):
+        return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+    return memoryview(values).cast("B")
+
+
+# ------------------------------------------------------------------------------ offline import
+
+
+def unit_of(fqn: str, patterns: Sequence["re.Pattern[str]"]) -> str:
+    """The unit of ``fqn``: the prefix the first matching pattern covers (whole name components),
+    else the root (``""``)."""
+    for p in patterns:
+        m = p.match(fqn)
+        if m:
+            return m.group(0)
+    return ""
+
+
+def compile_units(patterns: Sequence[str] | None) -> list["re.Pattern[str]"]:
+    out = []
+    for pat in (patterns or DEFAULT_UNITS):
+        try:
+            out.append(re.compile(rf"(?:{pat})(?=\.|$)"))
+        except re.error as e:
+            raise ConfigError(f"unit pattern {pat!r} is not a regular expression: {e}") from None
+    return out
+
+
+def import_layout(source: HFSource, mesh: Mesh, units: Sequence[str] | None = None,
+                  prefix: str = "model.") -> tuple[Layout, dict[str, str]]:
+    """The layout of an imported checkpoint (parameters in file order, floats trained) and its
+    tied aliases: ``lm_head.weight`` when the file leaves it out, or when ``config.json`` says
+    ``tie_word_embeddings: true`` (then a stored head is not kept, as ``transformers`` ties it)."""
+    pats = compile_units(units)
+    tied_cfg = (source.config or {}).get("tie_word_embeddings") is True
+    head, embed = TIED_HEAD
+    aliases = {}
+    names = list(source.tensors)
+    if embed in source.tensors and (head not in source.tensors or tied_cfg):
+        if head in source.tensors:
+            names.remove(head)
+        aliases[head] = embed
+    order = {f: i for i, f in enumerate(source.files)}
+    names.sort(key=lambda n: (order.get(source.tensors[n].file, 0), source.tensors[n].begin))
+    infos = [ParamInfo(n, source.tensors[n].shape, source.tensors[n].dtype,
+                       source.tensors[n].dtype in FLOATS, unit_of(n, pats)) for n in names]
+    return build_layout(infos, mesh, prefix), aliases
+
+
+def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int, replicate: int = 1,
+              units: Sequence[str] | None = None, storage_options: Mapping[str, Any] | None = None,
+              dst_storage_options: Mapping[str, Any] | None = None,
+              buffer_bytes: int = DEFAULT_BUFFER, workers: int = 4) -> Manifest:
+    """Write a weights-only checkpoint at ``dst`` for ``ranks`` ranks (``replicate`` x shards).
+
+    Each flat group's ``master`` state holds the tensor values (floats widened to fp32; exact
+    for bf16/fp16/fp32 sources); no optimizer state. Shard files are streamed one after another,
+    memory about ``workers x buffer_bytes``; ``manifest.json`` is created last, so a failed run
+    leaves no checkpoint. Refuses a ``dst`` that already holds one.
+    """
+    source = src if isinstance(src, HFSource) else open_hf(src, storage_options)
+    out = as_storage(dst, dst_storage_options)
+    if out.exists(MANIFEST_NAME):
+        raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
+    mesh = Mesh.for_world(ranks, replicate)
+    layout, aliases = import_layout(source, mesh, units)
+    states = {g.name: (("master", g.master_dtype),) for g in layout.groups}
+    extras: dict[str, Any] = {"step": 0, "source": source.url}
+    if source.config is not None:
+        extras["hf_config"] = dict(source.config)
+    spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, aliases)},
+                          extras=extras, per_rank_state={"world_size": ranks,
+                                                         "dropped_from_world_size": None})
+    writer = CheckpointWriter(out, spec, new_save_id())
+    out.ensure_free_space("", writer.data_bytes(), "import hf")
+    try:
+        with writer.lease():  # `shardckpt clean` leaves the attempt alone while it runs
+            entries = []
+            for s in range(mesh.shard_degree):
+                entries.append(writer.write_shard(s, _shard_producer(source, layout, s,
+                                                                     buffer_bytes, workers)))
+                log.info("import: wrote shard %d of %d", s + 1, mesh.shard_degree)
+            return writer.commit(entries)
+    except BaseException:
+        writer.discard()  # a failed import leaves no debris where it can remove it
+        raise
+
+
+def _shard_producer(source: HFSource, layout: Layout, shard: int, buffer_bytes: int,
+                    workers: int) -> Callable[[Any], Iterator[Any]]:
+    sources = {p.fqn: source.tensors[p.fqn] for p in layout.params}
+
+    def produce(slot: Any) -> Iterator[Any]:
+        gname, _ = slot.name.rsplit(".", 1)
+        g = layout.group(gname)
+        k = itemsize(g.master_dtype)
+        reads = [r for r in plan_shard_reads(layout, shard, sources, buffer_bytes)
+                 if r.group == gname]
+        pos = 0
+        for r, raw in fetch(source, reads, buffer_bytes, workers):
+            assert r.dst_offset == pos, "reads of a group cover its shard front to back"
+            yield as_bytes(cast_bytes(raw, r.tensor.dtype, g.master_dtype))
+            pos += r.stop - r.start
+        pad = layout.shard_numel(g) - pos
+        while pad > 0:  # padding (zero) in bounded pieces
+            n = min(pad, max(1, buffer_bytes // k))
+            yield bytes(n * k)
+            pad -= n
+
+    return produce

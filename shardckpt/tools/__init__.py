@@ -1,0 +1,1 @@
+"""The offline tools: reshard, consolidate, diff, clean, inspect, estimate, synth, and their torchrun form. No torch."""

@@ -1,0 +1,98 @@
+"""Find and remove the debris of saves that never committed. Offline; no torch.
+
+Debris is: save directories (``<save-id>/``) that no manifest names, a checkpoint directory's
+leftover temporary manifests, and (object stores) multipart uploads never completed. A committed
+checkpoint is never touched. Saves may still be in progress: only debris older than ``min_age_s``
+is removed (a save id begins with its UTC start time; uploads carry their start time), and a
+save directory whose writer still holds its lease (:mod:`shardckpt.storage.lease`) is never removed,
+whatever its age: a long save or reshard renews its lease until it commits or fails.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.errors import ShardckptError
+from shardckpt.storage.lease import live_until
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.storage import OpenUpload, Storage, abort_upload, list_open_uploads
+
+SAVE_ID = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
+TMP_MANIFEST = re.compile(r"^manifest\.json\.tmp-[0-9a-f]+$")
+
+
+@dataclass
+class CleanReport:
+    debris: list[str] = field(default_factory=list)          # relative paths removed / to remove
+    kept_young: list[str] = field(default_factory=list)      # debris younger than min_age
+    kept_live: list[str] = field(default_factory=list)       # saves whose writer holds a lease
+    uploads: list[OpenUpload] = field(default_factory=list)  # open multipart uploads found
+    aborted: list[OpenUpload] = field(default_factory=list)
+    committed: list[str] = field(default_factory=list)       # checkpoints seen and left alone
+
+
+def _age(save_id: str, now: float) -> float:
+    m = SAVE_ID.match(save_id)
+    if not m:
+        return float("inf")
+    started = _dt.datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=_dt.timezone.utc)
+    return now - started.timestamp()
+
+
+def _scan(storage: Storage, rel: str, now: float, min_age_s: float, report: CleanReport, depth: int) -> None:
+    names = storage.ls(rel)
+    join = (lambda n: f"{rel}/{n}") if rel else (lambda n: n)
+    keep = None
+    if MANIFEST_NAME in names:
+        try:
+            keep = read_manifest(storage.child(rel) if rel else storage).save_id
+            report.committed.append(rel or ".")
+        except ShardckptError:
+            keep = None  # unreadable manifest: not ours to judge; leave its directory alone
+            return
+    for n in names:
+        if SAVE_ID.match(n) and n != keep:
+            if live_until(storage, join(n), now) is not None:
+                report.kept_live.append(join(n))
+            else:
+                (report.debris if _age(n, now) >= min_age_s else report.kept_young).append(join(n))
+        elif TMP_MANIFEST.match(n):
+            report.debris.append(join(n))
+        elif depth > 0 and not SAVE_ID.match(n) and n != MANIFEST_NAME and storage.isdir(join(n)):
+            _scan(storage, join(n), now, min_age_s, report, depth - 1)
+
+
+def clean(prefix: str, dry_run: bool = False, min_age_s: float = 3600.0,
+          storage_options: Mapping[str, Any] | None = None, depth: int = 2) -> CleanReport:
+    """Remove (or with ``dry_run`` only list) debris below ``prefix``; abort stale uploads."""
+    storage = Storage(prefix, storage_options)
+    now = time.time()
+    report = CleanReport()
+    _scan(storage, "", now, min_age_s, report, depth)
+    report.uploads = list_open_uploads(storage)
+    if dry_run:
+        return report
+    for rel in report.debris:
+        storage.rm(rel, recursive=True)
+    for u in report.uploads:
+        if now - u.initiated >= min_age_s:
+            abort_upload(storage, u)
+            report.aborted.append(u)
+    return report
+
+
+def remove_stale_saves(storage: Storage, keep: str) -> list[str]:
+    """Remove the save directories directly below ``storage`` other than ``keep`` whose writers
+    hold no lease (killed or failed attempts, replaced checkpoints); return what was removed."""
+    now = time.time()
+    removed = []
+    for n in storage.ls(""):
+        if SAVE_ID.match(n) and n != keep and live_until(storage, n, now) is None:
+            storage.rm(n, recursive=True)
+            removed.append(n)
+    return removed

@@ -1,0 +1,471 @@
+"""Consolidate a sharded checkpoint into Hugging Face safetensors, streaming with bounded memory.
+
+Output in ``DST`` (component ``model`` by default):
+
+* ``model-0000i-of-0000K.safetensors``: parameters by FQN in their original shapes, then persistent
+  buffers; each file at most ``max_shard_size`` bytes, header included (a single larger tensor gets
+  a file of its own). Always with an index, even for K = 1: ``transformers`` loads either form,
+  and one commit rule serves both.
+* ``model.safetensors.index.json`` (``metadata.total_size`` = tensor bytes, ``weight_map``):
+  **written last, it commits DST**; a failed or killed run leaves no new index.
+* ``config.json`` when the manifest carries ``extras["hf_config"]``, with ``torch_dtype`` and
+  ``dtype`` set to the output dtype; tokenizer and generation files copied from a model folder
+  on request (:mod:`shardckpt.interop.hf_files`).
+* ``--optimizer``: ``optimizer-0000i-of-0000K.safetensors`` with ``"<fqn>.<kind>"`` in fp32, and
+  ``optimizer.safetensors.index.json`` whose metadata adds the optimizer name and param groups
+  (``params``, ``hparams``, ``step``).
+* ``shardckpt_consolidated.json``: provenance (source, save id, step, dtype, omitted aliases).
+
+Replacing an earlier consolidation never leaves DST without a loadable one: the new weights are
+written beside the old ones under names the old index does not use, the index is replaced in one
+atomic step (local: rename; object stores: one PUT, the last), and only then are the old weight
+files that the new index does not name removed.
+
+Invariants:
+
+* Values come from the ``master`` state (fp32; frozen groups: their own dtype). Floating tensors,
+  buffers included, are cast to the requested dtype, as ``model.to(dtype).save_pretrained()``
+  does; integer and bool tensors keep theirs. bf16 is round-to-nearest-even on the float32 bit
+  pattern, bit-identical to torch's CPU cast, NaN included (``0xFFFF``); float64 goes through
+  float32 first, as torch does.
+* Tied parameters are written once, under the canonical FQN; aliases (``lm_head.weight``) are not
+  written, as ``save_pretrained`` does, and are listed in the provenance file.
+* The output depends only on the tensors, not on the world size, mesh or unit policy.
+* Memory is about ``buffer_bytes`` (plus up to two checksum chunks per range being read), never a
+  tensor: a file's header is written first (shapes are known from the manifest), then tensors
+  are streamed in pieces read with checked ranged reads.
+
+Does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from shardckpt.checkpoint.reader import CheckpointReader, as_storage
+from shardckpt.checkpoint.chunked_read import ChunkedPieces
+from shardckpt.errors import ConfigError, ManifestError, ShardckptError
+from shardckpt.interop.hf_files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy, hf_config
+from shardckpt.format.dtypes import DTYPES, itemsize
+from shardckpt.format.layout import prod
+from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, Manifest, TensorSlot
+# Casts and piece reads live in shardckpt.checkpoint.pieces (shared with diff); re-exported for old imports.
+from shardckpt.checkpoint.pieces import (  # noqa: F401
+    DEFAULT_BUFFER, Piece, PieceReader, Source, byte_ranges, cast_bytes, decode, f32_to_bf16_bits,
+)
+from shardckpt.format.safetensors_header import build_header
+from shardckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+PROVENANCE = "shardckpt_consolidated.json"
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16",
+                 "float16": "float16", "fp32": "float32", "float": "float32", "float32": "float32"}
+FLOATS = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+_OUTPUT_NAME = re.compile(r"^(model|optimizer)(-\d{5}-of-\d{5})?(-[0-9a-f]{8})?\.safetensors"
+                          r"(\.index\.json|\.partial-[0-9a-f]+)?$|^shardckpt_consolidated\.json$")
+
+
+# ----------------------------------------------------------------------------- dtype choice (pure)
+
+
+def output_dtype(stored: str, requested: str) -> str:
+    return requested if stored in FLOATS else stored
+
+
+def canonical_dtype(name: str) -> str:
+    try:
+        return DTYPE_ALIASES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}; use bf16, fp16 or fp32") from None
+
+
+# ------------------------------------------------------------------------------------ plan (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class OutTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: Source
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class OutFile:
+    """One output file: its header (already built) and tensors in data order."""
+
+    name: str
+    header: bytes
+    tensors: tuple[OutTensor, ...]
+    data_bytes: int
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    source: str
+    save_id: str
+    step: int | None
+    component: str
+    dtype: str
+    files: tuple[OutFile, ...]
+    optimizer_files: tuple[OutFile, ...] = ()
+    optimizer_meta: Mapping[str, Any] = field(default_factory=dict)
+    omitted_aliases: Mapping[str, str] = field(default_factory=dict)
+    hf_config: Mapping[str, Any] | None = None    # config.json to write, if the manifest has one
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the weight files to write (what must fit in DST beside the old ones)."""
+        return sum(f.size for f in self.files + self.optimizer_files)
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes of tensors read from the source (what progress counts)."""
+        return sum(t.numel * itemsize(t.source.dtype)
+                   for f in self.files + self.optimizer_files for t in f.tensors)
+
+
+_META = {"format": "pt"}  # transformers refuses safetensors files without format "pt"
+
+
+def _entry_chars(name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int) -> int:
+    doc = {name: {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [begin, end]}}
+    return len(json.dumps(doc, separators=(",", ":"))) - 2
+
+
+def pack_files(tensors: Sequence[OutTensor], max_shard_size: int, prefix: str) -> tuple[OutFile, ...]:
+    """Greedy in order: a tensor starts a new file when it would push the current one (header
+    included, exactly) past ``max_shard_size``; a tensor too large for any file gets its own."""
+    groups: list[list[OutTensor]] = []
+    cur: list[OutTensor] = []
+    meta = len(json.dumps({"__metadata__": _META}, separators=(",", ":")))  # with the braces
+    data = chars = 0
+    for t in tensors:
+        nbytes = t.numel * itemsize(t.dtype)
+        c = _entry_chars(t.name, t.dtype, t.shape, data, data + nbytes)
+        hdr = meta + chars + c + len(cur) + 1  # the JSON: entries joined by commas
+        if cur and 8 + hdr + (-hdr % 8) + data + nbytes > max_shard_size:
+            groups.append(cur)
+            cur, data, chars = [], 0, 0
+            c = _entry_chars(t.name, t.dtype, t.shape, 0, nbytes)
+        cur.append(t)
+        data += nbytes
+        chars += c
+    if cur or not groups:
+        groups.append(cur)
+    out = []
+    for i, ts in enumerate(groups):
+        slots, pos = [], 0
+        for t in ts:
+            n = t.numel * itemsize(t.dtype)
+            slots.append(TensorSlot(t.name, t.dtype, t.shape, pos, pos + n))
+            pos += n
+        name = f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        out.append(OutFile(name, build_header(slots, _META), tuple(ts), pos))
+    return tuple(out)
+
+
+def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                       component: str = "model", optimizer: bool = False, source: str = "",
+                       prefix: str = "model.") -> ConsolidationPlan:
+    """Which tensors go to which output file, in which dtype, read from where. Pure.
+
+    A checkpoint of chunked tensors (no components) gives the tensors whose FQN starts with
+    ``prefix``, named without it (``get_state_dict`` puts the model's under ``model.``)."""
+    out = canonical_dtype(dtype)
+    if max_shard_size < 1:
+        raise ConfigError(f"max shard size {max_shard_size}: must be positive")
+    if m.chunked is not None and not m.components:
+        return _plan_chunked(m, out, max_shard_size, prefix, optimizer, source)
+    comp = m.components.get(component)
+    if comp is None:
+        raise ConfigError(f"{source or 'the checkpoint'} has no component {component!r}; it has "
+                          f"{', '.join(sorted(m.components)) or 'none'}")
+    tensors: list[OutTensor] = []
+    opt: list[OutTensor] = []
+    for g in comp.layout.groups:
+        states = dict(comp.states[g.name])
+        if "master" not in states:
+            raise ManifestError(f"{source}: group {g.name!r} has no master state to consolidate")
+        params = comp.layout.group_params(g)
+        tensors += [OutTensor(p.fqn, p.shape, output_dtype(states["master"], out),
+                              Source(states["master"], g.name, "master", p.offset, p.fqn)) for p in params]
+        for kind, kdt in comp.states[g.name]:
+            if kind != "master":
+                opt += [OutTensor(f"{p.fqn}.{kind}", p.shape, output_dtype(kdt, "float32"),
+                                  Source(kdt, g.name, kind, p.offset, p.fqn)) for p in params]
+    names = {t.name for t in tensors}
+    clash = [b.fqn for b in comp.buffers if b.fqn in names]
+    if clash:
+        raise ManifestError(f"{source}: buffers named like parameters: {', '.join(clash)}")
+    tensors += [OutTensor(b.fqn, b.shape, output_dtype(b.dtype, out), Source(b.dtype, None, "buffer", 0, b.fqn))
+                for b in comp.buffers]
+    opt_files: tuple[OutFile, ...] = ()
+    meta: dict[str, Any] = {}
+    if optimizer:
+        if not opt:
+            raise ConfigError(f"{source or 'the checkpoint'}: component {component!r} holds no "
+                              "optimizer state; drop --optimizer")
+        opt_files = pack_files(opt, max_shard_size, "optimizer")
+        if m.optimizer is not None:
+            own = {p.fqn for p in comp.layout.params}
+            meta = {"optimizer": m.optimizer.name, "param_groups": [
+                {**pg, "params": [p for p in pg["params"] if p in own]} for pg in m.optimizer.param_groups]}
+    step = m.extras.get("step")
+    if not isinstance(step, int) and m.optimizer is not None:
+        step = max((pg.get("step", 0) for pg in m.optimizer.param_groups), default=None)
+    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, component, out,
+                             pack_files(tensors, max_shard_size, "model"), opt_files, meta,
+                             dict(comp.aliases), hf_config(m, out, source))
+
+
+def _plan_chunked(m: Manifest, out: str, max_shard_size: int, prefix: str, optimizer: bool,
+                  source: str) -> ConsolidationPlan:
+    assert m.chunked is not None
+    if optimizer:
+        raise ConfigError(f"{source or 'the checkpoint'} holds chunked tensors; --optimizer is "
+                          "only for checkpoints of flat groups")
+    tensors = [OutTensor(fqn[len(prefix):], t.shape, output_dtype(t.dtype, out),
+                         Source(t.dtype, None, "chunked", 0, fqn))
+               for fqn, t in m.chunked.tensors.items() if fqn.startswith(prefix) and fqn != prefix]
+    if not tensors:
+        some = ", ".join(list(m.chunked.tensors)[:3])
+        raise ConfigError(f"{source or 'the checkpoint'}: no tensor name starts with {prefix!r} "
+                          f"(it holds {some or 'none'}{', ...' if len(m.chunked.tensors) > 3 else ''}); "
+                          "choose another --prefix")
+    step = m.extras.get("step")
+    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, prefix, out,
+                             pack_files(tensors, max_shard_size, "model"),
+                             hf_config=hf_config(m, out, source))
+
+
+# --------------------------------------------------------------------------------- write (effectful)
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    url: str
+    source: str
+    save_id: str
+    step: int | None
+    dtype: str
+    component: str
+    files: tuple[tuple[str, int], ...]            # (name, bytes)
+    optimizer_files: tuple[tuple[str, int], ...]
+    tensors: int
+    total_size: int                               # tensor bytes of the model set (index total_size)
+    omitted_aliases: Mapping[str, str]
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+
+def _index(files: Sequence[OutFile], extra: Mapping[str, Any] | None = None) -> bytes:
+    meta = {"total_size": sum(f.data_bytes for f in files), **(extra or {})}
+    wmap = {t.name: f.name for f in files for t in f.tensors}
+    return json.dumps({"metadata": meta, "weight_map": wmap}, indent=2).encode()
+
+
+def _write_file(storage: Storage, rel: str, f: OutFile, engine: PieceReader,
+                progress: Callable[[int], None] | None) -> int:
+    items = [(t.numel, (t.source,)) for t in f.tensors]
+    with storage.writer(rel, DEFAULT_CHUNK_SIZE) as w:
+        w.write(f.header)
+        pieces = engine.pieces(items)
+        try:
+            for p in pieces:
+                t = f.tensors[p.index]
+                w.write(cast_bytes(p.data[0], t.source.dtype, t.dtype))
+                if progress:
+                    progress(len(p.data[0]))
+        finally:
+            pieces.close()  # type: ignore[attr-defined]
+        size, _, _ = w.close()
+    if size != f.size:
+        raise ShardckptError(f"{storage.url_of(rel)}: wrote {size} bytes, planned {f.size}")
+    return size
+
+
+def _fresh_names(files: Sequence[OutFile], existing: Sequence[str], token: str) -> tuple[OutFile, ...]:
+    """``files`` under their usual names, or, when one of those is taken in DST (an earlier
+    consolidation's), all under names carrying ``token``: the old files stay whole until the new
+    index is in place."""
+    if not set(f.name for f in files) & set(existing):
+        return tuple(files)
+    return tuple(dataclasses.replace(f, name=f.name.replace(".safetensors", f"-{token}.safetensors"))
+                 for f in files)
+
+
+def _install(storage: Storage, files: Sequence[OutFile], engine: PieceReader, token: str,
+             progress: Callable[[int], None] | None) -> int:
+    """Write ``files``; local ones as ``<name>.partial-<token>``, renamed once all are complete
+    (object store uploads become visible only when complete). On failure, remove what was written."""
+    staged = [f"{f.name}.partial-{token}" if storage.is_local else f.name for f in files]
+    done: list[str] = []
+    written = 0
+    try:
+        for f, rel in zip(files, staged):
+            done.append(rel)
+            written += _write_file(storage, rel, f, engine, progress)
+        if storage.is_local:
+            for f, rel in zip(files, staged):
+                storage.call("rename", rel, lambda a=rel, b=f.name: os.replace(storage.full(a), storage.full(b)))
+                done[done.index(rel)] = f.name
+    except BaseException:
+        _remove_quietly(storage, done)
+        raise
+    return written
+
+
+def _remove_quietly(storage: Storage, names: Sequence[str]) -> None:
+    for rel in names:
+        try:
+            storage.rm(rel)
+        except ShardckptError:
+            log.warning("could not remove partial %s", storage.url_of(rel))
+
+
+@dataclass
+class Target:
+    """Where a consolidation goes and under which names: :func:`prepare_target`'s answer."""
+
+    storage: Storage
+    existing: list[str]
+    token: str
+    model_files: tuple[OutFile, ...]
+    opt_files: tuple[OutFile, ...]
+    copy_source: Storage | None
+    copies: list[str]
+
+
+def prepare_target(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+                   overwrite: bool, storage_options: Mapping[str, Any] | None,
+                   copy_from: "str | Storage | None", token: str | None = None) -> Target:
+    """Guard ``dst`` and name the output files (see :func:`write_consolidation`)."""
+    storage = as_storage(dst, storage_options)
+    if storage.url.rstrip("/") == reader.url.rstrip("/"):
+        raise ConfigError(f"{storage.url}: the destination is the source; choose another directory")
+    existing = storage.ls("")
+    weights = [n for n in existing if WEIGHT_NAME.search(n) or _OUTPUT_NAME.match(n)]
+    if weights and not overwrite:
+        raise ConfigError(f"{storage.url} already holds weights ({', '.join(weights[:3])}"
+                          f"{', ...' if len(weights) > 3 else ''}); pass --overwrite to replace "
+                          "its consolidated files")
+    source = as_storage(copy_from, storage_options) if copy_from is not None else None
+    copies = files_to_copy(source, plan.hf_config is None) if source is not None else []
+    token = token or uuid.uuid4().hex[:8]
+    model_files = _fresh_names(plan.files, existing, token)
+    opt_files = _fresh_names(plan.optimizer_files, existing, token)
+    storage.ensure_free_space("", plan.output_bytes, "consolidate")
+    return Target(storage, existing, token, model_files, opt_files, source, copies)
+
+
+def piece_reader(reader: CheckpointReader, buffer_bytes: int) -> Any:
+    """The engine that reads (and checks) the source's pieces of each output file."""
+    m = reader.manifest
+    if m.chunked is not None and not m.components:
+        return ChunkedPieces(reader, buffer_bytes)
+    return PieceReader([reader], buffer_bytes)
+
+
+def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+                        overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
+                        buffer_bytes: int = DEFAULT_BUFFER,
+                        progress: Callable[[int], None] | None = None,
+                        copy_from: "str | Storage | None" = None) -> ConsolidateResult:
+    """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
+
+    Refuses a DST holding weights or an index unless ``overwrite``; other files (a README,
+    tokenizer files) are kept and do not need it. The new weights go beside the old ones, the
+    index is replaced atomically, then our old outputs that the new index does not name are
+    removed: a kill at any point leaves the old consolidation loadable or the new one complete.
+    ``config.json`` is written from the manifest's ``hf_config``; ``copy_from`` names a model
+    folder whose tokenizer and generation files (and ``config.json``, if the checkpoint has
+    none) are copied. On failure, every weight file this run wrote is removed. Under
+    ``torchrun``, :func:`shardckpt.tools.distributed.consolidate_job` splits the weight files over
+    the job's processes.
+    """
+    t0 = time.perf_counter()
+    target = prepare_target(reader, plan, dst, overwrite, storage_options, copy_from)
+    engine = piece_reader(reader, buffer_bytes)
+    written = _install(target.storage, target.model_files + target.opt_files, engine, target.token,
+                       progress)
+    commit_target(reader, plan, target)
+    return result_of(reader, plan, target, engine.bytes_read, written, t0)
+
+
+def commit_target(reader: CheckpointReader, plan: ConsolidationPlan, target: Target) -> None:
+    """Once every weight file is written: copied files, config, the indexes (the model index
+    last: the commit), provenance; then the earlier consolidation's files go. On failure before
+    the commit, every new weight file is removed."""
+    storage, model_files, opt_files = target.storage, target.model_files, target.opt_files
+    try:
+        if target.copy_source is not None:
+            copy_files(target.copy_source, storage, target.copies)
+        if plan.hf_config is not None:
+            storage.put(CONFIG, config_bytes(plan.hf_config))
+        if opt_files:
+            storage.put(OPTIMIZER_INDEX, _index(opt_files, plan.optimizer_meta))
+        storage.put(MODEL_INDEX, _index(model_files))  # the commit: atomic, the last weight file
+    except BaseException:
+        _remove_quietly(storage, [f.name for f in model_files + opt_files])  # none is the old output's
+        raise
+    provenance = {"source": plan.source or reader.url, "save_id": plan.save_id, "step": plan.step,
+                  "component": plan.component, "dtype": plan.dtype,
+                  "files": [f.name for f in model_files],
+                  "optimizer_files": [f.name for f in opt_files],
+                  "omitted_aliases": dict(plan.omitted_aliases)}
+    storage.put(PROVENANCE, json.dumps(provenance, indent=2).encode())
+    keep = {f.name for f in model_files + opt_files} | {MODEL_INDEX, PROVENANCE}
+    keep |= {OPTIMIZER_INDEX} if opt_files else set()
+    for name in target.existing:
+        if _OUTPUT_NAME.match(name) and name not in keep:
+            storage.rm(name)
+
+
+def result_of(reader: CheckpointReader, plan: ConsolidationPlan, target: Target, bytes_read: int,
+              written: int, t0: float) -> ConsolidateResult:
+    model_files, opt_files = target.model_files, target.opt_files
+    secs = time.perf_counter() - t0
+    log.info("consolidated %s -> %s: %d files, %d bytes in %.2f s", reader.url, target.storage.url,
+             len(model_files) + len(opt_files), written, secs)
+    return ConsolidateResult(target.storage.url, plan.source or reader.url, plan.save_id, plan.step,
+                             plan.dtype, plan.component,
+                             tuple((f.name, f.size) for f in model_files),
+                             tuple((f.name, f.size) for f in opt_files),
+                             sum(len(f.tensors) for f in plan.files), sum(f.data_bytes for f in plan.files),
+                             dict(plan.omitted_aliases), bytes_read, written, secs)
+
+
+def consolidate(src: "str | CheckpointReader", dst: "str | Storage", dtype: str = "bfloat16",
+                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, component: str = "model",
+                optimizer: bool = False, storage_options: Mapping[str, Any] | None = None,
+                buffer_bytes: int = DEFAULT_BUFFER, progress: Callable[[int], None] | None = None,
+                overwrite: bool = False, copy_from: "str | Storage | None" = None,
+                prefix: str = "model.") -> ConsolidateResult:
+    """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module doc)."""
+    reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, storage_options)
+    plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, reader.url,
+                              prefix)
+    return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes, progress,
+                               copy_from)

@@ -1,0 +1,375 @@
+"""What a training loop adds: save every so often (optionally in the background), resume.
+
+::
+
+    ckpt = Checkpointer("s3://bucket/run", engine, app_state={"scheduler": sched, "data": loader},
+                        keep_last=3, async_save=True)
+    start = ckpt.resume()              # newest committed checkpoint that checks out, or 0
+    for step in range(start, steps):
+        ...train...
+        if step % 100 == 0:
+            ckpt.save(step)            # returns once the shards are copied to staging
+    ckpt.close()                       # waits for the last save, surfacing its error
+
+Application state: every object in ``app_state`` has ``state_dict()`` / ``load_state_dict()``
+returning JSON-serializable data (LR schedulers, a data loader's position, a plain dict through
+:class:`JsonState`); it is stored in the manifest under ``extras["app"]`` (rank 0's copy: it must
+be the same on every rank). Per-rank state (the torch RNG states) goes to
+``rank-XXXXX.safetensors``. After a change of world size per-rank state cannot be restored:
+each rank is re-seeded with ``seed + rank`` (documented rule; ``resume`` reports it).
+
+Async save: the call returns at once; a background thread copies each rank's shards into a
+staging buffer allocated once (pinned on CUDA) — the optimizer's next ``step()`` waits for that
+copy (whichever optimizer the engine has by then, whenever it was created), while the next
+forward and backward overlap it — then writes and commits over a process group of its own; at
+most one save is in flight; the next ``save``, ``wait`` or ``close`` raises its error, and the
+previous checkpoint stays intact (the manifest is the last thing written).
+
+Resume tries the newest committed checkpoint that checks out; if a checksum fails while loading
+it (on any rank), every rank falls back to the next older one, deleting nothing.
+
+Hugging Face config: ``extras["hf_config"]`` of every save holds the model's ``config.json``
+dict (``hf_config=``, else the wrapped module's own config when it has one: the built-in Llama,
+or a ``transformers`` model), so that ``shardckpt consolidate`` can write ``config.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Mapping
+
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.training.collective import agree, failed_with, is_distributed, rank_and_world
+from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
+from shardckpt.checkpoint.run_dir import CheckpointManager
+from shardckpt.format.manifest import Manifest
+from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
+
+log = logging.getLogger(__name__)
+
+
+class JsonState:
+    """A plain JSON-serializable dict with the ``state_dict`` protocol."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        self.data = dict(data or {})
+
+    def state_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.data)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.data = copy.deepcopy(dict(state))
+
+
+def rng_state() -> dict[str, Any]:
+    import torch
+
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def hf_config_dict(config: Any, what: str = "hf_config") -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict from a dict, a ``transformers`` config (``to_dict()``)
+    or the built-in Llama's config (``to_hf_config()``); JSON-checked."""
+    if isinstance(config, Mapping):
+        out = dict(config)
+    elif callable(getattr(config, "to_hf_config", None)):
+        out = dict(config.to_hf_config())
+    elif callable(getattr(config, "to_dict", None)):
+        out = dict(config.to_dict())
+    else:
+        raise ConfigError(f"{what} is a {type(config).__name__}; pass a dict or an object with "
+                          "to_dict() (a transformers config)")
+
+    def dtype_name(o: Any) -> str:
+        if type(o).__name__ == "dtype":  # torch.float32 in older transformers' to_dict()
+            return str(o).removeprefix("torch.")
+        raise TypeError(f"{type(o).__name__} is not JSON-serializable")
+
+    try:
+        out = json.loads(json.dumps(out, default=dtype_name, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{what} is not JSON-serializable: {e}") from e
+    if "model_type" not in out:
+        raise ConfigError(f"{what} has no 'model_type'; transformers cannot load a config.json "
+                          "without it")
+    return out
+
+
+def default_hf_config(engine: Any) -> dict[str, Any] | None:
+    """The wrapped module's own Hugging Face config, if it has one (else None)."""
+    config = getattr(getattr(engine, "module", None), "config", None)
+    if config is None or not (callable(getattr(config, "to_hf_config", None))
+                              or hasattr(config, "model_type")):
+        return None
+    try:
+        return hf_config_dict(config, f"{type(engine.module).__name__}.config")
+    except ConfigError as e:
+        log.info("not recording a Hugging Face config: %s", e)
+        return None
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+class Checkpointer:
+    """Save and resume one run of ``engine`` below ``run_url`` (``<run>/step-XXXXXXXX``).
+
+    Construct on every rank (with ``async_save`` this creates a process group, a collective).
+    """
+
+    def __init__(self, run_url: str, engine: Sharded, *, app_state: Mapping[str, Any] | None = None,
+                 keep_last: int | None = 3, async_save: bool = False, seed: int = 0,
+                 storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+                 hf_config: Any = None) -> None:
+        for name, obj in (app_state or {}).items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"app_state[{name!r}] has no state_dict()/load_state_dict()")
+        self.engine = engine
+        self.app_state = dict(app_state or {})
+        self.manager = CheckpointManager(run_url, keep_last, storage_options)
+        self.storage_options = storage_options
+        self.chunk_size = chunk_size
+        self.seed = seed
+        self.async_save = async_save
+        self.hf_config = (hf_config_dict(hf_config) if hf_config is not None
+                          else default_hf_config(engine))
+        self.rank, self.world_size = rank_and_world()
+        self._group: Any = None
+        self._staging: dict[str, dict[str, Any]] | None = None
+        self._pending: Future[Manifest] | None = None
+        self._staged = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._staged.set()
+        if async_save and is_distributed():
+            import torch.distributed as dist
+
+            # checkpoint collectives run in a background thread: keep them off the training group
+            self._group = dist.new_group(backend="gloo")
+        # the staging copy runs in the background: the next update waits until it is done
+        self._hooks: list[Any] = []
+        self._hooked: set[int] = set()  # ids of optimizers hooked directly
+        self._engine_hooked = False     # the engine's hook covers whatever optimizer it gets
+        if async_save and callable(getattr(engine, "register_update_pre_hook", None)):
+            self._hooks.append(engine.register_update_pre_hook(self._before_step))
+            self._engine_hooked = True
+
+    def _hook_optimizer(self) -> None:
+        """An engine without update hooks: hook its optimizer of now (at each save, so that one
+        created or replaced after construction is covered too)."""
+        opt = getattr(self.engine, "optimizer", None)
+        if (self._engine_hooked or opt is None or id(opt) in self._hooked
+                or not hasattr(opt, "register_step_pre_hook")):
+            return
+        self._hooks.append(opt.register_step_pre_hook(self._before_step))
+        self._hooked.add(id(opt))
+
+    # ------------------------------------------------------------------------------ save
+
+    def _app_json(self) -> dict[str, Any]:
+        out = {}
+        for name, obj in self.app_state.items():
+            state = obj.state_dict()
+            try:
+                json.dumps(state, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"app_state[{name!r}].state_dict() is not JSON-serializable: {e}") from e
+            out[name] = state
+        return out
+
+    def _staging_buffers(self) -> dict[str, dict[str, Any]]:
+        import torch
+
+        live = self.engine.local_shards()
+        shape = {g: {k: (t.shape, t.dtype) for k, t in kinds.items()} for g, kinds in live.items()}
+        if self._staging is None or shape != {g: {k: (t.shape, t.dtype) for k, t in kinds.items()}
+                                              for g, kinds in self._staging.items()}:
+            # first save, or an optimizer (hence its state kinds) came since the last one
+            pin = torch.cuda.is_available()
+            self._staging = {
+                g: {k: (torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin))
+                    for k, t in kinds.items()}
+                for g, kinds in live.items()}
+        return self._staging
+
+    def save(self, step: int, extras: Mapping[str, Any] | None = None) -> None:
+        """Save ``step`` on every rank: synchronously, or async (see the module docstring)."""
+        self.wait()  # at most one in flight; raises the previous save's error here
+        url = self.manager.url_for(step)
+        ext = {**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
+               **dict(extras or {}), "step": step, "seed": self.seed, "app": self._app_json()}
+        staging = None
+        if self.async_save:
+            self._hook_optimizer()
+            staging = self._staging_buffers()
+        job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
+                         self._group, rank_state=rng_state(), staging=staging)
+        if not self.async_save:
+            self._finish(job, step)
+            return
+        fut: Future[Manifest] = Future()
+        self._staged.clear()
+
+        def run() -> None:
+            try:
+                job.stage()
+            finally:
+                self._staged.set()
+            try:
+                fut.set_result(self._finish(job, step))
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                fut.set_exception(e)
+
+        thread = threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True)
+        thread.start()
+        self._pending, self._thread = fut, thread
+
+    def _before_step(self, *_: Any) -> None:
+        self._staged.wait()
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the shards aside (then they may change)."""
+        self._staged.wait()
+
+    def _finish(self, job: SaveJob, step: int) -> Manifest:
+        try:
+            m = job.run()
+        except CollectiveError:
+            # a rank lost during the final exchange may leave a committed checkpoint: resume
+            # picks it, so latest must name it too
+            if self.rank == 0:
+                try:
+                    if self.manager.is_committed(step):
+                        self.manager.mark_committed(step)
+                except ShardckptError as e:
+                    log.warning("could not point latest at %s: %s", self.manager.url_for(step), e)
+            raise
+        if self.rank == 0:
+            self.manager.mark_committed(step)
+        return m
+
+    def wait(self) -> Manifest | None:
+        """Wait for the save in flight, if any; raise its error."""
+        fut, self._pending = self._pending, None
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        finally:
+            if self._thread is not None:
+                self._thread.join()  # the thread owns collectives until it has fully ended
+                self._thread = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then release the private group."""
+        try:
+            self.wait()
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks, self._hooked, self._engine_hooked = [], set(), False
+            if self._group is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+                self._group = None
+
+    # ---------------------------------------------------------------------------- resume
+
+    def resume(self, full_verify: bool = False, strict: bool = True) -> int:
+        """Load the newest committed checkpoint that checks out; return its step (0 if none).
+
+        Rank 0 picks the newest committed checkpoint that passes the check (manifest and sizes,
+        or every checksum with ``full_verify``) and tells the others; every rank loads it. If a
+        checksum fails on any rank while loading, all of them fall back to the next older one
+        alike (nothing is deleted). Raises if every candidate fails.
+        """
+        from shardckpt.training.collective import broadcast_bytes
+
+        candidates = self.manager.resume_points(full_verify) if self.rank == 0 else None
+
+        def next_step() -> int | None:  # rank 0 checks one candidate at a time, the others follow
+            choice = b""
+            if candidates is not None:
+                found = next(candidates, None)
+                choice = f"{found.step}".encode() if found is not None else b"-"
+            if is_distributed():
+                choice = broadcast_bytes(choice if self.rank == 0 else None, 0)
+            return None if choice == b"-" else int(choice.decode())
+
+        damaged: list[str] = []
+        while (step := next_step()) is not None:
+            url = self.manager.url_for(step)
+            try:
+                self.load(url, strict=strict)
+            except CollectiveError as e:
+                ranks = failed_with(e, IntegrityError)
+                if not ranks:
+                    raise
+                damaged.append(f"{url}: {e.failures[ranks[0]]}")
+                if self.rank == 0:
+                    log.warning("%s fails its checksums on rank(s) %s (%s); trying the previous "
+                                "committed checkpoint (nothing is deleted)", url, ranks,
+                                e.failures[ranks[0]])
+                continue
+            if self.rank == 0:
+                log.info("resumed from %s (step %d)", url, step)
+            return step
+        if damaged:
+            raise IntegrityError(f"{self.manager.url}: no committed checkpoint loads; "
+                                 f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
+        if self.rank == 0:
+            log.info("no committed checkpoint below %s; starting at step 0", self.manager.url)
+        return 0
+
+    def load(self, url: str, strict: bool = True, weights_only: bool = False) -> LoadResult:
+        """Load ``url`` (model, optimizer, application and per-rank state) on every rank."""
+        self.wait()  # a save in flight reads the state a load would overwrite
+        res = load(self.engine, url, strict=strict, weights_only=weights_only,
+                   storage_options=self.storage_options)
+        extras = res.manifest.extras
+        absent = [name for name in self.app_state if name not in extras.get("app", {})]
+        if absent and strict:
+            raise ShardckptError(f"{url}: no application state {absent} in the checkpoint; "
+                                 "load with strict=False to keep the current state of those")
+        per_rank = res.manifest.per_rank_state
+        same_world = (per_rank.get("world_size") == self.world_size
+                      and not per_rank.get("dropped_from_world_size"))
+
+        def rank_state() -> tuple[dict[str, Any] | None]:  # a tuple: not sent to the peers
+            return (None if not same_world else read_rank_state(
+                CheckpointReader(url, self.storage_options), self.rank),)
+
+        # every rank reads its own file: agree, so that a damaged one fails all ranks alike
+        held, _ = agree(rank_state, f"load of per-rank state from {url}")
+        state = held[0] if held else None
+        for name, obj in self.app_state.items():
+            if name not in absent:
+                obj.load_state_dict(extras["app"][name])
+        if state is not None:
+            set_rng_state(state)
+        else:
+            import torch
+
+            seed = int(extras.get("seed", self.seed))
+            torch.manual_seed(seed + self.rank)
+            if self.rank == 0:
+                log.info("per-rank state not restorable (world %s -> %s); RNG re-seeded with "
+                         "%d + rank", per_rank.get("world_size"), self.world_size, seed)
+        return res

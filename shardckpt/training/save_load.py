@@ -1,0 +1,389 @@
+"""Save from a running job and load into a job of any world size, mesh or unit policy.
+
+A sharded model (the runtime's engine) offers the small protocol :class:`Sharded`. Save: every
+shard is written once, straight from the owning rank's memory (with HSDP the writers are spread
+across replicas), buffers once by rank 0; one exchange of file entries and rank 0 creates the
+manifest. Load: each rank plans its own part from the checkpoint's layout to its own and reads only
+the byte ranges it needs, checked chunk by chunk, into its live shards; then the compute parameters
+are re-derived. Every rank raises the same error if any rank fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Protocol
+
+from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
+
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.training.collective import agree, broadcast_bytes, rank_and_world
+from shardckpt.errors import IncompatibleLayoutError, ManifestError
+from shardckpt.format.dtypes import itemsize
+from shardckpt.format.layout import Layout, plan_reshard
+from shardckpt.format.manifest import (
+    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Sharded(Protocol):
+    """What save/load need from a sharded model (the runtime's ``ZeroEngine`` implements it)."""
+
+    layout: Layout
+    tied_aliases: Mapping[str, str]
+    optimizer: Any  # None, or a sharded optimizer with optimizer_metadata()/load_optimizer_metadata()
+
+    def local_shards(self) -> dict[str, dict[str, Any]]: ...        # group -> kind -> 1-D tensor
+    def refresh_params(self) -> None: ...
+    def buffers(self) -> dict[str, Any]: ...                          # fqn -> tensor
+    def load_buffers(self, buffers: Mapping[str, Any], strict: bool = True) -> None: ...
+
+
+def optimizer_info(model: Sharded) -> OptimizerInfo | None:
+    """The optimizer's name, param groups (FQNs, hyper-parameters, step) in manifest form."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return None
+    meta = opt.optimizer_metadata()
+    return OptimizerInfo(meta["name"], tuple(
+        {"params": list(g["fqns"]), "hparams": dict(g["hyper"]), "step": int(g["step"])}
+        for g in meta["param_groups"]))
+
+
+def load_optimizer_info(model: Sharded, info: OptimizerInfo, strict: bool = True) -> None:
+    """Restore hyper-parameters and steps. Param groups match by their FQN sets; when not
+    ``strict``, by the FQNs both sides know (a group with no counterpart keeps its own)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return
+    saved = [{"fqns": list(g["params"]), "hyper": dict(g.get("hparams", {})),
+              "step": int(g.get("step", 0))} for g in info.param_groups]
+    if not strict:
+        current = opt.optimizer_metadata()["param_groups"]
+        known_saved = {f for g in saved for f in g["fqns"]}
+        known_now = {f for g in current for f in g["fqns"]}
+        merged = []
+        for g in current:
+            mine = set(g["fqns"]) & known_saved
+            match = next((s for s in saved if mine and set(s["fqns"]) & known_now == mine), None)
+            merged.append({"fqns": g["fqns"], "hyper": (match or g)["hyper"],
+                           "step": (match or g)["step"]})
+        saved = merged
+    opt.load_optimizer_metadata({"name": info.name, "param_groups": saved})
+
+
+def _bytes_of(t: Any) -> Any:
+    """A CPU uint8 numpy view of a tensor's bytes (zero-copy for contiguous CPU tensors)."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
+                    aliases: Mapping[str, str] | None = None, chunk_size: int | None = None) -> CheckpointSpec:
+    """The manifest-to-be of ``model`` (the same on every rank)."""
+    layout = model.layout
+    shards = model.local_shards()
+    states = {g.name: tuple((k, _dtype_name(t)) for k, t in shards[g.name].items()) for g in layout.groups}
+    buffers = tuple(BufferSpec(f, tuple(t.shape), _dtype_name(t)) for f, t in model.buffers().items())
+    comp = Component("model", layout, states, dict(aliases or getattr(model, "tied_aliases", {}) or {}),
+                     buffers)
+    optim = optimizer_info(model)
+    per_rank = {"world_size": layout.mesh.world_size, "dropped_from_world_size": None}
+    spec = CheckpointSpec(layout.mesh, {"model": comp}, optim, dict(extras or {}), per_rank)
+    if chunk_size:
+        spec.chunk_size = chunk_size
+    return spec
+
+
+def _entry_doc(e: FileEntry) -> dict[str, Any]:
+    return {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
+            "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index}
+
+
+def _entry(d: Mapping[str, Any]) -> FileEntry:
+    return FileEntry(d["path"], d["role"], d["size"], d["header_size"], d["crc32c"],
+                     tuple(d["chunks"]), d["index"])
+
+
+@dataclass
+class SaveJob:
+    """One save attempt: :meth:`stage` copies the shards aside, :meth:`run` writes and commits.
+
+    :func:`begin_save` (local, no collective) snapshots what is small and decides what this rank
+    writes. ``stage`` copies the live shards into the staging buffers (if any); after it the
+    model may change. ``run`` agrees on the save id, writes this rank's files, exchanges the
+    entries and commits on rank 0: collective on ``group``, so it may run in a background thread
+    as long as nobody else uses ``group`` meanwhile.
+    """
+
+    url: str
+    spec: CheckpointSpec
+    storage_options: Any
+    rank: int
+    shard: int | None                       # shard rank this rank writes, if any
+    shards: Mapping[str, Mapping[str, Any]]  # group -> kind -> 1-D tensor (live, then staged)
+    buffers: Mapping[str, Any]               # fqn -> tensor (rank 0 only)
+    rank_state: Mapping[str, Any]            # name -> tensor, written to rank-XXXXX.safetensors
+    staging: dict[str, dict[str, Any]] | None = None
+    group: Any = None
+    writer: CheckpointWriter | None = None
+
+    def stage(self) -> None:
+        """Copy the live shards into the staging buffers; afterwards training may go on."""
+        if self.staging is None or self.shard is None:
+            return
+        for g, kinds in self.shards.items():
+            for k, t in kinds.items():
+                if hasattr(t, "read_into"):  # state in an offload file
+                    t.read_into(self.staging[g][k])
+                else:
+                    self.staging[g][k].copy_(t)
+        self.shards = self.staging
+
+    def write_files(self) -> list[dict[str, Any]]:
+        assert self.writer is not None
+        w, entries = self.writer, []
+        if self.shard is not None:
+            shards = self.shards
+
+            def produce(slot: TensorSlot) -> Iterator[Any]:
+                gname, kind = slot.name.rsplit(".", 1)
+                t = shards[gname][kind]
+                if hasattr(t, "iter_bytes"):  # state in an offload file: streamed from it
+                    yield from t.iter_bytes()
+                else:
+                    yield _bytes_of(t)
+
+            entries.append(w.write_shard(self.shard, produce))
+        if self.rank == 0 and w.buffer_slots:
+            bufs = self.buffers
+            b = w.write_buffers(lambda slot: iter([_bytes_of(bufs[slot.name])]))
+            if b is not None:
+                entries.append(b)
+        if self.rank_state:
+            slots, pos = [], 0
+            for name, t in self.rank_state.items():
+                n = t.numel() * t.element_size()
+                slots.append(TensorSlot(name, _dtype_name(t), tuple(t.shape), pos, pos + n))
+                pos += n
+            state = self.rank_state
+            entries.append(w.write_rank_state(self.rank, slots,
+                                              lambda slot: iter([_bytes_of(state[slot.name])])))
+        return [_entry_doc(e) for e in entries]
+
+    def run(self) -> Manifest:
+        """Agree on the save id, write this rank's files, exchange entries, commit on rank 0."""
+        save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
+                                  self.group).decode()
+        self.writer = writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec,
+                                                save_id)
+        # rank 0, which commits, holds the attempt's lease: `shardckpt clean` leaves it alone
+        with writer.lease(hold=self.rank == 0):
+            _, reports = agree(self.write_files, f"save to {self.url}", self.group,
+                               after_loss=lambda: self.commit_status(committing=False))
+            entries = [_entry(d) for rep in reports for d in rep["payload"]]
+
+            def commit() -> str | None:
+                return writer.commit(entries).save_id if self.rank == 0 else None
+
+            agree(commit, f"commit of {self.url}", self.group,
+                  after_loss=lambda: self.commit_status(committing=True))
+        return writer.manifest(entries)
+
+    def commit_status(self, committing: bool) -> str:
+        """What a failed exchange left behind, as found in storage now (for error messages)."""
+        storage = as_storage(self.url, self.storage_options)
+        where = storage.url_of(MANIFEST_NAME)
+        if not storage.exists(MANIFEST_NAME):
+            if committing and self.rank:
+                return (f"not committed when rank {self.rank} looked: {where} did not exist yet; "
+                        "rank 0 may still create it, and then resume picks it")
+            return f"nothing was committed: {where} does not exist"
+        ours = self.writer is not None and read_manifest(storage).save_id == self.writer.save_id
+        if not ours:
+            return f"not committed by this save: {where} belongs to another save attempt"
+        return (f"the checkpoint committed anyway: {where} exists, and resume picks it (the "
+                "newest committed checkpoint that checks out)")
+
+
+def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
+               storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+               group: Any = None, rank_state: Mapping[str, Any] | None = None,
+               staging: dict[str, dict[str, Any]] | None = None) -> SaveJob:
+    """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
+
+    With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
+    :meth:`SaveJob.stage` copies the shards into it, so training may change the live state while
+    the files are written; without it, the files are written from the live tensors.
+    """
+    rank, _ = rank_and_world(group)
+    mesh = model.layout.mesh
+    shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
+    spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
+    if rank_state:
+        spec.per_rank_state = dict(spec.per_rank_state, files=True)
+    writes = replica == shard % mesh.replicate_degree
+    shards = model.local_shards() if writes else {}
+    buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
+    state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
+    return SaveJob(url, spec, storage_options, rank, shard if writes else None, shards, buffers,
+                   state, staging, group)
+
+
+def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
+         storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
+         group: Any = None, rank_state: Mapping[str, Any] | None = None) -> Manifest:
+    """Save ``model`` to ``url`` from every rank; returns the committed manifest on every rank.
+
+    Called on every rank. Each shard is written once (HSDP: shard s by replica ``s % R``),
+    buffers by rank 0, ``rank_state`` (e.g. RNG states) by each rank; the manifest is created
+    by rank 0 after every file is durable.
+    """
+    job = begin_save(model, url, extras, storage_options, chunk_size, group, rank_state)
+    return job.run()
+
+
+def read_rank_state(reader: CheckpointReader, rank: int) -> dict[str, Any] | None:
+    """Tensors of ``rank-XXXXX.safetensors`` (None if the checkpoint has none for ``rank``)."""
+    import torch
+
+    from shardckpt.format.safetensors_header import parse_header
+
+    entry = next((f for f in reader.manifest.files if f.role == "rank" and f.index == rank), None)
+    if entry is None:
+        return None
+    data = reader.storage.read_checked(entry, reader.manifest.chunk_size, 0, entry.size)
+    tensors, _ = parse_header(bytes(data[8:entry.data_start]), entry.size, reader.storage.url_of(entry.path))
+    out = {}
+    for name, slot in tensors.items():
+        raw = bytearray(data[entry.data_start + slot.begin:entry.data_start + slot.end])
+        t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(getattr(torch, slot.dtype)).reshape(slot.shape)
+    return out
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[str, ...]
+    manifest: Manifest
+    bytes_read: int
+
+
+def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = False,
+         storage_options: Mapping[str, Any] | None = None, group: Any = None) -> LoadResult:
+    """Load ``url`` into ``model`` on every rank, whatever world size, mesh or unit policy wrote it.
+
+    ``strict`` (default) refuses missing, unexpected or reshaped parameters, listing all of them
+    in one error; otherwise what matches is loaded and the lists are returned. ``weights_only``
+    loads the masters and buffers and leaves optimizer state and step alone.
+    """
+    rank, _ = rank_and_world(group)
+    counter: dict[str, Any] = {"bytes": 0}
+
+    def work() -> dict[str, Any]:
+        reader = CheckpointReader(url, storage_options)
+        m = counter["manifest"] = reader.manifest
+        if "model" not in m.components and m.chunked is not None:
+            raise ManifestError(
+                f"{reader.url} holds chunked tensors (saved through DCP), not flat groups: load it "
+                "with shardckpt.interop.dcp_to_flat.load_chunked(engine, url), or into FSDP2 with "
+                "dcp.load(..., storage_reader=ShardckptReader(url))")
+        if "model" not in m.components:
+            raise ManifestError(f"{reader.url}: no 'model' component (found {sorted(m.components)})")
+        src = m.components["model"]
+        plan = plan_reshard(src.layout, model.layout, strict=strict)
+        my_shard = model.layout.mesh.shard_rank(rank)
+        shards = model.local_shards()
+        src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
+        # a checkpoint that holds weights alone (`shardckpt import hf`, consolidated starts): the
+        # optimizer starts fresh instead of the load being refused
+        fresh = (not weights_only and m.optimizer is None
+                 and all(ks <= {"master"} for ks in src_kinds.values()))
+        skip_optim = weights_only or fresh
+        requests, targets = [], []
+        missing_kinds: set[str] = set()
+        for c in plan.for_dst_shard(my_shard):
+            for kind, tensor in shards[c.dst_group].items():
+                if skip_optim and kind != "master":
+                    continue
+                if kind not in src_kinds[c.src_group]:
+                    missing_kinds.add(kind)
+                    continue
+                requests.append(reader.state_range(c.src_shard, c.src_group, kind,
+                                                   c.src_offset, c.src_offset + c.numel))
+                targets.append((tensor, c.dst_offset, c.numel))
+        if missing_kinds:
+            raise IncompatibleLayoutError(
+                f"{reader.url}: the checkpoint has no {', '.join(sorted(missing_kinds))} state; "
+                "load with weights_only=True to take the weights alone")
+        for (tensor, off, n), data in zip(targets, reader.read_ranges(requests)):
+            k = itemsize(_dtype_name(tensor))
+            if hasattr(tensor, "write_bytes"):  # state in an offload file: written in place
+                tensor.write_bytes(off * k, data)
+            else:
+                _bytes_of(tensor)[off * k:(off + n) * k] = memoryview(data).cast("B")
+            counter["bytes"] += len(data)
+        if m.components["model"].buffers:
+            bufs = {}
+            for b in src.buffers:
+                slot, data = reader.read_buffer(b.fqn)
+                bufs[b.fqn] = (slot, bytes(data))
+            model.load_buffers(_to_tensors(bufs))
+        if not weights_only and m.optimizer is not None:
+            load_optimizer_info(model, m.optimizer, strict)
+        if fresh and getattr(model, "optimizer", None) is not None:
+            fresh_optimizer_state(model)
+            if rank == 0:
+                log.warning("%s holds weights only (no optimizer state): the optimizer starts "
+                            "fresh, moments zero and step 0", reader.url)
+        model.refresh_params()
+        return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
+                "mismatched": list(plan.mismatched), "save_id": m.save_id}
+
+    out, _ = agree(work, f"load of {url}", group)
+    assert out is not None
+    return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
+                      counter["manifest"], counter["bytes"])
+
+
+def fresh_optimizer_state(model: Sharded) -> None:
+    """Zero every per-element optimizer state of ``model``'s shards and set each step to 0: the
+    state a newly built optimizer has."""
+    import torch
+
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return
+    with torch.no_grad():
+        for kinds in model.local_shards().values():
+            for kind, t in kinds.items():
+                if kind != "master":
+                    t.zero_()
+    meta = opt.optimizer_metadata()
+    for g in meta["param_groups"]:
+        g["step"] = 0
+    opt.load_optimizer_metadata(meta)
+
+
+def _to_tensors(bufs: Mapping[str, tuple[TensorSlot, bytes]]) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    for fqn, (slot, data) in bufs.items():
+        dt = getattr(torch, slot.dtype)
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(slot.shape) if data \
+            else torch.empty(slot.shape, dtype=dt)
+        out[fqn] = t
+    return out

@@ -1,0 +1,1 @@
+"""``shardckpt watch``: the checkpoint pipeline service."""

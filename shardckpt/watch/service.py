@@ -1,0 +1,279 @@
+"""``shardckpt watch``: run a pipeline of steps once for every checkpoint that commits under a run.
+
+The watcher lists the run directory (one LIST per interval), and for each ``step-XXXXXXXX``
+checkpoint with a ``manifest.json``, oldest first, runs the pipeline's steps in order. Each step
+runs at most once per checkpoint, across restarts and across several watchers on one pipeline:
+
+1. a step starts only under a won create-only claim and a renewed lease
+   (:class:`~shardckpt.watch.records.StepClaim`), and only if it has no ``.done``/``.dead`` record;
+2. its output commits by the step's own discipline (a manifest or an index written last);
+3. then its create-only ``.done`` record is written. A watcher killed between 2 and 3 leaves a
+   committed output without a record: the next watcher adopts it after checking it
+   (:func:`~shardckpt.watch.steps.adopt`) instead of writing it again;
+4. a step that still fails after ``retries`` retries (backoff doubling from ``backoff_s``) gets a
+   ``.dead`` record with a one-line reason; that checkpoint's later steps do not run, and the
+   next checkpoints are processed as usual.
+
+"Exactly once" therefore means: every step of every committed checkpoint ends with exactly one
+record, and no output that got a record is written twice. Two watchers exclude each other through
+the claim while the lease is renewed (every ``lease_ttl_s / 3``); a watcher that cannot renew its
+lease for a whole ``lease_ttl_s`` (a host frozen that long) can be overtaken, and then the
+outputs' own create-only commits and the create-only records keep one result.
+
+Checkpoints whose every step is settled are remembered, so an idle watcher costs one LIST of the
+run directory per interval. Steps run in this process, one at a time per checkpoint: memory is
+that of the largest step. Does not import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardckpt.watch import records as watch_records
+
+from shardckpt.watch import steps as watch_steps
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.errors import ShardckptError
+from shardckpt.checkpoint.run_dir import STEP_DIR
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest
+from shardckpt.storage import Storage
+from shardckpt.watch.config import Pipeline, StepSpec
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 300.0
+
+
+@dataclass
+class Counters:
+    """What this watcher did (for ``--serve``'s metrics): per step kind."""
+
+    done: dict[str, int] = field(default_factory=dict)
+    dead: dict[str, int] = field(default_factory=dict)
+    adopted: dict[str, int] = field(default_factory=dict)
+    retries: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    passes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, what: str, kind: str, value: float = 1) -> None:
+        with self.lock:
+            d = getattr(self, what)
+            d[kind] = d.get(kind, 0) + value
+
+
+@dataclass
+class PassReport:
+    """One pass over the run: steps recorded done or dead by this watcher, checkpoints left to
+    another watcher (held) or not yet committed."""
+
+    done: int = 0
+    dead: int = 0
+    held: int = 0
+    uncommitted: int = 0
+
+
+class Watcher:
+    """Runs ``pipeline`` over the checkpoints of its run directory (see the module doc)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.p = pipeline
+        opts = dict(pipeline.storage_options)
+        self.watch = Storage(pipeline.watch, _fresh_listings(pipeline.watch, opts))
+        self.state = Storage(pipeline.state, _fresh_listings(pipeline.state, opts))
+        self.keys = [s.key for s in pipeline.steps]
+        self.counters = Counters()
+        self.stop_event = threading.Event()
+        self._settled: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------------------- loop
+
+    def run(self, once: bool = False) -> PassReport:
+        """Process what is there, then (unless ``once``) poll every ``interval_s`` until
+        :meth:`stop`. Returns the last pass's report."""
+        if once:
+            return self.process_pass()
+        report = self._pass_or_log()
+        while not self.stop_event.wait(self.p.interval_s):
+            report = self._pass_or_log()
+        return report
+
+    def _pass_or_log(self) -> PassReport:
+        """A pass of a long-running watcher: a storage failure (the store unreachable, a record
+        that cannot be written) is logged and the pass is tried again after the interval; what
+        was not recorded is found again then (a committed output is adopted)."""
+        try:
+            return self.process_pass()
+        except ShardckptError as e:
+            self.counters.add("errors", "pass")
+            log.error("a pass over %s failed (%s); trying again in %g s", self.watch.url, e,
+                      self.p.interval_s)
+            return PassReport()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def pending(self) -> list[tuple[int, str]]:
+        """(step, name) of the step directories not yet settled, oldest first: one LIST."""
+        out = []
+        for name in self.watch.ls(""):
+            m = STEP_DIR.match(name)
+            if m and name not in self._settled:
+                out.append((int(m.group(1)), name))
+        return sorted(out)
+
+    def process_pass(self) -> PassReport:
+        report = PassReport()
+        todo = []
+        for step, name in self.pending():
+            if self.stop_event.is_set():
+                break
+            if not self.watch.exists(f"{name}/{MANIFEST_NAME}"):
+                report.uncommitted += 1
+                continue
+            todo.append((step, name))
+        if self.p.concurrency <= 1 or len(todo) <= 1:
+            results = [self.process_checkpoint(step, name) for step, name in todo]
+        else:
+            with ThreadPoolExecutor(self.p.concurrency, thread_name_prefix="shardckpt-watch") as pool:
+                results = list(pool.map(lambda sn: self.process_checkpoint(*sn), todo))
+        for r in results:
+            report.done += r.done
+            report.dead += r.dead
+            report.held += r.held
+        self.counters.passes += 1
+        return report
+
+    # ------------------------------------------------------------------------ checkpoint
+
+    def process_checkpoint(self, step: int, name: str) -> PassReport:
+        """Run the steps of one committed checkpoint that are not settled, in order."""
+        report = PassReport()
+        if self.stop_event.is_set():
+            return report
+        src = self.watch.child(name)
+        states = watch_records.step_states(self.state, self.p.name, name, self.keys)
+        manifest: Manifest | ShardckptError | None = None
+        for spec in self.p.steps:
+            st = states[spec.key].state
+            if st == "done":
+                continue
+            if st == "dead":
+                self._settle(name)
+                return report
+            if st == "running" or self.stop_event.is_set():
+                report.held += st == "running"
+                return report
+            if manifest is None:
+                manifest = _read(src)
+            outcome = self.run_step(spec, src, manifest, name, step)
+            if outcome == "held":
+                report.held += 1
+                return report
+            if outcome == "dead":
+                report.dead += 1
+                self._settle(name)
+                return report
+            report.done += outcome == "done"
+            if outcome == "stopped":
+                return report
+        self._settle(name)
+        return report
+
+    def _settle(self, name: str) -> None:
+        with self._lock:
+            self._settled.add(name)
+
+    def is_settled(self, name: str, before: int) -> bool:
+        """Whether every step of ``name`` before step index ``before`` has a record."""
+        if name in self._settled:
+            return True
+        states = watch_records.step_states(self.state, self.p.name, name, self.keys[:before - 1])
+        return all(s.state in ("done", "dead") for s in states.values())
+
+    # ------------------------------------------------------------------------------ step
+
+    def run_step(self, spec: StepSpec, src: Storage, manifest: "Manifest | ShardckptError",
+                 name: str, step: int) -> str:
+        """Claim, run (with retries) and record one step: "done", "dead", "held" or "stopped"."""
+        claim = watch_records.StepClaim(self.state, self.p.name, name, spec.key, self.p.lease_ttl_s)
+        if not claim.try_claim():
+            return "done" if claim.settled() == "done" else "held"
+        try:
+            return self._attempts(claim, spec, src, manifest, name, step)
+        finally:
+            claim.release()
+
+    def _attempts(self, claim: watch_records.StepClaim, spec: StepSpec, src: Storage,
+                  manifest: "Manifest | ShardckptError", name: str, step: int) -> str:
+        base = {"pipeline": self.p.name, "checkpoint": name, "step": step, "kind": spec.kind,
+                "index": spec.index, "claim": claim.attempt, "host": socket.gethostname(),
+                "pid": os.getpid()}
+        reason = ""
+        for attempt in range(self.p.retries + 1):
+            if attempt:
+                self.counters.add("retries", spec.kind)
+                delay = min(MAX_BACKOFF_S, self.p.backoff_s * 2 ** (attempt - 1))
+                if self.stop_event.wait(delay):
+                    return "stopped"
+            if isinstance(manifest, ShardckptError):
+                manifest = _read(src)
+            started = time.time()
+            try:
+                if isinstance(manifest, ShardckptError):
+                    raise manifest
+                ctx = watch_steps.StepContext(spec, src, manifest, name, step, self.watch,
+                                              self.p.storage_options,
+                                              lambda n: self.is_settled(n, spec.index))
+                facts = watch_steps.adopt(ctx) or watch_steps.run_step(ctx)
+            except Exception as e:  # noqa: BLE001 - any failure of a step is recorded, not fatal
+                reason = _one_line(e)
+                log.warning("%s %s (try %d of %d): %s", name, spec.key, attempt + 1,
+                            self.p.retries + 1, reason)
+                continue
+            secs = time.time() - started
+            doc = {**base, **facts, "source_save_id": manifest.save_id, "started": started,
+                   "finished": time.time(), "seconds": secs, "tries": attempt + 1}
+            watch_records.write_done(self.state, self.p.name, name, spec.key, doc)
+            self.counters.add("done", spec.kind)
+            self.counters.add("seconds", spec.kind, secs)
+            self.counters.add("bytes", spec.kind, int(facts.get("bytes") or 0))
+            if facts.get("adopted"):
+                self.counters.add("adopted", spec.kind)
+            log.info("%s %s done in %.2f s", name, spec.key, secs)
+            return "done"
+        doc = {**base, "reason": reason, "tries": self.p.retries + 1, "finished": time.time()}
+        watch_records.write_dead(self.state, self.p.name, name, spec.key, doc)
+        self.counters.add("dead", spec.kind)
+        log.error("%s %s failed after %d tries; recorded as dead: %s", name, spec.key,
+                  self.p.retries + 1, reason)
+        return "dead"
+
+
+def _read(src: Storage) -> "Manifest | ShardckptError":
+    try:
+        return read_manifest(src)
+    except ShardckptError as e:
+        return e
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _fresh_listings(url: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """A watcher polls: object-store listings must not come from fsspec's listing cache."""
+    if url.startswith(("s3://", "s3a://")):
+        return {"use_listings_cache": False, **opts}
+    return opts
