@@ -81,17 +81,17 @@ def test_commit_lists_each_directory_once(storage):
 
 
 def test_save_directory_and_its_parent_are_synced_before_the_manifest_exists(tmp_path, monkeypatch):
-    from shardckpt.storage import core
+    from shardckpt.storage import local
 
     ck = tmp_path / "run" / "ck"
     seen = []
-    real = core._fsync_dir
+    real = local._fsync_dir
 
     def record(path):
         shards = [f for _, _, fs in os.walk(ck) for f in fs if f.startswith("shard-")]
         seen.append((os.path.realpath(path), (ck / MANIFEST_NAME).exists(), len(shards)))
         real(path)
-    monkeypatch.setattr(core, "_fsync_dir", record)
+    monkeypatch.setattr(local, "_fsync_dir", record)
     m = synthesize(str(ck), PARAMS, ranks=2, units=1)
     before = {p for p, committed, shards in seen if not committed and shards == 2}
     assert os.path.realpath(ck / m.save_id) in before

@@ -15,34 +15,15 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-from typer.testing import CliRunner, Result  # noqa: E402
 
-from ckpt_helpers import make_ckpt  # noqa: E402
-from shardckpt.cli.main import app  # noqa: E402
+from testing.ckpts import make_ckpt  # noqa: E402
+from testing.cli import cli, ok, one_line_error  # noqa: E402
 from shardckpt.interop.hf_files import COPY_ALLOWED  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def cli(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
-
-
-def ok(r: Result) -> Result:
-    assert r.exit_code == 0, (r.exit_code, r.output, r.exception)
-    return r
-
-
-def one_line_error(r: Result, *needles: str, code: int = 1) -> str:
-    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def save_llama(dst: str) -> tuple[Any, Any]:
@@ -139,19 +120,17 @@ def test_other_files_in_the_destination_need_no_overwrite(tmp_path: Path) -> Non
 
 
 def test_free_space_is_checked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardckpt.storage.core as core
-
     src, _ = make_ckpt(tmp_path)
     real = os.statvfs
 
     class Full:
         f_bavail, f_frsize = 1, 4096
 
-    monkeypatch.setattr(core.os, "statvfs", lambda p: Full())
+    monkeypatch.setattr(os, "statvfs", lambda p: Full())
     out = tmp_path / "hf"
     one_line_error(cli("consolidate", src, str(out)), str(out), "needs", "nothing was written")
     assert not out.exists() or os.listdir(out) == []
-    monkeypatch.setattr(core.os, "statvfs", real)
+    monkeypatch.setattr(os, "statvfs", real)
     ok(cli("consolidate", src, str(out)))
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner, Result
 
-from ckpt_helpers import make_ckpt
+from testing.ckpts import make_ckpt
+from testing.cli import cli_process
 from shardckpt.checkpoint.reader import CheckpointReader, read_manifest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
@@ -24,7 +24,7 @@ from shardckpt.format.manifest import Manifest
 from shardckpt.format.integrity import seal
 from shardckpt.tools.reshard import reshard
 from shardckpt.storage import Storage
-from shardckpt.storage import core as storage_core
+from shardckpt.storage import backends as storage_backends
 
 runner = CliRunner()
 
@@ -173,12 +173,6 @@ def test_damaged_header_reported_as_damage(ckpt: tuple[Path, Manifest]) -> None:
 # ------------------------------------------------------------------- only regular files
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """In a subprocess, so that a command that blocks cannot block the test run."""
-    return subprocess.run([sys.executable, "-m", "shardckpt.cli.main", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
 def assert_refused(r: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert r.returncode != 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
@@ -194,7 +188,7 @@ def test_fifo_manifest_refused(ckpt: tuple[Path, Manifest], tmp_path: Path) -> N
     for args in (["verify", str(root)], ["inspect", str(root)],
                  ["consolidate", str(root), str(tmp_path / "hf")],
                  ["reshard", str(root), str(tmp_path / "r"), "--to", "1"]):
-        assert_refused(run_cli(*args), "manifest.json", "not a regular file", "named pipe")
+        assert_refused(cli_process(*args), "manifest.json", "not a regular file", "named pipe")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
@@ -205,7 +199,7 @@ def test_fifo_shard_refused(ckpt: tuple[Path, Manifest], tmp_path: Path) -> None
     os.mkfifo(shard)
     for args in (["verify", str(root)], ["consolidate", str(root), str(tmp_path / "hf")],
                  ["reshard", str(root), str(tmp_path / "r"), "--to", "1"]):
-        assert_refused(run_cli(*args), m.shard_file(1).path, "not a regular file")
+        assert_refused(cli_process(*args), m.shard_file(1).path, "not a regular file")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
@@ -214,7 +208,7 @@ def test_manifest_linked_to_a_device_refused(ckpt: tuple[Path, Manifest]) -> Non
     (root / "manifest.json").unlink()
     os.symlink("/dev/zero", root / "manifest.json")
     for args in (["verify", str(root)], ["inspect", str(root)]):
-        assert_refused(run_cli(*args), "manifest.json", "not a regular file", "device")
+        assert_refused(cli_process(*args), "manifest.json", "not a regular file", "device")
 
 
 def test_regular_file_through_a_symlink_still_reads(ckpt: tuple[Path, Manifest], tmp_path: Path) -> None:
@@ -231,14 +225,14 @@ def test_regular_file_through_a_symlink_still_reads(ckpt: tuple[Path, Manifest],
 def count_manifest_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every retried storage operation (one retry loop, one deadline) on a manifest."""
     calls: list[str] = []
-    real = storage_core.retry_call
+    real = storage_backends.retry_call
 
     def counted(policy: Any, what: str, url: str, fn: Any, deadline: Any = None) -> Any:
         if url.endswith("manifest.json"):
             calls.append(what)
         return real(policy, what, url, fn, deadline)
 
-    monkeypatch.setattr(storage_core, "retry_call", counted)
+    monkeypatch.setattr(storage_backends, "retry_call", counted)
     return calls
 
 

@@ -104,7 +104,7 @@ def test_reads_each_source_byte_about_once(tmp_path, src4):
 def test_without_mmap_the_ranged_read_path_gives_same_bytes(tmp_path, src4, monkeypatch):
     """Where local files cannot be mapped (``can_map`` false: not POSIX), reshard reads them with
     checked ranged reads instead: same bytes, each source byte read about once."""
-    from shardckpt.storage import core
+    from shardckpt.storage import core, local
 
     mapped, ranged = str(tmp_path / "mapped"), str(tmp_path / "ranged")
     reshard(src4, mapped, to=3)
@@ -112,9 +112,9 @@ def test_without_mmap_the_ranged_read_path_gives_same_bytes(tmp_path, src4, monk
 
     def no_map(self, *a, **k):
         real(self, *a, **k)
-        self.can_map = False
+        self.backend.can_map = False
     monkeypatch.setattr(core.Storage, "__init__", no_map)
-    monkeypatch.setattr(core.Storage, "map_chunks", None)  # must not be reached
+    monkeypatch.setattr(local.LocalBackend, "map_range", None)  # must not be reached
     r = reshard(src4, ranged, to=3, buffer_bytes=64 << 10)
     assert slot_bytes(ranged) == slot_bytes(mapped)
     src_bytes = CheckpointReader(src4).manifest.total_bytes

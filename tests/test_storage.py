@@ -16,7 +16,8 @@ from shardckpt.errors import (
     CommitConflictError, IntegrityError, ShardckptError, StorageError,
 )
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import NotFoundError, RetryPolicy, Storage, iter_file_chunks
+from shardckpt.storage import NotFoundError, RangeReader, RetryPolicy, Storage, iter_file_chunks
+from shardckpt.storage.local import LocalBackend
 
 CHUNK = 4096
 
@@ -135,7 +136,7 @@ def test_aborted_writer_leaves_nothing(storage: Storage) -> None:
             raise RuntimeError("boom")
     assert not storage.exists("d/partial.bin")
     assert "partial.bin" not in storage.ls("d")
-    if storage.is_local:  # no temporary either
+    if isinstance(storage.backend, LocalBackend):  # no temporary either
         assert not any("partial" in p.name for p in Path(storage.full("d")).iterdir())
 
 
@@ -221,23 +222,23 @@ def test_truncated_file_detected(storage: Storage) -> None:
         storage.read_checked(e, CHUNK, CHUNK + 5, CHUNK + 6)
 
 
-def test_read_checked_many_coalesces_and_checks(storage: Storage) -> None:
+def test_gather_coalesces_and_checks(storage: Storage) -> None:
     a_data, b_data = payload(8 * CHUNK, 1), payload(3 * CHUNK, 2)
     a, b = write(storage, "a.bin", a_data), write(storage, "b.bin", b_data)
     calls = count_reads(storage)
     reqs = [(a, 10, 20), (a, 100, CHUNK + 5), (b, 0, 7), (a, CHUNK + 6, 2 * CHUNK),   # a: chunks 0-1
             (a, 6 * CHUNK + 1, 6 * CHUNK + 2), (a, 5 * CHUNK, 5 * CHUNK + 1),        # a: chunks 5-6
             (b, 2 * CHUNK, 3 * CHUNK)]                                              # b: 0 and 2
-    out = storage.read_checked_many(reqs, CHUNK, workers=4)
+    out = RangeReader(storage, CHUNK).gather(reqs, workers=4)
     for (e, s, t), got in zip(reqs, out):
         src = a_data if e is a else b_data
         assert bytes(got) == src[s:t]
     assert sorted(calls) == sorted([(0, 2 * CHUNK), (5 * CHUNK, 7 * CHUNK), (0, CHUNK), (2 * CHUNK, 3 * CHUNK)])
     # sequential path gives the same answer
-    assert [bytes(x) for x in storage.read_checked_many(reqs, CHUNK, workers=1)] == [bytes(x) for x in out]
+    assert [bytes(x) for x in RangeReader(storage, CHUNK).gather(reqs, workers=1)] == [bytes(x) for x in out]
     corrupt(storage, "a.bin", 5 * CHUNK + 3000)
     with pytest.raises(IntegrityError, match=r"a\.bin: bytes \[20480, 24576\)"):
-        storage.read_checked_many(reqs, CHUNK, workers=4)
+        RangeReader(storage, CHUNK).gather(reqs, workers=4)
 
 
 # --------------------------------------------------------------------------------- commit
@@ -250,7 +251,7 @@ def test_create_only_twice_conflicts_and_keeps_the_first(storage: Storage) -> No
     assert storage.url_of("manifest.json") in str(ei.value) and "already exists" in str(ei.value)
     assert isinstance(ei.value, StorageError)
     assert storage.read("manifest.json") == b"first"
-    if storage.is_local:  # the temporary was removed
+    if isinstance(storage.backend, LocalBackend):  # the temporary was removed
         assert sorted(p.name for p in Path(storage.root).iterdir()) == ["manifest.json"]
 
 
@@ -386,13 +387,13 @@ def test_urls(tmp_path: Path) -> None:
     plain = Storage(str(tmp_path / "a"))
     plain.put("x/y.bin", b"plain")
     file_url = Storage(f"file://{tmp_path}/a/")
-    assert file_url.is_local and plain.is_local
+    assert isinstance(file_url.backend, LocalBackend) and isinstance(plain.backend, LocalBackend)
     assert file_url.read("x/y.bin") == b"plain"
     assert file_url.url == f"file://{tmp_path}/a" and plain.url_of("x/y.bin") == f"{tmp_path}/a/x/y.bin"
     assert plain.child("x").read("y.bin") == b"plain" and plain.child("x").url == f"{tmp_path}/a/x"
     mem_url = f"memory://u-{uuid.uuid4().hex}/ckpt"
     mem = Storage(mem_url)
-    assert not mem.is_local
+    assert not isinstance(mem.backend, LocalBackend)
     mem.put("x/y.bin", b"mem")
     assert Storage(mem_url + "/").read("x/y.bin") == b"mem"
     assert mem.url_of("x/y.bin") == f"{mem_url}/x/y.bin"
@@ -425,12 +426,10 @@ def test_iter_file_chunks(storage: Storage) -> None:
 
 
 def test_map_many_views_checks_each_chunk_once(tmp_path: Path) -> None:
-    from shardckpt.storage.cached_reads import CachedRangeReader
-
     storage = Storage(str(tmp_path))
     data = payload(5 * CHUNK + 100)
     e = write(storage, "m.bin", data)
-    reader = CachedRangeReader(storage, CHUNK)
+    reader = RangeReader(storage, CHUNK)
     ranges = [(0, 10), (10, CHUNK + 5), (CHUNK + 5, 3 * CHUNK), (2 * CHUNK - 1, 2 * CHUNK + 1),
               (4 * CHUNK + 7, len(data)), (7, 7)]
     views = reader.map_many([(e, a, b) for a, b in ranges])
@@ -444,19 +443,17 @@ def test_map_many_views_checks_each_chunk_once(tmp_path: Path) -> None:
 
 
 def test_map_many_refuses_truncated_and_corrupted(tmp_path: Path) -> None:
-    from shardckpt.storage.cached_reads import CachedRangeReader
-
     storage = Storage(str(tmp_path))
     data = payload(3 * CHUNK)
     e = write(storage, "t.bin", data)
     path = tmp_path / "t.bin"
     path.write_bytes(data[:-1])
     with pytest.raises(IntegrityError, match=rf"t\.bin: {3 * CHUNK - 1} bytes.*truncated"):
-        CachedRangeReader(storage, CHUNK).map_many([(e, 0, 10)])
+        RangeReader(storage, CHUNK).map_many([(e, 0, 10)])
     bad = bytearray(data)
     bad[CHUNK + 3] ^= 1
     path.write_bytes(bytes(bad))
-    reader = CachedRangeReader(storage, CHUNK)
+    reader = RangeReader(storage, CHUNK)
     assert bytes(reader.map_many([(e, 0, CHUNK)])[0]) == data[:CHUNK]  # chunk 0 is fine
     with pytest.raises(IntegrityError, match=rf"t\.bin: bytes \[{CHUNK}, {2 * CHUNK}\) fail their CRC32C"):
         reader.map_many([(e, CHUNK - 2, CHUNK + 2)])

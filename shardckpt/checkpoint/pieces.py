@@ -9,19 +9,16 @@ cast, NaN included).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.storage.cached_reads import CachedRangeReader
 from shardckpt.errors import ConfigError, ManifestError
-from shardckpt.format.dtypes import itemsize
+from shardckpt.format.dtypes import NUMPY, itemsize
 from shardckpt.format.manifest import FileEntry
-
-DEFAULT_BUFFER = 64 << 20
+from shardckpt.storage import DEFAULT_BUFFER, RangeReader, read_ahead
 
 
 # ----------------------------------------------------------------------------- dtype casts (pure)
@@ -61,17 +58,13 @@ def _fp8_table(dtype: str) -> np.ndarray:
     return np.where(code & 0x80, -val, val).astype(np.float32)
 
 
-_NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4",
-          "int16": "<i2", "int8": "i1", "uint8": "u1", "bool": "u1"}
-
-
 def decode(raw: Any, dtype: str) -> np.ndarray:
     """Little-endian bytes of ``dtype`` as a numpy array (bf16 and fp8 widened to float32)."""
     if dtype == "bfloat16":
         return (np.frombuffer(raw, "<u2").astype(np.uint32) << np.uint32(16)).view(np.float32)
     if dtype.startswith("float8"):
         return _fp8_table(dtype)[np.frombuffer(raw, np.uint8)]
-    return np.frombuffer(raw, _NUMPY[dtype])
+    return np.frombuffer(raw, NUMPY[dtype])
 
 
 def cast_bytes(raw: Any, src: str, dst: str) -> Any:
@@ -84,7 +77,7 @@ def cast_bytes(raw: Any, src: str, dst: str) -> Any:
     if x.dtype == np.float64 and dst != "float64":
         x = x.astype(np.float32)  # double -> float -> half, as torch does
     with np.errstate(over="ignore"):  # out of range -> inf, as torch casts
-        return x.astype(_NUMPY[dst])
+        return x.astype(NUMPY[dst])
 
 
 # ------------------------------------------------------------------------- piece reads (effectful)
@@ -160,14 +153,14 @@ class PieceReader:
             raise ConfigError(f"buffer of {buffer_bytes} bytes; it must be positive")
         self.readers = list(readers)
         self.batch_bytes = max(1, buffer_bytes // 4)
-        self.cached = [CachedRangeReader(r.storage, r.manifest.chunk_size,
-                                         capacity=_cache_capacity(r, self.batch_bytes))
+        self.ranges = [RangeReader(r.storage, r.manifest.chunk_size,
+                                   capacity=_cache_capacity(r, self.batch_bytes))
                        for r in self.readers]
         self.workers = workers
 
     @property
     def bytes_read(self) -> int:
-        return sum(c.bytes_read for c in self.cached)
+        return sum(r.bytes_read for r in self.ranges)
 
     def _batches(self, items: Sequence[tuple[int, Sequence[Source]]]) -> Iterator[list[tuple[int, int, int]]]:
         batch: list[tuple[int, int, int]] = []
@@ -187,27 +180,24 @@ class PieceReader:
 
     def _read(self, items: Sequence[tuple[int, Sequence[Source]]], batch: list[tuple[int, int, int]]) -> list[Piece]:
         sides = []
-        for side, (reader, cached) in enumerate(zip(self.readers, self.cached)):
+        for side, (reader, ranges) in enumerate(zip(self.readers, self.ranges)):
             requests, owner = [], []
             for k, (i, a, b) in enumerate(batch):
                 for r in byte_ranges(reader, items[i][1][side], a, b):
                     requests.append(r)
                     owner.append(k)
             parts: list[list[bytes]] = [[] for _ in batch]
-            got = cached.map_many(requests) if cached.storage.can_map else \
-                cached.read_many(requests, self.workers)
+            got = ranges.fetch(requests, self.workers)  # mapped where the storage maps files
             for k, data in zip(owner, got):
                 parts[k].append(data)
             sides.append([p[0] if len(p) == 1 else b"".join(p) for p in parts])
         return [Piece(i, a, b, tuple(s[k] for s in sides)) for k, (i, a, b) in enumerate(batch)]
 
     def pieces(self, items: Sequence[tuple[int, Sequence[Source]]]) -> Iterator[Piece]:
-        with ThreadPoolExecutor(1) as pool:
-            pending = None
-            for batch in self._batches(items):
-                job = pool.submit(self._read, items, batch)
-                if pending is not None:
-                    yield from pending.result()
-                pending = job
-            if pending is not None:
-                yield from pending.result()
+        batches = read_ahead(self._batches(items), lambda batch: self._read(items, batch))
+        try:
+            for _, got in batches:
+                yield from got
+                del got  # before the next batch is waited for: two batches at most
+        finally:
+            batches.close()  # type: ignore[attr-defined]

@@ -18,10 +18,11 @@ from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorSlot, buffer_slots,
-    chunked_slots, parse, shard_slots,
+    chunked_slots, shard_slots,
 )
+from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import header_length, parse_header
-from shardckpt.storage import NotFoundError, Storage
+from shardckpt.storage import NotFoundError, RangeReader, Storage
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class CheckpointReader:
         self.buffer_slots = {s.name: s for s in buffer_slots(m.components)}
         self._headers: dict[str, IntegrityError | None] = {}  # path -> None (agrees) or the error
         self._headers_lock = threading.Lock()
+        self.ranges = RangeReader(self.storage, m.chunk_size)
 
     @property
     def url(self) -> str:
@@ -107,9 +109,11 @@ class CheckpointReader:
         return self.storage.read_checked(entry, self.manifest.chunk_size, a, b)
 
     def read_ranges(self, requests: list[tuple[FileEntry, int, int]], workers: int = 8) -> list[memoryview]:
+        """Checked ranges in any order (:meth:`~shardckpt.storage.RangeReader.gather`), each
+        file's header checked against the manifest first."""
         for entry in {e.path: e for e, _, _ in requests}.values():
             self.check_file(entry)
-        return self.storage.read_checked_many(requests, self.manifest.chunk_size, workers=workers)
+        return self.ranges.gather(requests, workers)
 
     def read_buffer(self, fqn: str) -> tuple[TensorSlot, memoryview]:
         entry = self.manifest.buffers_file()

@@ -29,8 +29,10 @@ Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
   :class:`~shardckpt.errors.CommitConflictError`. If a retried commit meets a conflict, the object
   is read back: our own bytes (a first try that landed but whose answer was lost) are success.
 
-Modules: :mod:`.core` (the :class:`Storage` handle and its reads), :mod:`.writer` (streaming,
-checksummed writes), :mod:`.s3` (multipart uploads, the create-only commit, open uploads),
+Modules: :mod:`.core` (the :class:`Storage` handle), :mod:`.backends` (what differs between
+places: any fsspec filesystem), :mod:`.local` (the local disk), :mod:`.s3` (S3: multipart uploads,
+the create-only commit, open uploads), :mod:`.writer` (streaming, checksummed writes),
+:mod:`.checked` and :mod:`.reads` (the checked read path: one range, many ranges, read-ahead),
 :mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``),
 :mod:`.places` (comparable locations, free space).
 Import from this package; the split is not part of the API. :mod:`.s3` is loaded when an ``s3://``
@@ -42,23 +44,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shardckpt.storage.core import Storage, iter_file_chunks, open_storage
-from shardckpt.storage.options import (
-    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, MiB, Tuning, split_options, storage_options_from_env,
+from shardckpt.storage.core import (
+    Storage, abort_upload, iter_file_chunks, list_open_uploads, open_storage,
 )
+from shardckpt.storage.options import (
+    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, S3_CONFIG_DEFAULTS, S3FS_RETRIES, MiB, Tuning,
+    split_options, storage_options_from_env,
+)
+from shardckpt.storage.reads import DEFAULT_BATCH, DEFAULT_BUFFER, RangeReader, read_ahead
 from shardckpt.storage.retry import (
     DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
 )
 from shardckpt.storage.writer import StreamWriter, crc32c
 
-# Internals that tests exercise directly; re-exported so they keep one import path.
-from shardckpt.storage.retry import _is_precondition_failed as _is_precondition_failed  # isort: skip
-from shardckpt.storage.retry import _is_retryable as _is_retryable  # isort: skip
-from shardckpt.storage.retry import _map_error as _map_error  # isort: skip
-from shardckpt.storage.writer import _FsspecSink as _FsspecSink  # isort: skip
-
-_S3_NAMES = frozenset({"S3_CONFIG_DEFAULTS", "S3FS_RETRIES", "OpenUpload", "abort_upload",
-                       "list_open_uploads"})
+_S3_NAMES = frozenset({"OpenUpload"})
 
 
 def __getattr__(name: str) -> Any:
@@ -68,8 +67,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DEADLINE_ENV", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "DeadlineExceededError", "MiB",
-    "NotFoundError", "OpenUpload", "RetryPolicy", "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage",
-    "StreamWriter", "Tuning", "abort_upload", "crc32c", "iter_file_chunks", "list_open_uploads",
-    "mapped_errors", "open_storage", "split_options", "storage_options_from_env",
+    "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE",
+    "DeadlineExceededError", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "RetryPolicy",
+    "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage", "StreamWriter", "Tuning", "abort_upload",
+    "crc32c", "iter_file_chunks", "list_open_uploads", "mapped_errors", "open_storage",
+    "read_ahead", "split_options", "storage_options_from_env",
 ]

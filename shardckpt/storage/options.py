@@ -2,7 +2,7 @@
 
 shardckpt's keys (``shardckpt_deadline_s``, ``shardckpt_part_size``, ``shardckpt_concurrency``)
 never reach fsspec; the deadline falls back to ``SHARDCKPT_DEADLINE_S``, then to 120 s. For s3
-the defaults of :mod:`shardckpt.storage.s3` are filled in, the user's own keys winning.
+the client defaults below (:data:`S3_CONFIG_DEFAULTS`) are filled in, the user's own keys winning.
 """
 
 from __future__ import annotations
@@ -28,6 +28,25 @@ class Tuning:
     part_size: int = DEFAULT_PART_SIZE  # multipart part; doubles every 1000 parts (10,000 max)
     concurrency: int = DEFAULT_CONCURRENCY  # parts in flight per file; range pieces per read
     range_piece: int = DEFAULT_PART_SIZE    # ranged reads larger than this are split
+
+
+#: botocore settings for s3 unless the user gives their own (merged key by key).
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "retries": {"mode": "standard", "total_max_attempts": 2},
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "max_pool_connections": 32,
+}
+S3FS_RETRIES = 1  # s3fs's own retry loop (its default is 5)
+
+
+def fill_s3_defaults(opts: dict[str, Any]) -> int:
+    """Fill the s3 defaults into fsspec options ``opts`` (in place); return s3fs's retry count."""
+    config = dict(S3_CONFIG_DEFAULTS)
+    config.update(opts.get("config_kwargs") or {})
+    opts["config_kwargs"] = config
+    opts.setdefault("use_listings_cache", False)  # other processes write here too
+    return int(opts.pop("retries", S3FS_RETRIES))  # not an S3FileSystem argument
 
 
 _OWN = ("shardckpt_deadline_s", "shardckpt_part_size", "shardckpt_concurrency")
@@ -64,8 +83,6 @@ def split_options(url: str, options: Mapping[str, Any] | None,
                     _positive(own, "shardckpt_concurrency", int) or DEFAULT_CONCURRENCY)
     s3fs_retries = None
     if url.startswith(("s3://", "s3a://")):
-        from shardckpt.storage.s3 import fill_s3_defaults
-
         s3fs_retries = fill_s3_defaults(opts)
     return opts, retry, tuning, s3fs_retries
 

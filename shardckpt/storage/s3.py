@@ -1,12 +1,13 @@
-"""S3 specifics: client defaults, multipart uploads shardckpt drives itself, the create-only commit.
+"""S3: the backend of ``s3://`` locations, multipart uploads shardckpt drives itself, the
+create-only commit, and the uploads left open.
 
-Every call goes through :meth:`Storage.call`, so each request (a part, a commit, a listing page)
-is retried alone under the storage's deadline and its errors are mapped like any other.
+Every call goes through the backend's retried :meth:`~shardckpt.storage.backends.Backend.call`, so
+each request (a part, a commit, a listing page) is retried alone under the deadline and its errors
+are mapped like any other. The client defaults are in :mod:`shardckpt.storage.options`.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import threading
@@ -14,56 +15,83 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shardckpt.errors import CommitConflictError, StorageError
+from shardckpt.errors import StorageError
+from shardckpt.storage.backends import Backend, conflict_error
 from shardckpt.storage.retry import NotFoundError, _is_precondition_failed
-
-if TYPE_CHECKING:
-    from shardckpt.storage.core import Storage
+from shardckpt.storage.writer import Sink
 
 log = logging.getLogger(__name__)
 
-#: botocore settings for s3 unless the user gives their own (merged key by key).
-S3_CONFIG_DEFAULTS: dict[str, Any] = {
-    "retries": {"mode": "standard", "total_max_attempts": 2},
-    "connect_timeout": 10,
-    "read_timeout": 30,
-    "max_pool_connections": 32,
-}
-S3FS_RETRIES = 1  # s3fs's own retry loop (its default is 5)
 
+class S3Backend(Backend):
+    """An S3 (or S3-compatible) bucket through s3fs."""
 
-def fill_s3_defaults(opts: dict[str, Any]) -> int:
-    """Fill the s3 defaults into fsspec options ``opts`` (in place); return s3fs's retry count."""
-    config = dict(S3_CONFIG_DEFAULTS)
-    config.update(opts.get("config_kwargs") or {})
-    opts["config_kwargs"] = config
-    opts.setdefault("use_listings_cache", False)  # other processes write here too
-    return int(opts.pop("retries", S3FS_RETRIES))  # not an S3FileSystem argument
+    def location(self, path: str) -> tuple[str, str]:
+        return ("s3", super().location(path)[1])
 
+    def bucket_key(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
 
-def put_if_absent(storage: Storage, rel: str, data: bytes, conflict: CommitConflictError) -> None:
-    """One PUT with ``If-None-Match: *``; raises ``conflict`` if another object is there."""
-    bucket, key = storage.bucket_key(rel)
-    try:
-        storage.call("commit", rel, lambda: storage.fs.call_s3(
-            "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"))
-    except StorageError as e:
-        if not _is_precondition_failed(e.__cause__):
-            raise
-        # A retry (ours or botocore's) after a PUT that landed with its answer lost meets
-        # our own object: the manifest names a unique save id, so equal bytes are ours.
-        if _holds(storage, rel, data):
-            return
-        raise conflict from e.__cause__
+    def sink(self, path: str, url: str) -> Sink:
+        return _S3Upload(self, path, url)
 
+    def put(self, path: str, url: str, data: bytes) -> None:
+        bucket, key = self.bucket_key(path)
+        self.call("write", url, lambda: self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data))
 
-def _holds(storage: Storage, rel: str, data: bytes) -> bool:
-    try:
-        return storage.size(rel) == len(data) and storage.read(rel) == data
-    except StorageError:
-        return False
+    def create_only(self, path: str, url: str, data: bytes) -> None:
+        """One PUT with ``If-None-Match: *``; :class:`CommitConflictError` if another object is
+        there."""
+        bucket, key = self.bucket_key(path)
+        try:
+            self.call("commit", url, lambda: self.fs.call_s3(
+                "put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*"))
+        except StorageError as e:
+            if not _is_precondition_failed(e.__cause__):
+                raise
+            # A retry (ours or botocore's) after a PUT that landed with its answer lost meets
+            # our own object: the manifest names a unique save id, so equal bytes are ours.
+            if self._holds(path, url, data):
+                return
+            raise conflict_error(url) from e.__cause__
+
+    def _holds(self, path: str, url: str, data: bytes) -> bool:
+        try:
+            return self.size(path, url) == len(data) and self.read(path, url) == data
+        except StorageError:
+            return False
+
+    def open_uploads(self, root: str, path: str, url: str, exact: bool) -> list[OpenUpload]:
+        """Multipart uploads started below ``path`` (``exact``: of the object ``path``) and never
+        completed or aborted; keys relative to ``root``."""
+        bucket, key = self.bucket_key(path)
+        prefix = key if exact else (key.rstrip("/") + "/" if key else "")
+        root_key = self.fs.split_path(root)[1].rstrip("/")
+        out: list[OpenUpload] = []
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        for _ in range(10_000):  # pages; bounded
+            resp = self.call("list uploads", url, lambda: self.fs.call_s3("list_multipart_uploads", **kwargs))
+            for u in resp.get("Uploads", []):
+                k = u["Key"]
+                if exact and k != key:
+                    continue
+                relk = k[len(root_key) + 1:] if root_key and k.startswith(root_key + "/") else k
+                out.append(OpenUpload(relk, u["UploadId"], u["Initiated"].timestamp()))
+            if not resp.get("IsTruncated"):
+                break
+            kwargs.update(KeyMarker=resp.get("NextKeyMarker"), UploadIdMarker=resp.get("NextUploadIdMarker"))
+        return out
+
+    def abort_upload(self, path: str, url: str, upload_id: str) -> None:
+        bucket, key = self.bucket_key(path)
+        try:
+            self.call("abort upload", url, lambda: self.fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id))
+        except NotFoundError:
+            pass  # already gone
 
 
 class _S3Upload:
@@ -74,14 +102,13 @@ class _S3Upload:
     part fails the next ``write``/``close``, and the caller's abort aborts the upload.
     """
 
-    def __init__(self, storage: Storage, rel: str) -> None:
-        self.storage, self.rel = storage, rel
-        self.url = storage.url_of(rel)
-        self.bucket, self.key = storage.bucket_key(rel)
+    def __init__(self, backend: S3Backend, path: str, url: str) -> None:
+        self.backend, self.url = backend, url
+        self.bucket, self.key = backend.bucket_key(path)
         if not self.key:
             raise StorageError(f"{self.url}: not an object path")
-        self.base_part = storage.tuning.part_size
-        self.concurrency = max(1, storage.tuning.concurrency)
+        self.base_part = backend.tuning.part_size
+        self.concurrency = max(1, backend.tuning.concurrency)
         self.buf = bytearray()  # the part being filled: its first ``fill`` bytes
         self.fill = 0
         self.upload_id: str | None = None
@@ -114,10 +141,10 @@ class _S3Upload:
     def _create(self) -> None:
         def create() -> str:
             self.create_tries += 1
-            out = self.storage.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            out = self.backend.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
             self.create_tries += out.get("ResponseMetadata", {}).get("RetryAttempts", 0)  # botocore's
             return out["UploadId"]
-        self.upload_id = self.storage.call("start upload", self.rel, create)
+        self.upload_id = self.backend.call("start upload", self.url, create)
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardckpt-upload")
 
     def _submit(self, data: bytearray) -> None:
@@ -132,7 +159,7 @@ class _S3Upload:
         self._raise_failed()
 
     def _upload_part(self, number: int, data: bytearray) -> None:
-        out = self.storage.call(f"upload of part {number}", self.rel, lambda: self.storage.fs.call_s3(
+        out = self.backend.call(f"upload of part {number}", self.url, lambda: self.backend.fs.call_s3(
             "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
             PartNumber=number, Body=data))
         part = {"PartNumber": number, "ETag": out["ETag"]}
@@ -147,11 +174,11 @@ class _S3Upload:
                 f.result()
 
     def close(self, size: int) -> None:
-        fs = self.storage.fs
+        fs = self.backend.fs
         tail = self.buf[:self.fill] if self.fill < len(self.buf) else self.buf
         self.buf, self.fill = bytearray(), 0
         if self.upload_id is None:
-            self.storage.call("write", self.rel, lambda: fs.call_s3(
+            self.backend.call("write", self.url, lambda: fs.call_s3(
                 "put_object", Bucket=self.bucket, Key=self.key, Body=tail))
             return
         if tail:
@@ -160,7 +187,7 @@ class _S3Upload:
             self.pending.popleft().result()
         parts = [self.parts[i] for i in range(1, self.submitted + 1)]
         try:
-            self.storage.call("complete upload", self.rel, lambda: fs.call_s3(
+            self.backend.call("complete upload", self.url, lambda: fs.call_s3(
                 "complete_multipart_upload", Bucket=self.bucket, Key=self.key,
                 UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
         except NotFoundError:
@@ -178,7 +205,7 @@ class _S3Upload:
 
     def _completed_as(self, parts: list[dict[str, Any]], size: int) -> bool:
         try:
-            info = self.storage.call("stat", self.rel, lambda: self.storage.fs.call_s3(
+            info = self.backend.call("stat", self.url, lambda: self.backend.fs.call_s3(
                 "head_object", Bucket=self.bucket, Key=self.key))
         except StorageError:
             return False
@@ -196,7 +223,7 @@ class _S3Upload:
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
             try:
-                self.storage.call("abort upload", self.rel, lambda: self.storage.fs.call_s3(
+                self.backend.call("abort upload", self.url, lambda: self.backend.fs.call_s3(
                     "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id))
             except NotFoundError:
                 pass
@@ -205,11 +232,11 @@ class _S3Upload:
             self._abort_orphans()
 
     def _abort_orphans(self) -> None:
-        bucket_root = copy.copy(self.storage)  # same filesystem and options, rooted at the bucket
-        bucket_root.root, bucket_root.url = self.bucket, f"s3://{self.bucket}"
-        for u in list_open_uploads(bucket_root, self.key, exact=True):
+        path, url = f"{self.bucket}/{self.key}", f"s3://{self.bucket}/{self.key}"
+        for u in self.backend.open_uploads(self.bucket, path, url, exact=True):
             if u.initiated >= self.started - 60:
-                abort_upload(bucket_root, u)
+                self.backend.abort_upload(f"{self.bucket}/{u.key}", f"s3://{self.bucket}/{u.key}",
+                                          u.upload_id)
 
     def _shutdown(self) -> None:
         if self.pool is not None:
@@ -225,36 +252,3 @@ class OpenUpload:
     key: str          # object path relative to the storage root
     upload_id: str
     initiated: float  # POSIX seconds
-
-
-def list_open_uploads(storage: Storage, rel: str = "", exact: bool = False) -> list[OpenUpload]:
-    """Multipart uploads started below ``rel`` (``exact``: of the object ``rel``) and never
-    completed or aborted (object stores only)."""
-    if not storage.is_s3:
-        return []
-    bucket, key = storage.bucket_key(rel)
-    prefix = key if exact else (key.rstrip("/") + "/" if key else "")
-    root_key = storage.fs.split_path(storage.root)[1].rstrip("/")
-    out: list[OpenUpload] = []
-    kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-    for _ in range(10_000):  # pages; bounded
-        resp = storage.call("list uploads", rel, lambda: storage.fs.call_s3("list_multipart_uploads", **kwargs))
-        for u in resp.get("Uploads", []):
-            k = u["Key"]
-            if exact and k != key:
-                continue
-            relk = k[len(root_key) + 1:] if root_key and k.startswith(root_key + "/") else k
-            out.append(OpenUpload(relk, u["UploadId"], u["Initiated"].timestamp()))
-        if not resp.get("IsTruncated"):
-            break
-        kwargs.update(KeyMarker=resp.get("NextKeyMarker"), UploadIdMarker=resp.get("NextUploadIdMarker"))
-    return out
-
-
-def abort_upload(storage: Storage, upload: OpenUpload) -> None:
-    bucket, key = storage.bucket_key(upload.key)
-    try:
-        storage.call("abort upload", upload.key, lambda: storage.fs.call_s3(
-            "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id))
-    except NotFoundError:
-        pass  # already gone

@@ -1,8 +1,9 @@
 """Streaming writes that checksum as bytes go by and never commit a partial object.
 
-A :class:`StreamWriter` computes the per-chunk CRC32C (and from them the whole-file one) and hands the bytes to a
-sink for the storage's kind: a local file (fsync on close), an S3 multipart upload
-(:class:`~shardckpt.storage.s3._S3Upload`), or any other fsspec file.
+A :class:`StreamWriter` computes the per-chunk CRC32C (and from them the whole-file one) and hands
+the bytes to a sink its backend chose: a local file (fsync on close), an S3 multipart upload
+(:class:`~shardckpt.storage.s3._S3Upload`), or any other fsspec file. A sink is built from its
+backend, the object's full path and its URL (for messages).
 """
 
 from __future__ import annotations
@@ -11,15 +12,12 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 import crc32c as _crc32c
 
 from shardckpt.errors import StorageError
 from shardckpt.storage.retry import _describe, _map_error, mapped_errors
-
-if TYPE_CHECKING:
-    from shardckpt.storage.core import Storage
 
 log = logging.getLogger(__name__)
 
@@ -126,32 +124,37 @@ def _crc_pool() -> ThreadPoolExecutor:
     return pool
 
 
+class Sink(Protocol):
+    """Where a :class:`StreamWriter`'s bytes go: ``write`` them in order, then ``close`` (make the
+    object whole and durable) or ``abort`` (nothing becomes visible)."""
+
+    def write(self, view: memoryview) -> None: ...
+
+    def close(self, size: int) -> None: ...
+
+    def abort(self) -> None: ...
+
+
 class StreamWriter:
     """Sequential writer that computes the whole-file and per-chunk CRC32C as bytes go by.
 
     Use as a context manager: on an exception the write is aborted (local file removed, multipart
     upload aborted) instead of committed; :meth:`close` returns the size and checksums. A writer
     that is neither closed nor aborted never commits anything either: on S3 its upload stays open
-    until aborted here or by ``shardckpt clean``.
+    until aborted here or by ``shardckpt clean``. ``open_sink`` opens where the bytes go (the
+    backend's sink), once the arguments are checked.
     """
 
-    def __init__(self, storage: Storage, rel: str, chunk_size: int) -> None:
+    def __init__(self, open_sink: Callable[[], Sink], url: str, chunk_size: int) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
-        self.storage, self.rel, self.chunk_size = storage, rel, chunk_size
+        self.url, self.chunk_size = url, chunk_size
         self.size = 0
         self.chunks: list[int] = []
         self._chunk_crc = 0
         self._chunk_fill = 0
         self._closed = False
-        if storage.is_local:
-            self._sink: Any = _LocalSink(storage, rel)
-        elif storage.is_s3:
-            from shardckpt.storage.s3 import _S3Upload
-
-            self._sink = _S3Upload(storage, rel)
-        else:
-            self._sink = _FsspecSink(storage, rel)
+        self._sink = open_sink()
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -159,7 +162,7 @@ class StreamWriter:
         if not n:
             return
         if self._closed:
-            raise StorageError(f"{self.storage.url_of(self.rel)}: write after close or abort")
+            raise StorageError(f"{self.url}: write after close or abort")
         if n >= _PARALLEL_CRC_BYTES:  # checksum on another thread while the sink copies the bytes
             pending = _crc_pool().submit(self._checksum, view)
             try:
@@ -210,7 +213,7 @@ class StreamWriter:
             self._sink.abort()
         except Exception as e:  # noqa: BLE001 - cleanup is best effort; the original error propagates
             log.warning("could not clean up partial %s (%s); `shardckpt clean` on its prefix removes it",
-                        self.storage.url_of(self.rel), _describe(e))
+                        self.url, _describe(e))
 
     def __enter__(self) -> "StreamWriter":
         return self
@@ -249,18 +252,18 @@ class _LocalSink:
     ``fsync`` on close is what makes the file durable either way.
     """
 
-    def __init__(self, storage: Storage, rel: str) -> None:
-        self.storage, self.rel, self.path = storage, rel, storage.full(rel)
+    def __init__(self, backend: Any, path: str, url: str) -> None:
+        self.path, self.url = path, url
         self._written = 0
         self._kicked = 0
 
         def open_local() -> Any:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             return open(self.path, "wb")  # noqa: SIM115
-        self.f = storage.call("open", rel, open_local)
+        self.f = backend.call("open", url, open_local)
 
     def write(self, view: memoryview) -> None:
-        with mapped_errors("write", self.storage.url_of(self.rel)):
+        with mapped_errors("write", self.url):
             self.f.write(view)
             self._written += len(view)
             if _SYNC_FILE_RANGE is not None and self._written - self._kicked >= WRITEBACK_BYTES:
@@ -271,7 +274,7 @@ class _LocalSink:
                 self._kicked = self._written
 
     def close(self, size: int) -> None:
-        with mapped_errors("close", self.storage.url_of(self.rel)):
+        with mapped_errors("close", self.url):
             self.f.flush()
             os.fsync(self.f.fileno())
             self.f.close()
@@ -289,21 +292,21 @@ class _FsspecSink:
     closed *before* anything else can fail, so neither path can commit a partial object.
     """
 
-    def __init__(self, storage: Storage, rel: str) -> None:
-        self.storage, self.rel = storage, rel
-        self.f = storage.call("open", rel, lambda: storage.fs.open(storage.full(rel), "wb"))
+    def __init__(self, backend: Any, path: str, url: str) -> None:
+        self.backend, self.path, self.url = backend, path, url
+        self.f = backend.call("open", url, lambda: backend.fs.open(path, "wb"))
 
     def write(self, view: memoryview) -> None:
         try:
             self.f.write(view)
         except Exception as e:  # noqa: BLE001
-            raise _map_error(e, "write", self.storage.url_of(self.rel)) from e
+            raise _map_error(e, "write", self.url) from e
 
     def close(self, size: int) -> None:
         try:
             self.f.close()
         except Exception as e:  # noqa: BLE001
-            raise _map_error(e, "close", self.storage.url_of(self.rel)) from e
+            raise _map_error(e, "close", self.url) from e
 
     def abort(self) -> None:
         f = self.f
@@ -318,4 +321,4 @@ class _FsspecSink:
                 pass  # io.BytesIO (memory://): read-only, and nothing to complete
         if discard is None:  # a plain file object: nothing to discard, remove what landed
             f.close()
-        self.storage.rm(self.rel)
+        self.backend.rm(self.path, self.url)

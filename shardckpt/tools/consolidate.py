@@ -43,220 +43,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 from shardckpt.checkpoint.chunked_read import ChunkedPieces
-from shardckpt.errors import ConfigError, ManifestError, ShardckptError
-from shardckpt.interop.hf_files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy, hf_config
-from shardckpt.format.dtypes import DTYPES, itemsize
-from shardckpt.format.layout import prod
-from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, Manifest, TensorSlot
-# Casts and piece reads live in shardckpt.checkpoint.pieces (shared with diff); re-exported for old imports.
-from shardckpt.checkpoint.pieces import (  # noqa: F401
-    DEFAULT_BUFFER, Piece, PieceReader, Source, byte_ranges, cast_bytes, decode, f32_to_bf16_bits,
+from shardckpt.checkpoint.pieces import PieceReader, cast_bytes
+from shardckpt.checkpoint.reader import CheckpointReader, as_storage
+from shardckpt.errors import ConfigError, ShardckptError
+from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
+from shardckpt.interop.hf_files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy
+from shardckpt.storage import DEFAULT_BUFFER, Storage
+from shardckpt.tools.consolidate_plan import (
+    DEFAULT_MAX_SHARD_SIZE, ConsolidationPlan, OutFile, plan_consolidation,
 )
-from shardckpt.format.safetensors_header import build_header
-from shardckpt.storage import Storage
+
+__all__ = [
+    "MODEL_INDEX", "OPTIMIZER_INDEX", "PROVENANCE", "ConsolidateResult", "Target", "commit_target",
+    "consolidate", "piece_reader", "prepare_target", "result_of", "write_consolidation",
+]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 PROVENANCE = "shardckpt_consolidated.json"
-DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16",
-                 "float16": "float16", "fp32": "float32", "float": "float32", "float32": "float32"}
-FLOATS = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 _OUTPUT_NAME = re.compile(r"^(model|optimizer)(-\d{5}-of-\d{5})?(-[0-9a-f]{8})?\.safetensors"
                           r"(\.index\.json|\.partial-[0-9a-f]+)?$|^shardckpt_consolidated\.json$")
-
-
-# ----------------------------------------------------------------------------- dtype choice (pure)
-
-
-def output_dtype(stored: str, requested: str) -> str:
-    return requested if stored in FLOATS else stored
-
-
-def canonical_dtype(name: str) -> str:
-    try:
-        return DTYPE_ALIASES[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}; use bf16, fp16 or fp32") from None
-
-
-# ------------------------------------------------------------------------------------ plan (pure)
-
-
-@dataclass(frozen=True, slots=True)
-class OutTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    source: Source
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-
-@dataclass(frozen=True)
-class OutFile:
-    """One output file: its header (already built) and tensors in data order."""
-
-    name: str
-    header: bytes
-    tensors: tuple[OutTensor, ...]
-    data_bytes: int
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + self.data_bytes
-
-
-@dataclass(frozen=True)
-class ConsolidationPlan:
-    source: str
-    save_id: str
-    step: int | None
-    component: str
-    dtype: str
-    files: tuple[OutFile, ...]
-    optimizer_files: tuple[OutFile, ...] = ()
-    optimizer_meta: Mapping[str, Any] = field(default_factory=dict)
-    omitted_aliases: Mapping[str, str] = field(default_factory=dict)
-    hf_config: Mapping[str, Any] | None = None    # config.json to write, if the manifest has one
-
-    @property
-    def output_bytes(self) -> int:
-        """Bytes of the weight files to write (what must fit in DST beside the old ones)."""
-        return sum(f.size for f in self.files + self.optimizer_files)
-
-    @property
-    def source_bytes(self) -> int:
-        """Bytes of tensors read from the source (what progress counts)."""
-        return sum(t.numel * itemsize(t.source.dtype)
-                   for f in self.files + self.optimizer_files for t in f.tensors)
-
-
-_META = {"format": "pt"}  # transformers refuses safetensors files without format "pt"
-
-
-def _entry_chars(name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int) -> int:
-    doc = {name: {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [begin, end]}}
-    return len(json.dumps(doc, separators=(",", ":"))) - 2
-
-
-def pack_files(tensors: Sequence[OutTensor], max_shard_size: int, prefix: str) -> tuple[OutFile, ...]:
-    """Greedy in order: a tensor starts a new file when it would push the current one (header
-    included, exactly) past ``max_shard_size``; a tensor too large for any file gets its own."""
-    groups: list[list[OutTensor]] = []
-    cur: list[OutTensor] = []
-    meta = len(json.dumps({"__metadata__": _META}, separators=(",", ":")))  # with the braces
-    data = chars = 0
-    for t in tensors:
-        nbytes = t.numel * itemsize(t.dtype)
-        c = _entry_chars(t.name, t.dtype, t.shape, data, data + nbytes)
-        hdr = meta + chars + c + len(cur) + 1  # the JSON: entries joined by commas
-        if cur and 8 + hdr + (-hdr % 8) + data + nbytes > max_shard_size:
-            groups.append(cur)
-            cur, data, chars = [], 0, 0
-            c = _entry_chars(t.name, t.dtype, t.shape, 0, nbytes)
-        cur.append(t)
-        data += nbytes
-        chars += c
-    if cur or not groups:
-        groups.append(cur)
-    out = []
-    for i, ts in enumerate(groups):
-        slots, pos = [], 0
-        for t in ts:
-            n = t.numel * itemsize(t.dtype)
-            slots.append(TensorSlot(t.name, t.dtype, t.shape, pos, pos + n))
-            pos += n
-        name = f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        out.append(OutFile(name, build_header(slots, _META), tuple(ts), pos))
-    return tuple(out)
-
-
-def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                       component: str = "model", optimizer: bool = False, source: str = "",
-                       prefix: str = "model.") -> ConsolidationPlan:
-    """Which tensors go to which output file, in which dtype, read from where. Pure.
-
-    A checkpoint of chunked tensors (no components) gives the tensors whose FQN starts with
-    ``prefix``, named without it (``get_state_dict`` puts the model's under ``model.``)."""
-    out = canonical_dtype(dtype)
-    if max_shard_size < 1:
-        raise ConfigError(f"max shard size {max_shard_size}: must be positive")
-    if m.chunked is not None and not m.components:
-        return _plan_chunked(m, out, max_shard_size, prefix, optimizer, source)
-    comp = m.components.get(component)
-    if comp is None:
-        raise ConfigError(f"{source or 'the checkpoint'} has no component {component!r}; it has "
-                          f"{', '.join(sorted(m.components)) or 'none'}")
-    tensors: list[OutTensor] = []
-    opt: list[OutTensor] = []
-    for g in comp.layout.groups:
-        states = dict(comp.states[g.name])
-        if "master" not in states:
-            raise ManifestError(f"{source}: group {g.name!r} has no master state to consolidate")
-        params = comp.layout.group_params(g)
-        tensors += [OutTensor(p.fqn, p.shape, output_dtype(states["master"], out),
-                              Source(states["master"], g.name, "master", p.offset, p.fqn)) for p in params]
-        for kind, kdt in comp.states[g.name]:
-            if kind != "master":
-                opt += [OutTensor(f"{p.fqn}.{kind}", p.shape, output_dtype(kdt, "float32"),
-                                  Source(kdt, g.name, kind, p.offset, p.fqn)) for p in params]
-    names = {t.name for t in tensors}
-    clash = [b.fqn for b in comp.buffers if b.fqn in names]
-    if clash:
-        raise ManifestError(f"{source}: buffers named like parameters: {', '.join(clash)}")
-    tensors += [OutTensor(b.fqn, b.shape, output_dtype(b.dtype, out), Source(b.dtype, None, "buffer", 0, b.fqn))
-                for b in comp.buffers]
-    opt_files: tuple[OutFile, ...] = ()
-    meta: dict[str, Any] = {}
-    if optimizer:
-        if not opt:
-            raise ConfigError(f"{source or 'the checkpoint'}: component {component!r} holds no "
-                              "optimizer state; drop --optimizer")
-        opt_files = pack_files(opt, max_shard_size, "optimizer")
-        if m.optimizer is not None:
-            own = {p.fqn for p in comp.layout.params}
-            meta = {"optimizer": m.optimizer.name, "param_groups": [
-                {**pg, "params": [p for p in pg["params"] if p in own]} for pg in m.optimizer.param_groups]}
-    step = m.extras.get("step")
-    if not isinstance(step, int) and m.optimizer is not None:
-        step = max((pg.get("step", 0) for pg in m.optimizer.param_groups), default=None)
-    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, component, out,
-                             pack_files(tensors, max_shard_size, "model"), opt_files, meta,
-                             dict(comp.aliases), hf_config(m, out, source))
-
-
-def _plan_chunked(m: Manifest, out: str, max_shard_size: int, prefix: str, optimizer: bool,
-                  source: str) -> ConsolidationPlan:
-    assert m.chunked is not None
-    if optimizer:
-        raise ConfigError(f"{source or 'the checkpoint'} holds chunked tensors; --optimizer is "
-                          "only for checkpoints of flat groups")
-    tensors = [OutTensor(fqn[len(prefix):], t.shape, output_dtype(t.dtype, out),
-                         Source(t.dtype, None, "chunked", 0, fqn))
-               for fqn, t in m.chunked.tensors.items() if fqn.startswith(prefix) and fqn != prefix]
-    if not tensors:
-        some = ", ".join(list(m.chunked.tensors)[:3])
-        raise ConfigError(f"{source or 'the checkpoint'}: no tensor name starts with {prefix!r} "
-                          f"(it holds {some or 'none'}{', ...' if len(m.chunked.tensors) > 3 else ''}); "
-                          "choose another --prefix")
-    step = m.extras.get("step")
-    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, prefix, out,
-                             pack_files(tensors, max_shard_size, "model"),
-                             hf_config=hf_config(m, out, source))
 
 
 # --------------------------------------------------------------------------------- write (effectful)
@@ -318,18 +133,19 @@ def _fresh_names(files: Sequence[OutFile], existing: Sequence[str], token: str) 
 
 def _install(storage: Storage, files: Sequence[OutFile], engine: PieceReader, token: str,
              progress: Callable[[int], None] | None) -> int:
-    """Write ``files``; local ones as ``<name>.partial-<token>``, renamed once all are complete
-    (object store uploads become visible only when complete). On failure, remove what was written."""
-    staged = [f"{f.name}.partial-{token}" if storage.is_local else f.name for f in files]
+    """Write ``files`` under their staging names (local: ``<name>.partial-<token>``; object
+    stores: their own, an upload becoming visible only when complete), then give each its name
+    once all are complete. On failure, remove what was written."""
+    staged = [storage.staging_name(f.name, token) for f in files]
     done: list[str] = []
     written = 0
     try:
         for f, rel in zip(files, staged):
             done.append(rel)
             written += _write_file(storage, rel, f, engine, progress)
-        if storage.is_local:
-            for f, rel in zip(files, staged):
-                storage.call("rename", rel, lambda a=rel, b=f.name: os.replace(storage.full(a), storage.full(b)))
+        for f, rel in zip(files, staged):
+            if rel != f.name:
+                storage.install(rel, f.name)
                 done[done.index(rel)] = f.name
     except BaseException:
         _remove_quietly(storage, done)

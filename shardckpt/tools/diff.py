@@ -34,7 +34,8 @@ from shardckpt.format.chunked import iter_pairs
 from shardckpt.checkpoint.chunked_read import read_blob, read_box
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import Component, Manifest
-from shardckpt.checkpoint.pieces import DEFAULT_BUFFER, PieceReader, Source, decode
+from shardckpt.checkpoint.pieces import PieceReader, Source, decode
+from shardckpt.storage import DEFAULT_BUFFER
 
 ONLY_A, ONLY_B, MISMATCH, DIFFERENT = "only_a", "only_b", "mismatch", "different"
 

@@ -1,6 +1,6 @@
 """Offline resharding: turn a checkpoint of N ranks into one of M ranks (or another HSDP mesh).
 
-Streams through the pure :func:`~shardckpt.format.layout.plan_reshard` plan: each target shard file is
+Streams through the pure :func:`~shardckpt.format.reshard_plan.plan_reshard` plan: each target shard file is
 written front to back, its bytes read from the source shards with checked ranged reads in pieces of
 at most ``buffer_bytes``; memory is bounded by that buffer (plus a few cached boundary chunks), not
 by the checkpoint. Target shards can be split over K worker processes. The target's manifest is
@@ -14,28 +14,26 @@ import json
 import logging
 import multiprocessing as mp
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
-
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
-from shardckpt.storage.cached_reads import CachedRangeReader
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, ShardckptError, StorageError
 from shardckpt.format.dtypes import itemsize
-from shardckpt.format.layout import Copy, Mesh, ReshardPlan, plan_reshard
+from shardckpt.format.layout import Mesh
+from shardckpt.format.reshard_plan import Copy, ReshardPlan, plan_reshard
 from shardckpt.tools.clean import remove_stale_saves
 from shardckpt.tools.split import balance, shard_bytes
 from shardckpt.format.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, Component, FileEntry, Manifest, TensorSlot, parse,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, Component, FileEntry, Manifest, TensorSlot,
 )
-from shardckpt.storage import Storage
+from shardckpt.format.manifest_parse import parse
+from shardckpt.storage import DEFAULT_BATCH, RangeReader, Storage, read_ahead
 from shardckpt.storage.places import contains
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUFFER = 32 << 20
 #: Smallest read batch: below it, batches re-read (and re-check) each source chunk many times.
 MIN_BUFFER = 64 << 10
 
@@ -64,111 +62,107 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
     return spec, plans
 
 
-def _shard_producers(reader: CheckpointReader, ranged: CachedRangeReader, plans: Mapping[str, ReshardPlan],
-                     shards: Sequence[int], slots: Sequence[TensorSlot], buffer_bytes: int,
-                     prefetch: ThreadPoolExecutor, on_bytes: Callable[[int], None] | None,
-                     read_workers: int = 4,
-                     ) -> Callable[[int], Callable[[TensorSlot], Iterator[Any]]]:
-    """``for_shard(t)`` is the slot producer of shard ``t``; write the shards in ``shards`` order.
-
-    The pieces of every slot of each shard are planned up front and cut into batches of at most
+def _plan_batches(reader: CheckpointReader, plans: Mapping[str, ReshardPlan], shard: int,
+                  slots: Sequence[TensorSlot], buffer_bytes: int) -> list[list[tuple[int, Any]]]:
+    """The pieces of every slot of target ``shard``, in file order, cut into batches of at most
     ``buffer_bytes`` that run across slot boundaries (small slots share a batch, so adjacent
-    ranges of one source file coalesce into one read). The next batch is read on the ``prefetch``
-    thread while the current one is written, so at most two batches are held at once; within a
-    batch, source files are read concurrently (``read_workers``). The read-ahead runs across
-    shards: the first batch of the next shard is read while the last one of this shard is written.
+    ranges of one source file coalesce into one read). Each batch holds (slot index, piece)
+    pairs; a piece is an int (that many zero bytes) or a source range to read."""
+    by_group: dict[str, list[Copy]] = {}
+    for plan in plans.values():
+        for c in plan.for_dst_shard(shard):
+            by_group.setdefault(c.dst_group, []).append(c)
+    batches: list[list[tuple[int, Any]]] = [[]]
+    batch_bytes = 0
+    for si, slot in enumerate(slots):
+        group, kind = slot.name.rsplit(".", 1)
+        n = itemsize(slot.dtype)
+        max_elems = max(1, buffer_bytes // n)
+        pos = 0
 
-    A local source is not copied: each range is a view of the mapped source file, its chunks
-    CRC-checked once (:meth:`~shardckpt.storage.cached_reads.CachedRangeReader.map_many`), written straight
-    from the page cache; a batch's mappings go when the batch has been written.
+        def add(piece: Any, nbytes: int) -> None:
+            nonlocal batch_bytes
+            if batch_bytes + nbytes > buffer_bytes and batches[-1]:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append((si, piece))
+            batch_bytes += nbytes
+
+        for c in by_group.get(group, ()):
+            if c.dst_offset > pos:
+                add((c.dst_offset - pos) * n, 0)
+            for x in range(0, c.numel, max_elems):
+                take = min(c.numel - x, max_elems)
+                add(reader.state_range(c.src_shard, c.src_group, kind,
+                                       c.src_offset + x, c.src_offset + x + take), take * n)
+            pos = c.dst_offset + c.numel
+        if pos < slot.shape[0]:
+            add((slot.shape[0] - pos) * n, 0)
+    return batches
+
+
+class _ShardStream:
+    """The bytes of target shards ``shards``, slot by slot: :meth:`for_shard` gives the slot
+    producer of a shard; the shards are written in ``shards`` order.
+
+    The batches of every shard (:func:`_plan_batches`) are read through one
+    :func:`~shardckpt.storage.read_ahead` loop: the next batch is read while the current one is
+    written, so at most two batches are held at once; within a batch, source files are read
+    concurrently (``read_workers``). The read-ahead runs across shards: the first batch of the
+    next shard is read while the last one of this shard is written. Where the storage maps files
+    (local), a range is not copied: it is a view of the mapped source file, its chunks
+    CRC-checked once, written straight from the page cache; a batch's mappings go when the batch
+    has been written.
     """
-    def plan_shard(shard: int) -> list[list[tuple[int, Any]]]:
-        by_group: dict[str, list[Copy]] = {}
-        for plan in plans.values():
-            for c in plan.for_dst_shard(shard):
-                by_group.setdefault(c.dst_group, []).append(c)
 
-        # Each batch: (slot index, piece) pairs; a piece is an int (that many zero bytes) or a read.
-        batches: list[list[tuple[int, Any]]] = [[]]
-        batch_bytes = 0
-        for si, slot in enumerate(slots):
-            group, kind = slot.name.rsplit(".", 1)
-            n = itemsize(slot.dtype)
-            max_elems = max(1, buffer_bytes // n)
-            pos = 0
+    def __init__(self, reader: CheckpointReader, ranges: RangeReader, plans: Mapping[str, ReshardPlan],
+                 shards: Sequence[int], slots: Sequence[TensorSlot], buffer_bytes: int,
+                 on_bytes: Callable[[int], None] | None, read_workers: int = 4) -> None:
+        self.ranges, self.on_bytes, self.read_workers = ranges, on_bytes, read_workers
+        self.batches = [(t, b) for t in shards
+                        for b in _plan_batches(reader, plans, t, slots, buffer_bytes) if b]
+        self.zeros = bytes(max((p for _, b in self.batches for _, p in b if isinstance(p, int)),
+                               default=0))
+        self.index = {s.name: i for i, s in enumerate(slots)}
+        self.stream = read_ahead(self.batches, self._fetch)
+        self.taken = 0  # batches taken from the stream
+        self.current: list[tuple[int, Any]] = []
+        self.pos = 0
 
-            def add(piece: Any, nbytes: int) -> None:
-                nonlocal batch_bytes
-                if batch_bytes + nbytes > buffer_bytes and batches[-1]:
-                    batches.append([])
-                    batch_bytes = 0
-                batches[-1].append((si, piece))
-                batch_bytes += nbytes
-
-            for c in by_group.get(group, ()):
-                if c.dst_offset > pos:
-                    add((c.dst_offset - pos) * n, 0)
-                for x in range(0, c.numel, max_elems):
-                    take = min(c.numel - x, max_elems)
-                    add(reader.state_range(c.src_shard, c.src_group, kind,
-                                           c.src_offset + x, c.src_offset + x + take), take * n)
-                pos = c.dst_offset + c.numel
-            if pos < slot.shape[0]:
-                add((slot.shape[0] - pos) * n, 0)
-        return batches
-
-    # Every batch of every shard, in the order they are written: (shard, batch).
-    batches = [(t, b) for t in shards for b in plan_shard(t) if b]
-
-    zeros = bytes(max((p for _, b in batches for _, p in b if isinstance(p, int)), default=0))
-
-    def fetch(batch: list[tuple[int, Any]], k: int) -> list[tuple[int, Any]]:
-        reads = [p for _, p in batch if not isinstance(p, int)]
-        if ranged.storage.can_map:
-            data = iter(ranged.map_many(reads))
-        else:
-            data = iter(ranged.read_many(reads, workers=read_workers))
-        zview = memoryview(zeros)
+    def _fetch(self, item: tuple[int, list[tuple[int, Any]]]) -> list[tuple[int, Any]]:
+        _, batch = item
+        data = iter(self.ranges.fetch([p for _, p in batch if not isinstance(p, int)], self.read_workers))
+        zview = memoryview(self.zeros)
         return [(si, zview[:p] if isinstance(p, int) else next(data)) for si, p in batch]
 
-    index = {s.name: i for i, s in enumerate(slots)}
-    state: dict[str, Any] = {"next": 0, "pending": None, "pending_shard": None, "current": [], "pos": 0}
-
-    def submit() -> None:
-        k = state["next"]
-        if state["pending"] is None and k < len(batches):
-            state["pending"] = prefetch.submit(fetch, batches[k][1], k)
-            state["pending_shard"] = batches[k][0]
-            state["next"] = k + 1
-
-    def advance(shard: int) -> bool:
-        """Make the shard's next batch current (starting the read of the one after, maybe of the
-        next shard); False at the end of the shard's batches."""
-        submit()
-        if state["pending"] is None or state["pending_shard"] != shard:
+    def _advance(self, shard: int) -> bool:
+        """Make the shard's next batch current (the read of the one after, maybe of the next
+        shard, starts); False at the end of the shard's batches."""
+        if self.taken == len(self.batches) or self.batches[self.taken][0] != shard:
             return False
-        state["current"], state["pos"] = state["pending"].result(), 0
-        state["pending"] = None
-        submit()
+        self.current, self.pos = [], 0  # written: let it go before the next is waited for
+        _, self.current = next(self.stream)
+        self.taken += 1
         return True
 
-    def for_shard(shard: int) -> Callable[[TensorSlot], Iterator[Any]]:
+    def for_shard(self, shard: int) -> Callable[[TensorSlot], Iterator[Any]]:
         def produce(slot: TensorSlot) -> Iterator[Any]:
-            si = index[slot.name]
+            si = self.index[slot.name]
             while True:
-                if state["pos"] == len(state["current"]) and not advance(shard):
+                if self.pos == len(self.current) and not self._advance(shard):
                     return
-                owner, piece = state["current"][state["pos"]]
+                owner, piece = self.current[self.pos]
                 if owner != si:  # the next slot's bytes: leave them for its call
                     return
-                state["pos"] += 1
-                if on_bytes:
-                    on_bytes(len(piece))
+                self.pos += 1
+                if self.on_bytes:
+                    self.on_bytes(len(piece))
                 yield piece
 
         return produce
 
-    return for_shard
+    def close(self) -> None:
+        self.stream.close()  # type: ignore[attr-defined]
 
 
 def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: str,
@@ -178,25 +172,13 @@ def _write_shards(src_url: str, src_options: Mapping[str, Any] | None, dst_url: 
     reader = CheckpointReader(src_url, src_options)
     spec, plans = target_spec(reader.manifest, mesh)
     writer = CheckpointWriter(as_storage(dst_url, dst_options), spec, save_id)
-    ranged = CachedRangeReader(reader.storage, reader.manifest.chunk_size)
-    entries = []
-    with ThreadPoolExecutor(1) as prefetch:
-        for_shard = _shard_producers(reader, ranged, plans, shards, writer.slots, buffer_bytes,
-                                     prefetch, on_bytes)
-        for t in shards:
-            entries.append(writer.write_shard(t, for_shard(t)))
-    return entries, ranged.bytes_read
-
-
-def entry_json(e: FileEntry) -> dict[str, Any]:
-    """A written file's entry as JSON, to send to the process that commits."""
-    return {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
-            "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index}
-
-
-def entry_from_json(e: Mapping[str, Any]) -> FileEntry:
-    return FileEntry(e["path"], e["role"], e["size"], e["header_size"], e["crc32c"],
-                     tuple(e["chunks"]), e["index"])
+    ranges = RangeReader(reader.storage, reader.manifest.chunk_size)
+    stream = _ShardStream(reader, ranges, plans, shards, writer.slots, buffer_bytes, on_bytes)
+    try:
+        entries = [writer.write_shard(t, stream.for_shard(t)) for t in shards]
+    finally:
+        stream.close()
+    return entries, ranges.bytes_read
 
 
 def _worker(args: dict[str, Any], conn: Any) -> None:
@@ -205,7 +187,7 @@ def _worker(args: dict[str, Any], conn: Any) -> None:
         entries, nread = _write_shards(args["src"], args["src_options"], args["dst"], args["dst_options"],
                                        Mesh(tuple((a, s) for a, s in args["mesh"])), args["save_id"],
                                        args["shards"], args["buffer_bytes"])
-        conn.send(json.dumps({"ok": True, "read": nread, "entries": [entry_json(e) for e in entries]}))
+        conn.send(json.dumps({"ok": True, "read": nread, "entries": [e.to_doc() for e in entries]}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
     finally:
@@ -262,7 +244,7 @@ def reshard(src: str, dst: str, to: int, from_: int | None = None, replicate: in
             workers: int = 1, overwrite: bool = False,
             storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,
-            buffer_bytes: int = DEFAULT_BUFFER,
+            buffer_bytes: int = DEFAULT_BATCH,
             progress: Callable[[int], None] | None = None) -> ReshardResult:
     """Reshard ``src`` to a world of ``to`` ranks (mesh ``replicate`` x ``to/replicate``) at ``dst``.
 
@@ -406,7 +388,7 @@ def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
             errors.append(f"worker {w}: {msg['error']}")
             continue
         nread += msg["read"]
-        entries += [entry_from_json(e) for e in msg["entries"]]
+        entries += [FileEntry.from_doc(e) for e in msg["entries"]]
     if errors:
         for p, _ in procs:
             if p.is_alive():

@@ -1,0 +1,197 @@
+"""What differs between the places a :class:`~shardckpt.storage.core.Storage` can point to.
+
+A backend is chosen once per location, when a :class:`~shardckpt.storage.core.Storage` is built
+(:func:`~shardckpt.storage.core.open_backend`): a local disk
+(:class:`~shardckpt.storage.local.LocalBackend`), S3 (:class:`~shardckpt.storage.s3.S3Backend`),
+or any other fsspec filesystem (:class:`Backend`, this module). It owns the filesystem, the retry
+policy and the transfer sizes, and does every operation on full paths; ``url`` arguments name the
+object in messages. Above the storage layer nothing asks which backend it has: the storage offers
+the verbs (stage and install a write, map a range or read it) and the backend answers them.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+from shardckpt.errors import CommitConflictError, StorageError
+from shardckpt.storage.options import Tuning
+from shardckpt.storage.reads import read_ahead
+from shardckpt.storage.retry import (
+    NotFoundError, RetryPolicy, _describe, _is_retryable, _map_error, retry_call,
+)
+from shardckpt.storage.writer import Sink, _FsspecSink
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def conflict_error(url: str) -> CommitConflictError:
+    """What a create-only write raises when the object exists."""
+    return CommitConflictError(f"{url} already exists: another save committed here first; "
+                               "nothing was overwritten", url)
+
+
+class Backend:
+    """Any fsspec filesystem (``memory://``, ``gs://``, ...): fsspec's own calls, each retried.
+
+    Subclasses override what their kind does better or must do differently.
+    """
+
+    #: Ranges of files here can be memory-mapped (:meth:`map_range`).
+    can_map = False
+
+    def __init__(self, fs: Any, retry: RetryPolicy, tuning: Tuning) -> None:
+        self.fs, self.retry, self.tuning = fs, retry, tuning
+        protocol = fs.protocol
+        self.protocol: str = protocol if isinstance(protocol, str) else protocol[0]
+
+    def call(self, what: str, url: str, fn: Callable[[], T], deadline: float | None = None) -> T:
+        """Run ``fn`` with retries on transient errors until the deadline; map errors (see
+        :func:`~shardckpt.storage.retry.retry_call`)."""
+        return retry_call(self.retry, what, url, fn, deadline)
+
+    # ------------------------------------------------------------------------------ reads
+
+    def exists(self, path: str, url: str) -> bool:
+        return self.call("exists", url, lambda: self.fs.exists(path))
+
+    def isdir(self, path: str, url: str) -> bool:
+        return self.call("isdir", url, lambda: self.fs.isdir(path))
+
+    def size(self, path: str, url: str) -> int:
+        info = self.call("stat", url, lambda: self.fs.info(path))
+        if info.get("type") == "directory":
+            raise StorageError(f"{url}: is a directory, expected a file", url)
+        self._check_kind(info, url)
+        return int(info["size"])
+
+    def _check_kind(self, info: dict[str, Any], url: str) -> None:
+        """Refuse what :meth:`size` must not report as a file (see the local backend)."""
+
+    def ls(self, path: str, url: str) -> list[str]:
+        try:
+            entries = self.call("list", url, lambda: self.fs.ls(path, detail=False))
+        except NotFoundError:
+            return []
+        base = path.rstrip("/")
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != base})
+
+    def list_sizes(self, path: str, url: str) -> dict[str, int]:
+        def listing() -> list[Any]:
+            self.fs.invalidate_cache(path)
+            return self.fs.ls(path, detail=True)
+        try:
+            entries = self.call("list", url, listing)
+        except NotFoundError:
+            return {}
+        base = path.rstrip("/")
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+                if e.get("type") != "directory" and e["name"].rstrip("/") != base}
+
+    def read(self, path: str, url: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Raw bytes ``[start, end)``. On an async object store a range larger than
+        ``tuning.range_piece`` is fetched as concurrent ranged GETs; a failed piece is retried
+        alone, all under one deadline."""
+        piece = self.tuning.range_piece
+        if (start is None or end is None or end - start <= piece
+                or not getattr(self.fs, "async_impl", False)):
+            return self.call("read", url, lambda: self.fs.cat_file(path, start=start, end=end))
+        return self._read_pieces(path, url, start, end, piece)
+
+    def _read_pieces(self, path: str, url: str, start: int, end: int, piece: int) -> bytes:
+        deadline = time.monotonic() + self.retry.deadline_s
+        bounds = [(a, min(end, a + piece)) for a in range(start, end, piece)]
+        out: list[Any] = [None] * len(bounds)
+        step = max(1, self.tuning.concurrency)
+        for i in range(0, len(bounds), step):  # at most `concurrency` GETs in flight
+            group = bounds[i:i + step]
+            try:
+                got = self.fs.cat_ranges([path] * len(group), [a for a, _ in group],
+                                         [b for _, b in group], on_error="return")
+            except Exception as e:  # noqa: BLE001 - a failure of the whole batch: retry piecewise
+                got = [e] * len(group)
+            out[i:i + step] = got
+        for i, ((a, b), data) in enumerate(zip(bounds, out)):
+            if isinstance(data, BaseException):
+                if not _is_retryable(data):
+                    raise _map_error(data, "read", url) from data
+                log.info("read of %s [%d, %d) failed (%s); retrying", url, a, b, _describe(data))
+                out[i] = self.call("read", url, lambda a=a, b=b: self.fs.cat_file(path, start=a, end=b),
+                                   deadline=deadline)
+        return b"".join(out)
+
+    def read_prefix(self, path: str, url: str, n: int) -> bytes:
+        return self.call("read", url, lambda: self.fs.cat_file(path, start=0, end=n))
+
+    def iter_chunks(self, path: str, url: str, chunk_size: int, limit: int | None) -> Iterator[bytes]:
+        """Ranged reads of several chunks at a time (retried), the next read ahead while the
+        caller checks the current one; memory is about two such reads."""
+        total = self.size(path, url)
+        if limit is not None:
+            total = min(total, limit)
+        step = max(chunk_size, self.tuning.range_piece // chunk_size * chunk_size)
+
+        def fetch(a: int) -> bytes:
+            return self.read(path, url, a, min(total, a + step))
+        for a, data in read_ahead(range(0, total, step), fetch, "shardckpt-readahead"):
+            if len(data) != min(total, a + step) - a:
+                raise StorageError(f"{url}: bytes [{a}, {min(total, a + step)}) returned {len(data)} bytes")
+            view = memoryview(data)
+            for lo in range(0, len(view), chunk_size):
+                yield bytes(view[lo:lo + chunk_size])
+
+    def map_range(self, path: str, url: str, a: int, b: int, size: int) -> tuple[Any, int]:
+        """(mapping, its offset in the file) of bytes ``[a, b)`` (only where :attr:`can_map`)."""
+        raise NotImplementedError(f"{url}: {self.protocol} files cannot be mapped")
+
+    # ----------------------------------------------------------------------------- writes
+
+    def sink(self, path: str, url: str) -> Sink:
+        """Where a streaming write goes: an fsspec file that commits on close."""
+        return _FsspecSink(self, path, url)
+
+    def create_only(self, path: str, url: str, data: bytes) -> None:
+        """Best effort here (check, then write); see the local and S3 backends."""
+        if self.exists(path, url):
+            raise conflict_error(url)
+        self.call("write", url, lambda: self.fs.pipe_file(path, data))
+
+    def put(self, path: str, url: str, data: bytes) -> None:
+        self.call("write", url, lambda: self.fs.pipe_file(path, data))
+
+    def rm(self, path: str, url: str, recursive: bool = False) -> None:
+        try:
+            self.call("remove", url, lambda: self.fs.rm(path, recursive=recursive))
+        except NotFoundError:
+            pass
+
+    def staging_name(self, rel: str, token: str) -> str:
+        """The name to write ``rel`` under until :meth:`install`: itself, where a write becomes
+        visible only when complete."""
+        return rel
+
+    def install(self, staged: str, path: str, url: str) -> None:
+        """Give the staged file ``staged`` (a full path) its name ``path``: nothing to do here."""
+
+    def fsync_dir(self, path: str) -> None:
+        """Make a directory's entries durable: object stores have no directories."""
+
+    # --------------------------------------------------------------------------- places
+
+    def location(self, path: str) -> tuple[str, str]:
+        """(protocol, path with ``.``, ``..`` and repeated slashes folded)."""
+        return self.protocol, posixpath.normpath("/" + path.lstrip("/"))
+
+    def ensure_free_space(self, path: str, url: str, nbytes: int, what: str) -> None:
+        """Object stores have no such limit to ask about."""
+
+    def open_uploads(self, root: str, path: str, url: str, exact: bool) -> list[Any]:
+        """Multipart uploads never completed or aborted: none outside object stores."""
+        return []
+
+    def abort_upload(self, path: str, url: str, upload_id: str) -> None:
+        """Abort a multipart upload: none outside object stores."""
+

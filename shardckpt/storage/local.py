@@ -1,0 +1,187 @@
+"""The local disk: regular files only, atomic installs (write, fsync, link or rename), durable
+directories, memory-mapped reads on POSIX, free space checked before a large write."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import uuid
+from typing import Any, Callable, Iterator
+
+from shardckpt.errors import IntegrityError, StorageError
+from shardckpt.storage import places
+from shardckpt.storage.backends import Backend, conflict_error
+from shardckpt.storage.retry import _map_error, mapped_errors
+from shardckpt.storage.writer import Sink, _LocalSink
+
+
+class LocalBackend(Backend):
+    """A local file system (``file://`` or a plain path)."""
+
+    can_map = os.name == "posix"
+
+    def _check_kind(self, info: dict[str, Any], url: str) -> None:
+        if info.get("type") != "file":  # a FIFO or device: reads could block
+            raise _not_regular(url, info.get("mode"))
+
+    def read(self, path: str, url: str, start: int | None = None, end: int | None = None) -> bytes:
+        def local() -> bytes:
+            with open_regular(path, url) as f:
+                if start:
+                    f.seek(start)
+                return f.read(-1 if end is None else end - (start or 0))
+        return self.call("read", url, local)
+
+    def read_prefix(self, path: str, url: str, n: int) -> bytes:
+        def local() -> bytes:
+            with open_regular(path, url) as f:
+                return _read_upto(f, n)
+        return self.call("read", url, local)
+
+    def iter_chunks(self, path: str, url: str, chunk_size: int, limit: int | None) -> Iterator[bytes]:
+        try:
+            f = open_regular(path, url)
+        except OSError as e:
+            raise _map_error(e, "open", url) from e
+        with f:
+            remaining = limit
+            while remaining is None or remaining > 0:
+                n = chunk_size if remaining is None else min(chunk_size, remaining)
+                with mapped_errors("read", url):
+                    data = f.read(n)
+                if not data:
+                    return
+                if remaining is not None:
+                    remaining -= len(data)
+                yield data
+
+    def map_range(self, path: str, url: str, a: int, b: int, size: int) -> tuple[Any, int]:
+        """Bytes ``[a, b)`` mapped read-only: (the mapping, its offset in the file). The file must
+        be ``size`` bytes (else :class:`IntegrityError`: truncated or replaced), so that no access
+        faults past its end."""
+        import mmap
+
+        def open_map() -> "tuple[mmap.mmap, int]":
+            fd = _open_regular_fd(path, url)
+            try:
+                actual = os.fstat(fd).st_size
+                if actual != size:
+                    raise IntegrityError(f"{url}: {actual} bytes, the manifest records {size}; the "
+                                         "file is truncated or replaced")
+                off = a - a % mmap.ALLOCATIONGRANULARITY
+                return mmap.mmap(fd, b - off, prot=mmap.PROT_READ, offset=off), off
+            finally:
+                os.close(fd)
+        return self.call("read", url, open_map)
+
+    def sink(self, path: str, url: str) -> Sink:
+        return _LocalSink(self, path, url)
+
+    def create_only(self, path: str, url: str, data: bytes) -> None:
+        """Write a temporary file, fsync, then ``link`` it into place (fails if the target
+        exists), so the target is never seen half-written."""
+        conflict = conflict_error(url)
+
+        def link(tmp: str, target: str) -> None:
+            try:
+                os.link(tmp, target)
+            except FileExistsError as e:
+                raise conflict from e
+            except OSError as e:
+                raise _map_error(e, "commit", url) from e
+        with mapped_errors("commit", url):
+            _write_local(path, data, link)
+
+    def put(self, path: str, url: str, data: bytes) -> None:
+        with mapped_errors("write", url):
+            _write_local(path, data, os.replace)
+
+    def staging_name(self, rel: str, token: str) -> str:
+        return f"{rel}.partial-{token}"
+
+    def install(self, staged: str, path: str, url: str) -> None:
+        self.call("rename", url, lambda: os.replace(staged, path))
+
+    def fsync_dir(self, path: str) -> None:
+        _fsync_dir(path)
+
+    def location(self, path: str) -> tuple[str, str]:
+        return "file", os.path.realpath(path or "/")
+
+    def ensure_free_space(self, path: str, url: str, nbytes: int, what: str) -> None:
+        places.ensure_free_space(path, url, nbytes, what)
+
+
+def _not_regular(url: str, mode: int | None = None) -> StorageError:
+    kind = ("a named pipe (FIFO)" if mode is not None and stat.S_ISFIFO(mode) else
+            "a device" if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)) else
+            "a socket" if mode is not None and stat.S_ISSOCK(mode) else "a pipe, device or socket")
+    return StorageError(f"{url}: not a regular file but {kind}; shardckpt reads only regular "
+                        "files", url)
+
+
+def _open_regular_fd(path: str, url: str) -> int:
+    """Open ``path`` read-only without blocking (a FIFO would block ``open`` until a writer came),
+    and refuse it unless it is a regular file once symlinks are followed."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            raise _not_regular(url, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_upto(f: Any, n: int) -> bytes:
+    """At most ``n`` bytes of ``f``, allocating for what the file holds rather than for ``n``."""
+    first = min(n, os.fstat(f.fileno()).st_size + 1)
+    data = f.read(first)
+    if len(data) < first or len(data) >= n:
+        return data
+    parts = [data]  # the file grew since fstat: read on in bounded pieces
+    while (left := n - sum(map(len, parts))) > 0:
+        more = f.read(min(left, 1 << 20))
+        if not more:
+            break
+        parts.append(more)
+    return b"".join(parts)
+
+
+def open_regular(path: str, url: str) -> Any:
+    """A binary file object for a local regular file (see :func:`_open_regular_fd`)."""
+    return os.fdopen(_open_regular_fd(path, url), "rb")
+
+
+def _write_local(path: str, data: bytes, install: Callable[[str, str], None]) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, ``install(tmp, path)`` (link
+    or rename), fsync the directory; the temporary file never outlives the call."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        install(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

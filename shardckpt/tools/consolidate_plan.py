@@ -1,0 +1,194 @@
+"""What a consolidation writes: which tensors go to which output file, in which dtype, read from
+where, with each file's header built up front. Pure; :mod:`shardckpt.tools.consolidate` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from shardckpt.checkpoint.pieces import Source
+from shardckpt.errors import ConfigError, ManifestError
+from shardckpt.format.dtypes import DTYPES, FLOATS, itemsize, output_dtype
+from shardckpt.format.layout import prod
+from shardckpt.format.manifest import Manifest, TensorSlot
+from shardckpt.format.safetensors_header import build_header
+from shardckpt.interop.hf_files import hf_config
+
+
+DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
+
+
+def stored_as(stored: str, requested: str) -> str:
+    """The dtype a tensor stored as ``stored`` is written in: floats in ``requested``, the others
+    in their own."""
+    return requested if stored in FLOATS else stored
+
+
+# ------------------------------------------------------------------------------------ plan (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class OutTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: Source
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class OutFile:
+    """One output file: its header (already built) and tensors in data order."""
+
+    name: str
+    header: bytes
+    tensors: tuple[OutTensor, ...]
+    data_bytes: int
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+@dataclass(frozen=True)
+class ConsolidationPlan:
+    source: str
+    save_id: str
+    step: int | None
+    component: str
+    dtype: str
+    files: tuple[OutFile, ...]
+    optimizer_files: tuple[OutFile, ...] = ()
+    optimizer_meta: Mapping[str, Any] = field(default_factory=dict)
+    omitted_aliases: Mapping[str, str] = field(default_factory=dict)
+    hf_config: Mapping[str, Any] | None = None    # config.json to write, if the manifest has one
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the weight files to write (what must fit in DST beside the old ones)."""
+        return sum(f.size for f in self.files + self.optimizer_files)
+
+    @property
+    def source_bytes(self) -> int:
+        """Bytes of tensors read from the source (what progress counts)."""
+        return sum(t.numel * itemsize(t.source.dtype)
+                   for f in self.files + self.optimizer_files for t in f.tensors)
+
+
+_META = {"format": "pt"}  # transformers refuses safetensors files without format "pt"
+
+
+def _entry_chars(name: str, dtype: str, shape: tuple[int, ...], begin: int, end: int) -> int:
+    doc = {name: {"dtype": DTYPES[dtype][1], "shape": list(shape), "data_offsets": [begin, end]}}
+    return len(json.dumps(doc, separators=(",", ":"))) - 2
+
+
+def pack_files(tensors: Sequence[OutTensor], max_shard_size: int, prefix: str) -> tuple[OutFile, ...]:
+    """Greedy in order: a tensor starts a new file when it would push the current one (header
+    included, exactly) past ``max_shard_size``; a tensor too large for any file gets its own."""
+    groups: list[list[OutTensor]] = []
+    cur: list[OutTensor] = []
+    meta = len(json.dumps({"__metadata__": _META}, separators=(",", ":")))  # with the braces
+    data = chars = 0
+    for t in tensors:
+        nbytes = t.numel * itemsize(t.dtype)
+        c = _entry_chars(t.name, t.dtype, t.shape, data, data + nbytes)
+        hdr = meta + chars + c + len(cur) + 1  # the JSON: entries joined by commas
+        if cur and 8 + hdr + (-hdr % 8) + data + nbytes > max_shard_size:
+            groups.append(cur)
+            cur, data, chars = [], 0, 0
+            c = _entry_chars(t.name, t.dtype, t.shape, 0, nbytes)
+        cur.append(t)
+        data += nbytes
+        chars += c
+    if cur or not groups:
+        groups.append(cur)
+    out = []
+    for i, ts in enumerate(groups):
+        slots, pos = [], 0
+        for t in ts:
+            n = t.numel * itemsize(t.dtype)
+            slots.append(TensorSlot(t.name, t.dtype, t.shape, pos, pos + n))
+            pos += n
+        name = f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        out.append(OutFile(name, build_header(slots, _META), tuple(ts), pos))
+    return tuple(out)
+
+
+def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                       component: str = "model", optimizer: bool = False, source: str = "",
+                       prefix: str = "model.") -> ConsolidationPlan:
+    """Which tensors go to which output file, in which dtype, read from where. Pure.
+
+    A checkpoint of chunked tensors (no components) gives the tensors whose FQN starts with
+    ``prefix``, named without it (``get_state_dict`` puts the model's under ``model.``)."""
+    out = output_dtype(dtype)
+    if max_shard_size < 1:
+        raise ConfigError(f"max shard size {max_shard_size}: must be positive")
+    if m.chunked is not None and not m.components:
+        return _plan_chunked(m, out, max_shard_size, prefix, optimizer, source)
+    comp = m.components.get(component)
+    if comp is None:
+        raise ConfigError(f"{source or 'the checkpoint'} has no component {component!r}; it has "
+                          f"{', '.join(sorted(m.components)) or 'none'}")
+    tensors: list[OutTensor] = []
+    opt: list[OutTensor] = []
+    for g in comp.layout.groups:
+        states = dict(comp.states[g.name])
+        if "master" not in states:
+            raise ManifestError(f"{source}: group {g.name!r} has no master state to consolidate")
+        params = comp.layout.group_params(g)
+        tensors += [OutTensor(p.fqn, p.shape, stored_as(states["master"], out),
+                              Source(states["master"], g.name, "master", p.offset, p.fqn)) for p in params]
+        for kind, kdt in comp.states[g.name]:
+            if kind != "master":
+                opt += [OutTensor(f"{p.fqn}.{kind}", p.shape, stored_as(kdt, "float32"),
+                                  Source(kdt, g.name, kind, p.offset, p.fqn)) for p in params]
+    names = {t.name for t in tensors}
+    clash = [b.fqn for b in comp.buffers if b.fqn in names]
+    if clash:
+        raise ManifestError(f"{source}: buffers named like parameters: {', '.join(clash)}")
+    tensors += [OutTensor(b.fqn, b.shape, stored_as(b.dtype, out), Source(b.dtype, None, "buffer", 0, b.fqn))
+                for b in comp.buffers]
+    opt_files: tuple[OutFile, ...] = ()
+    meta: dict[str, Any] = {}
+    if optimizer:
+        if not opt:
+            raise ConfigError(f"{source or 'the checkpoint'}: component {component!r} holds no "
+                              "optimizer state; drop --optimizer")
+        opt_files = pack_files(opt, max_shard_size, "optimizer")
+        if m.optimizer is not None:
+            own = {p.fqn for p in comp.layout.params}
+            meta = {"optimizer": m.optimizer.name, "param_groups": [
+                {**pg, "params": [p for p in pg["params"] if p in own]} for pg in m.optimizer.param_groups]}
+    step = m.extras.get("step")
+    if not isinstance(step, int) and m.optimizer is not None:
+        step = max((pg.get("step", 0) for pg in m.optimizer.param_groups), default=None)
+    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, component, out,
+                             pack_files(tensors, max_shard_size, "model"), opt_files, meta,
+                             dict(comp.aliases), hf_config(m, out, source))
+
+
+def _plan_chunked(m: Manifest, out: str, max_shard_size: int, prefix: str, optimizer: bool,
+                  source: str) -> ConsolidationPlan:
+    assert m.chunked is not None
+    if optimizer:
+        raise ConfigError(f"{source or 'the checkpoint'} holds chunked tensors; --optimizer is "
+                          "only for checkpoints of flat groups")
+    tensors = [OutTensor(fqn[len(prefix):], t.shape, stored_as(t.dtype, out),
+                         Source(t.dtype, None, "chunked", 0, fqn))
+               for fqn, t in m.chunked.tensors.items() if fqn.startswith(prefix) and fqn != prefix]
+    if not tensors:
+        some = ", ".join(list(m.chunked.tensors)[:3])
+        raise ConfigError(f"{source or 'the checkpoint'}: no tensor name starts with {prefix!r} "
+                          f"(it holds {some or 'none'}{', ...' if len(m.chunked.tensors) > 3 else ''}); "
+                          "choose another --prefix")
+    step = m.extras.get("step")
+    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, prefix, out,
+                             pack_files(tensors, max_shard_size, "model"),
+                             hf_config=hf_config(m, out, source))
