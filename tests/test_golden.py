@@ -18,7 +18,7 @@ from shardckpt.checkpoint.reader import CheckpointReader
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.format.layout import Mesh
-from shardckpt.format.manifest import parse
+from shardckpt.format.manifest_parse import parse
 
 from golden.make_golden import element as state_elements  # located through the layout only
 

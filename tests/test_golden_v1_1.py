@@ -18,7 +18,7 @@ from shardckpt.checkpoint.reader import CheckpointReader
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import ManifestError
-from shardckpt.format.manifest import parse
+from shardckpt.format.manifest_parse import parse
 
 HERE = Path(__file__).resolve().parent / "golden"
 V11, V10 = HERE / "v1_1", HERE / "v1_0"

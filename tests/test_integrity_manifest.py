@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from shardckpt.errors import ManifestError
-from shardckpt.format.manifest import VERSION, parse, to_json
+from shardckpt.format.manifest import VERSION, to_json
+from shardckpt.format.manifest_parse import parse
 from shardckpt.format.integrity import CHECKSUM_FIELD, MAX_FREE, MAX_NAME, crc32c, seal
 
 Doc = dict[str, Any]

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 from shardckpt.errors import ConfigError, IncompatibleLayoutError
 from shardckpt.format.dtypes import DTYPES, itemsize
-from shardckpt.format.layout import (
-    SHARD_ALIGN, Layout, Mesh, ParamInfo, ReshardPlan, build_layout, padded_numel, plan_reshard, regroup,
-)
+from shardckpt.format.layout import SHARD_ALIGN, Layout, Mesh, ParamInfo, build_layout, padded_numel, regroup
+from shardckpt.format.reshard_plan import ReshardPlan, plan_reshard
 
 PROPS = settings(max_examples=100, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -11,14 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_helpers import TINY_PARAMS, manifest_from_spec
+from testing.ckpts import TINY_PARAMS, manifest_from_spec
 from shardckpt.format import manifest as manifest_mod
+from shardckpt.format import manifest_parse
 from shardckpt.checkpoint.reader import read_manifest
-from shardckpt.errors import ManifestError, ShardckptError
+from shardckpt.errors import ManifestError
 from shardckpt.format.layout import Mesh
-from shardckpt.format.manifest import (
-    MAX_INT, VERSION, Manifest, buffer_slots, parse, shard_slots, to_json,
-)
+from shardckpt.format.manifest import MAX_INT, VERSION, Manifest, buffer_slots, shard_slots, to_json
+from shardckpt.format.manifest_parse import parse
 from shardckpt.format.integrity import seal
 from shardckpt.storage import Storage
 from shardckpt.tools.synth import synth_spec
@@ -387,8 +387,8 @@ def test_not_a_manifest(data: bytes, needle: str) -> None:
 
 def test_older_major_refused(manifest_doc: Doc, monkeypatch: pytest.MonkeyPatch) -> None:
     # this reader reads 0.x and 1.x, so "older major" is shown by pretending it reads only 2.x
-    monkeypatch.setattr(manifest_mod, "VERSION", (2, 0))
-    monkeypatch.setattr(manifest_mod, "READABLE_MAJORS", (2,))
+    monkeypatch.setattr(manifest_parse, "VERSION", (2, 0))
+    monkeypatch.setattr(manifest_parse, "READABLE_MAJORS", (2,))
     manifest_doc["version"] = "1.4"
     refuses(dumps(manifest_doc), "version", "1.4", "older")
 
@@ -433,7 +433,7 @@ def test_optional_fields_may_be_absent(manifest_doc: Doc) -> None:
 
 def test_oversized_manifest_refused_before_parsing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                    manifest_doc: Doc) -> None:
-    monkeypatch.setattr(manifest_mod, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(manifest_parse, "MAX_MANIFEST_BYTES", 1000)
     # not even JSON: refused for its size, so the JSON parser never saw it
     refuses(b"x" * 1001, "size", "1001 bytes", "at most 1000")
     # through storage: one read of at most limit + 1 bytes, whatever the file's size

@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from shardckpt.format.dtypes import itemsize
-
 from shardckpt.format.layout import prod
+from shardckpt.format.parse_context import MAX_LISTED, ParseContext, listed
 
 #: Feature name a manifest with a chunked section lists in ``requires``.
 FEATURE = "chunked_tensors"
 ROLE = "chunks"
-#: Offenders listed by name in one error; the rest are counted.
-MAX_LISTED = 10
 #: Chunks a single tensor may have (DCP writes one per rank holding a distinct piece).
 MAX_CHUNKS = 1 << 20
 
@@ -114,7 +112,7 @@ def section_doc(s: ChunkedSection) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ decode
 
 
-def parse_section(ctx: Any, v: Any, data_sizes: Mapping[str, int]) -> ChunkedSection:
+def parse_section(ctx: ParseContext, v: Any, data_sizes: Mapping[str, int]) -> ChunkedSection:
     """Decode and validate the ``chunked`` section with the manifest's validation context ``ctx``;
     ``data_sizes`` maps each ``chunks`` file's path to the size of its data section."""
     w = "chunked"
@@ -146,11 +144,11 @@ def parse_section(ctx: Any, v: Any, data_sizes: Mapping[str, int]) -> ChunkedSec
     section = ChunkedSection(tensors, blobs, planner)
     overlaps = byte_overlaps(section)
     if overlaps:
-        raise ctx.fail(w, f"byte ranges overlap in a file: {_listed(overlaps)}")
+        raise ctx.fail(w, f"byte ranges overlap in a file: {listed(overlaps)}")
     return section
 
 
-def _parse_range(ctx: Any, w: str, d: dict[str, Any], data_sizes: Mapping[str, int]) -> tuple[str, int, int]:
+def _parse_range(ctx: ParseContext, w: str, d: dict[str, Any], data_sizes: Mapping[str, int]) -> tuple[str, int, int]:
     path = ctx.str_(ctx.key(d, "file", w), f"{w}.file")
     if path not in data_sizes:
         raise ctx.fail(f"{w}.file", f"{path!r} is not a {ROLE!r} file of this manifest")
@@ -162,7 +160,7 @@ def _parse_range(ctx: Any, w: str, d: dict[str, Any], data_sizes: Mapping[str, i
     return path, begin, end
 
 
-def _parse_tensor(ctx: Any, w: str, v: Any, data_sizes: Mapping[str, int]) -> ChunkedTensor:
+def _parse_tensor(ctx: ParseContext, w: str, v: Any, data_sizes: Mapping[str, int]) -> ChunkedTensor:
     d = ctx.obj(v, w)
     fqn = ctx.str_(ctx.key(d, "fqn", w), f"{w}.fqn")
     dtype = ctx.dtype(ctx.key(d, "dtype", w), f"{w}.dtype")
@@ -189,7 +187,7 @@ def _parse_tensor(ctx: Any, w: str, v: Any, data_sizes: Mapping[str, int]) -> Ch
     t = ChunkedTensor(fqn, dtype, shape, tuple(chunks))
     problems = tiling_problems(t)
     if problems:
-        raise ctx.fail(w, f"{fqn!r}: {_listed(problems)}")
+        raise ctx.fail(w, f"{fqn!r}: {listed(problems)}")
     return t
 
 
@@ -253,11 +251,6 @@ def byte_overlaps(s: ChunkedSection) -> list[str]:
         out += [f"{path}: {q[2]} [{q[0]}, {q[1]}) and {p[2]} [{p[0]}, {p[1]})"
                 for p, q in zip(items, items[1:]) if q[0] < p[1]]
     return out
-
-
-def _listed(items: list[str]) -> str:
-    more = len(items) - MAX_LISTED
-    return "; ".join(items[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
 
 
 # --------------------------------------------------------------------- helpers for readers

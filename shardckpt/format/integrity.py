@@ -122,23 +122,23 @@ def _encodes(s: str) -> bool:
     return True
 
 
-def check_free_text(v: Any, where: str, source: str) -> None:
-    """Bound every string and key inside free-form JSON (``extras``, ``hparams``, ...)."""
+def free_text_problem(v: Any, where: str) -> tuple[str, str] | None:
+    """Where and what for the first string or key too long inside free-form JSON (``extras``,
+    ``hparams``, ...), or None when every one is within bounds."""
     stack = [(v, where)]
     while stack:
         v, where = stack.pop()
         if isinstance(v, str):
             if len(v) > MAX_FREE:
-                raise ManifestError(f"{source}: {where}: a string of {len(v)} characters; at most "
-                                    f"{MAX_FREE} are allowed here")
+                return where, f"a string of {len(v)} characters; at most {MAX_FREE} are allowed here"
         elif isinstance(v, dict):
             for k, x in v.items():
                 if len(k) > MAX_FREE:
-                    raise ManifestError(f"{source}: {where}: a key of {len(k)} characters; at most "
-                                        f"{MAX_FREE} are allowed here")
+                    return where, f"a key of {len(k)} characters; at most {MAX_FREE} are allowed here"
                 stack.append((x, f"{where}.{k[:64]}"))
         elif isinstance(v, list):
             stack.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+    return None
 
 
 def checksum_problem(raw: bytes, doc: Mapping[str, Any], version: tuple[int, int]) -> str | None:

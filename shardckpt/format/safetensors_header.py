@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping
 
 from shardckpt.errors import IntegrityError
 from shardckpt.format.dtypes import DTYPES, SAFETENSORS_TO_DTYPE
-from shardckpt.format.manifest import TensorSlot, no_duplicate_keys
+from shardckpt.format.manifest import TensorSlot
+from shardckpt.format.parse_context import no_duplicate_keys
 
 #: Largest header we accept (the safetensors library's own cap).
 MAX_HEADER = 100_000_000
@@ -26,7 +27,7 @@ def build_header(slots: Iterable[TensorSlot], metadata: Mapping[str, str] | None
     if metadata:
         doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     for s in slots:
-        doc[s.name] = {"dtype": DTYPES[s.dtype][1], "shape": list(s.shape),
+        doc[s.name] = {"dtype": DTYPES[s.dtype].safetensors, "shape": list(s.shape),
                        "data_offsets": [s.begin, s.end]}
     raw = json.dumps(doc, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -81,7 +82,7 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[dict[str, Ten
             raise IntegrityError(f"{source}: tensor {name!r}: data_offsets [{begin}, {end}] lie "
                                  f"outside the {data_size}-byte data section")
         dtype = SAFETENSORS_TO_DTYPE[code]
-        n = DTYPES[dtype][0]
+        n = DTYPES[dtype].itemsize
         for d in shape:
             n *= d
         if n != end - begin:
