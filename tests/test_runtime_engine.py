@@ -190,9 +190,9 @@ def test_optimizer_metadata_is_json_and_loads_back():
     meta = json.loads(json.dumps(opt.optimizer_metadata()))
     assert meta["name"] == "adamw" and meta["state_kinds"] == ["exp_avg", "exp_avg_sq"]
     decay, plain = meta["param_groups"]
-    assert decay["step"] == 2 and decay["hyper"]["weight_decay"] == 0.1
-    assert decay["hyper"]["betas"] == [0.8, 0.9] and decay["hyper"]["lr"] == 5e-3
-    assert "model.norm.weight" in plain["fqns"] and "model.embed_tokens.weight" in decay["fqns"]
+    assert decay["step"] == 2 and decay["hparams"]["weight_decay"] == 0.1
+    assert decay["hparams"]["betas"] == [0.8, 0.9] and decay["hparams"]["lr"] == 5e-3
+    assert "model.norm.weight" in plain["params"] and "model.embed_tokens.weight" in decay["params"]
 
     other = _engine()
     opt2 = ShardedAdamW(other, decay_param_groups(other, 0.0), lr=1.0)

@@ -11,7 +11,7 @@ import torch
 from shardckpt.errors import ConfigError
 from shardckpt.tools.estimate import PRECISIONS
 from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
-from shardckpt.runtime.accounting import precision_preset_for
+from shardckpt.runtime.footprint import precision_preset_for
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.prefetch import Prefetcher
@@ -141,7 +141,7 @@ def test_no_preset_for_frozen_groups():
     model.model.norm.requires_grad_(False)
     engine = ZeroEngine(model, policy=LLAMA_POLICY, process_mesh=ProcessMesh.single())
     with pytest.raises(ConfigError, match="no estimator preset"):
-        precision_preset_for(engine)
+        precision_preset_for(engine.groups)
     assert engine.estimate(precision="fsdp2-fp32").precision == "fsdp2-fp32"
 
 

@@ -1,6 +1,6 @@
 """Per-rank accounting of the ZeRO runtime, in the units of :mod:`shardckpt.tools.estimate`.
 
-Three figures, each for this rank:
+The counters, each for this rank:
 
 * **communication**: the *logical volume* of every collective the runtime issues, by type, in
   elements (and bytes): an all-gather or a reduce-scatter of an ``n``-element flat buffer counts
@@ -17,34 +17,21 @@ Three figures, each for this rank:
   their peak;
 * **gathered weights**: bytes of the gathered (whole) compute-dtype flat buffers held now and
   their peak since the last :meth:`Accounting.reset`; a prefetched buffer counts from the moment
-  its all-gather is issued;
-* **model state** (:func:`model_state_bytes`): bytes held now, by the estimator's kinds:
-  ``params`` (resident gathered compute copies: stages 1 and 2 keep them), ``grads`` (reduced
-  gradient shards, unreduced local buffers, and stage 1's resident whole-size gradient buffers,
-  which hold their reduced fp32 shard in their own slice), ``master`` (the master shards,
-  the parameters' storage in the checkpoint) and ``optim`` (the optimizer's per-element shards).
-  Each storage counts once.
+  its all-gather is issued.
 
-:func:`estimate_for` asks the estimator for the same model (padded Ψ, largest unit), strategy,
-mesh and precision policy, so the two can be compared figure by figure.
+The bytes of model state a rank holds, and the estimator's figures for the same engine, are
+:mod:`shardckpt.runtime.footprint`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from shardckpt.errors import ConfigError
-from shardckpt.tools.estimate import Estimate, estimate
-
-if TYPE_CHECKING:
-    from shardckpt.runtime.engine import ZeroEngine
-
 #: Collective types, as counted.
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-KINDS = ("params", "grads", "master", "optim")
 
 
 def _zeros() -> dict[str, int]:
@@ -116,69 +103,3 @@ class Accounting:
                 "peak_gathered_bytes": self.peak_gathered_bytes,
                 "secondary_bytes": self.secondary_bytes,
                 "peak_secondary_bytes": self.peak_secondary_bytes}
-
-
-def model_state_bytes(engine: "ZeroEngine") -> dict[str, int]:
-    """Bytes of model state this rank holds now, by kind (see the module docstring).
-
-    Call between steps (after ``step()``, before ``zero_grad()`` to include the gradients); in
-    stage 3 the gathered weights of a running step are the accounting's, not ``params``.
-    """
-    out = dict.fromkeys(KINDS, 0)
-    seen: set[int] = set()
-
-    def add(kind: str, t: torch.Tensor | None) -> None:
-        if not isinstance(t, torch.Tensor):  # None, or optimizer state in an offload file
-            return
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            out[kind] += storage.nbytes()
-
-    optimizer = engine.optimizer
-    for name, g in engine.groups.items():
-        add("master", g.master)
-        if g.gathered:
-            add("params", g.full)
-        for t in (g.grad_buffer, g.grad, g.local_grad):
-            add("grads", t)
-        if optimizer is not None and g.trainable:
-            for t in optimizer.local_state(name).values():
-                add("optim", t)
-    return out
-
-
-def precision_preset_for(engine: "ZeroEngine") -> str:
-    """The estimator preset that describes the engine's dtypes: ``fsdp2-fp32`` (fp32 compute)
-    or ``fsdp2-bf16`` (a 2-byte compute dtype); fp32 masters, fp32 reduced gradients and fp32
-    per-element optimizer state either way. Refuses frozen or mixed groups, which no preset
-    describes."""
-    frozen = [n for n, g in engine.groups.items() if not g.trainable]
-    sizes = {g.dtype.itemsize for g in engine.groups.values()}
-    if frozen or len(sizes) != 1 or sizes - {2, 4}:
-        raise ConfigError(
-            f"no estimator preset describes this engine (frozen groups {frozen[:3]}, compute "
-            f"bytes per element {sorted(sizes)}); pass precision= explicitly")
-    return "fsdp2-fp32" if sizes == {4} else "fsdp2-bf16"
-
-
-def estimate_for(engine: "ZeroEngine", precision: str | None = None) -> Estimate:
-    """:func:`shardckpt.tools.estimate.estimate` for this engine: Ψ = the padded parameter count,
-    the strategy of its stage and mesh (``hsdp`` when R > 1), ``largest_unit`` = the padded
-    size of its largest unit, and the preset of :func:`precision_preset_for` unless given."""
-    pm, layout = engine.process_mesh, engine.layout
-    psi = sum(g.padded_numel for g in layout.groups)
-    units: dict[str, int] = {}
-    for g in layout.groups:
-        units[g.unit] = units.get(g.unit, 0) + g.padded_numel
-    R = pm.mesh.world_size // pm.shard_degree
-    if engine.stage == 3:
-        strategy = "hsdp" if R > 1 else "zero3"
-    elif R > 1:
-        raise ConfigError(f"the estimator models HSDP at stage 3 only; this engine is stage "
-                          f"{engine.stage} on {pm.mesh.describe()}")
-    else:
-        strategy = f"zero{engine.stage}"
-    return estimate(psi, strategy, pm.world_size, replicate=R,
-                    precision=precision or precision_preset_for(engine),
-                    largest_unit=max(units.values()))

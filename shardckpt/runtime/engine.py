@@ -47,20 +47,18 @@ from torch.utils.hooks import RemovableHandle
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import Layout, build_layout
 from shardckpt.tools.estimate import Estimate
-from shardckpt.runtime import accounting, collectives, full_params
+from shardckpt.runtime import collectives, footprint, full_params
 from shardckpt.runtime.accounting import Accounting
-from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool, torch_dtype
+from shardckpt.runtime.contracts import EngineOptimizer
+from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
 from shardckpt.runtime.offload import OffloadConfig, check_offload
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
-from shardckpt.runtime.precision import (
-    MixedPrecisionPolicy,
-    input_cast_dtype,
-    resolve_precision,
-)
+from shardckpt.runtime.precision import (MixedPrecisionPolicy, check_policy, input_cast_dtype,
+                                         resolve_precision, torch_dtype)
 from shardckpt.runtime.prefetch import CommStream
-from shardckpt.runtime.stages import StageSchedule, Unit, check_stage
-from shardckpt.runtime.units import ROOT, PolicyLike, plan_units
+from shardckpt.runtime.stages import StageSchedule, Unit, build_units, check_stage
+from shardckpt.runtime.units import PolicyLike, plan_units
 from shardckpt.runtime.zeropp import ZeroPP, check_zeropp
 
 log = logging.getLogger(__name__)
@@ -118,8 +116,9 @@ class ZeroEngine:
     * the optimizer's ``optimizer_metadata()`` / ``load_optimizer_metadata()``;
     * :meth:`gather_full_params`, :meth:`summon_full_params`, :meth:`full_state_dict` and
       :meth:`clip_grad_norm_` (collective); :meth:`load_full_state_dict` (local);
-    * accounting (:mod:`shardckpt.runtime.accounting`): ``accounting`` (elements per collective
-      type, gathered-weight bytes and peak), :meth:`model_state_bytes` and :meth:`estimate`.
+    * ``accounting`` (:mod:`shardckpt.runtime.accounting`: elements per collective type,
+      gathered-weight bytes and peak); :meth:`model_state_bytes` and :meth:`estimate`
+      (:mod:`shardckpt.runtime.footprint`).
 
     Construction runs no collectives (with hpZ or qgZ it creates the node process groups, which
     every rank does alike), but every rank must build the same module under the same
@@ -139,9 +138,7 @@ class ZeroEngine:
                  offload_dir: Any = None) -> None:
         stage = check_stage(stage)
         self.offload: OffloadConfig | None = check_offload(offload_optimizer, offload_dir)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-            raise ConfigError(f"mixed_precision is {mixed_precision!r}; pass a "
-                              "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) or None")
+        mixed_precision = check_policy(mixed_precision)
         zeropp = ZeroPP() if zeropp is None else zeropp
         self.module = module
         self.process_mesh = pm = process_mesh or current_process_mesh()
@@ -168,29 +165,28 @@ class ZeroEngine:
                                    self.accounting, comm, resident_grad=stage == 1, pool=pool)
             for g in self.layout.groups
         }
-        self.units: list[Unit] = []
-        for name in plan.units:
-            groups = [g for g in self.groups.values() if g.spec.unit == name]
-            reshard = reshard_root_after_forward if name == ROOT else reshard_after_forward
-            self.units.append(Unit(name, plan.modules[name], groups, stage == 3 and reshard,
-                                   trained=sum(g.trainable for g in groups)))
-            for g in groups:
+        self.units: list[Unit] = build_units(plan.units, plan.modules, self.groups.values(), stage,
+                                             reshard_root_after_forward, reshard_after_forward)
+        for unit in self.units:
+            for g in unit.groups:
                 g.zeropp = zeropp if zeropp.enabled else None
-                g.hpz = zeropp.hpz and stage == 3 and reshard  # re-gathered in backward
+                g.hpz = zeropp.hpz and unit.reshard_after_forward  # re-gathered in backward
         unit_of = {id(params[f]): unit for f, _, unit in plan.params}
         shard_unit_by_unit(module, {u.name: u.groups for u in self.units}, unit_of,
                            {id(params[f]) for f in fresh}, pm.device, init_fn, init_seed)
         if mixed_precision is not None:  # after init: masters hold the declared-dtype values
             for g in self.groups.values():
                 g.set_precision(resolve_precision(mixed_precision, g.dtype))
-        self._optimizer: Any = None
+        self._optimizer: EngineOptimizer | None = None
         # an OrderedDict: RemovableHandle keeps a weak reference to it
         self._update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._schedule = StageSchedule(self.units, stage, deterministic,
                                        input_cast_dtype(mixed_precision), prefetch, module,
                                        pool=pool)
         self.accounting.reset()  # construction gathered units one by one to initialize them
-        full_params.refuse_placeholder_state_dicts(self)
+        self._sharded = full_params.ShardedModule(module, self.layout, self.groups, params,
+                                                  self.tied_aliases, pm, self._schedule)
+        full_params.refuse_placeholder_state_dicts(self._sharded)
         log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s%s%s; %s",
                  stage, len(self.units), len(self.groups), len(params),
                  f", {mixed_precision}" if mixed_precision else "",
@@ -328,7 +324,7 @@ class ZeroEngine:
 
         Holds every requested group whole at once: for tests, demos and small models.
         """
-        return full_params.gather_full_params(self, fqns)
+        return full_params.gather_full_params(self._sharded, fqns)
 
     def summon_full_params(self, writeback: bool = False
                            ) -> contextlib.AbstractContextManager[dict[str, torch.Tensor]]:
@@ -339,31 +335,32 @@ class ZeroEngine:
         on exit. Collective; not inside forward or backward. See
         :func:`shardckpt.runtime.full_params.summon_full_params`.
         """
-        return full_params.summon_full_params(self, writeback)
+        return full_params.summon_full_params(self._sharded, writeback)
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with whole tensors (masters, aliases, persistent buffers),
         cast to ``dtype`` if given. Collective; for small models."""
-        return full_params.full_state_dict(self, dtype)
+        return full_params.full_state_dict(self._sharded, dtype)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor],
                              strict: bool = True) -> None:
         """Load whole tensors (as :meth:`full_state_dict` gives them) into the masters and
         buffers; each rank keeps its slice. Local (no collectives)."""
-        full_params.load_full_state_dict(self, state_dict, strict)
+        full_params.load_full_state_dict(self._sharded, state_dict, strict)
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds now by kind (``params``, ``grads``, ``master``,
-        ``optim``), each storage once; :func:`shardckpt.runtime.accounting.model_state_bytes`."""
-        return accounting.model_state_bytes(self)
+        ``optim``), each storage once; :func:`shardckpt.runtime.footprint.model_state_bytes`."""
+        return footprint.model_state_bytes(self.groups, self._optimizer)
 
     def estimate(self, precision: str | None = None) -> Estimate:
         """The estimator's figures for this model (padded Ψ), stage, mesh and precision policy;
-        :func:`shardckpt.runtime.accounting.estimate_for`."""
-        return accounting.estimate_for(self, precision)
+        :func:`shardckpt.runtime.footprint.estimate_for`."""
+        return footprint.estimate_for(self.layout, self.process_mesh, self.stage, self.groups,
+                                      precision)
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> EngineOptimizer | None:
         return self._optimizer
 
     def register_update_pre_hook(self, hook: Callable[[], None]) -> RemovableHandle:
@@ -381,7 +378,7 @@ class ZeroEngine:
         for hook in list(self._update_hooks.values()):
             hook()
 
-    def attach_optimizer(self, optimizer: Any) -> None:
+    def attach_optimizer(self, optimizer: EngineOptimizer) -> None:
         """Called by the sharded optimizer; one optimizer per engine."""
         if self._optimizer is not None and self._optimizer is not optimizer:
             raise ConfigError("this engine already has an optimizer; create one per engine")
@@ -390,9 +387,8 @@ class ZeroEngine:
     def close(self) -> None:
         """Release the optimizer's offloaded state (``offload_optimizer``: its files are
         removed). The engine cannot step afterwards. Idempotent."""
-        close = getattr(self._optimizer, "close_offload", None)
-        if close is not None:
-            close()
+        if self._optimizer is not None:
+            self._optimizer.close_offload()
 
     @property
     def in_backward(self) -> bool:

@@ -56,23 +56,10 @@ from shardckpt.runtime import collectives, zeropp
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.gradpool import GradBufferPool
 from shardckpt.runtime.mesh import ProcessMesh
-from shardckpt.runtime.precision import GroupPrecision, resolve_precision
+from shardckpt.runtime.precision import GroupPrecision, resolve_precision, torch_dtype
 from shardckpt.runtime.prefetch import CommStream, InFlight
 
-__all__ = ["FlatParamGroup", "GradBufferPool", "dtype_name", "point_params", "torch_dtype"]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a layout dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The layout name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
+__all__ = ["FlatParamGroup", "GradBufferPool", "point_params"]
 
 
 class FlatParamGroup:

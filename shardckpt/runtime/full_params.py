@@ -8,27 +8,64 @@ consolidator for big ones).
 
 Collective functions (every rank calls them in the same order): :func:`gather_full_params`,
 :func:`summon_full_params`, :func:`full_state_dict`. :func:`load_full_state_dict` is local:
-every rank already holds the whole tensors and keeps its slice.
+every rank already holds the whole tensors and keeps its slice. Each reads the sharded module
+through a :class:`ShardedModule`, which the engine builds once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
 
 from shardckpt.errors import ConfigError
+from shardckpt.format.layout import Layout
 from shardckpt.runtime import collectives
-from shardckpt.runtime.flat import point_params
-from shardckpt.runtime.stages import in_backward
-
-if TYPE_CHECKING:
-    from shardckpt.runtime.engine import ZeroEngine
+from shardckpt.runtime.flat import FlatParamGroup, point_params
+from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.stages import StageSchedule, in_backward
 
 log = logging.getLogger(__name__)
+
+
+class PlaceholderGuard:
+    """Whether ``state_dict()`` hooks refuse placeholders: off only while
+    :func:`full_state_dict` reads the module's keys."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = True
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
+
+@dataclass(frozen=True, eq=False)
+class ShardedModule:
+    """What the whole-parameter functions read of a sharded module; the engine builds it once.
+
+    ``params`` maps each distinct parameter's canonical FQN to it (aliases left out);
+    ``schedule`` gives the stage, the units and whether a backward runs.
+    """
+
+    module: nn.Module
+    layout: Layout
+    groups: Mapping[str, FlatParamGroup]
+    params: Mapping[str, nn.Parameter]
+    tied_aliases: Mapping[str, str]
+    process_mesh: ProcessMesh
+    schedule: StageSchedule
+    guard: PlaceholderGuard = field(default_factory=PlaceholderGuard)
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -56,10 +93,7 @@ def load_buffers(mine: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.T
             mine[k].copy_(buffers[k])
 
 
-_RAW_STATE_DICT = "_shardckpt_raw_state_dict"
-
-
-def refuse_placeholder_state_dicts(engine: "ZeroEngine") -> None:
+def refuse_placeholder_state_dicts(sharded: ShardedModule) -> None:
     """Make ``state_dict()`` of the module (or any submodule) raise instead of holding placeholders.
 
     Between steps a sharded parameter holds 0 elements, and a state dict of those saves nothing
@@ -68,12 +102,14 @@ def refuse_placeholder_state_dicts(engine: "ZeroEngine") -> None:
     called on rank 0 alone, where a collective hangs; so the error points at the collective
     :meth:`ZeroEngine.full_state_dict` and at the checkpointer.
     """
-    for m in engine.module.modules():
+    fqn_of = {id(p): fqn for fqn, p in sharded.params.items()}
+    for m in sharded.module.modules():
         if any(p is not None for p in m._parameters.values()):
             m.register_state_dict_post_hook(
-                lambda module, *_: _refuse_placeholders(engine, module, "state_dict"))
+                lambda module, *_: _refuse_placeholders(sharded, fqn_of, module, "state_dict"))
             m.register_load_state_dict_pre_hook(
-                lambda module, *_: _refuse_placeholders(engine, module, "load_state_dict"))
+                lambda module, *_: _refuse_placeholders(sharded, fqn_of, module,
+                                                        "load_state_dict"))
 
 
 _WAY_OUT = {
@@ -86,12 +122,13 @@ _WAY_OUT = {
 }
 
 
-def _refuse_placeholders(engine: "ZeroEngine", module: nn.Module, what: str) -> None:
-    if getattr(engine, _RAW_STATE_DICT, False):
+def _refuse_placeholders(sharded: ShardedModule, fqn_of: Mapping[int, str], module: nn.Module,
+                         what: str) -> None:
+    if not sharded.guard.active:
         return
-    layout = engine.layout
+    layout = sharded.layout
     for p in module._parameters.values():
-        fqn = engine._fqn_of.get(id(p)) if p is not None else None
+        fqn = fqn_of.get(id(p)) if p is not None else None
         if fqn is None or p.numel() or not layout.param(fqn).numel:
             continue
         raise ConfigError(
@@ -100,42 +137,34 @@ def _refuse_placeholders(engine: "ZeroEngine", module: nn.Module, what: str) -> 
             f"steps. {_WAY_OUT[what]}")
 
 
-@contextlib.contextmanager
-def _raw_state_dict(engine: "ZeroEngine") -> Iterator[None]:
-    setattr(engine, _RAW_STATE_DICT, True)
-    try:
-        yield
-    finally:
-        setattr(engine, _RAW_STATE_DICT, False)
-
-
-def gather_full_params(engine: "ZeroEngine", fqns: list[str] | None = None
+def gather_full_params(sharded: ShardedModule, fqns: list[str] | None = None
                        ) -> dict[str, torch.Tensor]:
     """Whole parameters (clones, master dtype) by canonical FQN; only groups holding ``fqns``
     are gathered. Collective."""
     wanted = set(fqns) if fqns is not None else None
     out: dict[str, torch.Tensor] = {}
-    for g in engine.groups.values():
+    for g in sharded.groups.values():
         if wanted is not None and not wanted.intersection(g.spec.params):
             continue
-        full = collectives.all_gather_flat(engine.process_mesh, g.master)
+        full = collectives.all_gather_flat(sharded.process_mesh, g.master)
         for spec in g.param_specs:
             if wanted is None or spec.fqn in wanted:
                 out[spec.fqn] = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
     return out
 
 
-def _refuse_mid_step(engine: "ZeroEngine", what: str) -> None:
-    mid_forward = engine.stage == 3 and any(g.gathered for g in engine.groups.values())
-    if in_backward() or engine.in_backward or mid_forward:
+def _refuse_mid_step(sharded: ShardedModule, what: str) -> None:
+    schedule = sharded.schedule
+    mid_forward = schedule.stage == 3 and any(g.gathered for g in sharded.groups.values())
+    if in_backward() or schedule.in_backward or mid_forward:
         raise ConfigError(f"{what} was called inside forward or backward; call it between "
                           "steps (after backward and step, or before the first forward)")
 
 
 @contextlib.contextmanager
-def summon_full_params(engine: "ZeroEngine", writeback: bool = False
+def summon_full_params(sharded: ShardedModule, writeback: bool = False
                        ) -> Iterator[dict[str, torch.Tensor]]:
-    """Inside the block, every parameter of ``engine.module`` is its whole master-dtype tensor.
+    """Inside the block, every parameter of ``sharded.module`` is its whole master-dtype tensor.
 
     Yields FQN -> parameter (tied aliases included, as the same tensor). With ``writeback``,
     the parameters' values on a normal exit (whether written in place under ``torch.no_grad()``
@@ -144,23 +173,23 @@ def summon_full_params(engine: "ZeroEngine", writeback: bool = False
     (placeholders in stage 3, gathered compute views in stages 1 and 2, re-gathered after a
     writeback). Collective on entry, and on exit with ``writeback`` in stages 1 and 2.
     """
-    _refuse_mid_step(engine, "summon_full_params()")
-    pm = engine.process_mesh
+    _refuse_mid_step(sharded, "summon_full_params()")
+    pm = sharded.process_mesh
     fulls: dict[str, torch.Tensor] = {}
-    for name, g in engine.groups.items():
+    for name, g in sharded.groups.items():
         fulls[name] = full = collectives.all_gather_flat(pm, g.master)
         point_params(g.params, g.param_specs, full)
-    params = dict(engine.named_parameters())
-    params.update({alias: params[canon] for alias, canon in engine.tied_aliases.items()})
+    params = dict(sharded.params)
+    params.update({alias: params[canon] for alias, canon in sharded.tied_aliases.items()})
     try:
         yield params
     except BaseException:
-        for g in engine.groups.values():
+        for g in sharded.groups.values():
             g.repoint()
         raise
     if writeback:
         with torch.no_grad():
-            for name, g in engine.groups.items():
+            for name, g in sharded.groups.items():
                 full = fulls[name]
                 for p, spec in zip(g.params, g.param_specs):
                     target = full[spec.offset:spec.offset + spec.numel]
@@ -173,29 +202,29 @@ def summon_full_params(engine: "ZeroEngine", writeback: bool = False
                 g.free()
                 g.shard_from_full(full)
         log.debug("summon_full_params: wrote back %d flat groups", len(fulls))
-    for g in engine.groups.values():
+    for g in sharded.groups.values():
         g.repoint()
-    if writeback and engine.stage < 3:
-        for unit in engine.units:
+    if writeback and sharded.schedule.stage < 3:
+        for unit in sharded.schedule.units:
             unit.gather()
 
 
-def full_state_dict(engine: "ZeroEngine", dtype: torch.dtype | None = None
+def full_state_dict(sharded: ShardedModule, dtype: torch.dtype | None = None
                     ) -> dict[str, torch.Tensor]:
-    """``engine.module.state_dict()`` with whole tensors, in its key order. Collective.
+    """``sharded.module.state_dict()`` with whole tensors, in its key order. Collective.
 
     Parameters come from the masters (tied aliases map to the same tensor, as in
     ``state_dict()``), persistent buffers are cloned; floating-point tensors are cast to
     ``dtype`` if given.
     """
-    _refuse_mid_step(engine, "full_state_dict()")
-    params = gather_full_params(engine)
-    buffers = persistent_buffers(engine.module)
+    _refuse_mid_step(sharded, "full_state_dict()")
+    params = gather_full_params(sharded)
+    buffers = persistent_buffers(sharded.module)
     out: dict[str, torch.Tensor] = {}
-    with _raw_state_dict(engine):
-        entries = engine.module.state_dict(keep_vars=True)
+    with sharded.guard.suspended():
+        entries = sharded.module.state_dict(keep_vars=True)
     for key, value in entries.items():
-        canon = engine.tied_aliases.get(key, key)
+        canon = sharded.tied_aliases.get(key, key)
         if canon in params:
             if dtype is not None and params[canon].is_floating_point():
                 params[canon] = params[canon].to(dtype)  # once, so aliases share the tensor
@@ -208,7 +237,7 @@ def full_state_dict(engine: "ZeroEngine", dtype: torch.dtype | None = None
     return out
 
 
-def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, torch.Tensor],
+def load_full_state_dict(sharded: ShardedModule, state_dict: Mapping[str, torch.Tensor],
                          strict: bool = True) -> None:
     """Copy whole tensors into this rank's master slices and the persistent buffers. Local.
 
@@ -216,8 +245,8 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, torch.Te
     shapes always raise; with ``strict``, missing and unexpected keys too, all in one error.
     Parameters left out (non-strict) keep their values. The compute copies are refreshed.
     """
-    layout, aliases = engine.layout, engine.tied_aliases
-    buffers = persistent_buffers(engine.module)
+    layout, aliases = sharded.layout, sharded.tied_aliases
+    buffers = persistent_buffers(sharded.module)
     source: dict[str, torch.Tensor] = {}
     unexpected, shape = [], []
     for key, t in state_dict.items():
@@ -235,7 +264,7 @@ def load_full_state_dict(engine: "ZeroEngine", state_dict: Mapping[str, torch.Te
         raise ConfigError(f"state dict does not match the model: missing {missing}, "
                           f"unexpected {unexpected}, different shape {shape}")
     with torch.no_grad():
-        for g in engine.groups.values():
+        for g in sharded.groups.values():
             g.free()
             for spec in g.param_specs:
                 if spec.fqn not in source:

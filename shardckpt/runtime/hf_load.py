@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import torch
 
-from shardckpt.training.collective import agree
+from shardckpt.checkpoint.collective import agree
 from shardckpt.errors import IncompatibleLayoutError
-from shardckpt.interop.hf_import import (
-    DEFAULT_BUFFER, HFSource, NameMap, as_bytes, fetch, match_tensors, open_hf, plan_shard_reads,
-)
+from shardckpt.interop.hf_import import NameMap, as_bytes, fetch, match_tensors, plan_shard_reads
+from shardckpt.interop.hf_source import HFSource, open_hf
+from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.checkpoint.pieces import cast_bytes
-from shardckpt.runtime.flat import dtype_name
+from shardckpt.runtime.precision import dtype_name
 from shardckpt.runtime.init import default_init
 from shardckpt.training.save_load import fresh_optimizer_state
 
@@ -84,7 +84,7 @@ def _bytes_at(target: torch.Tensor, offset: int, nbytes: int) -> bytes:
 
 def load_hf(engine: "ZeroEngine", source: "str | HFSource", *, name_map: NameMap = None,
             strict: bool = True, storage_options: Mapping[str, Any] | None = None,
-            buffer_bytes: int = DEFAULT_BUFFER, workers: int = 4, group: Any = None) -> HFLoadResult:
+            buffer_bytes: int = DEFAULT_BATCH, workers: int = 4, group: Any = None) -> HFLoadResult:
     """Load Hugging Face safetensors weights into ``engine``'s master shards. Call on every rank.
 
     ``source``: a folder with ``model.safetensors`` or ``model.safetensors.index.json`` (or one

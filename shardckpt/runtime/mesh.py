@@ -21,7 +21,7 @@ from shardckpt.format.layout import REPLICATE_AXIS, SHARD_AXIS, Mesh
 
 log = logging.getLogger(__name__)
 
-#: Environment variables set by ``torchrun`` (and by :mod:`integration.distutil`).
+#: Environment variables set by ``torchrun`` (and by :mod:`shardckpt.training.launch`).
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 #: Default process-group timeout: a collective that waits longer raises on every waiting rank.

@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 import torch
 
 from shardckpt.errors import ConfigError, ShardckptError
-from shardckpt.runtime.engine import ZeroEngine
+from shardckpt.runtime.contracts import ShardedEngine
 from shardckpt.runtime.flat import FlatParamGroup
 from shardckpt.runtime.offload import OffloadStore
 
@@ -51,7 +51,7 @@ def is_no_decay(fqn: str, shape: tuple[int, ...]) -> bool:
     return len(shape) < 2 or fqn.endswith(".bias") or "norm" in fqn.lower()
 
 
-def decay_param_groups(engine: ZeroEngine, weight_decay: float,
+def decay_param_groups(engine: ShardedEngine, weight_decay: float,
                        no_decay: Callable[[str, tuple[int, ...]], bool] = is_no_decay
                        ) -> list[dict[str, Any]]:
     """Two param groups of the trained parameters: ``weight_decay`` and ``0.0`` (norms, biases).
@@ -86,7 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     name: ClassVar[str] = ""
 
-    def __init__(self, engine: ZeroEngine, params: Iterable[Any] | None,
+    def __init__(self, engine: ShardedEngine, params: Iterable[Any] | None,
                  defaults: dict[str, Any]) -> None:
         self._engine = engine
         self._ready = False
@@ -233,8 +233,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------- metadata
 
     def optimizer_metadata(self) -> dict[str, Any]:
-        """JSON-serializable: name, state kinds, and per param group its FQNs, step and
-        hyper-parameters (every key but ``params``, tuples as lists)."""
+        """JSON-serializable, in the manifest's form: name, state kinds, and per param group
+        ``params`` (its FQNs), ``hparams`` (every key of the param group but ``params``, tuples
+        as lists) and ``step``."""
         groups = []
         for i, group in enumerate(self.param_groups):
             hyper = {}
@@ -249,17 +250,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     raise ConfigError(f"param group {i} has hyper-parameter {k!r} = {v!r}, which "
                                       "is not JSON-serializable") from None
                 hyper[k] = v
-            groups.append({"fqns": list(self._fqns[i]), "step": self._steps[i], "hyper": hyper})
+            groups.append({"params": list(self._fqns[i]), "hparams": hyper, "step": self._steps[i]})
         return {"name": self.name, "state_kinds": list(self.state_kinds), "param_groups": groups}
 
     def load_optimizer_metadata(self, metadata: Mapping[str, Any]) -> None:
-        """Restore hyper-parameters and steps, matching param groups by their FQN sets."""
+        """Restore hyper-parameters and steps (the form of :meth:`optimizer_metadata`),
+        matching param groups by their FQN sets."""
         if metadata.get("name") != self.name:
             raise ConfigError(f"optimizer metadata is for {metadata.get('name')!r}, but this "
                               f"optimizer is {self.name!r}")
         by_fqns = {frozenset(f): i for i, f in enumerate(self._fqns)}
         saved = list(metadata.get("param_groups", []))
-        keys = [frozenset(g.get("fqns", [])) for g in saved]
+        keys = [frozenset(g.get("params", [])) for g in saved]
         if sorted(map(sorted, keys)) != sorted(map(sorted, by_fqns)):
             raise ConfigError(
                 "optimizer param groups do not match: saved groups hold "
@@ -267,7 +269,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{[sorted(k)[:3] for k in by_fqns]}...; build the same groups before loading")
         for key, g in zip(keys, saved):
             i = by_fqns[key]
-            for k, v in g.get("hyper", {}).items():
+            for k, v in g.get("hparams", {}).items():
                 old = self.param_groups[i].get(k)
                 self.param_groups[i][k] = tuple(v) if isinstance(old, tuple) else v
             self._steps[i] = int(g.get("step", 0))
@@ -292,7 +294,7 @@ class ShardedAdamW(ShardedOptimizer):
 
     name = "adamw"
 
-    def __init__(self, engine: ZeroEngine, params: Iterable[Any] | None = None, lr: float = 1e-3,
+    def __init__(self, engine: ShardedEngine, params: Iterable[Any] | None = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
@@ -337,7 +339,7 @@ class ShardedSGD(ShardedOptimizer):
 
     name = "sgd"
 
-    def __init__(self, engine: ZeroEngine, params: Iterable[Any] | None = None, lr: float = 1e-3,
+    def __init__(self, engine: ShardedEngine, params: Iterable[Any] | None = None, lr: float = 1e-3,
                  momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, maximize: bool = False) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
@@ -373,7 +375,7 @@ class ShardedSGD(ShardedOptimizer):
 _ELEMENTWISE: dict[str, type[ShardedOptimizer]] = {"adamw": ShardedAdamW, "sgd": ShardedSGD}
 
 
-def build_optimizer(engine: ZeroEngine, optimizer: str | type, params: Iterable[Any] | None = None,
+def build_optimizer(engine: ShardedEngine, optimizer: str | type, params: Iterable[Any] | None = None,
                     **hyper: Any) -> ShardedOptimizer:
     """A sharded optimizer by name (``"adamw"``, ``"sgd"``) or torch class (``torch.optim.AdamW``).
 

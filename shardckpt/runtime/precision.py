@@ -29,6 +29,19 @@ from shardckpt.errors import ConfigError
 FP32 = torch.float32
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a layout dtype name (``"bfloat16"`` -> ``torch.bfloat16``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The layout name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, slots=True)
 class MixedPrecisionPolicy:
     """Compute parameters in ``param_dtype``, reduce gradients in ``reduce_dtype``.
@@ -52,6 +65,15 @@ class MixedPrecisionPolicy:
         if bad:
             raise ConfigError(f"MixedPrecisionPolicy: {', '.join(bad)}; use a floating-point "
                               "torch dtype (torch.bfloat16, torch.float32, ...) or None")
+
+
+def check_policy(policy: object) -> MixedPrecisionPolicy | None:
+    """``policy`` if it is a :class:`MixedPrecisionPolicy` or ``None``; else a
+    :class:`ConfigError` that names the field."""
+    if policy is not None and not isinstance(policy, MixedPrecisionPolicy):
+        raise ConfigError(f"mixed_precision is {policy!r}; pass a "
+                          "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) or None")
+    return policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,6 +58,7 @@ from torch.utils import _pytree as pytree
 from shardckpt.errors import ConfigError
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.prefetch import Prefetcher
+from shardckpt.runtime.units import ROOT
 
 STAGES = (1, 2, 3)
 
@@ -109,6 +110,21 @@ class Unit:
     def free(self) -> None:
         for g in self.groups:
             g.free()
+
+
+def build_units(names: Sequence[str], modules: Mapping[str, nn.Module],
+                groups: Iterable[FlatParamGroup], stage: int, reshard_root_after_forward: bool,
+                reshard_after_forward: bool) -> list[Unit]:
+    """One :class:`Unit` per name, in order, with its flat groups. In stage 3 a unit is freed
+    after its forward if its flag says so (``reshard_root_after_forward`` for the root)."""
+    groups = list(groups)
+    units = []
+    for name in names:
+        mine = [g for g in groups if g.spec.unit == name]
+        reshard = reshard_root_after_forward if name == ROOT else reshard_after_forward
+        units.append(Unit(name, modules[name], mine, stage == 3 and reshard,
+                          trained=sum(g.trainable for g in mine)))
+    return units
 
 
 class _PostBackward(torch.autograd.Function):

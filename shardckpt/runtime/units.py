@@ -15,7 +15,7 @@ from torch import nn
 
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import ParamInfo
-from shardckpt.runtime.flat import dtype_name
+from shardckpt.runtime.precision import dtype_name
 
 #: Decides whether the module at ``fqn`` is its own unit. The root is always a unit.
 UnitPolicy = Callable[[str, nn.Module], bool]

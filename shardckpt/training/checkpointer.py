@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from typing import Any, Mapping
 
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.training.collective import agree, failed_with, is_distributed, rank_and_world
+from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.format.manifest import Manifest
@@ -300,7 +300,7 @@ class Checkpointer:
         checksum fails on any rank while loading, all of them fall back to the next older one
         alike (nothing is deleted). Raises if every candidate fails.
         """
-        from shardckpt.training.collective import broadcast_bytes
+        from shardckpt.checkpoint.collective import broadcast_bytes
 
         candidates = self.manager.resume_points(full_verify) if self.rank == 0 else None
 

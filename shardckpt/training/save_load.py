@@ -17,10 +17,11 @@ from typing import Any, Iterator, Mapping, Protocol
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
-from shardckpt.training.collective import agree, broadcast_bytes, rank_and_world
+from shardckpt.checkpoint.collective import agree, broadcast_bytes, rank_and_world
 from shardckpt.errors import IncompatibleLayoutError, ManifestError
 from shardckpt.format.dtypes import itemsize
-from shardckpt.format.layout import Layout, plan_reshard
+from shardckpt.format.layout import Layout
+from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
     MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
 )
@@ -42,13 +43,13 @@ class Sharded(Protocol):
 
 
 def optimizer_info(model: Sharded) -> OptimizerInfo | None:
-    """The optimizer's name, param groups (FQNs, hyper-parameters, step) in manifest form."""
+    """The optimizer's name and param groups (``params``, ``hparams``, ``step``)."""
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return None
     meta = opt.optimizer_metadata()
     return OptimizerInfo(meta["name"], tuple(
-        {"params": list(g["fqns"]), "hparams": dict(g["hyper"]), "step": int(g["step"])}
+        {"params": list(g["params"]), "hparams": dict(g["hparams"]), "step": int(g["step"])}
         for g in meta["param_groups"]))
 
 
@@ -58,17 +59,17 @@ def load_optimizer_info(model: Sharded, info: OptimizerInfo, strict: bool = True
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return
-    saved = [{"fqns": list(g["params"]), "hyper": dict(g.get("hparams", {})),
+    saved = [{"params": list(g["params"]), "hparams": dict(g.get("hparams", {})),
               "step": int(g.get("step", 0))} for g in info.param_groups]
     if not strict:
         current = opt.optimizer_metadata()["param_groups"]
-        known_saved = {f for g in saved for f in g["fqns"]}
-        known_now = {f for g in current for f in g["fqns"]}
+        known_saved = {f for g in saved for f in g["params"]}
+        known_now = {f for g in current for f in g["params"]}
         merged = []
         for g in current:
-            mine = set(g["fqns"]) & known_saved
-            match = next((s for s in saved if mine and set(s["fqns"]) & known_now == mine), None)
-            merged.append({"fqns": g["fqns"], "hyper": (match or g)["hyper"],
+            mine = set(g["params"]) & known_saved
+            match = next((s for s in saved if mine and set(s["params"]) & known_now == mine), None)
+            merged.append({"params": g["params"], "hparams": (match or g)["hparams"],
                            "step": (match or g)["step"]})
         saved = merged
     opt.load_optimizer_metadata({"name": info.name, "param_groups": saved})
@@ -103,16 +104,6 @@ def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
     if chunk_size:
         spec.chunk_size = chunk_size
     return spec
-
-
-def _entry_doc(e: FileEntry) -> dict[str, Any]:
-    return {"path": e.path, "role": e.role, "size": e.size, "header_size": e.header_size,
-            "crc32c": e.crc32c, "chunks": list(e.chunk_crc32c), "index": e.index}
-
-
-def _entry(d: Mapping[str, Any]) -> FileEntry:
-    return FileEntry(d["path"], d["role"], d["size"], d["header_size"], d["crc32c"],
-                     tuple(d["chunks"]), d["index"])
 
 
 @dataclass
@@ -179,7 +170,7 @@ class SaveJob:
             state = self.rank_state
             entries.append(w.write_rank_state(self.rank, slots,
                                               lambda slot: iter([_bytes_of(state[slot.name])])))
-        return [_entry_doc(e) for e in entries]
+        return [e.to_doc() for e in entries]
 
     def run(self) -> Manifest:
         """Agree on the save id, write this rank's files, exchange entries, commit on rank 0."""
@@ -191,7 +182,7 @@ class SaveJob:
         with writer.lease(hold=self.rank == 0):
             _, reports = agree(self.write_files, f"save to {self.url}", self.group,
                                after_loss=lambda: self.commit_status(committing=False))
-            entries = [_entry(d) for rep in reports for d in rep["payload"]]
+            entries = [FileEntry.from_doc(d) for rep in reports for d in rep["payload"]]
 
             def commit() -> str | None:
                 return writer.commit(entries).save_id if self.rank == 0 else None
@@ -298,7 +289,7 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
         if "model" not in m.components and m.chunked is not None:
             raise ManifestError(
                 f"{reader.url} holds chunked tensors (saved through DCP), not flat groups: load it "
-                "with shardckpt.interop.dcp_to_flat.load_chunked(engine, url), or into FSDP2 with "
+                "with shardckpt.training.chunked_load.load_chunked(engine, url), or into FSDP2 with "
                 "dcp.load(..., storage_reader=ShardckptReader(url))")
         if "model" not in m.components:
             raise ManifestError(f"{reader.url}: no 'model' component (found {sorted(m.components)})")
