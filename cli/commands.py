@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import (
-    EXIT_FAILED, StorageOptionArg, checkpoint_location, console, echo, echo_json, guarded, human_bytes,
-    parse_count, parse_storage_options, progress, safe_text,
+    EXIT_FAILED, EXIT_USAGE, StorageOptionArg, checkpoint_location, console, echo, echo_json, fail,
+    guarded, human_bytes, parse_count, parse_storage_options, progress, safe_text,
 )
 
 
@@ -28,17 +29,12 @@ def synth(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write a valid synthetic checkpoint of a Llama-shaped layout (fp32 masters + AdamW moments)."""
-    from shardckpt.tools.synth import synth_spec, synthesize
-    from shardckpt.format.manifest import shard_slots
+    from shardckpt.tools.synth import synth_bytes, synthesize
 
     n = parse_count(params, "--params")
     if ranks < 1:
-        from shardckpt.cli.common import fail
-        fail(f"--ranks {ranks}: must be >= 1", 2)
-    spec = synth_spec(n, ranks, replicate, units, step, seed)
-    slots = shard_slots(spec.components, spec.mesh)
-    total = (slots[-1].end if slots else 0) * spec.mesh.shard_degree
-    with progress(total, "synth") as tick:
+        fail(f"--ranks {ranks}: must be >= 1", EXIT_USAGE)
+    with progress(synth_bytes(n, ranks, replicate, units), "synth") as tick:
         m = synthesize(dst, n, ranks, replicate, units, seed, step,
                        parse_storage_options(storage_option), workers, progress=tick)
     if json_out:
@@ -59,12 +55,10 @@ def inspect(
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables (lists every parameter)."),
 ) -> None:
     """Show a checkpoint's format version, mesh, step, components, groups, parameters, states and files."""
-    from shardckpt.checkpoint.reader import read_manifest, as_storage
-    from shardckpt.tools.summary import summarize
+    from shardckpt.tools.jobs import describe
 
     opts = parse_storage_options(storage_option)
-    url = checkpoint_location(ckpt, opts)
-    s = summarize(read_manifest(as_storage(url, opts)), url)
+    s = describe(checkpoint_location(ckpt, opts), opts)
     if json_out:
         echo_json(s)
         return
@@ -159,25 +153,13 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Check every file's presence, size, checksums and header; exit 0 only if all hold."""
-    from shardckpt.checkpoint.reader import as_storage, read_manifest
-    from shardckpt.checkpoint.verify import verify as run_verify
-
-    from shardckpt.errors import ShardckptError
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_verify
 
     opts = parse_storage_options(storage_option)
     ckpt = checkpoint_location(ckpt, opts)  # a run directory: the checkpoint its latest names
-    storage = as_storage(ckpt, opts)
-    try:  # read once: verify is given the manifest (or the error) instead of reading it again
-        m: Any = read_manifest(storage)
-    except ShardckptError as e:
-        m = e
-    from shardckpt.tools.distributed import job_from_environment, verify_job
-
     with job_from_environment() as job:  # under torchrun: this process checks its share
-        with progress(0 if isinstance(m, ShardckptError) else m.total_bytes, "verify",
-                      enabled=job is None) as tick:
-            result = (run_verify(storage, workers=workers, progress=tick, manifest=m)
-                      if job is None else verify_job(job, storage, workers, tick, m))
+        result = run_verify(ckpt, opts, workers, job, functools.partial(progress, description="verify"))
     if job is not None and not job.is_root:
         if not result:
             raise typer.Exit(EXIT_FAILED)

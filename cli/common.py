@@ -57,13 +57,15 @@ def parse_count(text: str, what: str) -> int:
 
 
 _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BYTE_UNITS = {"": 1, "b": 1,
+               **{f"{p}{b}": 1000 ** (i + 1) for i, p in enumerate("kmgt") for b in ("", "b")},
+               **{f"{p}i{b}": 1 << 10 * (i + 1) for i, p in enumerate("kmgt") for b in ("", "b")}}
 
 
 def parse_bytes(text: str, what: str) -> int:
-    """A size in bytes: '64' and '64B' are 64 bytes; KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB
-    powers of 1024 (case-insensitive)."""
+    """A size in bytes, the one parser of every size option: '64' and '64B' are 64 bytes;
+    K/KB, M/MB, G/GB, T/TB are powers of 1000, Ki/KiB, Mi/MiB, Gi/GiB, Ti/TiB powers of 1024
+    (case-insensitive); '1e9' is a billion bytes."""
     m = _BYTES.match(text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _BYTE_UNITS:

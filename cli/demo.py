@@ -21,7 +21,7 @@ def demo(
 ) -> None:
     """Train a small Llama with ZeRO-3 on N processes, save, reshard N->M, resume on M, consolidate,
     and check that a plain module's loss on the consolidated weights equals the sharded one's."""
-    from shardckpt.tools.demo import run_demo
+    from shardckpt.demo import run_demo
 
     say = (lambda line: None) if json_out else (lambda line: typer.echo(f"- {line}"))
     s = run_demo(workdir, ranks, to, steps, say=say)

@@ -1,7 +1,8 @@
 """``shardckpt estimate``: model-state memory per GPU and communication per step (ZeRO paper).
 
 Thin: parse the options, call :func:`shardckpt.tools.estimate.estimate_all`, print a table or JSON.
-Bad input prints one line on stderr naming the option and its value, and exits with code 2.
+Bad input is a usage error naming the option and its value: ``guarded`` prints it as one line on
+stderr and exits with code 2, as for every command.
 Imports nothing heavy (no torch, no numpy); rich is imported only when a table is printed.
 """
 
@@ -14,9 +15,11 @@ import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import console, guarded
+from shardckpt.errors import ConfigError
 
 if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
-    from shardckpt.tools.estimate import Estimate, OffloadSplit, Precision, ZeroPPTraffic
+    from shardckpt.tools.estimate import Estimate, Precision
+    from shardckpt.tools.estimate_levers import OffloadSplit, ZeroPPTraffic
 
 _FLAG = {"params": "--params", "ranks": "--ranks", "replicate": "--replicate",
          "precision": "--precision", "largest_unit": "--largest-unit",
@@ -47,16 +50,16 @@ OFFLOAD_CONVENTION = (
 )
 
 
-def _fail(option: str, value: object, reason: str) -> typer.Exit:
-    typer.echo(f"error: {_FLAG.get(option, option)} {value}: {reason}", err=True)
-    return typer.Exit(2)
+def _usage(option: str, value: object, reason: str) -> ConfigError:
+    """A usage error naming the command-line flag; ``guarded`` prints it and exits with 2."""
+    return ConfigError(f"{_FLAG.get(option, option)} {value}: {reason}")
 
 
 def _whole(option: str, text: str) -> int:
     try:
         return int(text.strip())
     except ValueError:
-        raise _fail(option, text, "not a whole number") from None
+        raise _usage(option, text, "not a whole number") from None
 
 
 def _precision_dict(p: Precision) -> dict[str, object]:
@@ -91,8 +94,9 @@ def estimate(
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
-    from shardckpt.tools.estimate import (GB, EstimateError, estimate_all, offload_split, parse_count,
-                                    precision_preset, zeropp_traffic)
+    from shardckpt.tools.estimate import (GB, EstimateError, estimate_all, parse_count,
+                                          precision_preset)
+    from shardckpt.tools.estimate_levers import offload_split, zeropp_traffic
 
     given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
              "largest_unit": largest_unit, "ranks_per_node": ranks_per_node,
@@ -113,7 +117,7 @@ def estimate(
         if offload is not None:
             off = [offload_split(row, offload) for row in rows if row.strategy != "ddp"]
     except EstimateError as e:
-        raise _fail(e.option, given.get(e.option, e.value), e.reason) from None
+        raise _usage(e.option, given.get(e.option, e.value), e.reason) from None
     if as_json:
         doc = {"params": psi, "ranks": n, "replicate": r, "precision": _precision_dict(prec),
                "gb_bytes": GB, "comm_convention": COMM_CONVENTION,

@@ -1,21 +1,39 @@
 """``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``,
 ``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``).
 
-Thin: parse options, call :func:`shardckpt.interop.hf_import.import_hf`, print one line or JSON. Errors become
-one line on stderr and a non-zero exit (``guarded``).
+Thin: parse options, call the importer or exporter, print one line or JSON of what it wrote.
+Errors become one line on stderr and a non-zero exit (``guarded``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import (
-    EXIT_USAGE, StorageOptionArg, echo_json, fail, guarded, human_bytes, parse_storage_options,
+    EXIT_USAGE, StorageOptionArg, echo_json, fail, guarded, human_bytes, parse_bytes, parse_storage_options,
 )
-from shardckpt.cli.offline import parse_size
+
+
+def _check_mesh(ranks: int, replicate: int) -> None:
+    if ranks < 1 or replicate < 1 or ranks % replicate:
+        fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
+
+
+def _report(m: Any, dst: str, source_format: str, json_out: bool,
+            line: Callable[[dict[str, Any]], str]) -> None:
+    """What an import wrote (:func:`shardckpt.interop.importing.import_summary`): JSON, or the
+    line ``line`` makes of it."""
+    from shardckpt.interop.importing import import_summary
+
+    summary = import_summary(m, dst, source_format)
+    if json_out:
+        echo_json(summary)
+    else:
+        typer.echo(line(summary))
+
 
 import_app = typer.Typer(help="Import a foreign checkpoint as a shardckpt checkpoint.",
                          no_args_is_help=True, rich_markup_mode=None)
@@ -40,19 +58,12 @@ def import_hf_command(
     """Write SRC's weights as a weights-only checkpoint for --ranks ranks; manifest last."""
     from shardckpt.interop.hf_import import import_hf
 
-    if ranks < 1 or replicate < 1 or ranks % replicate:
-        fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
+    _check_mesh(ranks, replicate)
     opts = parse_storage_options(storage_option)
-    m = import_hf(src, dst, ranks, replicate, unit, opts, opts, parse_size(buffer, "--buffer"))
-    comp = m.components["model"]
-    summary = {"destination": dst, "save_id": m.save_id, "ranks": ranks, "replicate": replicate,
-               "params": len(comp.layout.params), "units": len({g.unit for g in comp.layout.groups}),
-               "bytes": m.total_bytes, "hf_config": "hf_config" in m.extras}
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"imported {src} -> {dst}: {summary['params']} tensors, {summary['units']} "
-                   f"units, {ranks} ranks, {human_bytes(m.total_bytes)}")
+    m = import_hf(src, dst, ranks, replicate, unit, opts, opts, parse_bytes(buffer, "--buffer"))
+    _report(m, dst, "hf", json_out, lambda s: (
+        f"imported {src} -> {dst}: {s['params']} tensors, {s['units']} units, {ranks} ranks, "
+        f"{human_bytes(s['bytes'])}"))
 
 
 @import_app.command("deepspeed")
@@ -77,23 +88,14 @@ def import_deepspeed_command(
     """Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."""
     from shardckpt.interop.deepspeed_import import import_deepspeed
 
-    if ranks < 1 or replicate < 1 or ranks % replicate:
-        fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
+    _check_mesh(ranks, replicate)
     opts = parse_storage_options(storage_option)
     m = import_deepspeed(src, dst, ranks, replicate, unit, tag, opts, opts,
-                         parse_size(buffer, "--buffer"), tmp_dir)
-    comp = m.components["model"]
-    ds = m.extras.get("deepspeed", {})
-    summary = {"destination": dst, "save_id": m.save_id, "ranks": ranks, "replicate": replicate,
-               "params": len(comp.layout.params), "units": len({g.unit for g in comp.layout.groups}),
-               "bytes": m.total_bytes, "step": m.extras.get("step"), "zero_stage": ds.get("stage"),
-               "source_world_size": ds.get("world_size")}
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"imported {src} (ZeRO-{ds.get('stage')}, {ds.get('world_size')} ranks, step "
-                   f"{m.extras.get('step')}) -> {dst}: {summary['params']} parameters, "
-                   f"{ranks} ranks, {human_bytes(m.total_bytes)}")
+                         parse_bytes(buffer, "--buffer"), tmp_dir)
+    _report(m, dst, "deepspeed", json_out, lambda s: (
+        f"imported {src} (ZeRO-{s['zero_stage']}, {s['source_world_size']} ranks, step "
+        f"{s['step']}) -> {dst}: {s['params']} parameters, {ranks} ranks, "
+        f"{human_bytes(s['bytes'])}"))
 
 
 @import_app.command("dcp")
@@ -123,31 +125,18 @@ def import_dcp_command(
     from shardckpt.interop.dcp_import import import_dcp
 
     opts = parse_storage_options(storage_option)
-    if ranks is not None:
-        if ranks < 1 or replicate < 1 or ranks % replicate:
-            fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
-        m = import_dcp_flat(src, dst, ranks, replicate, unit, model_key, optim_key, opts, opts,
-                            parse_size(buffer, "--buffer"), tmp_dir)
-        comp = m.components["model"]
-        summary = {"destination": dst, "save_id": m.save_id, "ranks": ranks,
-                   "replicate": replicate, "params": len(comp.layout.params),
-                   "units": len({g.unit for g in comp.layout.groups}), "bytes": m.total_bytes,
-                   "step": m.extras.get("step")}
-        if json_out:
-            echo_json(summary)
-        else:
-            typer.echo(f"imported {src} -> {dst}: {summary['params']} parameters, "
-                       f"{summary['units']} units, {ranks} ranks, {human_bytes(m.total_bytes)}")
+    if ranks is None:
+        m = import_dcp(src, dst, opts, opts)
+        _report(m, dst, "dcp", json_out, lambda s: (
+            f"imported {src} -> {dst}: {s['tensors']} tensors, {s['values']} other values, "
+            f"{human_bytes(s['bytes'])}"))
         return
-    m = import_dcp(src, dst, opts, opts)
-    assert m.chunked is not None
-    summary = {"destination": dst, "save_id": m.save_id, "tensors": len(m.chunked.tensors),
-               "values": len(m.chunked.blobs), "files": len(m.files), "bytes": m.total_bytes}
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"imported {src} -> {dst}: {summary['tensors']} tensors, {summary['values']} "
-                   f"other values, {human_bytes(m.total_bytes)}")
+    _check_mesh(ranks, replicate)
+    m = import_dcp_flat(src, dst, ranks, replicate, unit, model_key, optim_key, opts, opts,
+                        parse_bytes(buffer, "--buffer"), tmp_dir)
+    _report(m, dst, "dcp", json_out, lambda s: (
+        f"imported {src} -> {dst}: {s['params']} parameters, {s['units']} units, {ranks} ranks, "
+        f"{human_bytes(s['bytes'])}"))
 
 
 export_app = typer.Typer(help="Export a shardckpt checkpoint to a foreign format.",

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from shardckpt.cli.app import app
-from shardckpt.cli import commands  # noqa: F401  (registers commands)
-from shardckpt.cli import estimate  # noqa: F401  (registers `estimate`)
-from shardckpt.cli import reshard  # noqa: F401  (registers `reshard`)
-from shardckpt.cli import clean  # noqa: F401  (registers `clean`)
-from shardckpt.cli import demo  # noqa: F401  (registers `demo`)
-from shardckpt.cli import offline  # noqa: F401
-from shardckpt.cli import importers  # noqa: F401  (registers `import hf`)
-from shardckpt.cli import watch  # noqa: F401  (registers `watch`)
+from shardckpt.cli import commands, estimate, reshard, clean, demo, offline, importers, watch
+
+#: The command modules: each registers its commands on ``app`` when imported, in the order
+#: ``shardckpt --help`` lists them.
+COMMAND_MODULES = (commands, estimate, reshard, clean, demo, offline, importers, watch)
 
 __all__ = ["app"]
 

@@ -7,32 +7,16 @@ table or JSON. Errors become one line on stderr and a non-zero exit (``guarded``
 
 from __future__ import annotations
 
-import re
+import functools
 from typing import Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import (
-    EXIT_FAILED, EXIT_USAGE, StorageOptionArg, checkpoint_location, console, echo, echo_json, fail,
-    guarded, human_bytes, parse_bytes, parse_storage_options, progress, safe_text,
+    EXIT_FAILED, StorageOptionArg, checkpoint_location, console, echo, echo_json, guarded, human_bytes,
+    parse_bytes, parse_storage_options, progress, safe_text,
 )
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
-
-
-def parse_size(text: str, what: str) -> int:
-    """'5GB' / '5G' / '500MB' / '1e9' / '2GiB' -> bytes (KB, MB, GB, TB: 1000s; KiB...: 1024s)."""
-    m = _SIZE.match(text)
-    if not m or (m.group(3) and not m.group(2)):
-        fail(f"{what} {text!r}: expected a size such as 5GB, 500MB, 2GiB or 1e9", EXIT_USAGE)
-    base = 1024 if m.group(3) else 1000  # type: ignore[union-attr]
-    power = " kmgt".index(m.group(2).lower() or " ")  # type: ignore[union-attr]
-    value = int(round(float(m.group(1)) * base ** power))  # type: ignore[union-attr]
-    if value <= 0:
-        fail(f"{what} {text!r}: must be positive", EXIT_USAGE)
-    return value
-
 
 @app.command()
 @guarded
@@ -54,22 +38,17 @@ def consolidate(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC as Hugging Face safetensors (and config.json) in DST; its index is written last."""
-    from shardckpt.checkpoint.reader import CheckpointReader
-    from shardckpt.tools.consolidate import plan_consolidation, write_consolidation
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_consolidate
 
-    size = parse_size(max_shard_size, "--max-shard-size")
+    size = parse_bytes(max_shard_size, "--max-shard-size")
     buffer_bytes = parse_bytes(buffer, "--buffer")
     opts = parse_storage_options(storage_option)
     src = checkpoint_location(src, opts)
-    reader = CheckpointReader(src, opts)
-    plan = plan_consolidation(reader.manifest, dtype, size, component, optimizer, src, prefix)
-    from shardckpt.tools.distributed import consolidate_job, job_from_environment
-
     with job_from_environment() as job:  # under torchrun: this process's share of the files
-        with progress(plan.source_bytes, "consolidate", enabled=job is None) as tick:
-            r = (write_consolidation(reader, plan, dst, overwrite, opts, buffer_bytes, tick, copy_from)
-                 if job is None else
-                 consolidate_job(job, reader, plan, dst, overwrite, opts, buffer_bytes, tick, copy_from))
+        r = run_consolidate(src, dst, dtype, size, component, prefix, optimizer, overwrite, copy_from,
+                            opts, buffer_bytes, job,
+                            functools.partial(progress, description="consolidate"))
     if job is not None and not job.is_root:
         return
     if json_out:
@@ -96,19 +75,13 @@ def diff(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal."""
-    from shardckpt.checkpoint.reader import CheckpointReader
-    from shardckpt.tools.diff import plan_diff, run_diff
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_diff
 
     opts = parse_storage_options(storage_option)
-    ra, rb = CheckpointReader(a, opts), CheckpointReader(b, opts)
-    plan = plan_diff(ra.manifest, rb.manifest)
-    from shardckpt.tools.distributed import diff_job, job_from_environment
-
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process compares its share
-        with progress(plan.total_bytes, "diff", enabled=job is None) as tick:
-            r = (run_diff(ra, rb, plan, buffer_bytes, tick) if job is None
-                 else diff_job(job, ra, rb, plan, buffer_bytes, tick))
+        r = run_diff(a, b, opts, buffer_bytes, job, functools.partial(progress, description="diff"))
     if job is not None and not job.is_root:
         if not r.equal:
             raise typer.Exit(EXIT_FAILED)

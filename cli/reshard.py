@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import (
-    StorageOptionArg, echo_json, guarded, human_bytes, parse_storage_options, progress,
+    StorageOptionArg, checkpoint_location, echo_json, guarded, human_bytes, parse_bytes,
+    parse_storage_options, progress,
 )
 
 
@@ -35,29 +37,15 @@ def reshard(
 
     Under torchrun (`torchrun --nproc_per_node K -m shardckpt reshard ...`) the job's processes
     split the target files by bytes and rank 0 commits once all are written."""
-    from shardckpt.checkpoint.reader import read_manifest, as_storage
-    from shardckpt.cli.common import parse_bytes
-    from shardckpt.tools.reshard import reshard as run
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_reshard
 
     opts = parse_storage_options(storage_option)
-    from shardckpt.cli.common import checkpoint_location
-
     src = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
-    from shardckpt.tools.distributed import job_from_environment, reshard_job
-
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process's share of the job
-        total = 0
-        if workers <= 1 and job is None:
-            try:
-                total = read_manifest(as_storage(src, opts)).total_bytes
-            except Exception:  # noqa: BLE001 - the real error is raised by run() below
-                total = 0
-        with progress(total, "reshard", enabled=workers <= 1 and job is None) as tick:
-            r = (run(src, dst, to, from_, replicate, workers, overwrite, opts,
-                     buffer_bytes=buffer_bytes, progress=tick) if job is None else
-                 reshard_job(job, src, dst, to, from_, replicate, overwrite, opts, None,
-                             buffer_bytes, tick))
+        r = run_reshard(src, dst, to, from_, replicate, workers, overwrite, opts, buffer_bytes, job,
+                        functools.partial(progress, description="reshard"))
     if job is not None and not job.is_root:
         return
     m = r.manifest

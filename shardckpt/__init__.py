@@ -7,13 +7,16 @@ The package is grouped by layer, lowest first; a layer imports only those below 
 - :mod:`shardckpt.storage` — bytes: the backend for a URL (local, S3, any fsspec), checked ranged
   reads, streaming writes, retries, the commit and writer leases.
 - :mod:`shardckpt.checkpoint` — one checkpoint as files: writing, reading, verifying, tensor
-  pieces, run directories and ``latest``. No torch.
-- :mod:`shardckpt.tools` — the offline tools (reshard, consolidate, diff, clean, inspect, estimate,
-  synth) and their ``torchrun`` form. No torch.
+  pieces, run directories and ``latest``, the ranks' agreement. No torch at import.
 - :mod:`shardckpt.interop` — Hugging Face, DCP and DeepSpeed in and out.
+- :mod:`shardckpt.tools` — the offline tools (reshard, consolidate, diff, clean, inspect, estimate,
+  synth) and their ``torchrun`` form. No torch at import.
 - :mod:`shardckpt.training` — the training-loop side: save/load from a running job, the Checkpointer.
 - :mod:`shardckpt.runtime` — the ZeRO-1/2/3 engine.
 - :mod:`shardckpt.watch` — ``shardckpt watch``, the pipeline service.
+- :mod:`shardckpt.demo` — ``shardckpt demo``: the whole stack on local disk.
+
+``tests/test_layers.py`` holds every module to this order.
 
 The names most programs need are importable from here (lazily: ``import shardckpt`` costs nothing).
 """
@@ -35,7 +38,7 @@ _EXPORTS = {
     "synthesize": "tools.synth",
     "ShardckptReader": "interop.dcp_storage",
     "ShardckptWriter": "interop.dcp_storage",
-    "DcpCheckpointer": "interop.dcp_storage",
+    "DcpCheckpointer": "interop.dcp_checkpointer",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -43,7 +46,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.checkpoint.verify import verify  # noqa: F401
-    from shardckpt.interop.dcp_storage import DcpCheckpointer, ShardckptReader, ShardckptWriter  # noqa: F401
+    from shardckpt.interop.dcp_checkpointer import DcpCheckpointer  # noqa: F401
+    from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter  # noqa: F401
     from shardckpt.tools.consolidate import consolidate  # noqa: F401
     from shardckpt.tools.diff import diff  # noqa: F401
     from shardckpt.tools.reshard import reshard  # noqa: F401

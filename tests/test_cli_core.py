@@ -16,30 +16,16 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from ckpt_helpers import TINY_PARAMS, make_ckpt
+from testing.ckpts import TINY_PARAMS, make_ckpt
+from testing.cli import cli, one_line_error
 from shardckpt import storage as storage_mod
 from shardckpt.cli.common import parse_storage_options
 from shardckpt.cli.main import app
-from shardckpt.format.manifest import Manifest, parse, to_json
+from shardckpt.format.manifest import Manifest, to_json
+from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import crc32c
 
 runner = CliRunner()
-
-
-def cli(*args: str) -> Result:
-    return runner.invoke(app, list(args))
-
-
-def one_line_error(r: Result, *needles: str, code: int = 1) -> str:
-    """The command failed with ``code`` and printed exactly one ``error:`` line holding ``needles``."""
-    assert r.exit_code == code, (r.exit_code, r.output)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("error: ")
-    for n in needles:
-        assert n in lines[0], f"{n!r} not in {lines[0]!r}"
-    assert "Traceback" not in r.output
-    return lines[0]
 
 
 def error_lines(r: Result) -> list[str]:
@@ -328,3 +314,38 @@ def test_help_does_not_import_torch() -> None:
     assert "synth" in r.stdout and "verify" in r.stdout and "inspect" in r.stdout
     r2 = subprocess.run([shardckpt_script(), "--help"], capture_output=True, text=True, timeout=60)
     assert r2.returncode == 0 and "verify" in r2.stdout
+
+
+# --------------------------------------------------------------- progress totals from the library
+
+
+def test_jobs_open_progress_with_the_bytes_they_move(tmp_path: Path, ckpt: tuple[Path, Manifest]) -> None:
+    """The commands' progress totals come from the library's plans: a reshard and a verify
+    count the source's bytes, a diff the bytes its plan compares; synth_bytes is what synthesize
+    counts."""
+    from contextlib import contextmanager
+    from typing import Iterator
+
+    from shardckpt.errors import ConfigError
+    from shardckpt.tools.diff import plan_diff
+    from shardckpt.tools.jobs import run_diff, run_reshard, run_verify
+    from shardckpt.tools.synth import synth_bytes, synthesize
+
+    path, m = ckpt
+    totals: list[int] = []
+
+    @contextmanager
+    def bar(total: int) -> Iterator[Any]:
+        totals.append(total)
+        yield lambda n: None
+
+    assert run_verify(str(path), {}, 2, None, bar).ok
+    out = str(tmp_path / "r")
+    r = run_reshard(str(path), out, 2, None, 1, 1, False, {}, 1 << 20, None, bar)
+    assert run_diff(str(path), out, {}, 1 << 20, None, bar).equal
+    assert totals == [m.total_bytes, m.total_bytes, plan_diff(m, r.manifest).total_bytes]
+    counted: list[int] = []
+    synthesize(str(tmp_path / "s"), TINY_PARAMS, 4, 2, progress=counted.append)
+    assert sum(counted) == synth_bytes(TINY_PARAMS, 4, 2)
+    with pytest.raises(ConfigError, match="--to 0"):  # checked before the source is opened
+        run_reshard(str(tmp_path / "nothing"), out, 0, None, 1, 1, False, {}, 1 << 20, None, bar)

@@ -12,18 +12,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from typer.testing import CliRunner, Result
 
-from ckpt_helpers import make_ckpt
+from testing.ckpts import make_ckpt
+from testing.cli import cli
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
-from shardckpt.cli.main import app
 from shardckpt.format.layout import Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import Component, Manifest, default_states
-
-
-def cli(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
 
 
 def rows(out: str) -> dict[str, list[str]]:

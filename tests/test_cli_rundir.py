@@ -10,10 +10,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner, Result
 
-from ckpt_helpers import TINY_PARAMS
-from shardckpt.cli.main import app
+from testing.ckpts import TINY_PARAMS, make_run_dir
+from testing.cli import cli, one_line_error
 from shardckpt.errors import IncompleteCheckpointError
 from shardckpt.checkpoint.run_dir import resolve_checkpoint
 from shardckpt.storage import Storage
@@ -22,24 +21,9 @@ from shardckpt.tools.synth import synthesize
 NOTE = "run directory: using latest -> step-00000200\n"
 
 
-def cli(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
-
-
-def one_line_error(r: Result, *needles: str) -> str:
-    assert r.exit_code == 1, (r.exit_code, r.output, r.exception)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
-
-
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
-    root = tmp_path / "run"
-    for step in (100, 200):
-        synthesize(str(root / f"step-{step:08d}"), TINY_PARAMS, 2, step=step, seed=step)
+    root = make_run_dir(tmp_path / "run")
     (root / "latest").write_text("step-00000200\n")
     return root
 

@@ -12,35 +12,20 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner, Result
 
 from shardckpt.checkpoint.reader import as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.cli.common import safe_text
-from shardckpt.cli.main import app
 from shardckpt.format.layout import Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import Component, OptimizerInfo, TensorSlot, default_states
+from testing.cli import cli, one_line_error
 
 MARKUP = "[/]"
 BOLD_CLOSE = "[/bold]"
 ESCAPE = "w[/bold]\x1b[2J:smile:"     # markup, a terminal escape sequence and an emoji code
 ESCAPE_SHOWN = "w[/bold]\\x1b[2J:smile:"
 ALIAS = "[bold]tied[/]"
-
-
-def cli(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
-
-
-def one_line_error(r: Result, *needles: str, code: int = 1) -> str:
-    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    assert "Traceback" not in r.output
-    return lines[0]
 
 
 def write_hostile(dst: str, fill: float = 0.0, ranks: int = 2) -> None:

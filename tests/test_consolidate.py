@@ -17,9 +17,8 @@ from typer.testing import CliRunner
 from shardckpt.tools import synth
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.cli.main import app
-from shardckpt.tools.consolidate import (
-    MODEL_INDEX, OPTIMIZER_INDEX, PROVENANCE, cast_bytes, consolidate, decode, f32_to_bf16_bits,
-)
+from shardckpt.checkpoint.pieces import cast_bytes, decode, f32_to_bf16_bits
+from shardckpt.tools.consolidate import MODEL_INDEX, OPTIMIZER_INDEX, PROVENANCE, consolidate
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, IntegrityError
 
 torch = pytest.importorskip("torch")
@@ -354,12 +353,16 @@ def test_cli(ckpts: dict, tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
-def test_parse_size() -> None:
-    from shardckpt.cli.offline import parse_size
+def test_one_size_parser_for_every_option() -> None:
+    """--max-shard-size, every --buffer and the importers' sizes share one parser: '64B' is 64
+    bytes everywhere, G and GB mean 10**9, Gi and GiB 2**30."""
+    from shardckpt.cli.common import parse_bytes
 
-    assert parse_size("5GB", "s") == 5_000_000_000 and parse_size("500MB", "s") == 500_000_000
-    assert parse_size("1e9", "s") == 1_000_000_000 and parse_size("2GiB", "s") == 2 << 30
-    assert parse_size("64k", "s") == 64_000 and parse_size("123", "s") == 123
+    assert parse_bytes("5GB", "s") == 5_000_000_000 and parse_bytes("500MB", "s") == 500_000_000
+    assert parse_bytes("1e9", "s") == 1_000_000_000 and parse_bytes("2GiB", "s") == 2 << 30
+    assert parse_bytes("64k", "s") == 64_000 and parse_bytes("123", "s") == 123
+    assert parse_bytes("64B", "s") == parse_bytes("64", "s") == 64 and parse_bytes("5G", "s") == 5 * 10**9
+    assert parse_bytes("2Gi", "s") == 2 << 30
 
 
 def test_weights_only_read_fetches_about_the_weights(tmp_path: Path) -> None:

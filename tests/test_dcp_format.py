@@ -23,7 +23,8 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, box_byte_span, tiling_problems
 from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter
 from shardckpt.errors import ManifestError
-from shardckpt.format.manifest import parse, to_json
+from shardckpt.format.manifest import to_json
+from shardckpt.format.manifest_parse import parse
 from shardckpt.format.integrity import seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

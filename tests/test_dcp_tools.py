@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.numpy import load_file
-from typer.testing import CliRunner, Result
+from typer.testing import CliRunner
 
 from shardckpt.cli.main import app
 from shardckpt.interop.dcp_storage import ShardckptWriter
 from shardckpt.tools.diff import diff
+from testing.cli import cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -26,10 +27,6 @@ HERE = Path(__file__).resolve().parent / "golden"
 GOLDEN = HERE / "v1_2_chunked"
 sys.path.insert(0, str(HERE))
 from make_golden_chunked import golden_state  # noqa: E402
-
-
-def cli(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
 
 
 def _resave(path: Path, change: bool = False, lr: float = 0.5) -> str:

@@ -19,7 +19,7 @@ from shardckpt.tools.reshard import target_spec
 from shardckpt.tools.split import balance, contiguous_split, shard_bytes
 from shardckpt.tools.synth import synth_spec
 
-from ckpt_helpers import manifest_from_spec
+from testing.ckpts import manifest_from_spec
 
 
 def test_balance_splits_by_bytes_not_by_count() -> None:

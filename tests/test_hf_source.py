@@ -18,10 +18,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError, ManifestError
-from shardckpt.interop.hf_import import (
-    fetch, import_hf, import_layout, match_tensors, open_hf, plan_shard_reads,
-)
+from shardckpt.interop.hf_import import fetch, import_hf, import_layout, match_tensors, plan_shard_reads
+from shardckpt.interop.hf_source import open_hf
 from shardckpt.format.layout import Mesh, ParamInfo, build_layout
+from testing.cli import cli_process
 
 SHAPES = {"model.embed_tokens.weight": (50, 8), "model.layers.0.mlp.up_proj.weight": (12, 8),
           "model.layers.0.input_layernorm.weight": (8,), "model.layers.1.mlp.up_proj.weight": (12, 8),
@@ -288,27 +288,23 @@ def test_a_failed_import_leaves_no_checkpoint(tmp_path: Path) -> None:
     assert not list((tmp_path / "ck").iterdir())  # its own files removed too, lease included
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardckpt.cli.main", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
 def test_cli_import_hf(tmp_path: Path) -> None:
     folder = write_folder(tmp_path / "m", tensors(), config={"model_type": "llama"})
-    ok = _cli("import", "hf", str(folder), str(tmp_path / "ck"), "--ranks", "4", "--replicate", "2",
-              "--json")
+    ok = cli_process("import", "hf", str(folder), str(tmp_path / "ck"), "--ranks", "4",
+                     "--replicate", "2", "--json")
     assert ok.returncode == 0, ok.stderr
     summary = json.loads(ok.stdout)
     assert summary["ranks"] == 4 and summary["params"] == len(SHAPES) and summary["hf_config"]
     assert summary["units"] == 3  # the root and one per block
-    units = _cli("import", "hf", str(folder), str(tmp_path / "ck1"), "--ranks", "2", "--json",
-                 "--unit", r"model\.layers\.\d+\.mlp", "--unit", r"model\.embed_tokens")
+    units = cli_process("import", "hf", str(folder), str(tmp_path / "ck1"), "--ranks", "2", "--json",
+                        "--unit", r"model\.layers\.\d+\.mlp", "--unit", r"model\.embed_tokens")
     assert units.returncode == 0 and json.loads(units.stdout)["units"] == 4, units.stderr
     (folder / "model-00001-of-00003.safetensors").unlink()
-    bad = _cli("import", "hf", str(folder), str(tmp_path / "ck2"), "--ranks", "2")
+    bad = cli_process("import", "hf", str(folder), str(tmp_path / "ck2"), "--ranks", "2")
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
     assert "model-00001-of-00003.safetensors: missing" in bad.stderr
-    usage = _cli("import", "hf", str(folder), str(tmp_path / "ck3"), "--ranks", "3", "--replicate", "2")
+    usage = cli_process("import", "hf", str(folder), str(tmp_path / "ck3"), "--ranks", "3",
+                        "--replicate", "2")
     assert usage.returncode == 2 and "--replicate" in usage.stderr
 
 

@@ -22,8 +22,9 @@ from shardckpt.format.layout import Mesh
 from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
     CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, VERSION, Component, FileEntry,
-    Manifest, OptimizerInfo, TensorSlot, buffer_slots, parse, shard_slots, to_json,
+    Manifest, OptimizerInfo, TensorSlot, buffer_slots, shard_slots, to_json,
 )
+from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
 from shardckpt.storage import Storage
 

@@ -111,23 +111,9 @@ def _write_flat(view: Any, out: Storage, written: list[str]) -> tuple[dict[Any, 
 
 def _metadata(section: ChunkedSection, storage_data: dict[Any, Any], checkpoint_id: str,
               save_id: str) -> Any:
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties,
-        TensorStorageMetadata,
-    )
+    from shardckpt.interop.dcp_metadata import section_metadata
 
-    sd: dict[str, Any] = {}
-    for fqn, t in section.tensors.items():
-        sd[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=getattr(torch, t.dtype)), torch.Size(t.shape),
-            [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks])
-    for key in section.blobs:
-        sd[key] = BytesStorageMetadata()
-    planner = {k: tuple(v) for k, v in section.planner_data.items()} or None
-    return Metadata(sd, planner_data=planner, storage_data=storage_data,
-                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
-                    version=DCP_VERSION)
+    return section_metadata(section, checkpoint_id, save_id, storage_data, DCP_VERSION)
 
 
 def export_dcp(src: str, dst: str, storage_options: Mapping[str, Any] | None = None,

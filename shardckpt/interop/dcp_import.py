@@ -47,8 +47,7 @@ METADATA_NAME = ".metadata"
 #: A ``.metadata`` larger than this is refused before it is unpickled.
 MAX_METADATA_BYTES = 1 << 30
 _MD = "torch.distributed.checkpoint.metadata"
-_DTYPE_NAMES = tuple(DTYPES) + ("bool", "int8", "int16", "int32", "int64", "uint8", "float8_e4m3fn",
-                                "float8_e5m2", "complex64", "complex128")
+_DTYPE_NAMES = tuple(DTYPES) + ("complex64", "complex128")
 _PAYLOAD = re.compile(r"[A-Za-z0-9_.-]+")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -27,8 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
-    TensorProperties, TensorStorageMetadata,
+    Metadata, StorageMeta,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType,
@@ -39,16 +37,15 @@ from shardckpt.storage import commit as _commit
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.format.chunked import (
-    Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, box_byte_span, chunk_name,
+    ChunkRecord, ChunkedTensor, blob_name, box_byte_span, chunk_name,
 )
 from shardckpt.errors import ConfigError, ManifestError, ShardckptError
-from shardckpt.format.dtypes import DTYPES, itemsize
+from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.storage.lease import DEFAULT_TTL_S
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, FileEntry, TensorSlot
+from shardckpt.interop.dcp_metadata import chunked_section, dtype_name, section_metadata
 from shardckpt.storage import Storage
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ShardckptWriter", "ShardckptReader"]
 
@@ -56,12 +53,11 @@ __all__ = ["ShardckptWriter", "ShardckptReader"]
 DEFAULT_READ_BATCH = 256 << 20
 
 
-def dtype_name(dtype: torch.dtype, what: str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ConfigError(f"{what}: dtype {name} cannot be stored; shardckpt stores "
-                          f"{', '.join(DTYPES)}")
-    return name
+def _done(value: Any) -> Future[Any]:
+    """A future that already holds ``value`` (the bytes moved before it is returned)."""
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
 
 
 @dataclass(frozen=True)
@@ -144,9 +140,7 @@ class ShardckptWriter(StorageWriter):
         except BaseException:
             self._release()  # finish() will not run; another rank's failure is met by reset()
             raise
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return _done(results)
 
     def _write(self, attempt: _Attempt, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         if not items:
@@ -193,7 +187,7 @@ class ShardckptWriter(StorageWriter):
         if save_id is None:
             raise ShardckptError("ShardckptWriter.finish before prepare_global_plan")
         spec = CheckpointSpec(Mesh.for_world(max(1, len(results))), {}, extras=self.extras,
-                              chunk_size=self.chunk_size, chunked=_section(metadata, results))
+                              chunk_size=self.chunk_size, chunked=chunked_section(metadata, results))
         entries = {r.storage_data.entry.path: r.storage_data.entry for rs in results for r in rs}
         writer = CheckpointWriter(self.storage, spec, save_id)
         try:
@@ -215,44 +209,6 @@ class ShardckptWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-def _section(metadata: Metadata, results: list[list[WriteResult]]) -> ChunkedSection:
-    """The manifest's chunked section: DCP's metadata with each chunk's file and bytes."""
-    where: dict[tuple[str, tuple[int, ...] | None], _Stored] = {}
-    for rs in results:
-        for r in rs:
-            off = None if r.index.offset is None else tuple(r.index.offset)
-            where[(r.index.fqn, off)] = r.storage_data
-    tensors: dict[str, ChunkedTensor] = {}
-    blobs: dict[str, Blob] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            s = where[(fqn, None)]
-            blobs[fqn] = Blob(fqn, s.entry.path, s.begin, s.end)
-            continue
-        chunks = []
-        for c in md.chunks:
-            s = where[(fqn, tuple(c.offsets))]
-            chunks.append(ChunkRecord(tuple(c.offsets), tuple(c.sizes), s.entry.path, s.begin, s.end))
-        tensors[fqn] = ChunkedTensor(fqn, dtype_name(md.properties.dtype, fqn), tuple(md.size),
-                                     tuple(chunks))
-    return ChunkedSection(tensors, blobs, _planner_data(metadata.planner_data))
-
-
-def _planner_data(pd: Any) -> dict[str, tuple[str | int, ...]]:
-    """The default planner's flattening map, kept as JSON; anything else cannot be kept."""
-    if pd is None:
-        return {}
-    ok = isinstance(pd, Mapping) and all(
-        isinstance(k, str) and isinstance(v, (tuple, list))
-        and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v)
-        for k, v in pd.items())
-    if not ok:
-        raise ConfigError(f"the save planner's planner_data ({type(pd).__name__}) is not a map of "
-                          "keys to paths of strings and integers; shardckpt stores metadata as "
-                          "JSON only (DefaultSavePlanner's is)")
-    return {k: tuple(v) for k, v in pd.items()}
 
 
 class ShardckptReader(StorageReader):
@@ -301,17 +257,7 @@ class ShardckptReader(StorageReader):
             return self._flat.metadata(self.checkpoint_id, r.manifest.save_id)
         section = r.manifest.chunked
         assert section is not None
-        sd: dict[str, Any] = {}
-        for fqn, t in section.tensors.items():
-            sd[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=getattr(torch, t.dtype)), torch.Size(t.shape),
-                [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks])
-        for key in section.blobs:
-            sd[key] = BytesStorageMetadata()
-        planner = {k: tuple(v) for k, v in section.planner_data.items()} or None
-        return Metadata(sd, planner_data=planner,
-                        storage_meta=StorageMeta(checkpoint_id=self.checkpoint_id,
-                                                 save_id=r.manifest.save_id))
+        return section_metadata(section, self.checkpoint_id, r.manifest.save_id)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -327,9 +273,7 @@ class ShardckptReader(StorageReader):
         r = self._open()
         if self._flat is not None:
             self._read_flat(plan, planner)
-            fut: Future[None] = Future()
-            fut.set_result(None)
-            return fut
+            return _done(None)
         batch: list[tuple[ReadItem, tuple[FileEntry, int, int], Any]] = []
         size = 0
         for item in plan.items:
@@ -340,9 +284,7 @@ class ShardckptReader(StorageReader):
                 self._apply(r, batch, planner)
                 batch, size = [], 0
         self._apply(r, batch, planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+        return _done(None)
 
     def _read_flat(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         for item in plan.items:
@@ -405,94 +347,3 @@ def _box_tensor(view: memoryview, dtype: str, chunk: ChunkRecord, lengths: Any) 
         flat = torch.frombuffer(view, dtype=torch.uint8)
     flat = flat.view(getattr(torch, dtype))
     return torch.as_strided(flat, lengths, tuple(strides))
-
-
-class DcpCheckpointer:
-    """``latest``, keep-last-K and resume for a plain FSDP2 training loop over DCP.
-
-    Checkpoints go to ``<run>/step-<step>/`` (:class:`shardckpt.checkpoint.run_dir.CheckpointManager`);
-    after a save commits, rank 0 moves ``latest`` and applies retention. :meth:`load_latest`
-    loads the newest committed checkpoint that passes the manager's check and loads cleanly,
-    skipping uncommitted and damaged ones; every rank makes the same choice.
-
-        ckpt = DcpCheckpointer("s3://bucket/run", keep_last=3)
-        start = ckpt.load_latest(state_dict) or 0
-        ...
-        ckpt.save(step, state_dict)
-    """
-
-    def __init__(self, run_url: str, keep_last: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None, async_save: bool = False,
-                 full_verify: bool = False) -> None:
-        from shardckpt.checkpoint.run_dir import CheckpointManager
-
-        self.manager = CheckpointManager(run_url, keep_last, storage_options)
-        self.storage_options = dict(storage_options or {})
-        self.async_save, self.full_verify = async_save, full_verify
-        self._pending: tuple[int, Any] | None = None
-
-    def save(self, step: int, state_dict: dict[str, Any]) -> None:
-        """Save ``state_dict`` as step ``step`` (collective); async saves finish in the background
-        and are marked committed at the next :meth:`save` or :meth:`wait`."""
-        import torch.distributed.checkpoint as dcp
-
-        self.wait()
-        writer = ShardckptWriter(self.manager.url_for(step), self.storage_options,
-                                 extras={"step": step}, replace_existing=True)
-        if self.async_save:
-            self._pending = (step, dcp.async_save(state_dict, storage_writer=writer))
-            return
-        dcp.save(state_dict, storage_writer=writer)
-        self._committed(step)
-
-    def wait(self) -> None:
-        """Finish a pending async save and move ``latest`` to it."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending[1].result()
-            self._committed(pending[0])
-
-    close = wait
-
-    def _committed(self, step: int) -> None:
-        if _rank() == 0:
-            self.manager.mark_committed(step)
-
-    def load_latest(self, state_dict: dict[str, Any]) -> int | None:
-        """Load the newest good checkpoint into ``state_dict`` (collective); its step, or None."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        steps = [f.step for f in self.manager.resume_points(self.full_verify)] if _rank() == 0 else []
-        for step in _broadcast_ints(steps):
-            try:
-                dcp.load(state_dict, storage_reader=ShardckptReader(self.manager.url_for(step),
-                                                                    self.storage_options))
-                return step
-            except CheckpointException as e:
-                if not all(isinstance(exc, ShardckptError) for exc, _ in e.failures.values()):
-                    raise
-                log.warning("skipping %s: %s", self.manager.url_for(step),
-                            next(iter(e.failures.values()))[0])
-        return None
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _broadcast_ints(values: list[int]) -> list[int]:
-    """Rank 0's list on every rank (as tensors: nothing is pickled)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    n = torch.tensor([len(values)], dtype=torch.int64, device=dev)
-    dist.broadcast(n, 0)
-    t = torch.tensor(values, dtype=torch.int64, device=dev) if _rank() == 0 else \
-        torch.zeros(int(n.item()), dtype=torch.int64, device=dev)
-    dist.broadcast(t, 0)
-    return [int(x) for x in t.tolist()]

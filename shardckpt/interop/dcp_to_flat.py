@@ -32,20 +32,19 @@ from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_sa
 from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
 from shardckpt.checkpoint.chunked_read import iter_elements, read_blob
 from shardckpt.errors import ConfigError, IntegrityError
-from shardckpt.interop.hf_import import compile_units, unit_of
+from shardckpt.storage import DEFAULT_BATCH
+from shardckpt.interop.importing import (
+    ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of,
+)
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
 
 log = logging.getLogger(__name__)
 
-__all__ = ["import_dcp_flat", "DEFAULT_UNITS"]
+__all__ = ["import_dcp_flat", "read_model", "flat_producer"]
 
-#: One unit per transformer block (``...layers.<i>``); everything else in the root.
-DEFAULT_UNITS = (r"(?:.*\.)?layers\.\d+",)
-DEFAULT_BUFFER = 32 << 20
 MOMENTS = ("exp_avg", "exp_avg_sq")
-HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 #: Top-level keys of torchtitan's checkpoint that are not the model.
 APP_KEYS = ("lr_scheduler", "dataloader", "train_state")
 
@@ -95,7 +94,7 @@ def _value(reader: CheckpointReader, section: ChunkedSection, key: str) -> Any:
 
 def _hparams(get: Callable[[str], Any], prefix: str) -> dict[str, Any]:
     out = {}
-    for k in HPARAMS:
+    for k in ADAM_HPARAMS:
         v = get(f"{prefix}.{k}")
         if v is not None:
             out[k] = list(v) if isinstance(v, (tuple, list)) else v
@@ -187,7 +186,7 @@ def _same(reader: CheckpointReader, a: ChunkedTensor, b: ChunkedTensor) -> bool:
     return all(x == y for x, y in pieces)
 
 
-def _producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
+def flat_producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
               buffer_bytes: int) -> Callable[[Any], Iterator[Any]]:
     import numpy as np
     import torch
@@ -225,7 +224,7 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
                     optim_key: str | None = None,
                     storage_options: Mapping[str, Any] | None = None,
                     dst_storage_options: Mapping[str, Any] | None = None,
-                    buffer_bytes: int = DEFAULT_BUFFER, tmp_dir: str | None = None) -> Manifest:
+                    buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None) -> Manifest:
     """Write the DCP checkpoint ``src`` as ``ZeroEngine`` flat groups for ``ranks`` ranks at
     ``dst`` (masters, Adam moments, step, hyper-parameters, buffers). Refuses a ``dst`` that
     holds a checkpoint; on any error nothing is committed. The source is staged, with its chunks,
@@ -240,7 +239,7 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
         import_dcp(src, f"{folder}/staged", storage_options)
         reader = CheckpointReader(f"{folder}/staged")
         model = read_model(reader, model_key, optim_key)
-        pats = compile_units(units or DEFAULT_UNITS)
+        pats = compile_units(units or BLOCK_UNITS)
         layout = build_layout([ParamInfo(f, t.shape, "float32", True, unit_of(f, pats))
                                for f, t in model.params.items()], mesh, "model.")
         states = {g.name: (("master", "float32"), ("exp_avg", "float32"),
@@ -257,7 +256,7 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
         out.ensure_free_space("", writer.data_bytes(), "import dcp")
         try:
             with writer.lease():
-                entries = [writer.write_shard(s, _producer(reader, model, layout, s, buffer_bytes))
+                entries = [writer.write_shard(s, flat_producer(reader, model, layout, s, buffer_bytes))
                            for s in range(mesh.shard_degree)]
                 b = writer.write_buffers(_buffers(reader, model))
                 m = writer.commit(entries + ([b] if b else []))
@@ -266,62 +265,3 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
             raise
     log.info("imported %s -> %s (%d parameters, %d ranks)", src, out.url, len(model.params), ranks)
     return m
-
-
-class _Slot:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None = None, *,
-                 model_key: str = "model", optim_key: str | None = None, strict: bool = True,
-                 buffer_bytes: int = DEFAULT_BUFFER, group: Any = None) -> Manifest:
-    """Load a checkpoint of chunked tensors (FSDP2 saved it through
-    :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or ``import dcp`` kept DCP's chunks) into
-    ``ZeroEngine`` ``model`` at any world size, without a conversion step: each rank reads the
-    elements of its own shard of every flat group (masters, Adam moments) from the chunks that
-    hold them, then buffers and the optimizer's hyper-parameters and step. Collective."""
-    import torch
-
-    from shardckpt.training.collective import agree, rank_and_world
-    from shardckpt.training.save_load import load_optimizer_info
-
-    rank, _ = rank_and_world(group)
-    lay = model.layout
-    my_shard = lay.mesh.shard_rank(rank)
-
-    def work() -> str:
-        reader = CheckpointReader(url, storage_options)
-        src = read_model(reader, model_key, optim_key)
-        missing = sorted(p.fqn for p in lay.params if p.fqn not in src.params)
-        if missing and strict:
-            raise IntegrityError(f"{reader.url}: no weights with Adam state for {len(missing)} "
-                                 f"parameters of the model: {missing[:10]}")
-        produce = _producer(reader, src, lay, my_shard, buffer_bytes)
-        with torch.no_grad():
-            for gname, kinds in model.local_shards().items():
-                if any(p.fqn not in src.params for p in lay.group_params(gname)):
-                    continue
-                for kind, tensor in kinds.items():
-                    if kind != "master" and kind not in MOMENTS:
-                        raise IntegrityError(f"{reader.url}: holds Adam state; the optimizer "
-                                             f"keeps {kind!r}")
-                    pieces = produce(_Slot(f"{gname}.{kind}"))
-                    data = bytearray().join(memoryview(x).cast("B") for x in pieces)
-                    if data:
-                        flat = torch.frombuffer(data, dtype=torch.uint8).view(torch.float32)
-                        tensor.view(-1).copy_(flat)
-        bufs = {}
-        for f, t in src.buffers.items():
-            raw = bytearray(b"".join(iter_elements(reader, t, 0, t.numel, 1 << 24)))
-            dtype = getattr(torch, t.dtype)
-            bufs[f] = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(t.shape)
-                       if raw else torch.empty(t.shape, dtype=dtype))
-        if bufs:
-            model.load_buffers(bufs)
-        load_optimizer_info(model, src.optimizer, strict)
-        model.refresh_params()
-        return reader.manifest.save_id
-
-    agree(work, f"load of {url}", group)
-    return CheckpointReader(url, storage_options).manifest

@@ -42,18 +42,17 @@ from shardckpt.interop.deepspeed_files import (
     shape_of, to_f32,
 )
 from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
-from shardckpt.interop.hf_import import compile_units, unit_of
+from shardckpt.storage import DEFAULT_BATCH
+from shardckpt.interop.importing import (
+    ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of,
+)
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
 from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
 
-#: One unit per transformer block (``...layers.<i>``); everything else in the root.
-DEFAULT_UNITS = (r"(?:.*\.)?layers\.\d+",)
-DEFAULT_BUFFER = 32 << 20
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 @dataclass
@@ -206,7 +205,7 @@ def _optimizer(ranks: list[RankInfo], trained: Mapping[str, int],
     out = []
     for j in sorted(set(trained.values())):
         g = groups[j] if j < len(groups) else {}
-        hp = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in HPARAMS if k in g}
+        hp = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in ADAM_HPARAMS if k in g}
         hp = {k: (float(v) if hasattr(v, "item") else v) for k, v in hp.items()}
         step = ranks[0].steps[_first_flat(ranks[0], g, j)] if ranks[0].steps else 0
         out.append({"params": [f for f, gj in trained.items() if gj == j], "hparams": hp,
@@ -310,7 +309,7 @@ def read_deepspeed(location: "str | Storage", staged: Staged, tag: str | None = 
 def import_layout(source: DeepSpeedSource, mesh: Mesh, units: Sequence[str] | None = None,
                   prefix: str = "model.") -> Layout:
     """The target layout: fp32 parameters in module order, one unit per match of ``units``."""
-    pats = compile_units(units or DEFAULT_UNITS)
+    pats = compile_units(units or BLOCK_UNITS)
     infos = [ParamInfo(f, source.shapes[f], "float32", f in source.trained, unit_of(f, pats))
              for f in source.order]
     return build_layout(infos, mesh, prefix)
@@ -362,7 +361,7 @@ def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, rep
                      units: Sequence[str] | None = None, tag: str | None = None,
                      storage_options: Mapping[str, Any] | None = None,
                      dst_storage_options: Mapping[str, Any] | None = None,
-                     buffer_bytes: int = DEFAULT_BUFFER, tmp_dir: str | None = None) -> Manifest:
+                     buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None) -> Manifest:
     """Write DeepSpeed checkpoint ``src`` as a shardckpt checkpoint at ``dst`` for ``ranks`` ranks.
 
     fp32 masters, ``exp_avg`` and ``exp_avg_sq`` of every trained parameter, frozen parameters

@@ -1,13 +1,10 @@
-"""Hugging Face safetensors checkpoints as a source: headers, index, planned ranged reads, import.
+"""Hugging Face weights into flat groups: matched names, planned ranged reads, import.
 
-A Hugging Face model folder holds ``model.safetensors`` or ``model-0000i-of-0000K.safetensors``
-files with ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), and usually a
-``config.json``. :func:`open_hf` reads only the index and each file's header (strictly parsed;
-offsets checked against the file size), never tensor data. From a target layout, a shard rank and
-a match of names, :func:`plan_shard_reads` says which element range of which source tensor lands
-at which offset of which flat group: exactly the rank's share, every byte of it once. :func:`fetch`
-reads those ranges with at most ``buffer_bytes`` per request and a few requests in flight, so
-memory stays about the caller's own shard plus the buffers.
+From a source opened with :func:`shardckpt.interop.hf_source.open_hf`, a target layout, a shard
+rank and a match of names, :func:`plan_shard_reads` says which element range of which source
+tensor lands at which offset of which flat group: exactly the rank's share, every byte of it
+once. :func:`fetch` reads those ranges with at most ``buffer_bytes`` per request and a few
+requests in flight, so memory stays about the caller's own shard plus the buffers.
 
 :func:`import_hf` writes a weights-only shardckpt checkpoint (``master`` state only, fp32 for
 floating tensors) from such a folder, one shard file at a time, streaming. The source's
@@ -18,169 +15,33 @@ Does not import torch.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
-from shardckpt.checkpoint.reader import as_storage
-
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
-from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError, ManifestError
-from shardckpt.format.dtypes import itemsize
-from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
-from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest, no_duplicate_keys
 from shardckpt.checkpoint.pieces import cast_bytes
-from shardckpt.format.safetensors_header import header_length, parse_header
-from shardckpt.storage import NotFoundError, Storage
+from shardckpt.checkpoint.reader import as_storage
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError
+from shardckpt.format.dtypes import FLOATS, itemsize
+from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
+from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
+from shardckpt.interop.hf_source import HFSource, HFTensor, open_hf
+from shardckpt.storage import DEFAULT_BATCH
+from shardckpt.interop.importing import compile_units, unit_of
+from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-MAX_INDEX_BYTES = 64 << 20
-MAX_CONFIG_BYTES = 16 << 20
-DEFAULT_BUFFER = 32 << 20
-FLOATS = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 #: Unit pattern of Hugging Face decoder models: one unit per block, the rest in the root.
 DEFAULT_UNITS = (r"model\.layers\.\d+",)
 #: The output head Hugging Face ties to the input embedding (``tie_word_embeddings``).
 TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 
 NameMap = Union[Mapping[str, str], Callable[[str], "str | None"], None]
-
-
-@dataclass(frozen=True, slots=True)
-class HFTensor:
-    """One tensor of a source file: bytes ``[begin, end)`` of ``file`` (absolute offsets)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    begin: int
-    end: int
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-
-@dataclass(frozen=True)
-class HFSource:
-    """An opened Hugging Face checkpoint: its tensors by name and its ``config.json`` (or None)."""
-
-    storage: Storage
-    tensors: Mapping[str, HFTensor]
-    config: Mapping[str, Any] | None = None
-    files: tuple[str, ...] = field(default=())
-
-    @property
-    def url(self) -> str:
-        return self.storage.url
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(t.end - t.begin for t in self.tensors.values())
-
-
-# ------------------------------------------------------------------------------ opening
-
-
-def _split(url: str) -> tuple[str, str]:
-    """(folder, file name) of a URL that names a file."""
-    if "/" not in url.rstrip("/"):
-        return ".", url
-    head, tail = url.rstrip("/").rsplit("/", 1)
-    return (head or "/"), tail
-
-
-def read_header(storage: Storage, rel: str) -> dict[str, HFTensor]:
-    """The tensors of one safetensors file, with absolute byte ranges; reads the header only."""
-    url = storage.url_of(rel)
-    try:
-        size = storage.size(rel)
-    except NotFoundError:
-        raise IntegrityError(f"{url}: no such file") from None
-    n = header_length(storage.read(rel, 0, min(size, 8)), size, url)
-    raw = storage.read(rel, 8, 8 + n)
-    slots, _ = parse_header(raw, size, url)
-    base = 8 + n
-    return {s.name: HFTensor(s.name, s.dtype, tuple(s.shape), rel, base + s.begin, base + s.end)
-            for s in slots.values()}
-
-
-def _read_json(storage: Storage, rel: str, limit: int) -> Any:
-    try:
-        return json.loads(storage.read_limited(rel, limit), object_pairs_hook=no_duplicate_keys)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ManifestError(f"{storage.url_of(rel)}: not valid JSON: {e}") from e
-
-
-def _weight_map(storage: Storage, rel: str) -> dict[str, str]:
-    doc = _read_json(storage, rel, MAX_INDEX_BYTES)
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-        raise ManifestError(f"{storage.url_of(rel)}: 'weight_map' must map tensor names to file names")
-    bad = sorted({f for f in wm.values() if not f or f.startswith("/") or ".." in f.split("/")})
-    if bad:
-        raise ManifestError(f"{storage.url_of(rel)}: weight_map names files outside the folder: {bad}")
-    return wm
-
-
-def open_hf(location: "str | Storage", storage_options: Mapping[str, Any] | None = None) -> HFSource:
-    """Open a folder (``model.safetensors.index.json`` or ``model.safetensors``), a ``.safetensors``
-    file or an index file, local or any fsspec URL. Reads the index, ``config.json`` and headers.
-
-    Raises one error naming the file (and tensor) for a missing file, a truncated file, a header
-    whose offsets run past the end, or an index that names tensors a file does not hold.
-    """
-    url = location if isinstance(location, str) else location.url
-    if isinstance(location, str) and (url.endswith(".safetensors") or url.endswith(".json")):
-        folder, name = _split(url)
-        storage = Storage(folder, storage_options)
-        index = name if name.endswith(".json") else None
-        single = None if index else name
-    elif (storage := as_storage(location, storage_options)).exists(INDEX_NAME):
-        index, single = INDEX_NAME, None
-    elif storage.exists(SINGLE_NAME):
-        index, single = None, SINGLE_NAME
-    else:
-        what = "holds neither" if storage.exists("") else "does not exist; expected a folder with either"
-        raise ManifestError(f"{url} {what} {SINGLE_NAME} {'nor' if 'neither' in what else 'or'} "
-                            f"{INDEX_NAME}")
-    tensors: dict[str, HFTensor] = {}
-    if index is not None:
-        wm = _weight_map(storage, index)
-        files = tuple(dict.fromkeys(wm.values()))
-        for f in files:
-            if not storage.exists(f):
-                names = [n for n, v in wm.items() if v == f]
-                more = ", ..." if len(names) > 3 else ""
-                raise IntegrityError(f"{storage.url_of(f)}: missing; {index} names it for "
-                                     f"{len(names)} tensor(s) ({', '.join(names[:3])}{more})")
-            held = read_header(storage, f)
-            absent = sorted(n for n, v in wm.items() if v == f and n not in held)
-            if absent:
-                raise IntegrityError(f"{storage.url_of(f)}: {index} places {', '.join(absent[:5])} "
-                                     "in this file, whose header does not hold it")
-            tensors.update((n, t) for n, t in held.items() if wm.get(n) == f)
-    else:
-        files = (single,)  # type: ignore[assignment]
-        tensors = read_header(storage, single)  # type: ignore[arg-type]
-    config = None
-    if storage.exists(CONFIG_NAME):
-        config = _read_json(storage, CONFIG_NAME, MAX_CONFIG_BYTES)
-        if not isinstance(config, dict):
-            raise ManifestError(f"{storage.url_of(CONFIG_NAME)}: not a JSON object")
-    log.info("opened %s: %d tensors in %d file(s), %d bytes", url, len(tensors), len(files),
-             sum(t.end - t.begin for t in tensors.values()))
-    return HFSource(storage, tensors, config, tuple(files))
 
 
 # ------------------------------------------------------------------------- matching (pure)
@@ -195,6 +56,7 @@ class Match:
     unexpected: tuple[str, ...] = ()   # in the file, not in the model
     mismatched: tuple[str, ...] = ()   # "<name> (<file>: [..] <dtype>; model: [..] <dtype>)"
     tied: tuple[tuple[str, HFTensor], ...] = ()  # (canonical FQN, the alias's own tensor)
+    mismatched_names: tuple[str, ...] = ()  # the file's names of ``mismatched``, in its order
 
     def error(self, url: str, strict: bool = True) -> IncompatibleLayoutError | None:
         """One error listing every offender (mis-shaped always; missing/unexpected if strict)."""
@@ -209,7 +71,7 @@ class Match:
             return None
         return IncompatibleLayoutError(
             f"{url}: the weights do not fit the model; " + "; ".join(parts), self.missing,
-            self.unexpected, tuple(m.split(" ", 1)[0] for m in self.mismatched))
+            self.unexpected, self.mismatched_names)
 
 
 def _mapper(name_map: NameMap) -> Callable[[str], "str | None"]:
@@ -235,6 +97,7 @@ def match_tensors(targets: Mapping[str, tuple[tuple[int, ...], str]], tensors: M
     via_alias: dict[str, HFTensor] = {}
     unexpected: list[str] = []
     mismatched: list[str] = []
+    mismatched_names: list[str] = []
     seen: dict[str, str] = {}
     bad: set[str] = set()
     for name, t in tensors.items():
@@ -264,6 +127,7 @@ def match_tensors(targets: Mapping[str, tuple[tuple[int, ...], str]], tensors: M
         if tuple(t.shape) != tuple(shape) or not (float_ok or t.dtype == dtype):
             mismatched.append(f"{t.name} ({t.file}: {list(t.shape)} {t.dtype}; model: {list(shape)} "
                               f"{dtype})")
+            mismatched_names.append(t.name)
             bad.add(fqn)
             del sources[fqn]
     for canon, t in tied:
@@ -271,9 +135,10 @@ def match_tensors(targets: Mapping[str, tuple[tuple[int, ...], str]], tensors: M
         if tuple(t.shape) != tuple(shape):
             mismatched.append(f"{t.name} ({t.file}: {list(t.shape)} {t.dtype}; model: "
                               f"{list(shape)}, tied to {canon})")
+            mismatched_names.append(t.name)
     missing = [f for f in targets if f not in sources and f not in bad]
     return Match(sources, tuple(missing), tuple(unexpected), tuple(mismatched),
-                 tuple((c, t) for c, t in tied if c in sources))
+                 tuple((c, t) for c, t in tied if c in sources), tuple(mismatched_names))
 
 
 # ---------------------------------------------------------------------------- planning (pure)
@@ -299,7 +164,7 @@ class Read(NamedTuple):
 
 
 def plan_shard_reads(layout: Layout, shard_rank: int, sources: Mapping[str, HFTensor],
-                     max_bytes: int = DEFAULT_BUFFER) -> list[Read]:
+                     max_bytes: int = DEFAULT_BATCH) -> list[Read]:
     """The reads that fill ``shard_rank``'s shard of every flat group, in target order.
 
     Covers each element of the shard that belongs to a parameter in ``sources`` exactly once and
@@ -337,7 +202,7 @@ def coalesce(reads: Sequence[Read], max_bytes: int) -> list[tuple[str, int, int,
 # --------------------------------------------------------------------------- reading (effectful)
 
 
-def fetch(source: HFSource, reads: Sequence[Read], buffer_bytes: int = DEFAULT_BUFFER,
+def fetch(source: HFSource, reads: Sequence[Read], buffer_bytes: int = DEFAULT_BATCH,
           workers: int = 4) -> Iterator[tuple[Read, memoryview]]:
     """Yield ``(read, raw bytes in the file's dtype)`` for every read, in the given order.
 
@@ -375,32 +240,12 @@ def as_bytes(values: Any) -> memoryview:
 # ------------------------------------------------------------------------------ offline import
 
 
-def unit_of(fqn: str, patterns: Sequence["re.Pattern[str]"]) -> str:
-    """The unit of ``fqn``: the prefix the first matching pattern covers (whole name components),
-    else the root (``""``)."""
-    for p in patterns:
-        m = p.match(fqn)
-        if m:
-            return m.group(0)
-    return ""
-
-
-def compile_units(patterns: Sequence[str] | None) -> list["re.Pattern[str]"]:
-    out = []
-    for pat in (patterns or DEFAULT_UNITS):
-        try:
-            out.append(re.compile(rf"(?:{pat})(?=\.|$)"))
-        except re.error as e:
-            raise ConfigError(f"unit pattern {pat!r} is not a regular expression: {e}") from None
-    return out
-
-
 def import_layout(source: HFSource, mesh: Mesh, units: Sequence[str] | None = None,
                   prefix: str = "model.") -> tuple[Layout, dict[str, str]]:
     """The layout of an imported checkpoint (parameters in file order, floats trained) and its
     tied aliases: ``lm_head.weight`` when the file leaves it out, or when ``config.json`` says
     ``tie_word_embeddings: true`` (then a stored head is not kept, as ``transformers`` ties it)."""
-    pats = compile_units(units)
+    pats = compile_units(units or DEFAULT_UNITS)
     tied_cfg = (source.config or {}).get("tie_word_embeddings") is True
     head, embed = TIED_HEAD
     aliases = {}
@@ -419,7 +264,7 @@ def import_layout(source: HFSource, mesh: Mesh, units: Sequence[str] | None = No
 def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int, replicate: int = 1,
               units: Sequence[str] | None = None, storage_options: Mapping[str, Any] | None = None,
               dst_storage_options: Mapping[str, Any] | None = None,
-              buffer_bytes: int = DEFAULT_BUFFER, workers: int = 4) -> Manifest:
+              buffer_bytes: int = DEFAULT_BATCH, workers: int = 4) -> Manifest:
     """Write a weights-only checkpoint at ``dst`` for ``ranks`` ranks (``replicate`` x shards).
 
     Each flat group's ``master`` state holds the tensor values (floats widened to fp32; exact

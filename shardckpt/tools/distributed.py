@@ -3,13 +3,13 @@
 ``torchrun --nnodes ... --nproc_per_node ... -m shardckpt reshard SRC DST --to M`` runs the same
 command in every process. Each takes a share of the output files, balanced by bytes, reads only
 the ranges those files need and writes them; the processes agree on the outcome through the
-process group (raw bytes over :mod:`shardckpt.training.collective`, no pickling); rank 0 holds the
+process group (raw bytes over :mod:`shardckpt.checkpoint.collective`, no pickling); rank 0 holds the
 attempt's lease and commits the manifest once every process has reported its files written. Any
 failure fails every process with the same error and commits nothing; a process that dies makes
 the others' next collective fail (at once where the connection drops, else within the process
 group's timeout, ``SHARDCKPT_DIST_TIMEOUT_S`` seconds, 1800 by default).
 
-torch is loaded (here and by :mod:`shardckpt.training.collective`) only when the launcher's variables say
+torch is loaded (here and by :mod:`shardckpt.checkpoint.collective`) only when the launcher's variables say
 this process is one of a job: a plain ``shardckpt reshard`` never loads it.
 """
 
@@ -61,7 +61,7 @@ class Job:
     def agree(self, fn: Callable[[], Any], what: str) -> list[Any]:
         """Run ``fn`` here (its result JSON), then every process's result, in rank order; if ``fn``
         failed anywhere, every process raises the lowest failing rank's error (same class)."""
-        from shardckpt.training.collective import agree
+        from shardckpt.checkpoint.collective import agree
 
         try:
             _, reports = agree(fn, what, self.group)
@@ -211,10 +211,10 @@ def _write_share(job: Job, rs: Any, reader: Any, mesh: Any, spec: Any, plans: An
             b = writer.write_buffers(lambda slot: iter([reader.read_buffer(slot.name)[1]]))
             if b is not None:
                 entries.append(b)
-        return {"read": nread, "entries": [rs.entry_json(e) for e in entries]}
+        return {"read": nread, "entries": [e.to_doc() for e in entries]}
 
     reports = job.agree(write, "reshard: writing the target files")
-    entries = [rs.entry_from_json(e) for r in reports for e in r["entries"]]
+    entries = [rs.FileEntry.from_doc(e) for r in reports for e in r["entries"]]
     return entries, sum(r["read"] for r in reports)
 
 
@@ -229,6 +229,7 @@ def consolidate_job(job: Job, reader: Any, plan: Any, dst: str, overwrite: bool,
     index, which commits DST, once every file is written. Every process calls it."""
     import dataclasses
 
+    from shardckpt.checkpoint.reader import as_storage
     from shardckpt.tools import consolidate as cs
     from shardckpt.format.dtypes import itemsize
 
@@ -243,7 +244,7 @@ def consolidate_job(job: Job, reader: Any, plan: Any, dst: str, overwrite: bool,
 
     names = job.on_root(prepare, "consolidate: preparing the destination")
     target = root.get("target") or cs.Target(
-        cs.as_storage(dst, storage_options), [], names["token"],
+        as_storage(dst, storage_options), [], names["token"],
         tuple(dataclasses.replace(f, name=n) for f, n in zip(plan.files, names["model"])),
         tuple(dataclasses.replace(f, name=n) for f, n in zip(plan.optimizer_files, names["opt"])),
         None, [])

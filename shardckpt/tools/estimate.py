@@ -23,10 +23,7 @@ So per step: DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ, HSDP 3Ψ + 2Ψ/S (the all-reduce
 shard over R; 0 when R = 1). :attr:`Estimate.comm_sent_per_rank` gives what one rank actually
 sends with ring algorithms: volume · (n − 1)/n for each collective over n ranks.
 
-ZeRO++ (Wang et al. 2023; :func:`zeropp_traffic`): the bytes one rank moves per ZeRO-3 step,
-cross-node and in-node, with quantized weight gathers (qwZ), an in-node secondary weight copy
-for the backward gather (hpZ, Ψ·p/K bytes per rank) and quantized hierarchical gradient
-reduction (qgZ), for nodes of K ranks.
+ZeRO++ traffic and optimizer offload: :mod:`shardckpt.tools.estimate_levers`.
 """
 
 from __future__ import annotations
@@ -176,14 +173,15 @@ class Estimate:
             "world_size": self.world_size, "replicate": self.replicate, "shard": self.shard,
             "precision": self.precision,
             "model_state_bytes": self.model_state_bytes, "model_state_gb": self.model_state_gb,
-            "kinds": [_asdict(k) for k in self.kinds],
+            "kinds": [fields_dict(k) for k in self.kinds],
             "comm_elements": self.comm_elements, "comm_sent_per_rank": self.comm_sent_per_rank,
-            "collectives": [_asdict(c) for c in self.collectives],
+            "collectives": [fields_dict(c) for c in self.collectives],
             "largest_unit": self.largest_unit, "gathered_bytes": self.gathered_bytes,
         }
 
 
-def _asdict(obj: Any) -> dict[str, Any]:
+def fields_dict(obj: Any) -> dict[str, Any]:
+    """A slotted dataclass's fields, in order, as a dict (JSON values stay as they are)."""
     return {name: getattr(obj, name) for name in obj.__slots__}
 
 
@@ -209,7 +207,8 @@ def parse_count(text: str, option: str = "params") -> int:
     return round(value)
 
 
-def _check_count(option: str, value: object, minimum: int = 1) -> int:
+def check_count(option: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int when it is a whole number >= ``minimum``; else :class:`EstimateError`."""
     ok = isinstance(value, int) and not isinstance(value, bool)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value, ok = int(value), True
@@ -260,9 +259,9 @@ def estimate(params: int, strategy: str, ranks: int, *, replicate: int = 1,
     working copy, ``largest_unit · p`` bytes (one unit in flight; prefetch holds more).
     Raises :class:`EstimateError` naming the bad input.
     """
-    psi = _check_count("params", params)
-    n = _check_count("ranks", ranks)
-    r = _check_count("replicate", replicate)
+    psi = check_count("params", params)
+    n = check_count("ranks", ranks)
+    r = check_count("replicate", replicate)
     prec = precision_preset(precision)
     if strategy not in STRATEGIES:
         raise EstimateError("strategy", strategy, f"unknown; known: {', '.join(STRATEGIES)}")
@@ -271,7 +270,7 @@ def estimate(params: int, strategy: str, ranks: int, *, replicate: int = 1,
     if r != 1 and strategy != "hsdp":
         raise EstimateError("replicate", r, f"applies to hsdp only, not {strategy}")
     if largest_unit is not None:
-        largest_unit = _check_count("largest_unit", largest_unit)
+        largest_unit = check_count("largest_unit", largest_unit)
         if largest_unit > psi:
             raise EstimateError("largest_unit", largest_unit, f"exceeds params = {psi}")
     stage = _STAGE[strategy]
@@ -300,8 +299,8 @@ def estimate(params: int, strategy: str, ranks: int, *, replicate: int = 1,
 def estimate_all(params: int, ranks: int, *, replicate: int = 1, precision: str = "paper",
                  largest_unit: int | None = None) -> tuple[Estimate, ...]:
     """DDP, ZeRO-1, ZeRO-2, ZeRO-3 on ``ranks`` GPUs, then HSDP R×S when ``replicate`` > 1."""
-    n = _check_count("ranks", ranks)
-    r = _check_count("replicate", replicate)
+    n = check_count("ranks", ranks)
+    r = check_count("replicate", replicate)
     if n % r:
         raise EstimateError("replicate", r, f"must divide ranks = {n}")
     out = [estimate(params, s, n, precision=precision, largest_unit=largest_unit)
@@ -310,130 +309,3 @@ def estimate_all(params: int, ranks: int, *, replicate: int = 1, precision: str 
         out.append(estimate(params, "hsdp", n, replicate=r, precision=precision,
                             largest_unit=largest_unit))
     return tuple(out)
-
-
-# ------------------------------------------------------------------------------------ ZeRO++
-
-ZEROPP_VARIANTS = ("zero3", "qwz", "hpz", "qgz", "zeropp")
-_ZEROPP_LABEL = {"zero3": "ZeRO-3", "qwz": "+ qwZ", "hpz": "+ hpZ", "qgz": "+ qgZ",
-                 "zeropp": "ZeRO++ (all three)"}
-
-
-@dataclass(frozen=True, slots=True)
-class ZeroPPTraffic:
-    """Bytes one rank moves per ZeRO-3 step with some ZeRO++ options, split by where they go.
-
-    Logical volume in bytes (the convention of :attr:`Estimate.comm_elements`: an all-gather
-    counts its output, a reduce-scatter or an all-to-all its input), counted as cross-node when
-    the collective's group spans nodes. ``secondary_bytes``: hpZ's in-node copy of the weights
-    per rank (Ψ · p / K), held from forward to backward.
-    """
-
-    variant: str          # zero3 | qwz | hpz | qgz | zeropp
-    label: str
-    cross_node_bytes: float
-    in_node_bytes: float
-    secondary_bytes: float
-    vs_zero3: float       # ZeRO-3's cross-node bytes over this variant's (inf when 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return _asdict(self)
-
-
-def zeropp_traffic(params: int, ranks: int, ranks_per_node: int, *,
-                   precision: str = "fsdp2-bf16", block_size: int = 256,
-                   grad_bits: int = 4) -> tuple[ZeroPPTraffic, ...]:
-    """Per-rank traffic of one ZeRO-3 step, alone and with each ZeRO++ option and all three.
-
-    With Ψ = ``params``, K = ``ranks_per_node``, N = ``ranks`` / K nodes, p / g the precision's
-    bytes per parameter of the compute copy / gradient, B = ``block_size``, b = ``grad_bits``:
-
-    * a weight all-gather moves Ψ·p bytes, with qwZ Ψ·(1 + 4/B) (int8, an fp32 scale per block);
-      forward and backward each gather once; with hpZ the backward's runs inside the node (Ψ·p);
-    * the gradient reduce-scatter moves Ψ·g; with qgZ an in-node all-to-all of Ψ·(b/8 + 4/B)
-      and a cross-node one of Ψ/K·(b/8 + 4/B);
-    * with one node (K = ``ranks``) nothing is cross-node.
-
-    Padding and the root unit (which stays gathered between forward and backward) are left out.
-    """
-    psi = _check_count("params", params)
-    n = _check_count("ranks", ranks)
-    k = _check_count("ranks_per_node", ranks_per_node)
-    block = _check_count("block_size", block_size)
-    if n % k:
-        raise EstimateError("ranks_per_node", k, f"must divide ranks = {n}")
-    if grad_bits not in (4, 8) or isinstance(grad_bits, bool):
-        raise EstimateError("grad_bits", grad_bits, "qgZ quantizes gradients to 4 or 8 bits")
-    prec = precision_preset(precision)
-    p, g = prec.params, prec.grads
-    multi = n // k > 1
-    gather_q = psi * (1 + 4 / block)
-    grad_q = psi * (grad_bits / 8 + 4 / block)
-    rows = []
-    base = 0.0
-    for variant in ZEROPP_VARIANTS:
-        qwz = variant in ("qwz", "zeropp")
-        hpz = variant in ("hpz", "zeropp")
-        qgz = variant in ("qgz", "zeropp")
-        gather = gather_q if qwz else float(psi * p)
-        cross = gather + (0.0 if hpz else gather)
-        local = float(psi * p) if hpz else 0.0
-        if qgz:
-            local += grad_q if k > 1 else 0.0
-            cross += grad_q / k
-        else:
-            cross += float(psi * g)
-        if not multi:
-            cross, local = 0.0, cross + local
-        if variant == "zero3":
-            base = cross
-        rows.append(ZeroPPTraffic(variant, _ZEROPP_LABEL[variant], cross, local,
-                                  psi * p / k if hpz else 0.0,
-                                  base / cross if cross else math.inf))
-    return tuple(rows)
-
-
-# --------------------------------------------------------------------- optimizer offload
-
-OFFLOAD_MODES = ("cpu", "nvme")
-#: Groups whose master and state an ``nvme`` step holds in host memory at once: the one
-#: computing, the one being read ahead, the one being written back.
-OFFLOAD_WINDOW_GROUPS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadSplit:
-    """Model-state bytes per rank with the optimizer offloaded (shardckpt's runtime:
-    ``offload_optimizer``): the per-element optimizer state and an fp32 master copy, ``(4 +
-    optim) · Ψ / S``, leave the device, which keeps its weight shard, gradients and (when
-    separate) master shard. ``cpu``: host memory holds them; ``nvme``: the disk does, and host
-    memory holds the streaming window of :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest
-    unit's shard plus a gradient buffer (0 when ``largest_unit`` is unknown)."""
-
-    mode: str
-    strategy: str
-    label: str
-    device_bytes: float
-    host_bytes: float
-    disk_bytes: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return _asdict(self)
-
-
-def offload_split(row: Estimate, mode: str) -> OffloadSplit:
-    """Where ``row``'s model state lives per rank with ``offload_optimizer=mode``."""
-    if mode not in OFFLOAD_MODES:
-        raise EstimateError("offload", mode, f"unknown; known: {', '.join(OFFLOAD_MODES)}")
-    if row.strategy == "ddp":
-        raise EstimateError("strategy", "ddp", "offload applies to ZeRO-1/2/3 and HSDP")
-    optim = row.kind("optim")
-    per_param = 4 + optim.bytes_per_param  # fp32 master copy + per-element state
-    moved = per_param * row.params / row.shard
-    device = row.model_state_bytes - optim.bytes
-    unit = (row.largest_unit or 0) / row.shard
-    grad_buffer = 4 * unit
-    if mode == "cpu":
-        return OffloadSplit(mode, row.strategy, row.label, device, moved + grad_buffer, 0.0)
-    window = OFFLOAD_WINDOW_GROUPS * per_param * unit + grad_buffer
-    return OffloadSplit(mode, row.strategy, row.label, device, window, moved)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from shardckpt.format.dtypes import itemsize
 
-from shardckpt.format.layout import ReshardPlan
+from shardckpt.format.reshard_plan import ReshardPlan
 from shardckpt.format.manifest import shard_slots
 
 if TYPE_CHECKING:

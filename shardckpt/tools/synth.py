@@ -22,7 +22,9 @@ from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
-from shardckpt.format.manifest import BufferSpec, Component, Manifest, OptimizerInfo, TensorSlot, default_states
+from shardckpt.format.manifest import (
+    BufferSpec, Component, Manifest, OptimizerInfo, TensorSlot, default_states, shard_slots,
+)
 from shardckpt.storage import crc32c
 
 ADAMW_KINDS = ("exp_avg", "exp_avg_sq")
@@ -124,6 +126,14 @@ def synth_spec(params: int, ranks: int, replicate: int = 1, units: int = 2, step
               "user": {"synthetic": True, "seed": seed}}
     return CheckpointSpec(mesh, {"model": comp}, optim, extras,
                           {"world_size": ranks, "dropped_from_world_size": None})
+
+
+def synth_bytes(params: int, ranks: int, replicate: int = 1, units: int = 2) -> int:
+    """Bytes of shard data :func:`synthesize` writes for these arguments: what its ``progress``
+    counts in all."""
+    spec = synth_spec(params, ranks, replicate, units)
+    slots = shard_slots(spec.components, spec.mesh)
+    return (slots[-1].end if slots else 0) * spec.mesh.shard_degree
 
 
 def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int = 2,

@@ -1,1 +1,2 @@
-"""The training-loop side: save and load from a running job, the Checkpointer, collectives, local launch."""
+"""A running job's side: save and load of its shards, the ``Checkpointer``, loading chunked
+checkpoints into ``ZeroEngine``, and the local launcher the demo and examples use."""

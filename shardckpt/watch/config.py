@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from shardckpt.errors import ConfigError
+from shardckpt.format.dtypes import OUTPUT_ALIASES
 
 KINDS = ("verify", "reshard", "consolidate", "copy", "retain")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -51,7 +52,7 @@ _STEP_KEYS = {
     "copy": {"kind", "dst"},
     "retain": {"kind", "keep"},
 }
-_DTYPES = ("bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+_DTYPES = tuple(OUTPUT_ALIASES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,8 @@ def run_reshard(ctx: StepContext) -> dict[str, Any]:
 
 
 def run_consolidate(ctx: StepContext) -> dict[str, Any]:
-    from shardckpt.tools.consolidate import DEFAULT_MAX_SHARD_SIZE, consolidate
+    from shardckpt.tools.consolidate import consolidate
+    from shardckpt.tools.consolidate_plan import DEFAULT_MAX_SHARD_SIZE
 
     r = consolidate(ctx.src.url, ctx.dst or "", dtype=ctx.spec.dtype, overwrite=True,
                     max_shard_size=ctx.spec.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
@@ -172,7 +173,8 @@ def adopt(ctx: StepContext) -> dict[str, Any] | None:
 
 
 def _adopt_consolidated(ctx: StepContext, dst: Storage) -> dict[str, Any] | None:
-    from shardckpt.tools.consolidate import MODEL_INDEX, PROVENANCE, canonical_dtype
+    from shardckpt.format.dtypes import output_dtype
+    from shardckpt.tools.consolidate import MODEL_INDEX, PROVENANCE
 
     try:
         index = json.loads(dst.read_limited(MODEL_INDEX, MAX_MANIFEST_BYTES))
@@ -181,7 +183,7 @@ def _adopt_consolidated(ctx: StepContext, dst: Storage) -> dict[str, Any] | None
         return None
     except ValueError:
         return None
-    if prov.get("save_id") != ctx.manifest.save_id or prov.get("dtype") != canonical_dtype(ctx.spec.dtype):
+    if prov.get("save_id") != ctx.manifest.save_id or prov.get("dtype") != output_dtype(ctx.spec.dtype):
         return None
     names = set(index.get("weight_map", {}).values())
     sizes = dst.list_sizes("")

@@ -1,0 +1,111 @@
+"""``latest``, retention and resume for a plain FSDP2 training loop that saves through DCP.
+
+:class:`DcpCheckpointer` saves each step with :class:`shardckpt.interop.dcp_storage.ShardckptWriter`
+into a run directory (:class:`shardckpt.checkpoint.run_dir.CheckpointManager`) and loads the newest
+good checkpoint with :class:`~shardckpt.interop.dcp_storage.ShardckptReader`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from shardckpt.errors import ShardckptError
+from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DcpCheckpointer"]
+
+
+class DcpCheckpointer:
+    """``latest``, keep-last-K and resume for a plain FSDP2 training loop over DCP.
+
+    Checkpoints go to ``<run>/step-<step>/`` (:class:`shardckpt.checkpoint.run_dir.CheckpointManager`);
+    after a save commits, rank 0 moves ``latest`` and applies retention. :meth:`load_latest`
+    loads the newest committed checkpoint that passes the manager's check and loads cleanly,
+    skipping uncommitted and damaged ones; every rank makes the same choice.
+
+        ckpt = DcpCheckpointer("s3://bucket/run", keep_last=3)
+        start = ckpt.load_latest(state_dict) or 0
+        ...
+        ckpt.save(step, state_dict)
+    """
+
+    def __init__(self, run_url: str, keep_last: int | None = None,
+                 storage_options: Mapping[str, Any] | None = None, async_save: bool = False,
+                 full_verify: bool = False) -> None:
+        from shardckpt.checkpoint.run_dir import CheckpointManager
+
+        self.manager = CheckpointManager(run_url, keep_last, storage_options)
+        self.storage_options = dict(storage_options or {})
+        self.async_save, self.full_verify = async_save, full_verify
+        self._pending: tuple[int, Any] | None = None
+
+    def save(self, step: int, state_dict: dict[str, Any]) -> None:
+        """Save ``state_dict`` as step ``step`` (collective); async saves finish in the background
+        and are marked committed at the next :meth:`save` or :meth:`wait`."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        writer = ShardckptWriter(self.manager.url_for(step), self.storage_options,
+                                 extras={"step": step}, replace_existing=True)
+        if self.async_save:
+            self._pending = (step, dcp.async_save(state_dict, storage_writer=writer))
+            return
+        dcp.save(state_dict, storage_writer=writer)
+        self._committed(step)
+
+    def wait(self) -> None:
+        """Finish a pending async save and move ``latest`` to it."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].result()
+            self._committed(pending[0])
+
+    close = wait
+
+    def _committed(self, step: int) -> None:
+        if _rank() == 0:
+            self.manager.mark_committed(step)
+
+    def load_latest(self, state_dict: dict[str, Any]) -> int | None:
+        """Load the newest good checkpoint into ``state_dict`` (collective); its step, or None."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        steps = [f.step for f in self.manager.resume_points(self.full_verify)] if _rank() == 0 else []
+        for step in _broadcast_ints(steps):
+            try:
+                dcp.load(state_dict, storage_reader=ShardckptReader(self.manager.url_for(step),
+                                                                    self.storage_options))
+                return step
+            except CheckpointException as e:
+                if not all(isinstance(exc, ShardckptError) for exc, _ in e.failures.values()):
+                    raise
+                log.warning("skipping %s: %s", self.manager.url_for(step),
+                            next(iter(e.failures.values()))[0])
+        return None
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast_ints(values: list[int]) -> list[int]:
+    """Rank 0's list on every rank (as tensors: nothing is pickled)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    n = torch.tensor([len(values)], dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    t = torch.tensor(values, dtype=torch.int64, device=dev) if _rank() == 0 else \
+        torch.zeros(int(n.item()), dtype=torch.int64, device=dev)
+    dist.broadcast(t, 0)
+    return [int(x) for x in t.tolist()]

@@ -1,0 +1,78 @@
+"""Load into ``ZeroEngine`` a checkpoint of chunked tensors, without a conversion step.
+
+FSDP2 saved it through :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or
+``shardckpt import dcp`` kept DCP's chunks; each rank reads only the elements of its own shard of
+every flat group from the chunks that hold them (:mod:`shardckpt.interop.dcp_to_flat` says which
+tensor is what).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from shardckpt.checkpoint.chunked_read import iter_elements
+from shardckpt.checkpoint.collective import agree, rank_and_world
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.errors import IntegrityError
+from shardckpt.format.manifest import Manifest
+from shardckpt.interop.dcp_to_flat import MOMENTS, flat_producer, read_model
+from shardckpt.storage import DEFAULT_BATCH
+from shardckpt.training.save_load import load_optimizer_info
+
+
+class _Slot:
+    """What a producer is asked for: one ``<group>.<kind>`` state."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None = None, *,
+                 model_key: str = "model", optim_key: str | None = None, strict: bool = True,
+                 buffer_bytes: int = DEFAULT_BATCH, group: Any = None) -> Manifest:
+    """Load a checkpoint of chunked tensors (FSDP2 saved it through
+    :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or ``import dcp`` kept DCP's chunks) into
+    ``ZeroEngine`` ``model`` at any world size, without a conversion step: each rank reads the
+    elements of its own shard of every flat group (masters, Adam moments) from the chunks that
+    hold them, then buffers and the optimizer's hyper-parameters and step. Collective."""
+    import torch
+
+    rank, _ = rank_and_world(group)
+    lay = model.layout
+    my_shard = lay.mesh.shard_rank(rank)
+
+    def work() -> str:
+        reader = CheckpointReader(url, storage_options)
+        src = read_model(reader, model_key, optim_key)
+        missing = sorted(p.fqn for p in lay.params if p.fqn not in src.params)
+        if missing and strict:
+            raise IntegrityError(f"{reader.url}: no weights with Adam state for {len(missing)} "
+                                 f"parameters of the model: {missing[:10]}")
+        produce = flat_producer(reader, src, lay, my_shard, buffer_bytes)
+        with torch.no_grad():
+            for gname, kinds in model.local_shards().items():
+                if any(p.fqn not in src.params for p in lay.group_params(gname)):
+                    continue
+                for kind, tensor in kinds.items():
+                    if kind != "master" and kind not in MOMENTS:
+                        raise IntegrityError(f"{reader.url}: holds Adam state; the optimizer "
+                                             f"keeps {kind!r}")
+                    pieces = produce(_Slot(f"{gname}.{kind}"))
+                    data = bytearray().join(memoryview(x).cast("B") for x in pieces)
+                    if data:
+                        flat = torch.frombuffer(data, dtype=torch.uint8).view(torch.float32)
+                        tensor.view(-1).copy_(flat)
+        bufs = {}
+        for f, t in src.buffers.items():
+            raw = bytearray(b"".join(iter_elements(reader, t, 0, t.numel, 1 << 24)))
+            dtype = getattr(torch, t.dtype)
+            bufs[f] = (torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(t.shape)
+                       if raw else torch.empty(t.shape, dtype=dtype))
+        if bufs:
+            model.load_buffers(bufs)
+        load_optimizer_info(model, src.optimizer, strict)
+        model.refresh_params()
+        return reader.manifest.save_id
+
+    agree(work, f"load of {url}", group)
+    return CheckpointReader(url, storage_options).manifest

@@ -1,0 +1,74 @@
+"""The package's folders are its layers: a module imports only modules of its own layer or below.
+
+Read from the source (every ``import`` and ``from ... import``, at module level or inside a
+function), so a lazy import that reaches up a layer is caught as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "shardckpt"
+
+#: Lowest first. ``errors`` is the vocabulary every layer shares; ``demo`` runs the whole stack.
+LAYERS = ["errors", "format", "storage", "checkpoint", "interop", "tools", "training", "runtime",
+          "watch", "demo", "cli"]
+#: Layers whose modules must not need torch to be imported (torch only inside functions).
+TORCH_FREE = {"errors", "format", "storage", "checkpoint", "tools"}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "shardckpt" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in LAYERS else None
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        out.append((".".join(rel.parts).removesuffix(".__init__"), path))
+    return out
+
+
+def _imports(tree: ast.Module) -> list[tuple[int, str, bool]]:
+    """(line, imported module or module.name, at module level) for every absolute import."""
+    top = {id(n) for n in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, f"{node.module}.{a.name}", id(node) in top) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, id(node) in top) for a in node.names]
+    return found
+
+
+def test_every_module_sits_in_a_layer() -> None:
+    loose = [m for m, _ in _modules() if m not in ("shardckpt", "shardckpt.__main__") and _layer(m) is None]
+    assert not loose, f"modules outside every layer folder: {loose}"
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    problems = []
+    for module, path in _modules():
+        mine = _layer(module)
+        if mine is None:
+            continue
+        for line, name, _ in _imports(ast.parse(path.read_text())):
+            other = _layer(name)
+            if other is not None and LAYERS.index(other) > LAYERS.index(mine):
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({mine}) imports {name} ({other})")
+    assert not problems, "\n".join(problems)
+
+
+def test_lower_layers_import_torch_only_inside_functions() -> None:
+    problems = []
+    for module, path in _modules():
+        if _layer(module) not in TORCH_FREE:
+            continue
+        for line, name, top in _imports(ast.parse(path.read_text())):
+            if top and name.split(".")[0] == "torch":
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name} at module level")
+    assert not problems, "\n".join(problems)
