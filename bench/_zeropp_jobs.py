@@ -17,7 +17,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -25,15 +24,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from shardckpt.training.launch import free_port
+
 VARIANTS = ("zero3", "qwz", "hpz", "qgz", "all")
 COLLECTIVES = {"all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1,
                "reduce_scatter_tensor": 1, "all_to_all_single": 1, "all_reduce": 0}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NodeWire:
@@ -153,7 +148,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit(f"--ranks {args.ranks} is not a multiple of --ranks-per-node "
                          f"{args.ranks_per_node}")
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="zeropp-step-") as out:
         procs = [ctx.Process(target=rank_main, args=(r, args, port, out))
                  for r in range(args.ranks)]

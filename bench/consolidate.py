@@ -47,7 +47,7 @@ def weight_bytes(params: int, units: int) -> int:
 def index_mapping(src: str) -> dict[str, int]:
     """fqn -> output file index (1-based) of shardckpt's plan, so both sides split files alike."""
     from shardckpt.checkpoint.reader import CheckpointReader
-    from shardckpt.tools.consolidate import plan_consolidation
+    from shardckpt.tools.consolidate_plan import plan_consolidation
 
     plan = plan_consolidation(CheckpointReader(src).manifest, "fp32")
     return {t.name: i + 1 for i, f in enumerate(plan.files) for t in f.tensors}

@@ -31,13 +31,14 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from shardckpt.training.launch import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -62,12 +63,6 @@ def write_model(folder: Path, params: int) -> int:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config(params)))
     model.save_pretrained(folder, max_shard_size="300MB")
     return sum(p.numel() for p in model.parameters())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _status(key: str) -> int:

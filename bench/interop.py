@@ -33,7 +33,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "integration"))
+sys.path.insert(0, os.path.dirname(HERE))
 from common import dir_bytes, drop_tree, median, run_measured  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def main_dcp(args: argparse.Namespace, work: str) -> None:
     (``--params`` about 170e6 gives about 2 GB with AdamW), interleaved, median of ``--reps``."""
     src = os.path.join(work, f"dcp-{args.ranks}-{int(args.params)}")
     if not os.path.exists(os.path.join(src, ".metadata")):
-        from distutil import run_distributed
+        from testing.ranks import run_distributed
 
         run_distributed(job_save_dcp, args.ranks, args=(src, model_config(args.params)),
                         timeout_s=3600, pg_timeout_s=1800)
@@ -148,7 +148,7 @@ def main() -> None:
         return
     src = os.path.join(work, f"ds-z{args.stage}-{args.ranks}-{int(args.params)}")
     if not os.path.exists(os.path.join(src, "latest")):
-        from distutil import run_distributed
+        from testing.ranks import run_distributed
 
         run_distributed(job_save, args.ranks, args=(src, args.stage, model_config(args.params)),
                         timeout_s=3600, pg_timeout_s=1800, env={"DS_ACCELERATOR": "cpu"})

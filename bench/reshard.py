@@ -25,7 +25,8 @@ from common import dir_bytes, drop_tree, median, run_measured, run_measured_json
 
 
 def plan_70b_seconds() -> tuple[float, int]:
-    from shardckpt.format.layout import Mesh, ParamInfo, build_layout, plan_reshard
+    from shardckpt.format.layout import Mesh, ParamInfo, build_layout
+    from shardckpt.format.reshard_plan import plan_reshard
 
     d, ff, vocab, kv = 8192, 28672, 128256, 1024
     infos = [ParamInfo("model.embed_tokens.weight", (vocab, d), "bfloat16", True, "")]

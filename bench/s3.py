@@ -1,6 +1,6 @@
 """Benchmark: shardckpt on a real S3 server (a local Ceph RGW) against plain s3fs copies.
 
-Starts Ceph RGW with `integration/s3servers.CephServer`, synthesizes a checkpoint of about
+Starts Ceph RGW with `testing/s3servers.CephServer`, synthesizes a checkpoint of about
 ``--size`` GB (fp32 master + two AdamW moments, ``--units`` blocks) straight to S3 for each
 ``FROM:TO`` geometry, then times, in fresh processes, interleaved, median of ``--reps``:
 
@@ -38,7 +38,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "integration"))
+sys.path.insert(0, ROOT)
 from common import drop_tree, median, run_measured  # noqa: E402
 
 BLOCK = 8 << 20
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from s3servers import CephServer
+    from testing.s3servers import CephServer
 
     state = tempfile.mkdtemp(prefix="shardckpt-bench-ceph-")
     work = tempfile.mkdtemp(prefix="shardckpt-bench-s3-")

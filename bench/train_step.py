@@ -51,7 +51,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -60,19 +59,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from shardckpt.training.launch import LOOPBACK, free_port, join_all, rank_env
+
 SIDES = ("shardckpt", "fsdp2")
+#: The longest a measured run may take (the rendezvous store waits as long).
+JOIN_TIMEOUT_S = 3600.0
 COLLECTIVES = {"all_gather_single": ("all_gather", 0, 1),
                "all_gather_into_tensor": ("all_gather", 0, 1),
                "reduce_scatter_single": ("reduce_scatter", 1, 1),
                "reduce_scatter_tensor": ("reduce_scatter", 1, 1),
                "all_reduce": ("all_reduce", 0, 2),
                "all_to_all_single": ("all_to_all", 1, 1)}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sides(args: argparse.Namespace) -> tuple[str, str]:
@@ -188,8 +185,7 @@ def peak_rss_bytes() -> int:
 
 def rank_main(side: str, rank: int, args: argparse.Namespace, port: int, baton_port: int,
               out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rank_env(rank, args.ranks, port))
     result: dict[str, Any] = {"side": side, "rank": rank}
     try:
         import torch
@@ -199,9 +195,9 @@ def rank_main(side: str, rank: int, args: argparse.Namespace, port: int, baton_p
         from shardckpt.runtime.llama import causal_lm_loss
 
         torch.set_num_threads(args.threads)
-        timeout = datetime.timedelta(seconds=3600)
-        baton = dist.TCPStore("127.0.0.1", baton_port, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        baton = dist.TCPStore(LOOPBACK, baton_port, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank,
                                 world_size=args.ranks, timeout=timeout)
         forward, opt, psi = build(side, args, rank, args.ranks)
         data = TokenBatches(SyntheticCorpus(args.vocab, seed=1), seq_len=args.seq,
@@ -246,8 +242,8 @@ def run_precision(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     import torch.distributed as dist
 
     baton_port = free_port()
-    baton = dist.TCPStore("127.0.0.1", baton_port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=3600))
+    baton = dist.TCPStore(LOOPBACK, baton_port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="train-step-") as out:
         procs = [ctx.Process(target=rank_main, args=(side, r, args, port, baton_port, out))
@@ -256,8 +252,7 @@ def run_precision(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         for p in procs:
             p.start()
         baton.set("go/0", "1")
-        for p in procs:
-            p.join()
+        join_all(procs, JOIN_TIMEOUT_S)
         results: dict[str, list[dict[str, Any]]] = {s: [] for s in sides(args)}
         for side in sides(args):
             for r in range(args.ranks):

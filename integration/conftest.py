@@ -19,12 +19,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .faultproxy import FaultProxy
-    from .s3servers import CephServer, MotoServer, S3Server
-except ImportError:
-    from faultproxy import FaultProxy
-    from s3servers import CephServer, MotoServer, S3Server
+from testing.faultproxy import FaultProxy
+from testing.s3servers import CephServer, MotoServer, S3Server
 
 REQUIRE_CEPH_ENV = "SHARDCKPT_REQUIRE_CEPH"
 

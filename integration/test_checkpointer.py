@@ -8,14 +8,9 @@ import time
 import pytest
 import torch
 
-try:
-    from .distutil import run_distributed
-    from .fsspec_probes import SlowFS, register_all
-    from .test_save_load import build, batches, train
-except ImportError:
-    from distutil import run_distributed
-    from fsspec_probes import SlowFS, register_all
-    from test_save_load import build, batches, train
+from testing.engines import llama_batches, llama_engine, train_llama
+from testing.fsspec_probes import SlowFS, register_all
+from testing.ranks import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +23,18 @@ def job_async(rank: int, world: int, root: str) -> dict:
 
     register_all()
     pm = init_distributed(timeout_s=60)
-    cfg, engine, opt = build(pm, seed=0)
-    data = batches(cfg, pm.rank, world)
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    data = llama_batches(cfg, pm.rank, world)
     out: dict = {}
     # 1. snapshot isolation and overlap: writes are slowed down, training goes on meanwhile
     os.environ["SHARDCKPT_TEST_WRITE_DELAY"] = "0.05"
     ckpt = Checkpointer(f"slowfile://{root}/run", engine, async_save=True)
-    train(engine, opt, data, range(1))
+    train_llama(engine, opt, data, range(1))
     snapshot = {g: {k: t.clone() for k, t in kinds.items()} for g, kinds in engine.local_shards().items()}
     t0 = time.monotonic()
     ckpt.save(1)
     out["blocking_s"] = time.monotonic() - t0
-    train(engine, opt, data, range(1, 2))  # changes the live masters and moments
+    train_llama(engine, opt, data, range(1, 2))  # changes the live masters and moments
     out["step_done"] = time.monotonic()
     out["in_flight_after_step"] = ckpt.in_flight
     ckpt.wait()
@@ -97,7 +92,7 @@ def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int)
     from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
 
     pm = init_distributed(timeout_s=60)
-    cfg, engine, opt = build(pm, seed=0)
+    cfg, engine, opt = llama_engine(pm, seed=0)
     sched = LambdaLR(opt, lambda s: 0.5 ** s)
     data = TokenBatches(SyntheticCorpus(cfg.vocab_size, seed=1), seq_len=16, micro_batch=micro_batch,
                         rank=pm.rank, world_size=world)
@@ -153,11 +148,11 @@ def job_save_steps(rank: int, world: int, run: str, steps: list) -> dict:
     from shardckpt.runtime import init_distributed
 
     pm = init_distributed(timeout_s=60)
-    cfg, engine, opt = build(pm, seed=0)
-    data = batches(cfg, pm.rank, world)
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    data = llama_batches(cfg, pm.rank, world)
     ckpt = Checkpointer(run, engine, keep_last=None)
     for step in steps:
-        train(engine, opt, data, range(step - 1, step))
+        train_llama(engine, opt, data, range(step - 1, step))
         ckpt.save(step)
     return {}
 
@@ -176,7 +171,7 @@ def job_resume(rank: int, world: int, run: str) -> dict:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     pm = init_distributed(timeout_s=60)
-    _, engine, opt = build(pm, seed=5)
+    _, engine, opt = llama_engine(pm, seed=5)
     step = Checkpointer(run, engine).resume()
     reader = CheckpointReader(f"{run}/step-{step:08d}")
     differ = [f"{g}.{k}" for g, kinds in engine.local_shards().items() for k, t in kinds.items()

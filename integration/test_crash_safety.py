@@ -14,16 +14,10 @@ import signal
 import time
 
 import pytest
-import torch
 
-try:
-    from .distutil import run_distributed, run_ranks
-    from .fsspec_probes import register
-    from .test_save_load import build, batches, train
-except ImportError:
-    from distutil import run_distributed, run_ranks
-    from fsspec_probes import register
-    from test_save_load import build, batches, train
+from testing.engines import llama_batches, llama_engine, train_llama
+from testing.fsspec_probes import register
+from testing.ranks import run_distributed, run_ranks
 
 pytestmark = pytest.mark.slow
 PG_TIMEOUT = 20
@@ -37,14 +31,14 @@ def job_save_then_die(rank: int, world: int, root: str, victim: int, kill_after:
 
     register()
     pm = init_distributed(timeout_s=PG_TIMEOUT)
-    cfg, engine, opt = build(pm, seed=0)
-    data = batches(cfg, pm.rank, world)
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    data = llama_batches(cfg, pm.rank, world)
     mgr = CheckpointManager(root)
-    train(engine, opt, data, range(1))
+    train_llama(engine, opt, data, range(1))
     save(engine, mgr.url_for(1), extras={"step": 1})
     if rank == 0:
         mgr.mark_committed(1)
-    train(engine, opt, data, range(1, 2))
+    train_llama(engine, opt, data, range(1, 2))
     if rank == victim:
         os.environ["SHARDCKPT_TEST_KILL_AFTER"] = str(kill_after)
     try:
@@ -59,7 +53,7 @@ def job_load(rank: int, world: int, url: str) -> dict:
     from shardckpt.training.save_load import load
 
     pm = init_distributed(timeout_s=60)
-    _, engine, opt = build(pm, seed=7)
+    _, engine, opt = llama_engine(pm, seed=7)
     load(engine, url)
     return {"steps": [g["step"] for g in opt.optimizer_metadata()["param_groups"]]}
 
@@ -107,12 +101,12 @@ def job_die_after_manifest(rank: int, world: int, root: str, victim: int) -> dic
     from shardckpt.runtime import init_distributed
 
     pm = init_distributed(timeout_s=PG_TIMEOUT)
-    cfg, engine, opt = build(pm, seed=0)
-    data = batches(cfg, pm.rank, world)
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    data = llama_batches(cfg, pm.rank, world)
     ckpt = Checkpointer(root, engine, keep_last=None)
-    train(engine, opt, data, range(1))
+    train_llama(engine, opt, data, range(1))
     ckpt.save(1)
-    train(engine, opt, data, range(1, 2))
+    train_llama(engine, opt, data, range(1, 2))
     manifest = os.path.join(root, step_dir(2), MANIFEST_NAME)
     if rank == victim == 0:  # rank 0 creates the manifest, then dies before the last exchange
         commit = CheckpointWriter.commit

@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_distributed
-    from .test_dcp_fsdp2 import STEPS, build, full_state, load_job, state, tp_tensor, train_step
-except ImportError:
-    from distutil import run_distributed
-    from test_dcp_fsdp2 import STEPS, build, full_state, load_job, state, tp_tensor, train_step
+from testing.fsdp2_dcp import (
+    STEPS, build, compare_with_reference, full_state, load_job, state, tp_tensor, train_step,
+)
+from testing.models import BETAS, LR, TINY, WD, tiny_llama, tiny_loss, two_groups
+from testing.ranks import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -54,7 +53,6 @@ def stock_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
 def stock_load_job(rank: int, world: int, path: str, ref: str) -> dict[str, Any]:
     """Stock ``dcp.load(checkpoint_id=path)`` into a fresh FSDP2 model; compare; train a step."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model, opt, _ = build(world, 1)
@@ -62,15 +60,7 @@ def stock_load_job(rank: int, world: int, path: str, ref: str) -> dict[str, Any]
     sd = state(model, opt, world, 1)
     dcp.load(sd, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    flat, groups = full_state(model, opt)
-    flat["tp.w"] = sd["tp"]["w"].full_tensor()
-    want = load_file(f"{ref}/reference.safetensors")
-    differ = sorted(k for k in want if k not in flat or flat[k].dtype != want[k].dtype
-                    or not torch.equal(flat[k].reshape(-1).view(torch.uint8),
-                                       want[k].reshape(-1).view(torch.uint8)))
-    differ += sorted(k for k in flat if k not in want)
-    same_groups = groups == json.loads(Path(ref, "reference.json").read_text())
-    return {"differ": differ, "groups": same_groups, "loss": train_step(model, opt, STEPS, rank)}
+    return compare_with_reference(model, opt, sd, ref, rank)
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +109,6 @@ LLAMA_STEPS, NEXT_STEPS, ROWS = 2, 2, 6  # ROWS: the global batch, split evenly 
 
 
 def global_rows(step: int, rank: int, world: int) -> torch.Tensor:
-    try:
-        from .test_runtime_stages import TINY
-    except ImportError:
-        from test_runtime_stages import TINY
     g = torch.Generator().manual_seed(500 + step)
     rows = torch.randint(0, TINY["vocab_size"], (ROWS, 8), generator=g)
     per = ROWS // world
@@ -132,12 +118,8 @@ def global_rows(step: int, rank: int, world: int) -> torch.Tensor:
 def _mean_loss(forward: Any, opt: Any, step: int, rank: int, world: int) -> float:
     import torch.distributed as dist
 
-    try:
-        from .test_runtime_stages import _loss
-    except ImportError:
-        from test_runtime_stages import _loss
     tokens = global_rows(step, rank, world)
-    loss = _loss(forward(tokens), tokens, 1)
+    loss = tiny_loss(forward(tokens), tokens, 1)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -157,15 +139,9 @@ def fsdp2_llama_job(rank: int, world: int, root: str) -> list[float]:
 
     from shardckpt.interop.dcp_storage import ShardckptWriter
     from shardckpt.runtime.llama import LlamaDecoderLayer
-    try:
-        from .test_runtime_parity import two_groups
-        from .test_runtime_stages import BETAS, LR, WD, _model
-    except ImportError:
-        from test_runtime_parity import two_groups
-        from test_runtime_stages import BETAS, LR, WD, _model
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _model()
+    model = tiny_llama()
     for m in model.modules():
         if isinstance(m, LlamaDecoderLayer):
             fully_shard(m, mesh=mesh)
@@ -188,16 +164,12 @@ def engine_job(rank: int, world: int, ckpt: str, mode: str) -> list[float]:
     """ZeroEngine (other init, lr 1.0: all must come from the checkpoint): load flat groups
     (``mode="flat"``) or chunked tensors (``"chunked"``), save what it holds to ``<ckpt>-resaved``,
     continue."""
-    from shardckpt.interop.dcp_to_flat import load_chunked
+    from shardckpt.training.chunked_load import load_chunked
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
     from shardckpt.runtime.llama import LLAMA_POLICY
     from shardckpt.training.save_load import load, save
-    try:
-        from .test_runtime_stages import WD, _model
-    except ImportError:
-        from test_runtime_stages import WD, _model
 
-    engine = ZeroEngine(_model(seed=7), policy=LLAMA_POLICY,
+    engine = ZeroEngine(tiny_llama(seed=7), policy=LLAMA_POLICY,
                         process_mesh=init_distributed(timeout_s=60))
     opt = ShardedAdamW(engine, decay_param_groups(engine, WD), lr=1.0)
     (load if mode == "flat" else load_chunked)(engine, ckpt)
@@ -281,12 +253,8 @@ def engine_save_job(rank: int, world: int, root: str) -> list[float]:
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
     from shardckpt.runtime.llama import LLAMA_POLICY
     from shardckpt.training.save_load import save
-    try:
-        from .test_runtime_stages import BETAS, LR, WD, _model
-    except ImportError:
-        from test_runtime_stages import BETAS, LR, WD, _model
 
-    engine = ZeroEngine(_model(), policy=LLAMA_POLICY, process_mesh=init_distributed(timeout_s=60))
+    engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY, process_mesh=init_distributed(timeout_s=60))
     opt = ShardedAdamW(engine, decay_param_groups(engine, WD), lr=LR, betas=BETAS)
     for s in range(LLAMA_STEPS):
         _mean_loss(engine, opt, s, rank, world)
@@ -305,15 +273,9 @@ def fsdp2_from_flat_job(rank: int, world: int, root: str, via: str) -> dict[str,
 
     from shardckpt.interop.dcp_storage import ShardckptReader
     from shardckpt.runtime.llama import LlamaDecoderLayer
-    try:
-        from .test_runtime_parity import two_groups
-        from .test_runtime_stages import _model
-    except ImportError:
-        from test_runtime_parity import two_groups
-        from test_runtime_stages import _model
 
     mesh = init_device_mesh("cpu", (world,))
-    model = _model(seed=3)
+    model = tiny_llama(seed=3)
     for m in model.modules():
         if isinstance(m, LlamaDecoderLayer):
             fully_shard(m, mesh=mesh)

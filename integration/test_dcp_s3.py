@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_distributed, run_ranks
-    from .test_dcp_fsdp2 import kill_job, load_job, save_job
-except ImportError:
-    from distutil import run_distributed, run_ranks
-    from test_dcp_fsdp2 import kill_job, load_job, save_job
+from testing.fsdp2_dcp import kill_job, load_job, save_job
+from testing.ranks import run_distributed, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

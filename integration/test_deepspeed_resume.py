@@ -17,10 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-try:
-    from .distutil import run_distributed
-except ImportError:
-    from distutil import run_distributed
+from testing.ranks import run_distributed
 
 pytestmark = pytest.mark.slow
 

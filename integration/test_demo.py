@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from testing.cli import cli_process
 
 pytestmark = pytest.mark.slow
 
 
 def test_demo_small(tmp_path):
     work = str(tmp_path / "demo")
-    r = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "demo", "--workdir", work,
-                        "--ranks", "2", "--to", "1", "--steps", "2", "--json"],
-                       capture_output=True, text=True, timeout=300)
+    r = cli_process("demo", "--workdir", work, "--ranks", "2", "--to", "1", "--steps", "2", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout)
     assert s["bit_exact"] and s["sharded_loss"] == s["plain_loss"]
@@ -26,10 +24,8 @@ def test_demo_small(tmp_path):
 
 
 def test_demo_refuses_bad_options(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "demo", "--ranks", "3"],
-                       capture_output=True, text=True, timeout=60)
+    r = cli_process("demo", "--ranks", "3", timeout=60)
     assert r.returncode == 2 and "--ranks 3" in r.stderr
     (tmp_path / "x").write_text("occupied")
-    r = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "demo", "--workdir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=60)
+    r = cli_process("demo", "--workdir", str(tmp_path), timeout=60)
     assert r.returncode == 2 and "not empty" in r.stderr

@@ -7,59 +7,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import psutil
 import pytest
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
+from testing.cli import cli_process
+from testing.torchrun import contents, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def torchrun(nproc: int, *args: str, wait: bool = True, timeout: float = 120) -> Any:
-    """``torchrun --standalone --nproc_per_node NPROC -m shardckpt ARGS`` (a finished
-    CompletedProcess, or the running Popen with ``wait=False``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(nproc), "-m", "shardckpt", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDCKPT_DIST_TIMEOUT_S": "60",
-           "PYTHONPATH": str(ROOT)}
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                cwd=ROOT)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-
-
-def shardckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardckpt", *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-
-
-def contents(ckpt: str, fs: Any = None) -> dict[str, Any]:
-    """Every file's bytes and the manifest, with the save id (and creation time) taken out: what
-    must be equal, bit for bit, whoever wrote the checkpoint (``fs``: an fsspec file system for
-    ``ckpt``; local by default)."""
-    fs = fs or fsspec.filesystem("file")
-    raw = fs.cat_file(f"{ckpt}/{MANIFEST_NAME}")
-    m = json.loads(raw)
-    sid = m["save_id"].encode()
-    files = {f["path"].replace(m["save_id"], "S"): fs.cat_file(f"{ckpt}/{f['path']}").replace(sid, b"S")
-             for f in m["files"]}
-    doc = json.loads(raw.replace(sid, b"S"))
-    for k in ("created_at", "manifest_crc32c"):
-        doc.pop(k)
-    for f in doc["files"]:  # checksums cover the header, which names the save: the bytes are compared
-        f.pop("crc32c"), f.pop("chunk_crc32c")
-    return {"manifest": doc, "files": files}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +33,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(src: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = str(tmp_path_factory.mktemp("ref") / "ref")
-    r = shardckpt("reshard", src, out, "--to", "6")
+    r = cli_process("reshard", src, out, "--to", "6")
     assert r.returncode == 0, r.stderr
     return contents(out)
 
@@ -143,7 +104,7 @@ def test_sigkill_of_a_process_commits_nothing_and_a_rerun_succeeds(tmp_path: Pat
     assert not verify(dst)
     # the rerun: as a job where the job's root was killed, else on its own
     r = torchrun(2, "reshard", src, dst, "--to", "8", "--overwrite") if victim == 0 else \
-        shardckpt("reshard", src, dst, "--to", "8", "--overwrite")
+        cli_process("reshard", src, dst, "--to", "8", "--overwrite")
     assert r.returncode == 0, r.stderr[-3000:]
     result = verify(dst)
     assert result, result.problems
@@ -158,7 +119,7 @@ def tree(path: str) -> dict[str, bytes]:
 def test_consolidate_under_torchrun_equals_one_process(tmp_path: Path, src: str) -> None:
     one, job = str(tmp_path / "one"), str(tmp_path / "job")
     opts = ["--max-shard-size", "300KB", "--optimizer"]
-    r = shardckpt("consolidate", src, one, *opts)
+    r = cli_process("consolidate", src, one, *opts)
     assert r.returncode == 0, r.stderr
     r = torchrun(3, "consolidate", src, job, *opts)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -178,7 +139,7 @@ def test_verify_under_torchrun_reports_what_one_process_does(tmp_path: Path, src
         data = bytearray(Path(bad, f["path"]).read_bytes())
         data[-5] ^= 0xFF
         Path(bad, f["path"]).write_bytes(bytes(data))
-    one = shardckpt("verify", bad, "--json")
+    one = cli_process("verify", bad, "--json")
     assert one.returncode == 1
     r = torchrun(2, "verify", bad, "--json")
     assert r.returncode != 0
@@ -189,7 +150,7 @@ def test_verify_under_torchrun_reports_what_one_process_does(tmp_path: Path, src
 def test_diff_under_torchrun_reports_what_one_process_does(tmp_path: Path, src: str) -> None:
     other = str(tmp_path / "other")
     synthesize(other, 300_000, ranks=2, units=3, seed=6)
-    one = shardckpt("diff", src, other, "--json")
+    one = cli_process("diff", src, other, "--json")
     assert one.returncode == 1, one.stderr
     r = torchrun(2, "diff", src, other, "--json")
     assert r.returncode != 0

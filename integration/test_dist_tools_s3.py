@@ -14,10 +14,8 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
 
-try:
-    from .test_dist_tools_local import contents, shardckpt, torchrun
-except ImportError:
-    from test_dist_tools_local import contents, shardckpt, torchrun
+from testing.cli import cli_process
+from testing.torchrun import contents, torchrun
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,7 +31,7 @@ def test_reshard_on_s3_under_torchrun_equals_one_process(ceph_server: Any, s3_bu
     b = s3_bucket(ceph_server)
     src = f"{b.url}/src"
     synthesize(src, 300_000, ranks=4, units=3, seed=7, storage_options=b.storage_options)
-    r = shardckpt("reshard", src, f"{b.url}/ref", "--to", "6", *cli_options(b))
+    r = cli_process("reshard", src, f"{b.url}/ref", "--to", "6", *cli_options(b))
     assert r.returncode == 0, r.stderr
     fs = b.filesystem()
     reference = contents(f"{b.name}/ref", fs)
@@ -55,7 +53,7 @@ def test_consolidate_on_s3_under_torchrun_equals_one_process(ceph_server: Any,
     src = f"{b.url}/src"
     synthesize(src, 300_000, ranks=4, units=3, seed=8, storage_options=b.storage_options)
     opts = ["--max-shard-size", "300KB", *cli_options(b)]
-    assert shardckpt("consolidate", src, f"{b.url}/one", *opts).returncode == 0
+    assert cli_process("consolidate", src, f"{b.url}/one", *opts).returncode == 0
     r = torchrun(2, "consolidate", src, f"{b.url}/job", *opts)
     assert r.returncode == 0, r.stderr[-3000:]
     fs = b.filesystem()

@@ -34,10 +34,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_distributed
-except ImportError:
-    from distutil import run_distributed
+from testing.ranks import run_distributed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -16,10 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-except ImportError:
-    from distutil import case_suite, check_case
+from testing.ranks import case_suite, check_case
 
 pytestmark = pytest.mark.slow
 

@@ -6,19 +6,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
+from testing.cli import CLI_COMMAND, cli_process
 
 
 def test_kill_9_midway_leaves_no_manifest(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     synthesize(src, 8_000_000, ranks=8, units=4)  # ~100 MB
-    proc = subprocess.Popen([sys.executable, "-m", "shardckpt.cli.main", "reshard", src, dst,
-                             "--to", "16", "--buffer", "64KiB"],
+    proc = subprocess.Popen([*CLI_COMMAND, "reshard", src, dst, "--to", "16", "--buffer", "64KiB"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     killed = False
@@ -36,8 +35,7 @@ def test_kill_9_midway_leaves_no_manifest(tmp_path):
     assert not os.path.exists(os.path.join(dst, MANIFEST_NAME))
     result = verify(dst)
     assert not result and "never committed" in result.problems[0]
-    r = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", "reshard", src, dst, "--to", "16",
-                        "--overwrite"], capture_output=True, text=True, timeout=120)
+    r = cli_process("reshard", src, dst, "--to", "16", "--overwrite", timeout=120)
     assert r.returncode == 0, r.stderr
     result = verify(dst)
     assert result, result.problems

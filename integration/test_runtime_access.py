@@ -1,6 +1,6 @@
 """Tied parameters and full-parameter access of the ZeRO runtime on real gloo process groups.
 
-Shares the job of each world size with the other runtime suites (``distutil.shared_reports``)
+Shares the job of each world size with the other runtime suites (``testing.ranks.shared_reports``)
 and the helpers of ``test_runtime_stages.py``: the same tiny Llama (embedding tied to the head),
 trained by ``train`` on every rank; collectives counted by wrapping ``torch.distributed``.
 """
@@ -13,12 +13,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-    from .test_runtime_stages import TINY, _model, batch, counting, train
-except ImportError:
-    from distutil import case_suite, check_case
-    from test_runtime_stages import TINY, _model, batch, counting, train
+from testing.engines import train_tiny
+from testing.models import TINY, tiny_batch, tiny_llama
+from testing.ranks import case_suite, check_case
+from testing.wire import counting
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +39,7 @@ def case_tied_and_collectives(pm) -> list[str]:
                         layout=[p.fqn for p in engine.layout.params])
 
         with counting("all_gather_into_tensor", "all_gather_single") as gathers:
-            train(pm, stage, steps=2, after_backward=probe)
+            train_tiny(pm, stage, steps=2, after_backward=probe)
         if "lm_head.weight" in seen["layout"] or seen["aliases"] != {
                 "lm_head.weight": "model.embed_tokens.weight"}:
             problems.append(f"stage {stage}: tied head not an alias: {seen['aliases']}")
@@ -68,10 +66,10 @@ def case_full_params(pm) -> list[str]:
     from shardckpt.runtime import MixedPrecisionPolicy
 
     problems = []
-    eager = _model()
-    tokens = batch(0, 0, 0)
+    eager = tiny_llama()
+    tokens = tiny_batch(0, 0, 0)
     for stage, mp in ((3, None), (1, None), (2, MixedPrecisionPolicy())):
-        engine, _ = train(pm, stage, mp=mp, steps=0)
+        engine, _ = train_tiny(pm, stage, mp=mp, steps=0)
         label = f"stage {stage}{' bf16' if mp else ''}"
         with engine.summon_full_params() as full:
             bad = [n for n, p in eager.state_dict().items()

@@ -1,6 +1,6 @@
 """Accounting of the ZeRO runtime, measured independently of its counters, against the estimator.
 
-Shares the job of each world size with the other runtime suites (``distutil.shared_reports``) and
+Shares the job of each world size with the other runtime suites (``testing.ranks.shared_reports``) and
 the tiny Llama of ``test_runtime_stages.py``. Three measurements, none of which reads the
 engine's counters:
 
@@ -33,72 +33,18 @@ buffer stays resident, which the model-state bytes (and the estimator's ZeRO-1 f
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-    from .test_runtime_stages import BETAS, LR, WD, _loss, _model, batch
-except ImportError:
-    from distutil import case_suite, check_case
-    from test_runtime_stages import BETAS, LR, WD, _loss, _model, batch
+from testing.engines import tiny_engine, tiny_step
+from testing.ranks import case_suite, check_case
+from testing.wire import wire
 
 pytestmark = pytest.mark.slow
-
-#: torch.distributed collectives and how each counts (index of the whole buffer, factor).
-COLLECTIVES = {"all_gather_single": ("all_gather", 0, 1),
-               "all_gather_into_tensor": ("all_gather", 0, 1),
-               "reduce_scatter_single": ("reduce_scatter", 1, 1),
-               "reduce_scatter_tensor": ("reduce_scatter", 1, 1),
-               "all_reduce": ("all_reduce", 0, 2),
-               "all_to_all_single": ("all_to_all", 1, 1)}
-
-
-@contextlib.contextmanager
-def wire() -> Iterator[dict[str, Any]]:
-    """Wrap the ``torch.distributed`` collectives: ``bytes`` and ``calls`` by type, ``async``
-    (calls with ``async_op=True``), and ``outputs``: every all-gather output tensor."""
-    seen: dict[str, Any] = {"bytes": {}, "calls": {}, "async": 0, "outputs": [], "samples": []}
-    real = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def wrap(name: str, fn: Callable) -> Callable:
-        op, index, factor = COLLECTIVES[name]
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            t = args[index] if len(args) > index else kwargs["input" if index else "output"]
-            seen["bytes"][op] = seen["bytes"].get(op, 0) + factor * t.numel() * t.element_size()
-            seen["calls"][op] = seen["calls"].get(op, 0) + 1
-            seen["async"] += bool(kwargs.get("async_op"))
-            result = fn(*args, **kwargs)
-            if op == "all_gather":
-                seen["outputs"].append(args[0])
-                seen["samples"].append(live_bytes(seen["outputs"]))
-            return result
-        return counted
-
-    for name, fn in real.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield seen
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
-def live_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages of ``tensors`` that hold bytes now."""
-    sizes = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.nbytes():
-            sizes[st.data_ptr()] = st.nbytes()
-    return sum(sizes.values())
 
 
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -126,26 +72,6 @@ def held_bytes(*roots: Any, exclude: list[torch.Tensor] = ()) -> int:
                 stack.append(obj.grad)
         stack.extend(gc.get_referents(obj))
     return sum(storages.values())
-
-
-def build(pm, **kwargs: Any):
-    """The tiny Llama of ``test_runtime_stages`` in an engine with ``kwargs``, and its AdamW."""
-    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY
-
-    kwargs.setdefault("deterministic", True)
-    engine = ZeroEngine(_model(), policy=LLAMA_POLICY, process_mesh=pm, **kwargs)
-    return engine, ShardedAdamW(engine, decay_param_groups(engine, WD), lr=LR, betas=BETAS)
-
-
-def step(engine, opt, i: int, rank: int, zero: bool = True) -> float:
-    tokens = batch(i, 0, rank)
-    loss = _loss(engine(tokens), tokens, 1)
-    loss.backward()
-    opt.step()
-    if zero:
-        opt.zero_grad()
-    return float(loss.detach())
 
 
 def padded(engine) -> tuple[int, int, int]:
@@ -183,13 +109,13 @@ def case_comm(pm) -> list[str]:
         for det in (True, False):
             for label, (kwargs, (k_psi, k_root)) in configs.items():
                 name = f"{label}, {precision or 'fp32'}, {'deterministic' if det else 'default'}"
-                engine, opt = build(pm, deterministic=det, mixed_precision=_policy(precision),
+                engine, opt = tiny_engine(pm, deterministic=det, mixed_precision=_policy(precision),
                                     **kwargs)
                 psi, root, _ = padded(engine)
-                step(engine, opt, 0, pm.rank)
+                tiny_step(engine, opt, 0, pm.rank)
                 engine.accounting.reset()
                 with wire() as seen:
-                    step(engine, opt, 1, pm.rank)
+                    tiny_step(engine, opt, 1, pm.rank)
                 compute = 2 if precision == BF16 else 4
                 # Parameters move in the compute dtype, gradients in fp32.
                 elements = {op: b // 4 for op, b in seen["bytes"].items()}
@@ -221,9 +147,9 @@ def case_memory(pm) -> list[str]:
     for stage in (1, 2, 3):
         for precision in (None, BF16):
             name = f"stage {stage}, {precision or 'fp32'}"
-            engine, opt = build(pm, stage=stage, mixed_precision=_policy(precision))
+            engine, opt = tiny_engine(pm, stage=stage, mixed_precision=_policy(precision))
             for i in range(2):
-                step(engine, opt, i, pm.rank, zero=i == 0)
+                tiny_step(engine, opt, i, pm.rank, zero=i == 0)
             gc.collect()
             held = held_bytes(engine, opt, exclude=list(engine.module.buffers()))
             kinds = engine.model_state_bytes()
@@ -243,12 +169,12 @@ def case_gathered_peak(pm) -> list[str]:
     for prefetch in (True, False):
         for precision in (None, BF16):
             name = f"prefetch {prefetch}, {precision or 'fp32'}"
-            engine, opt = build(pm, prefetch=prefetch, mixed_precision=_policy(precision))
+            engine, opt = tiny_engine(pm, prefetch=prefetch, mixed_precision=_policy(precision))
             psi, root, block = padded(engine)
-            step(engine, opt, 0, pm.rank)
+            tiny_step(engine, opt, 0, pm.rank)
             engine.accounting.reset()
             with wire() as seen:
-                step(engine, opt, 1, pm.rank)
+                tiny_step(engine, opt, 1, pm.rank)
             size = 2 if precision == BF16 else 4
             peak, mine = max(seen["samples"]), engine.accounting.peak_gathered_bytes
             bound = (root + (2 if prefetch else 1) * block) * size
@@ -271,11 +197,11 @@ def case_hsdp_comm(pm) -> list[str]:
     hsdp = ProcessMesh.from_process_group(Mesh.hsdp(2, 2))
     problems = []
     for det in (False, True):
-        engine, opt = build(hsdp, deterministic=det, reshard_root_after_forward=True)
+        engine, opt = tiny_engine(hsdp, deterministic=det, reshard_root_after_forward=True)
         psi = padded(engine)[0]
-        step(engine, opt, 0, pm.rank)
+        tiny_step(engine, opt, 0, pm.rank)
         with wire() as seen:
-            step(engine, opt, 1, pm.rank)
+            tiny_step(engine, opt, 1, pm.rank)
         got = {op: b // 4 for op, b in seen["bytes"].items()}
         want = ({"all_gather": 2 * psi, "all_to_all": 2 * psi} if det else
                 {"all_gather": 2 * psi, "reduce_scatter": psi, "all_reduce": 2 * psi // 2})
@@ -286,7 +212,7 @@ def case_hsdp_comm(pm) -> list[str]:
         if not det and est.comm_elements != sum(got.values()):
             problems.append(f"HSDP 2x2: estimator {est.comm_elements}, sent {sum(got.values())}")
         gc.collect()
-        step(engine, opt, 2, pm.rank, zero=False)
+        tiny_step(engine, opt, 2, pm.rank, zero=False)
         held = held_bytes(engine, opt, exclude=list(engine.module.buffers()))
         if held != est.model_state_bytes:
             problems.append(f"HSDP 2x2: {held} bytes held, estimator {est.model_state_bytes}")

@@ -13,10 +13,7 @@ import time
 import pytest
 import torch
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import run_ranks
-except ImportError:
-    from distutil import run_ranks
+from testing.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """The ZeRO-3 runtime against PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) on gloo.
 
-Shares the job of each world size with the other runtime suites (``distutil.shared_reports``).
+Shares the job of each world size with the other runtime suites (``testing.ranks.shared_reports``).
 The same tiny Llama (``test_runtime_stages.py``; the embedding tied to the head), the same
 initial weights, the same batches on each rank, the same AdamW hyper-parameters and param groups
 (``torch.optim.AdamW(foreach=False)`` on FSDP2's DTensor shards), the same units (each decoder
@@ -20,14 +20,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite
-    from .test_runtime_parity import two_groups
-    from .test_runtime_stages import BETAS, LR, WD, _loss, _model, batch
-except ImportError:
-    from distutil import case_suite
-    from test_runtime_parity import two_groups
-    from test_runtime_stages import BETAS, LR, WD, _loss, _model, batch
+from testing.models import BETAS, LR, WD, tiny_batch, tiny_llama, tiny_loss, two_groups
+from testing.ranks import case_suite
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +33,8 @@ BF16_RTOL = 1e-4
 def _losses(forward: Callable, opt: torch.optim.Optimizer, rank: int) -> list[float]:
     out = []
     for i in range(STEPS):
-        tokens = batch(i, 0, rank)
-        loss = _loss(forward(tokens), tokens, 1)
+        tokens = tiny_batch(i, 0, rank)
+        loss = tiny_loss(forward(tokens), tokens, 1)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -60,7 +54,7 @@ def fsdp2_losses(pm, bf16: bool) -> list[float]:
     if bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
-    model = _model()
+    model = tiny_llama()
     for m in model.modules():
         if isinstance(m, LlamaDecoderLayer):
             fully_shard(m, **kwargs)
@@ -76,7 +70,7 @@ def shardckpt_losses(pm, bf16: bool) -> list[float]:
     from shardckpt.runtime.llama import LLAMA_POLICY
 
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
-    engine = ZeroEngine(_model(), policy=LLAMA_POLICY, process_mesh=pm, mixed_precision=mp)
+    engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY, process_mesh=pm, mixed_precision=mp)
     opt = ShardedAdamW(engine, decay_param_groups(engine, WD), lr=LR, betas=BETAS)
     return _losses(engine, opt, pm.rank)
 

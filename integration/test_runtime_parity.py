@@ -1,147 +1,29 @@
 """ZeRO-3 runtime on real gloo process groups: bit-exact parity, frozen/mixed dtypes, meta init.
 
 One spawned job per world size runs every case on one process group and reports per-case
-problems (empty list = pass) back through :mod:`distutil`; the tests below read those reports.
+problems (empty list = pass) back through :mod:`testing.ranks`; the tests below read those reports.
 
-The references use plain PyTorch only (no shardckpt runtime code): each rank's micro-batch is run
-in turn, gradients are summed in rank order and divided by the world size, and
-``torch.optim.AdamW`` / ``SGD`` with ``foreach=False`` take the step, one thread per process.
+The references (``testing/reference.py``) use plain PyTorch only (no shardckpt runtime code):
+each rank's micro-batch is run in turn, gradients are summed in rank order and divided by the
+world size, and ``torch.optim.AdamW`` / ``SGD`` with ``foreach=False`` take the step, one thread
+per process.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-except ImportError:
-    from distutil import case_suite, check_case
-
-
-class ToyBlock(nn.Module):
-    def __init__(self, d: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 2 * d, dtype=dtype)
-        self.fc2 = nn.Linear(2 * d, d, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x).to(self.fc1.weight.dtype)
-        return x + self.fc2(F.gelu(self.fc1(h))).to(x.dtype)
-
-
-class Toy(nn.Module):
-    """Embedding, blocks, head with bias; optional bf16 block and frozen ``blocks.0.fc1``.
-
-    Has one persistent buffer (``scale``) so buffer handling is exercised.
-    """
-
-    def __init__(self, d: int = 16, n: int = 2, vocab: int = 48, bf16_block: int | None = None,
-                 freeze: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(
-            ToyBlock(d, torch.bfloat16 if i == bf16_block else torch.float32) for i in range(n))
-        self.head = nn.Linear(d, vocab)
-        self.register_buffer("scale", torch.tensor([1.0]))
-        if freeze:
-            self.blocks[0].fc1.requires_grad_(False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids) * self.scale
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
-
-
-def toy_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def toy_batch(step: int, rank: int, vocab: int = 48, mb: int = 2, seq: int = 12) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, vocab, (mb, seq), generator=g)
-
-
-def two_groups(named: Iterable[tuple[str, nn.Parameter]], wd: float) -> list[dict]:
-    """Decay for matrices, none for norms and biases (the reference's own grouping)."""
-    named = [(n, p) for n, p in named if p.requires_grad]
-    return [{"params": [p for n, p in named if p.ndim >= 2 and "norm" not in n], "weight_decay": wd},
-            {"params": [p for n, p in named if p.ndim < 2 or "norm" in n], "weight_decay": 0.0}]
-
-
-def reference_train(model: nn.Module, make_opt: Callable[[list[dict]], torch.optim.Optimizer],
-                    batch: Callable[[int, int], torch.Tensor], loss_fn: Callable, world: int,
-                    steps: int, wd: float, fp32_masters: bool = False,
-                    scheduler: Callable | None = None,
-                    clip: float | None = None) -> torch.optim.Optimizer:
-    """Plain-PyTorch data parallelism on one process. With ``fp32_masters`` the optimizer runs on
-    fp32 copies of the trained parameters, which are cast back into the (maybe bf16) model."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if fp32_masters:
-        masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in named}
-        opt = make_opt(two_groups(masters.items(), wd))
-    else:
-        masters = dict(named)
-        opt = make_opt(two_groups(named, wd))
-    sched = scheduler(opt) if scheduler else None
-    for step in range(steps):
-        per_rank = []
-        for r in range(world):
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(batch(step, r)), batch(step, r)).backward()
-            per_rank.append({n: p.grad.clone() for n, p in named})
-        for n, _ in named:
-            total = per_rank[0][n].to(torch.float32, copy=True)
-            for r in range(1, world):
-                total += per_rank[r][n]
-            masters[n].grad = total / world
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(masters.values()), clip)
-        opt.step()
-        if sched:
-            sched.step()
-        if fp32_masters:
-            with torch.no_grad():
-                for n, p in named:
-                    p.copy_(masters[n])
-    opt.masters = masters  # type: ignore[attr-defined]
-    return opt
-
-
-def compare_shards(engine, tensors: dict[str, torch.Tensor], kind: str = "master") -> list[str]:
-    """Names of flat groups whose local ``kind`` shard differs (``torch.equal``) from ``tensors``
-    laid out by the engine's layout. Padding must be zero."""
-    layout, rank = engine.layout, engine.process_mesh.shard_rank
-    bad = []
-    for name, kinds in engine.local_shards().items():
-        if kind not in kinds:
-            continue
-        g = layout.group(name)
-        flat = torch.zeros(g.padded_numel, dtype=kinds[kind].dtype)
-        for spec in layout.group_params(g):
-            flat[spec.offset:spec.offset + spec.numel] = tensors[spec.fqn].reshape(-1)
-        lo, hi = layout.shard_range(g, rank)
-        if not torch.equal(kinds[kind], flat[lo:hi]):
-            diff = (kinds[kind].double() - flat[lo:hi].double()).abs().max().item()
-            bad.append(f"{name}.{kind} (max diff {diff:g})")
-    return bad
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str], key: str) -> dict[str, torch.Tensor]:
-    return {names[id(p)]: s[key] for p, s in opt.state.items() if key in s}
+from testing.models import LLAMA, Toy, ToyBlock, toy_batch, toy_loss
+from testing.ranks import case_suite, check_case
+from testing.reference import compare_shards, optimizer_tensors, reference_train
 
 
 # ------------------------------------------------------------------------------- the cases
 
 STEPS = 10
-LLAMA = dict(vocab_size=512, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)
 
 
 def _warmup(step: int) -> float:

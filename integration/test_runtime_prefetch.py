@@ -1,6 +1,6 @@
 """Prefetch, ``reshard_after_forward=False`` and HSDP meshes, bit for bit against plain ZeRO-3.
 
-Shares the job of each world size with the other runtime suites (``distutil.shared_reports``)
+Shares the job of each world size with the other runtime suites (``testing.ranks.shared_reports``)
 and the tiny Llama of ``test_runtime_stages.py``. In deterministic mode every configuration below
 must end with the same fp32 masters and AdamW states, bit for bit, as ZeRO-3 on the same number
 of ranks without prefetch (itself checked against plain PyTorch in ``test_runtime_parity.py`` and
@@ -22,14 +22,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-    from .test_runtime_accounting import build, step, wire
-    from .test_runtime_stages import differences, gathered
-except ImportError:
-    from distutil import case_suite, check_case
-    from test_runtime_accounting import build, step, wire
-    from test_runtime_stages import differences, gathered
+from testing.engines import tiny_engine, tiny_step
+from testing.ranks import case_suite, check_case
+from testing.reference import differences, gathered
+from testing.wire import wire
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +34,9 @@ STEPS = 3
 
 def train_states(pm, **kwargs: Any) -> tuple[dict[str, dict[str, torch.Tensor]], list[str], Any]:
     """Train ``STEPS`` steps; whole masters and AdamW states, padding problems, the engine."""
-    engine, opt = build(pm, deterministic=True, **kwargs)
+    engine, opt = tiny_engine(pm, deterministic=True, **kwargs)
     for i in range(STEPS):
-        step(engine, opt, i, pm.rank)
+        tiny_step(engine, opt, i, pm.rank)
     states, bad = gathered(engine)
     return states, bad, engine
 
@@ -91,7 +87,7 @@ def case_prefetch_overlaps(pm) -> list[str]:
     without prefetch none is."""
     problems = []
     for prefetch in (True, False):
-        engine, opt = build(pm, prefetch=prefetch)
+        engine, opt = tiny_engine(pm, prefetch=prefetch)
         needed: list[tuple[str, str, bool]] = []  # (unit, phase, issued ahead)
         for unit in engine.units:
             def probe(unit=unit, gather=unit.gather):
@@ -99,10 +95,10 @@ def case_prefetch_overlaps(pm) -> list[str]:
                                unit.gathered))
                 gather()
             unit.gather = probe
-        step(engine, opt, 0, pm.rank)
+        tiny_step(engine, opt, 0, pm.rank)
         needed.clear()
         with wire() as seen:
-            step(engine, opt, 1, pm.rank)
+            tiny_step(engine, opt, 1, pm.rank)
         blocks = [u.name for u in engine.units if u.name]
         got = [(n, phase, ahead) for n, phase, ahead in needed if n in blocks]
         want = ([(b, "forward", prefetch) for b in blocks]

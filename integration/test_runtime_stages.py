@@ -7,7 +7,8 @@ case trains engines on every rank, all-gathers their shards with plain ``torch.d
 configuration and compares; other ranks report what they check locally. A report is a list of
 problems (empty = pass).
 
-The reference (DESIGN.md, "Deterministic mode"), for every configuration:
+The reference (``testing.reference.tiny_reference``; DESIGN.md, "Deterministic mode"), for every
+configuration:
 
 * fp32 masters are the parameters of an fp32 model; with a compute dtype, each micro-batch runs on
   a copy of the model whose parameters are the masters cast to bf16 (buffers stay fp32);
@@ -20,192 +21,23 @@ The reference (DESIGN.md, "Deterministic mode"), for every configuration:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-    from .test_runtime_parity import two_groups
-except ImportError:
-    from distutil import case_suite, check_case
-    from test_runtime_parity import two_groups
+from testing.engines import train_tiny
+from testing.ranks import case_suite, check_case
+from testing.reference import differences, gathered, tiny_reference
+from testing.wire import counting
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
-LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1
-TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1)
 #: Clipping: the sharded norm sums squares per shard in fp64, then across ranks; the reference
 #: sums per tensor in fp32. Stated tolerance: norms within this relative error, and parameters
 #: after clipped AdamW steps within CLIP_PARAM_RTOL / CLIP_PARAM_ATOL.
 CLIP_NORM_RTOL = 1e-5
 CLIP_PARAM_RTOL, CLIP_PARAM_ATOL = 1e-4, 1e-6
-
-
-def batch(step: int, micro: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    return torch.randint(0, TINY["vocab_size"], (2, 8), generator=g)
-
-
-def _model(seed: int = 0):
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**TINY))
-
-
-def _loss(logits: torch.Tensor, tokens: torch.Tensor, micro: int) -> torch.Tensor:
-    from shardckpt.runtime.llama import causal_lm_loss
-
-    return causal_lm_loss(logits, tokens) / micro
-
-
-def reference(world: int, micro: int = 1, param_dtype: torch.dtype | None = None,
-              reduce_dtype: torch.dtype = torch.float32, accumulate: str = "per_micro",
-              clip: float | None = None, steps: int = STEPS) -> dict[str, Any]:
-    """Plain PyTorch (see module docstring): masters, AdamW states and pre-clip norms."""
-    model = _model()
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    compute = model
-    if param_dtype is not None:
-        compute = copy.deepcopy(model)  # keeps the tie; parameters only are cast
-        for p in compute.parameters():
-            p.data = p.data.to(param_dtype)
-    cparams = dict(compute.named_parameters())
-    opt = torch.optim.AdamW(two_groups(named, WD), lr=LR, betas=BETAS, foreach=False)
-
-    def mean(grads: list[torch.Tensor]) -> torch.Tensor:
-        total = grads[0].to(reduce_dtype, copy=True)
-        for g in grads[1:]:
-            total += g
-        return (total / world).float()
-
-    norms = []
-    for step in range(steps):
-        local = [[{} for _ in range(micro)] for _ in range(world)]
-        for m in range(micro):
-            for r in range(world):
-                compute.zero_grad(set_to_none=True)
-                tokens = batch(step, m, r)
-                _loss(compute(tokens), tokens, micro).backward()
-                local[r][m] = {n: cparams[n].grad.to(reduce_dtype, copy=True) for n, _ in named}
-        for n, p in named:
-            if accumulate == "no_sync":
-                acc = []
-                for r in range(world):
-                    a = local[r][0][n]
-                    for m in range(1, micro):
-                        a += local[r][m][n]
-                    acc.append(a)
-                p.grad = mean(acc)
-            else:
-                p.grad = mean([local[r][0][n] for r in range(world)])
-                for m in range(1, micro):
-                    p.grad += mean([local[r][m][n] for r in range(world)])
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)))
-        opt.step()
-        if param_dtype is not None:
-            with torch.no_grad():
-                for n, p in named:
-                    cparams[n].copy_(p)
-    names = {id(p): n for n, p in named}
-    states = {kind: {names[id(p)]: s[kind] for p, s in opt.state.items()}
-              for kind in ("exp_avg", "exp_avg_sq")}
-    return {"master": {n: p.detach() for n, p in named}, **states, "norms": norms}
-
-
-def train(pm, stage: int, micro: int = 1, mp: Any = None, accumulate: str = "per_micro",
-          clip: float | None = None, ac: bool = False, steps: int = STEPS,
-          after_backward: Callable[[Any], None] | None = None,
-          deterministic: bool = True) -> tuple[Any, list[float]]:
-    """The engine's run of the reference's configuration on this rank."""
-    from shardckpt.runtime import ShardedAdamW, ZeroEngine, checkpoint_units, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY
-
-    engine = ZeroEngine(_model(), policy=LLAMA_POLICY, process_mesh=pm,
-                        deterministic=deterministic, stage=stage, mixed_precision=mp)
-    if ac:
-        checkpoint_units(engine)
-    opt = ShardedAdamW(engine, decay_param_groups(engine, WD), lr=LR, betas=BETAS)
-    norms = []
-    for step in range(steps):
-        for m in range(micro):
-            tokens = batch(step, m, pm.rank)
-            sync = accumulate == "per_micro" or m == micro - 1
-            engine.set_requires_gradient_sync(sync)
-            _loss(engine(tokens), tokens, micro).backward()
-        if after_backward is not None:
-            after_backward(engine)
-        if clip is not None:
-            norms.append(engine.clip_grad_norm_(clip))
-        opt.step()
-        opt.zero_grad()
-    return engine, norms
-
-
-@contextlib.contextmanager
-def counting(*names: str) -> Iterator[list[int]]:
-    """Bytes of the first tensor of every call of the named ``torch.distributed`` functions
-    (the runtime looks them up at call time)."""
-    calls: list[int] = []
-    real = {name: getattr(dist, name) for name in names}
-
-    def wrap(fn: Callable) -> Callable:
-        def counted(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(out.numel() * out.element_size())
-            return fn(out, *args, **kwargs)
-        return counted
-
-    for name, fn in real.items():
-        setattr(dist, name, wrap(fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
-
-def gathered(engine) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
-    """kind -> FQN -> whole tensor, all-gathered over the shard group from every rank's
-    ``local_shards()`` with plain ``torch.distributed``; and the groups whose padding is not
-    zero."""
-    pm = engine.process_mesh
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    bad = []
-    for name, kinds in engine.local_shards().items():
-        g = engine.layout.group(name)
-        for kind, shard in kinds.items():
-            full = shard.clone()
-            if pm.shard_degree > 1:
-                full = torch.empty(shard.numel() * pm.shard_degree, dtype=shard.dtype)
-                dist.all_gather_single(full, shard.contiguous(), group=pm.shard_group)
-            if full[g.numel:].any():
-                bad.append(f"{name}.{kind} has non-zero padding")
-            for spec in engine.layout.group_params(g):
-                out.setdefault(kind, {})[spec.fqn] = full[spec.offset:spec.offset + spec.numel
-                                                          ].view(spec.shape)
-    return out, bad
-
-
-def differences(label: str, got: dict[str, dict[str, torch.Tensor]], ref: dict[str, Any],
-                kinds: tuple[str, ...] = ("master", "exp_avg", "exp_avg_sq")) -> list[str]:
-    """Every (kind, FQN) where ``got`` is not bit-identical to the reference (the first few
-    named, then a count)."""
-    out = []
-    for kind in kinds:
-        for fqn, want in ref[kind].items():
-            have = got[kind][fqn]
-            if have.dtype != want.dtype or not torch.equal(have, want):
-                diff = (have.double() - want.double()).abs().max().item()
-                out.append(f"{label}: {kind} {fqn} differs (max {diff:g})")
-    return out[:4] + ([f"{label}: and {len(out) - 4} more"] if len(out) > 4 else [])
 
 
 def compare_runs(pm, runs: dict[str, dict], ref_kwargs: dict) -> list[str]:
@@ -215,12 +47,12 @@ def compare_runs(pm, runs: dict[str, dict], ref_kwargs: dict) -> list[str]:
     problems, got, exact = [], {}, {}
     for label, kwargs in runs.items():
         kwargs = dict(kwargs)
-        engine, _ = train(kwargs.pop("mesh", pm), **kwargs)
+        engine, _ = train_tiny(kwargs.pop("mesh", pm), **kwargs)
         got[label], bad = gathered(engine)
         exact[label] = kwargs.get("deterministic", True)
         problems += [f"{label}: {b}" for b in bad]
     if pm.rank == 0:
-        ref = reference(pm.world_size, **ref_kwargs)
+        ref = tiny_reference(pm.world_size, **ref_kwargs)
         for label, states in got.items():
             if exact[label]:
                 problems += differences(label, states, ref)
@@ -251,7 +83,7 @@ def case_stages_fp32(pm) -> list[str]:
     problems = compare_runs(pm, runs, {})
     shapes = []
     for stage in (1, 2, 3):
-        engine, _ = train(pm, stage, steps=0)
+        engine, _ = train_tiny(pm, stage, steps=0)
         shapes.append({(n, k): (tuple(t.shape), t.dtype) for n, kinds in
                        engine.local_shards().items() for k, t in kinds.items()})
     if not shapes[0] == shapes[1] == shapes[2]:
@@ -298,11 +130,11 @@ def case_accumulation(pm) -> list[str]:
 
 def case_clip(pm) -> list[str]:
     """Global-norm clipping at stages 1, 2, 3 within the stated tolerance of clip_grad_norm_."""
-    runs = {s: train(pm, s, clip=0.05) for s in (1, 2, 3)}
+    runs = {s: train_tiny(pm, s, clip=0.05) for s in (1, 2, 3)}
     got = {s: gathered(engine)[0] for s, (engine, _) in runs.items()}
     problems = []
     if pm.rank == 0:
-        ref = reference(pm.world_size, clip=0.05)
+        ref = tiny_reference(pm.world_size, clip=0.05)
         if min(ref["norms"]) <= 0.05:
             problems.append(f"clipping never engaged: {ref['norms']}")
         for s, (_, norms) in runs.items():

@@ -24,10 +24,7 @@ from shardckpt.errors import CommitConflictError
 from shardckpt.storage import Storage, list_open_uploads
 from shardckpt.tools.synth import synthesize
 
-try:
-    from .clihelpers import cli, ok, one_line_error
-except ImportError:
-    from clihelpers import cli, ok, one_line_error
+from testing.cli import CLI_COMMAND, cli, ok, one_line_error
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(240)]
 
@@ -277,8 +274,7 @@ def test_failed_write_aborts_its_upload(site: Site) -> None:
 def test_kill9_during_upload_leaves_no_manifest_and_clean_removes_debris(site: Site) -> None:
     url = site.url("killed")
     env = {**os.environ, **site.env, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "shardckpt.cli.main", "synth", url, "--params", "40M",
-                             "--ranks", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([*CLI_COMMAND, "synth", url, "--params", "40M", "--ranks", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         for _ in range(1200):  # poll ListMultipartUploads, not a sleep
             if site.uploads("killed/") or proc.poll() is not None:
@@ -306,10 +302,10 @@ def test_fsspec_file_path_never_commits_after_abort(site: Site) -> None:
     partial object on ``__exit__``/``__del__``. Aborting it must leave neither object nor upload."""
     import gc
 
-    from shardckpt.storage import _FsspecSink
+    from shardckpt.storage.writer import _FsspecSink
 
     storage = Storage(site.url("sink"), site.options)
-    sink = _FsspecSink(storage, "partial.bin")
+    sink = _FsspecSink(storage.backend, storage.full("partial.bin"), storage.url_of("partial.bin"))
     sink.f.blocksize = 5 << 20
     sink.write(memoryview(bytes(11 << 20)))  # two parts sent: the upload is open
     assert site.uploads("sink/") == ["sink/partial.bin"]

@@ -22,16 +22,11 @@ import botocore.exceptions
 import pytest
 
 from shardckpt.errors import ConfigError
-from shardckpt.storage import (
-    DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, _is_precondition_failed, _is_retryable, _map_error,
-    split_options,
-)
+from shardckpt.storage import DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, split_options
+from shardckpt.storage.retry import _is_precondition_failed, _is_retryable, _map_error
 from shardckpt.tools.synth import synthesize
 
-try:
-    from .clihelpers import cli, ok, one_line_error
-except ImportError:
-    from clihelpers import cli, ok, one_line_error
+from testing.cli import cli, ok, one_line_error
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(240)]
 

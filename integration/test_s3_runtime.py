@@ -6,12 +6,8 @@ import hashlib
 
 import pytest
 
-try:
-    from .distutil import run_distributed
-    from .test_save_load import batches, build, train
-except ImportError:
-    from distutil import run_distributed
-    from test_save_load import batches, build, train
+from testing.engines import llama_batches, llama_engine, train_llama
+from testing.ranks import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
@@ -21,8 +17,8 @@ def job_save(rank: int, world: int, s3_run: str, opts: dict, local_run: str) -> 
     from shardckpt.runtime import init_distributed
 
     pm = init_distributed(timeout_s=60)
-    cfg, engine, opt = build(pm, seed=0)
-    train(engine, opt, batches(cfg, pm.rank, world), range(2))
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    train_llama(engine, opt, llama_batches(cfg, pm.rank, world), range(2))
     remote = Checkpointer(s3_run, engine, async_save=True, storage_options=opts)
     remote.save(2)
     Checkpointer(local_run, engine).save(2)   # the same state, on local disk
@@ -35,7 +31,7 @@ def job_load(rank: int, world: int, url: str, opts: dict) -> dict:
     from shardckpt.training.save_load import load
 
     pm = init_distributed(timeout_s=60)
-    _, engine, opt = build(pm, seed=9)
+    _, engine, opt = llama_engine(pm, seed=9)
     load(engine, url, storage_options=opts or None)
     full = engine.gather_full_params()
     digest = hashlib.sha256()

@@ -18,10 +18,7 @@ import aiohttp
 import botocore.exceptions
 import pytest
 
-try:
-    from .s3servers import is_precondition_failed
-except ImportError:
-    from s3servers import is_precondition_failed
+from testing.s3servers import is_precondition_failed
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(120)]
 

@@ -16,51 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-try:
-    from .distutil import run_distributed
-    from .fsspec_probes import CountingFS, RecordingFS, register
-    from .test_runtime_parity import LLAMA, compare_shards, optimizer_tensors, reference_train
-except ImportError:
-    from distutil import run_distributed
-    from fsspec_probes import CountingFS, RecordingFS, register
-    from test_runtime_parity import LLAMA, compare_shards, optimizer_tensors, reference_train
+from testing.engines import llama_batches, llama_engine, train_llama
+from testing.fsspec_probes import CountingFS, RecordingFS, register
+from testing.models import LLAMA
+from testing.ranks import run_distributed
+from testing.reference import compare_shards, optimizer_tensors, reference_train
 
 pytestmark = pytest.mark.slow
 SAVED_STEPS = 3
 MORE_STEPS = 5
 CHUNK = 4096
-
-
-def build(pm, seed: int, policy: str = "layers"):
-    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, units_by_type
-    from shardckpt.runtime.llama import (LLAMA_POLICY, LlamaAttention, LlamaConfig, LlamaForCausalLM,
-                                         LlamaMLP)
-
-    cfg = LlamaConfig(**LLAMA)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    model.register_buffer("calibration", torch.arange(5, dtype=torch.float32) * (seed + 1))
-    pol = LLAMA_POLICY if policy == "layers" else units_by_type(LlamaAttention, LlamaMLP)
-    engine = ZeroEngine(model, policy=pol, process_mesh=pm, deterministic=True)
-    opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=3e-3, betas=(0.9, 0.95))
-    return cfg, engine, opt
-
-
-def batches(cfg, rank: int, world: int):
-    from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-
-    return TokenBatches(SyntheticCorpus(cfg.vocab_size, seed=1), seq_len=16, micro_batch=2,
-                        rank=rank, world_size=world)
-
-
-def train(engine, opt, data, steps: range) -> None:
-    from shardckpt.runtime.llama import causal_lm_loss
-
-    for step in steps:
-        tokens = data.batch(step)
-        causal_lm_loss(engine(tokens), tokens).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def global_tensor(reader, fqn: str, kind: str) -> torch.Tensor:
@@ -81,8 +46,8 @@ def job_save(rank: int, world: int, root: str) -> dict:
     from shardckpt.training.save_load import save
 
     pm = init_distributed(timeout_s=60)
-    cfg, engine, opt = build(pm, seed=0)
-    train(engine, opt, batches(cfg, pm.rank, world), range(SAVED_STEPS))
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    train_llama(engine, opt, llama_batches(cfg, pm.rank, world), range(SAVED_STEPS))
     m = save(engine, f"{root}/ck4", extras={"step": SAVED_STEPS}, chunk_size=CHUNK)
     return {"save_id": m.save_id}
 
@@ -94,7 +59,7 @@ def job_load(rank: int, world: int, root: str, replicate: int, policy: str, more
 
     register()
     pm = init_distributed(timeout_s=60, replicate=replicate)
-    cfg, engine, opt = build(pm, seed=123, policy=policy)
+    cfg, engine, opt = llama_engine(pm, seed=123, policy=policy)
     before = CountingFS.bytes_read
     res = load(engine, f"countfile://{root}/ck4")
     read = CountingFS.bytes_read - before
@@ -112,8 +77,8 @@ def job_load(rank: int, world: int, root: str, replicate: int, policy: str, more
         problems.append(f"unexpected lists {res.missing} {res.unexpected} {res.mismatched}")
     out = {"problems": problems, "bytes_read": read, "shard": pm.shard_rank}
     if more:
-        data = batches(cfg, pm.rank, world)
-        train(engine, opt, data, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        data = llama_batches(cfg, pm.rank, world)
+        train_llama(engine, opt, data, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
         out["problems"] += continue_reference(engine, reader, cfg, world)
         save(engine, f"{root}/final")
         tokens = data.batch(99)
@@ -146,7 +111,7 @@ def continue_reference(engine, reader, cfg, world: int) -> list[str]:
                               "exp_avg_sq": global_tensor(reader, n, "exp_avg_sq")}
         return o
 
-    data = [batches(cfg, r, world) for r in range(world)]
+    data = [llama_batches(cfg, r, world) for r in range(world)]
     ropt = reference_train(ref, make_opt, lambda step, r: data[r].batch(step + SAVED_STEPS),
                            causal_lm_loss, world, MORE_STEPS, 0.1)
     problems = compare_shards(engine, named)
@@ -227,8 +192,8 @@ def job_save_hsdp(rank: int, world: int, root: str) -> dict:
 
     register()
     pm = init_distributed(timeout_s=60, replicate=2)
-    cfg, engine, opt = build(pm, seed=0)
-    train(engine, opt, batches(cfg, pm.rank, world), range(2))
+    cfg, engine, opt = llama_engine(pm, seed=0)
+    train_llama(engine, opt, llama_batches(cfg, pm.rank, world), range(2))
     save(engine, f"recordfile://{root}/hsdp")
     return {"written": [os.path.basename(p) for p in RecordingFS.written],
             "shard": pm.shard_rank, "replica": pm.replicate_rank}

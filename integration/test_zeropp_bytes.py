@@ -29,12 +29,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch.distributed as dist
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-    from .test_zeropp_runtime import K, _configs, _mesh, batches, build, forward_backward
-except ImportError:
-    from distutil import case_suite, check_case
-    from test_zeropp_runtime import K, _configs, _mesh, batches, build, forward_backward
+from testing.ranks import case_suite, check_case
+from testing.zeropp_job import K, batches, build, forward_backward, node_mesh, zeropp_configs
 
 pytestmark = pytest.mark.slow
 
@@ -103,11 +99,11 @@ def case_bytes(pm) -> dict[str, Any]:
     hpZ's secondary copy == each block / K. Returns the cross-node bytes per step too."""
     from shardckpt.runtime import MixedPrecisionPolicy, ZeroPP
 
-    pm2, problems, cross = _mesh(), [], {}
+    pm2, problems, cross = node_mesh(), [], {}
     data = batches(pm.rank, pm.world_size)
-    runs = [(label, cfg, {}) for label, cfg in _configs().items()]
-    runs += [("all, no prefetch", _configs()["all"], {"prefetch": False}),
-             ("all, bf16", _configs()["all"], {"mixed_precision": MixedPrecisionPolicy()}),
+    runs = [(label, cfg, {}) for label, cfg in zeropp_configs().items()]
+    runs += [("all, no prefetch", zeropp_configs()["all"], {"prefetch": False}),
+             ("all, bf16", zeropp_configs()["all"], {"mixed_precision": MixedPrecisionPolicy()}),
              ("plain, bf16", None, {"mixed_precision": MixedPrecisionPolicy()}),
              ("qwz+qgz, stage 2", ZeroPP(qwz=True, qgz=True), {"stage": 2})]
     for label, cfg, kwargs in runs:

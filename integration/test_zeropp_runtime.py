@@ -40,58 +40,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-try:  # integration/ as a package, or (no __init__.py) as a rootdir on sys.path
-    from .distutil import case_suite, check_case
-except ImportError:
-    from distutil import case_suite, check_case
+from testing.ranks import case_suite, check_case
+from testing.zeropp_job import LR, STEPS, batches, build, forward_backward, node_mesh, zeropp_configs
 
 pytestmark = pytest.mark.slow
-
-K = 2          # ranks per simulated node
-STEPS = 50
-LR = 0.5
-VOCAB, SEQ, MICRO = 64, 16, 2
-TINY = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1)
-def _mesh():
-    from shardckpt.runtime import init_distributed
-
-    pm = init_distributed(ranks_per_node=K)  # the job is up: builds the mesh on its group
-    assert (pm.node_size, pm.world_spans_nodes) == (K, True), pm.describe()
-    return pm
-
-
-def _configs():
-    from shardckpt.runtime import ZeroPP
-
-    return {"plain": None, "qwz": ZeroPP(qwz=True), "hpz": ZeroPP(hpz=True),
-            "qgz": ZeroPP(qgz=True), "all": ZeroPP(qwz=True, hpz=True, qgz=True)}
-
-
-def build(pm, zeropp, deterministic: bool = True, lr: float = LR, **kwargs: Any):
-    from shardckpt.runtime import ShardedSGD, ZeroEngine
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    engine = ZeroEngine(LlamaForCausalLM(LlamaConfig(**TINY)), policy=LLAMA_POLICY,
-                        process_mesh=pm, deterministic=deterministic, zeropp=zeropp, **kwargs)
-    return engine, ShardedSGD(engine, [{"params": [p for _, p in engine.named_parameters()]}],
-                              lr=lr)
-
-
-def batches(rank: int, world: int):
-    from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-
-    return TokenBatches(SyntheticCorpus(VOCAB, seed=1), seq_len=SEQ, micro_batch=MICRO,
-                        rank=rank, world_size=world)
-
-
-def forward_backward(engine, tokens) -> float:
-    from shardckpt.runtime.llama import causal_lm_loss
-
-    loss = causal_lm_loss(engine(tokens), tokens)
-    loss.backward()
-    return float(loss.detach())
 
 
 # ------------------------------------------------------------------------------- the cases
@@ -101,9 +53,9 @@ def case_errors(pm) -> list[str]:
     """The quantized gather and the quantized reduction, measured against their bounds."""
     from shardckpt.runtime import collectives, quant, zeropp
 
-    pm2, problems = _mesh(), []
+    pm2, problems = node_mesh(), []
     data = batches(pm.rank, pm.world_size)
-    engine, opt = build(pm2, _configs()["all"])
+    engine, opt = build(pm2, zeropp_configs()["all"])
     real = zeropp.start_qgz_mean
     measured: list[float] = []
 
@@ -161,8 +113,8 @@ def tolerances(pm2, data) -> dict[str, Any]:
     from shardckpt.runtime.llama import causal_lm_loss
 
     engine, opt = build(pm2, None)
-    qw, _ = build(pm2, _configs()["qwz"])
-    qg, opt_qg = build(pm2, _configs()["qgz"])
+    qw, _ = build(pm2, zeropp_configs()["qwz"])
+    qg, opt_qg = build(pm2, zeropp_configs()["qgz"])
     W, q = pm2.world_size, quant.qmax(4)
     out: dict[str, list[float]] = {"losses": [], "bw": [], "bg": [], "dw": [], "dg": [],
                                    "bg_next": []}
@@ -221,7 +173,7 @@ def tolerances(pm2, data) -> dict[str, Any]:
 def case_loss(pm) -> dict[str, Any]:
     """Per step from the same state, each quantization's loss change within its bound; over 50
     steps, hpZ bit-exact and qwZ / qgZ / all within the running sum of the per-step bounds."""
-    pm2, problems, curves = _mesh(), [], {}
+    pm2, problems, curves = node_mesh(), [], {}
     data = batches(pm.rank, pm.world_size)
     plain = tolerances(pm2, data)
     ref, bw, bg = plain["losses"], plain["bw"], plain["bg"]
@@ -237,7 +189,7 @@ def case_loss(pm) -> dict[str, Any]:
         if used > 1:
             problems.append(f"{label}: from the same state a step's loss moved beyond its "
                             f"first-order bound ({used:.3g} of it)")
-    for label, cfg in _configs().items():
+    for label, cfg in zeropp_configs().items():
         if label == "plain":
             continue
         engine, opt = build(pm2, cfg)
@@ -268,26 +220,26 @@ def case_checkpoint(pm) -> list[str]:
     """Saved with ZeRO++ on, loaded with it off (and the other way round): same bits."""
     from shardckpt.training.save_load import load, save
 
-    pm2, problems = _mesh(), []
+    pm2, problems = node_mesh(), []
     data = batches(pm.rank, pm.world_size)
     root = os.path.join(tempfile.gettempdir(), f"zeropp-ckpt-{os.environ['MASTER_PORT']}")
     try:
         for src, dst in (("all", "plain"), ("plain", "all")):
-            a, opt_a = build(pm2, _configs()[src])
+            a, opt_a = build(pm2, zeropp_configs()[src])
             for i in range(2):
                 forward_backward(a, data.batch(i))
                 opt_a.step()
                 opt_a.zero_grad()
             url = f"{root}/{src}-to-{dst}"
             save(a, url)
-            b, opt_b = build(pm2, _configs()[dst])
+            b, opt_b = build(pm2, zeropp_configs()[dst])
             load(b, url)
             sa, sb = a.local_shards(), b.local_shards()
             for name, kinds in sa.items():
                 for kind, t in kinds.items():
                     if not torch.equal(t, sb[name][kind]):
                         problems.append(f"{src} -> {dst}: {name}.{kind} differs after load")
-            b2, opt_b2 = build(pm2, _configs()[src])  # the same options continue the same way
+            b2, opt_b2 = build(pm2, zeropp_configs()[src])  # the same options continue the same way
             load(b2, url)
             for e, o in ((a, opt_a), (b2, opt_b2)):
                 forward_backward(e, data.batch(2))

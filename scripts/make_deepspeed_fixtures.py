@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "integration"))
+sys.path.insert(0, str(ROOT))
 OUT = ROOT / "tests" / "fixtures" / "deepspeed"
 STEPS = 3
 RESUME_STEPS = 3
@@ -185,7 +185,7 @@ def reference_weights(out: Path) -> None:
 
 
 def generate(name: str, stage: int, prec: str, world: int) -> None:
-    from distutil import run_distributed
+    from testing.ranks import run_distributed
 
     out = OUT / name
     if out.exists():

@@ -1,4 +1,4 @@
-"""Fixtures shared by the format-core tests; the helpers behind them are in ``ckpt_helpers.py``."""
+"""Fixtures shared by the format-core tests; the helpers behind them are in ``testing/ckpts.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_helpers import make_ckpt, manifest_doc_of_tiny
+from testing.ckpts import make_ckpt, manifest_doc_of_tiny
 from shardckpt.format.manifest import Manifest
 
 

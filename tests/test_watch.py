@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ckpt_helpers import TINY_PARAMS
+from testing.ckpts import TINY_PARAMS, make_run_dir
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.tools.consolidate import consolidate
 from shardckpt.errors import ConfigError
 from shardckpt.tools.reshard import reshard
+from shardckpt.storage.backends import Backend
 from shardckpt.storage import Storage
 from shardckpt.tools.synth import synthesize
 from shardckpt.watch.service import Watcher
@@ -50,8 +51,7 @@ KEYS = ["1-verify", "2-reshard", "3-consolidate", "4-copy"]
 
 
 def make_run(tmp: Path, steps: tuple[int, ...] = (100, 200), extra: str = "") -> Path:
-    for s in steps:
-        synthesize(str(tmp / "run" / f"step-{s:08d}"), TINY_PARAMS, 2, step=s, seed=s)
+    make_run_dir(tmp / "run", steps)
     path = tmp / "p.toml"
     path.write_text(PIPELINE + extra)
     return path
@@ -196,12 +196,12 @@ def test_idle_pass_costs_one_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     w = Watcher(load_pipeline(str(make_run(tmp_path, (100,)))))
     w.run(once=True)
     calls: list[tuple[str, str]] = []
-    real = Storage.call
+    real = Backend.call  # every storage operation of every backend goes through it
 
-    def counted(self, what, rel, fn, deadline=None):  # type: ignore[no-untyped-def]
-        calls.append((what, self.url_of(rel)))
-        return real(self, what, rel, fn, deadline)
-    monkeypatch.setattr(Storage, "call", counted)
+    def counted(self, what, url, fn, deadline=None):  # type: ignore[no-untyped-def]
+        calls.append((what, url))
+        return real(self, what, url, fn, deadline)
+    monkeypatch.setattr(Backend, "call", counted)
     for _ in range(3):
         w.process_pass()
     assert calls == [("list", str(tmp_path / "run"))] * 3

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import TINY_PARAMS
+from testing.ckpts import make_run_dir
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.storage import Storage
-from shardckpt.tools.synth import synthesize
 from shardckpt.watch.records import checkpoint_dir
 
 CHILD = r'''
@@ -118,8 +117,7 @@ OUTPUTS = {"2-reshard": "ws3", "3-consolidate": "hf", "4-copy": "copy"}
 
 
 def setup(tmp: Path, steps: tuple[int, ...]) -> Path:
-    for s in steps:
-        synthesize(str(tmp / "run" / f"step-{s:08d}"), TINY_PARAMS, 2, step=s, seed=s)
+    make_run_dir(tmp / "run", steps)
     (tmp / "markers").mkdir()
     path = tmp / "p.toml"
     path.write_text(PIPELINE)

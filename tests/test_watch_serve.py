@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_helpers import TINY_PARAMS
+from testing.ckpts import TINY_PARAMS, make_run_dir
 from shardckpt.tools.synth import synthesize
 from shardckpt.watch.service import Watcher
 from shardckpt.watch.config import load_pipeline
@@ -37,8 +37,7 @@ dst = "out/hf/{name}"
 
 @pytest.fixture
 def served(tmp_path: Path):
-    for s in (100, 200):
-        synthesize(str(tmp_path / "run" / f"step-{s:08d}"), TINY_PARAMS, 2, step=s, seed=s)
+    make_run_dir(tmp_path / "run")
     shard = next((tmp_path / "run" / "step-00000100").glob("*/shard-00001-of-*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-3])  # truncated: verify fails, the step is dead
     (tmp_path / "p.toml").write_text(PIPELINE)

@@ -4,6 +4,10 @@ Each child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, 
 and ``MASTER_PORT``, runs ``target(*args)`` and reports a JSON-serializable result through a
 file (JSON, never a serialized Python object). The parent waits at most ``timeout_s``; if any rank fails, the
 others are given a short grace period and then killed, and one error names the failed ranks.
+
+The primitives underneath (:func:`free_port`, :func:`rank_env`, :func:`join_all`) are the ones
+every local launcher of the project uses: the test launcher (``testing/ranks.py``) and the
+training-step benchmark.
 """
 
 from __future__ import annotations
@@ -15,22 +19,61 @@ import socket
 import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
 from shardckpt.errors import CollectiveError
 
+#: The rendezvous address of every local launch.
+LOOPBACK = "127.0.0.1"
+#: How long the other ranks may keep running after one rank failed, in :func:`launch`.
+FAILURE_GRACE_S = 30.0
+
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for ``rank`` of a one-node job rendezvousing on ``port``."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
+
+
+def join_all(procs: Sequence[Any], timeout_s: float,
+             failure_grace_s: float | None = None) -> list[int]:
+    """Wait until every process in ``procs`` has exited, for at most ``timeout_s`` (and, with
+    ``failure_grace_s``, at most that long after the first one exits with an error); then end
+    the ones still running (terminate, kill after 5 s). Returns the indices of those."""
+    deadline = time.monotonic() + timeout_s
+    failed = False
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        now = time.monotonic()
+        if not alive or now >= deadline:
+            break
+        if failure_grace_s is not None and not failed and any(
+                p.exitcode not in (None, 0) for p in procs):
+            failed = True
+            deadline = min(deadline, now + failure_grace_s)
+        wait([p.sentinel for p in alive], timeout=max(0.0, deadline - now))
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for i in hung:
+        procs[i].terminate()
+    for i in hung:
+        procs[i].join(5)
+        if procs[i].is_alive():
+            procs[i].kill()
+            procs[i].join()
+    return hung
 
 
 def _child(rank: int, world: int, port: int, target: Callable[..., Any], args: tuple, out: str,
            threads: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS=str(threads))
+    os.environ.update(rank_env(rank, world, port), OMP_NUM_THREADS=str(threads))
     try:
         import torch
 
@@ -63,18 +106,7 @@ def launch(target: Callable[..., Any], world_size: int, args: Sequence[Any] = ()
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        failed_at = None
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > 30:
-                break
-            time.sleep(0.05)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        join_all(procs, timeout_s, failure_grace_s=FAILURE_GRACE_S)
         results, failures = [], {}
         for r, path in enumerate(outs):
             try:

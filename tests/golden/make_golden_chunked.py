@@ -52,8 +52,8 @@ def _save(rank: int, world: int, dst: str) -> None:
 
 
 def main() -> None:
-    sys.path.insert(0, str(HERE.parent.parent / "integration"))
-    from distutil import run_distributed
+    sys.path.insert(0, str(HERE.parent.parent))
+    from testing.ranks import run_distributed
 
     from shardckpt.checkpoint.reader import CheckpointReader
 

@@ -1,5 +1,5 @@
-"""Test helpers (imported by tests and by conftest.py): pure manifests built from a spec, tiny
-synthetic checkpoints on disk. A module of its own, so tests never import ``conftest`` by name."""
+"""Tiny checkpoints for tests: pure manifests built from a spec, small synthetic checkpoints on
+disk."""
 
 from __future__ import annotations
 
@@ -56,3 +56,11 @@ def make_ckpt(root: Path, name: str = "ckpt", ranks: int = 2, chunk_size: int | 
               seed: int = 1) -> tuple[str, Manifest]:
     path = str(root / name)
     return path, synthesize(path, TINY_PARAMS, ranks, seed=seed, chunk_size=chunk_size)
+
+
+def make_run_dir(run: Path, steps: tuple[int, ...] = (100, 200)) -> Path:
+    """A run directory with one committed tiny checkpoint per step, ``run/step-%08d`` (2 ranks,
+    seeded by the step), and no ``latest``; returns ``run``."""
+    for s in steps:
+        synthesize(str(run / f"step-{s:08d}"), TINY_PARAMS, 2, step=s, seed=s)
+    return run

@@ -16,12 +16,13 @@ import atexit
 import errno
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
+
+from shardckpt.training.launch import free_port
 
 ACCESS_KEY = "testkey"
 SECRET_KEY = "testsecret"
@@ -174,12 +175,6 @@ class MotoServer(S3Server):
             self._admin_fs.invalidate_cache()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class CephServer(S3Server):
     """Single-node Ceph RGW via scripts/ceph-rgw.sh; state in a private temp dir.
 
@@ -229,8 +224,8 @@ class CephServer(S3Server):
         env = {
             **os.environ,
             "CEPH_RGW_DIR": str(state_dir),
-            "CEPH_RGW_PORT": str(self._rgw_port or _free_port()),
-            "CEPH_MON_PORT": str(self._mon_port or _free_port()),
+            "CEPH_RGW_PORT": str(self._rgw_port or free_port()),
+            "CEPH_MON_PORT": str(self._mon_port or free_port()),
             "CEPH_RGW_TIMEOUT": str(int(self._start_timeout)),
             "CEPH_RGW_WATCH_PID": str(os.getpid()),
         }

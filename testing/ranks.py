@@ -1,8 +1,9 @@
 """Run a function on N real processes over torch.distributed (gloo, 127.0.0.1, a free port).
 
-Reusable by every multi-process test::
+The launcher of every multi-process test, built on :mod:`shardckpt.training.launch`'s
+primitives (free port, rank environment, join with a timeout)::
 
-    from distutil import run_distributed, run_ranks
+    from testing.ranks import run_distributed, run_ranks
 
     def case(rank: int, world_size: int, scale: float) -> dict:   # module level: spawn imports it
         ...                                  # the default process group is initialized
@@ -33,7 +34,6 @@ import importlib
 import json
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -41,7 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-_EXIT_KEY = "distutil/exited"
+from shardckpt.training.launch import LOOPBACK, free_port, join_all, rank_env
+
+__all__ = ["DistributedFailure", "RankResult", "case_suite", "check_case", "free_port",
+           "register_suite", "run_cases", "run_distributed", "run_ranks", "selected_modules",
+           "shared_reports"]
+
+_EXIT_KEY = "ranks/exited"
 
 
 @dataclass(frozen=True)
@@ -72,20 +78,11 @@ class DistributedFailure(AssertionError):
                          + "\n\n".join(r.describe() for r in failed))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _child(rank: int, world_size: int, port: int, target: Callable[..., Any], args: tuple,
            result_dir: str, pg_timeout_s: float, backend: str, threads: int,
            env: dict[str, str], init_pg: bool) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(rank_env(rank, world_size, port))
     import torch
     import torch.distributed as dist
 
@@ -96,7 +93,7 @@ def _child(rank: int, world_size: int, port: int, target: Callable[..., Any], ar
     try:
         if init_pg:
             timeout = datetime.timedelta(seconds=pg_timeout_s)
-            store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+            store = dist.TCPStore(LOOPBACK, port, world_size, rank == 0, timeout=timeout)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
         value = target(rank, world_size, *args)
@@ -149,24 +146,14 @@ def _run_once(target: Callable[..., Any], world_size: int, args: tuple, timeout_
               init_pg: bool) -> list[RankResult]:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="distutil-") as result_dir:
+    with tempfile.TemporaryDirectory(prefix="ranks-") as result_dir:
         procs = [ctx.Process(target=_child, name=f"rank-{r}",
                              args=(r, world_size, port, target, args, result_dir, pg_timeout_s,
                                    backend, threads, env, init_pg))
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for i in hung:
-            procs[i].terminate()
-        for i in hung:
-            procs[i].join(5)
-            if procs[i].is_alive():
-                procs[i].kill()
-                procs[i].join()
+        hung = join_all(procs, timeout_s)
         results = []
         for r, p in enumerate(procs):
             path = Path(result_dir) / f"rank-{r:05d}.json"

@@ -1,0 +1,47 @@
+"""The offline tools under ``torchrun``, and what must be equal whoever wrote a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from shardckpt.format.manifest import MANIFEST_NAME
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, *args: str, wait: bool = True, timeout: float = 120) -> Any:
+    """``torchrun --standalone --nproc_per_node NPROC -m shardckpt ARGS`` (a finished
+    CompletedProcess, or the running Popen with ``wait=False``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), "-m", "shardckpt", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDCKPT_DIST_TIMEOUT_S": "60",
+           "PYTHONPATH": str(ROOT)}
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def contents(ckpt: str, fs: Any = None) -> dict[str, Any]:
+    """Every file's bytes and the manifest, with the save id (and creation time) taken out: what
+    must be equal, bit for bit, whoever wrote the checkpoint (``fs``: an fsspec file system for
+    ``ckpt``; local by default)."""
+    fs = fs or fsspec.filesystem("file")
+    raw = fs.cat_file(f"{ckpt}/{MANIFEST_NAME}")
+    m = json.loads(raw)
+    sid = m["save_id"].encode()
+    files = {f["path"].replace(m["save_id"], "S"): fs.cat_file(f"{ckpt}/{f['path']}").replace(sid, b"S")
+             for f in m["files"]}
+    doc = json.loads(raw.replace(sid, b"S"))
+    for k in ("created_at", "manifest_crc32c"):
+        doc.pop(k)
+    for f in doc["files"]:  # checksums cover the header, which names the save: the bytes are compared
+        f.pop("crc32c"), f.pop("chunk_crc32c")
+    return {"manifest": doc, "files": files}
