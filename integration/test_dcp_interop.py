@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from testing.ckpts import flat_state
 from testing.fsdp2_dcp import (
     STEPS, build, compare_with_reference, full_state, load_job, state, tp_tensor, train_step,
 )
@@ -175,25 +176,6 @@ def engine_job(rank: int, world: int, ckpt: str, mode: str) -> list[float]:
     (load if mode == "flat" else load_chunked)(engine, ckpt)
     save(engine, f"{ckpt}-resaved")
     return [_mean_loss(engine, opt, s, rank, world) for s in range(LLAMA_STEPS, LLAMA_STEPS + NEXT_STEPS)]
-
-
-def flat_state(ckpt: str, fqn: str, kind: str) -> torch.Tensor:
-    """One parameter's ``kind`` state, assembled shard by shard from a flat-group checkpoint."""
-    import numpy as np
-
-    from shardckpt.checkpoint.reader import CheckpointReader
-
-    r = CheckpointReader(ckpt)
-    lay = r.manifest.components["model"].layout
-    p = next(q for q in lay.params if q.fqn == fqn)
-    g = lay.group(p.group)
-    parts = []
-    for s in range(r.manifest.mesh.shard_degree):
-        lo, hi = lay.shard_range(g, s)
-        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-        if a < b:
-            parts.append(np.frombuffer(bytes(r.read_state(s, g.name, kind, a - lo, b - lo)), np.float32))
-    return torch.from_numpy(np.concatenate(parts).reshape(p.shape))
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
 from testing.cli import cli_process
-from testing.torchrun import contents, torchrun
+from testing.torchrun import contents, kill_rank, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -85,13 +83,7 @@ def test_sigkill_of_a_process_commits_nothing_and_a_rerun_succeeds(tmp_path: Pat
         while time.monotonic() < deadline and proc.poll() is None and killed is None:
             files = [f for _, _, fs in os.walk(dst) for f in fs if f.startswith("shard-")]
             if len(files) >= 3:  # both processes are writing
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    try:
-                        if child.environ().get("RANK") == str(victim):
-                            child.send_signal(signal.SIGKILL)
-                            killed = child.pid
-                    except psutil.Error:
-                        continue
+                killed = kill_rank(proc, victim)
             time.sleep(0.005)
         out, err = proc.communicate(timeout=120)
     finally:

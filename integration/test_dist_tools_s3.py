@@ -3,11 +3,9 @@ command; a process killed mid-run commits nothing, and a rerun succeeds."""
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Any
 
-import psutil
 import pytest
 
 from shardckpt.checkpoint.verify import verify
@@ -15,7 +13,7 @@ from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
 
 from testing.cli import cli_process
-from testing.torchrun import contents, torchrun
+from testing.torchrun import contents, kill_rank, torchrun
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -76,13 +74,7 @@ def test_sigkill_on_s3_commits_nothing_and_a_rerun_succeeds(ceph_server: Any, s3
             fs.invalidate_cache()
             written = [k for k in fs.find(f"{b.name}/dst") if "/shard-" in k]
             if written:  # a first target file is complete: the job is mid-run
-                for child in psutil.Process(proc.pid).children(recursive=True):
-                    try:
-                        if child.environ().get("RANK") == "1":
-                            child.send_signal(signal.SIGKILL)
-                            killed = child.pid
-                    except psutil.Error:
-                        continue
+                killed = kill_rank(proc, 1)
             time.sleep(0.05)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -30,6 +30,7 @@ import pytest
 import torch.distributed as dist
 
 from testing.ranks import case_suite, check_case
+from testing.wire import wrapped
 from testing.zeropp_job import K, batches, build, forward_backward, node_mesh, zeropp_configs
 
 pytestmark = pytest.mark.slow
@@ -60,13 +61,8 @@ def wire() -> Iterator[dict[tuple[str, bool], int]]:
             return fn(*args, **kwargs)
         return counted
 
-    for name, fn in real.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
+    with wrapped(real, wrap):
         yield seen
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
 
 
 def expected_bytes(engine, cfg) -> dict[tuple[str, bool], int]:

@@ -64,3 +64,23 @@ def make_run_dir(run: Path, steps: tuple[int, ...] = (100, 200)) -> Path:
     for s in steps:
         synthesize(str(run / f"step-{s:08d}"), TINY_PARAMS, 2, step=s, seed=s)
     return run
+
+
+def flat_state(ckpt: str, fqn: str, kind: str) -> Any:
+    """One parameter's ``kind`` state, assembled shard by shard from a flat-group checkpoint."""
+    import numpy as np
+    import torch
+
+    from shardckpt.checkpoint.reader import CheckpointReader
+
+    r = CheckpointReader(ckpt)
+    lay = r.manifest.components["model"].layout
+    p = next(q for q in lay.params if q.fqn == fqn)
+    g = lay.group(p.group)
+    parts = []
+    for s in range(r.manifest.mesh.shard_degree):
+        lo, hi = lay.shard_range(g, s)
+        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+        if a < b:
+            parts.append(np.frombuffer(bytes(r.read_state(s, g.name, kind, a - lo, b - lo)), np.float32))
+    return torch.from_numpy(np.concatenate(parts).reshape(p.shape))

@@ -45,3 +45,20 @@ def contents(ckpt: str, fs: Any = None) -> dict[str, Any]:
     for f in doc["files"]:  # checksums cover the header, which names the save: the bytes are compared
         f.pop("crc32c"), f.pop("chunk_crc32c")
     return {"manifest": doc, "files": files}
+
+
+def kill_rank(proc: Any, rank: int) -> int | None:
+    """SIGKILL the worker of torchrun job ``proc`` whose RANK is ``rank``; its pid, or None while
+    that worker is not (or no longer) there."""
+    import signal
+
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank):
+                child.send_signal(signal.SIGKILL)
+                return child.pid
+        except psutil.Error:
+            continue
+    return None

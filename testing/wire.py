@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @contextlib.contextmanager
 def counting(*names: str) -> Iterator[list[int]]:
     """Bytes of the first tensor of every call of the named ``torch.distributed`` functions
@@ -24,13 +23,8 @@ def counting(*names: str) -> Iterator[list[int]]:
             return fn(out, *args, **kwargs)
         return counted
 
-    for name, fn in real.items():
-        setattr(dist, name, wrap(fn))
-    try:
+    with wrapped(real, lambda name, fn: wrap(fn)):
         yield calls
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
 
 #: torch.distributed collectives and how each counts (index of the whole buffer, factor).
 COLLECTIVES = {"all_gather_single": ("all_gather", 0, 1),
@@ -39,6 +33,19 @@ COLLECTIVES = {"all_gather_single": ("all_gather", 0, 1),
                "reduce_scatter_tensor": ("reduce_scatter", 1, 1),
                "all_reduce": ("all_reduce", 0, 2),
                "all_to_all_single": ("all_to_all", 1, 1)}
+
+
+@contextlib.contextmanager
+def wrapped(real: dict[str, Callable], wrap: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """``torch.distributed``'s functions named in ``real`` replaced by ``wrap(name, fn)`` for the
+    block, then restored."""
+    for name, fn in real.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager
@@ -63,13 +70,8 @@ def wire() -> Iterator[dict[str, Any]]:
             return result
         return counted
 
-    for name, fn in real.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
+    with wrapped(real, wrap):
         yield seen
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
 
 
 def live_bytes(tensors: list[torch.Tensor]) -> int:

@@ -26,6 +26,8 @@ from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import Storage
 
+from testing.ckpts import flat_state
+
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -126,23 +128,6 @@ def test_export_refuses_an_existing_dcp_checkpoint(source: Path, tmp_path: Path)
     import_dcp(str(source), str(tmp_path / "ck"))
     with pytest.raises(ConfigError, match=r"\.metadata exists"):
         export_dcp(str(tmp_path / "ck"), str(source))
-
-
-def flat_state(ckpt: str, fqn: str, kind: str) -> Any:
-    """One parameter's ``kind`` state, assembled shard by shard from a flat-group checkpoint."""
-    import numpy as np
-
-    r = CheckpointReader(ckpt)
-    lay = r.manifest.components["model"].layout
-    p = next(q for q in lay.params if q.fqn == fqn)
-    g = lay.group(p.group)
-    parts = []
-    for s in range(r.manifest.mesh.shard_degree):
-        lo, hi = lay.shard_range(g, s)
-        a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-        if a < b:
-            parts.append(np.frombuffer(bytes(r.read_state(s, g.name, kind, a - lo, b - lo)), np.float32))
-    return torch.from_numpy(np.concatenate(parts).reshape(p.shape))
 
 
 def test_export_of_flat_groups_is_what_get_state_dict_gives(tiny_ckpt: tuple[str, Any],
