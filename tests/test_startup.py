@@ -13,14 +13,14 @@ import pytest
 
 from shardckpt.tools.synth import synthesize
 
-#: Never loaded by an offline command on local paths: the training stack and the S3 client stack.
-NEVER = ("torch", "s3fs", "aiobotocore", "botocore")
+#: Never loaded by an offline command on local paths: the training stack, the S3 client stack,
+#: fsspec (local paths go through ``os``) and pydantic (option values are plain strings and numbers).
+NEVER = ("torch", "s3fs", "aiobotocore", "botocore", "fsspec", "pydantic")
 #: Loaded only to print help the rich way (markdown, syntax highlighting, panels).
 RICH_HELP = ("typer.rich_utils", "rich", "rich.markdown", "pygments", "markdown_it")
 #: The part of it that a command printing its own tables (rich.table) still never needs.
 HELP_ONLY = ("typer.rich_utils", "rich.markdown")
-WATCHED = NEVER + RICH_HELP + ("numpy", "pydantic", "fsspec", "shardckpt.storage.s3",
-                               "shardckpt.tools.estimate")
+WATCHED = NEVER + RICH_HELP + ("numpy", "shardckpt.storage.s3", "shardckpt.tools.estimate")
 
 # Runs ``python -m shardckpt.cli.main ARGS`` in this interpreter and, however it ends, writes the
 # watched modules it loaded as JSON to the file named first; the exit code is the command's.
@@ -59,8 +59,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 def test_help_imports_no_array_or_rich_help_stack(tmp_path: Path) -> None:
     """``--help`` builds the command table only: no numpy, no pydantic coercion, no rich help."""
     mods = loaded_by(tmp_path, "--help")
-    assert not mods & set(NEVER + RICH_HELP + ("numpy", "pydantic", "fsspec",
-                                               "shardckpt.tools.estimate")), mods
+    assert not mods & set(NEVER + RICH_HELP + ("numpy", "shardckpt.tools.estimate")), mods
 
 
 def test_command_help_and_usage_errors_stay_plain(tmp_path: Path) -> None:
@@ -74,7 +73,7 @@ def test_command_help_and_usage_errors_stay_plain(tmp_path: Path) -> None:
 def test_byte_moving_commands_load_no_arrays(tmp_path: Path, ckpts: tuple[str, str],
                                              command: str) -> None:
     """Reading a manifest, checking checksums and resharding move bytes: numpy is not needed,
-    nor S3's client stack for a local path, nor torch."""
+    nor torch, nor S3's client stack, fsspec or pydantic for a local path."""
     a, _ = ckpts
     args = command.split() + [a]
     if command == "reshard":
@@ -93,7 +92,8 @@ def test_local_reads_load_no_s3_code(tmp_path: Path, ckpts: tuple[str, str], com
 @pytest.mark.parametrize("command", ["synth", "consolidate", "diff"])
 def test_array_commands_load_no_torch_or_s3(tmp_path: Path, ckpts: tuple[str, str],
                                             command: str) -> None:
-    """Commands that make arrays load numpy, and still neither torch nor the S3 client stack."""
+    """Commands that make arrays load numpy, and still neither torch, the S3 client stack, fsspec
+    nor pydantic."""
     a, b = ckpts
     args, code = {
         "synth": (["synth", str(tmp_path / "s"), "--params", "3k", "--ranks", "2"], 0),

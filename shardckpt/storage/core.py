@@ -9,7 +9,7 @@ from shardckpt.errors import StorageError
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage.backends import Backend
 from shardckpt.storage.checked import read_checked
-from shardckpt.storage.local import LocalBackend
+from shardckpt.storage.local import LocalBackend, local_path
 from shardckpt.storage.options import Tuning, split_options
 from shardckpt.storage.retry import RetryPolicy, _describe
 from shardckpt.storage.writer import StreamWriter
@@ -20,10 +20,13 @@ T = TypeVar("T")
 def open_backend(url: str, storage_options: Mapping[str, Any] | None,
                  retry: RetryPolicy | None) -> tuple[Backend, str]:
     """The backend for ``url`` and the root path on its filesystem: local, S3, or any other
-    fsspec filesystem."""
-    import fsspec  # lazy: fsspec pulls in little, but keep `--help` fast
-
+    fsspec filesystem. A local path without fsspec options is served without importing fsspec."""
     fs_options, policy, tuning, s3fs_retries = split_options(url, storage_options)
+    path = None if fs_options else local_path(url)
+    if path is not None:
+        return LocalBackend(None, retry or policy, tuning), path.rstrip("/") or "/"
+    import fsspec
+
     try:
         fs, root = fsspec.core.url_to_fs(url, **fs_options)
     except (ImportError, ValueError, TypeError) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import uuid
 from typing import Any, Callable, Iterator
@@ -12,18 +13,105 @@ from typing import Any, Callable, Iterator
 from shardckpt.errors import IntegrityError, StorageError
 from shardckpt.storage import places
 from shardckpt.storage.backends import Backend, conflict_error
-from shardckpt.storage.retry import _map_error, mapped_errors
+from shardckpt.storage.options import Tuning
+from shardckpt.storage.retry import NotFoundError, RetryPolicy, _map_error, mapped_errors
 from shardckpt.storage.writer import Sink, _LocalSink
 
 
+#: URL prefixes of the local file system.
+LOCAL_PREFIXES = ("file://", "local://")
+
+
+def local_path(url: str) -> str | None:
+    """The absolute path ``url`` names when it is a plain path or a ``file://`` URL (``~``
+    expanded), else None: other protocols and chained URLs (``a::b``) are fsspec's."""
+    if "::" in url:
+        return None
+    for prefix in LOCAL_PREFIXES:
+        if url.startswith(prefix):
+            url = url[len(prefix):]
+            break
+    else:
+        if "://" in url:
+            return None
+    path = os.path.expanduser(url) if url.startswith("~") else url
+    return path if path.startswith("/") else os.path.join(os.getcwd(), path)
+
+
 class LocalBackend(Backend):
-    """A local file system (``file://`` or a plain path)."""
+    """A local file system (``file://`` or a plain path), through ``os`` calls: fsspec's
+    ``LocalFileSystem`` is created only if something asks for :attr:`fs`."""
 
     can_map = os.name == "posix"
 
-    def _check_kind(self, info: dict[str, Any], url: str) -> None:
-        if info.get("type") != "file":  # a FIFO or device: reads could block
-            raise _not_regular(url, info.get("mode"))
+    def __init__(self, fs: Any, retry: RetryPolicy, tuning: Tuning) -> None:
+        self._fs, self.retry, self.tuning = fs, retry, tuning
+        self.protocol = "file"
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            import fsspec
+
+            self._fs = fsspec.filesystem("file")
+        return self._fs
+
+    def exists(self, path: str, url: str) -> bool:
+        return self.call("exists", url, lambda: os.path.exists(path))
+
+    def isdir(self, path: str, url: str) -> bool:
+        return self.call("isdir", url, lambda: os.path.isdir(path))
+
+    def size(self, path: str, url: str) -> int:
+        st = self.call("stat", url, lambda: os.stat(path))
+        if stat.S_ISDIR(st.st_mode):
+            raise StorageError(f"{url}: is a directory, expected a file", url)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device: reads could block
+            raise _not_regular(url, st.st_mode)
+        return st.st_size
+
+    def ls(self, path: str, url: str) -> list[str]:
+        def listing() -> list[str]:
+            try:
+                return sorted(os.listdir(path))
+            except NotADirectoryError:
+                return []
+        try:
+            return self.call("list", url, listing)
+        except NotFoundError:
+            return []
+
+    def list_sizes(self, path: str, url: str) -> dict[str, int]:
+        def listing() -> dict[str, int]:
+            out: dict[str, int] = {}
+            if not os.path.isdir(path):
+                return out
+            with os.scandir(path) as entries:
+                for e in entries:
+                    try:
+                        if not e.is_dir():
+                            out[e.name] = e.stat().st_size
+                    except FileNotFoundError:  # removed, or a dangling link
+                        continue
+            return out
+        try:
+            return self.call("list", url, listing)
+        except NotFoundError:
+            return {}
+
+    def rm(self, path: str, url: str, recursive: bool = False) -> None:
+        def remove() -> None:
+            if os.path.isdir(path) and not os.path.islink(path):
+                if recursive:
+                    shutil.rmtree(path)
+                else:
+                    os.rmdir(path)
+            else:
+                os.remove(path)
+        try:
+            self.call("remove", url, remove)
+        except NotFoundError:
+            pass
 
     def read(self, path: str, url: str, start: int | None = None, end: int | None = None) -> bytes:
         def local() -> bytes:
