@@ -13,6 +13,20 @@ from typing import Any, Sequence
 import psutil
 
 
+def ensure_bytecode() -> None:
+    """Write the ``.pyc`` files of shardckpt and its CLI, as an installed package has them, so a
+    timed command does not compile its sources (with ``PYTHONDONTWRITEBYTECODE`` set, an editable
+    checkout would otherwise compile them again in every process)."""
+    import compileall
+
+    import shardckpt
+    import shardckpt.cli
+
+    for pkg in (shardckpt, shardckpt.cli):
+        for path in pkg.__path__:
+            compileall.compile_dir(path, quiet=1)
+
+
 def run_measured(cmd: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int]:
     """Run ``cmd``; return (wall seconds, peak RSS in bytes summed over the process tree)."""
     dt, peak, _ = _run(cmd, env, False)

@@ -15,7 +15,10 @@ Correctness is checked once per size: both outputs hold the same tensors, bit fo
 
     python bench/consolidate.py [--sizes 2.0,0.5] [--reps 3] [--ranks 4] [--workdir DIR] [--json]
 
-Prints a table of ratios (DCP time / shardckpt time). Nothing here asserts.
+The disk's own limit for the same bytes is measured in the same run, interleaved: reading the
+weights' byte count from the checkpoint's files once, writing it once and fsyncing
+(bench/_disk_limit.py). Prints a table of ratios (DCP time / shardckpt time, disk time /
+shardckpt time). Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import drop_tree, median, run_measured  # noqa: E402
+from common import ensure_bytecode, drop_tree, median, run_measured  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_dcp_consolidate_worker.py")
+LIMIT = os.path.join(HERE, "_disk_limit.py")
 
 
 def weight_bytes(params: int, units: int) -> int:
@@ -94,6 +98,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the source checkpoints in --workdir")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    ensure_bytecode()
     own_work = args.workdir is None
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")
     os.makedirs(work, exist_ok=True)
@@ -116,13 +121,14 @@ def main() -> None:
             mapping = os.path.join(work, f"mapping-{size_gb}.json")
             with open(mapping, "w") as f:
                 json.dump(index_mapping(src), f)
-            times: dict[str, list[float]] = {"dcp": [], "ours": []}
-            rss: dict[str, list[int]] = {"dcp": [], "ours": []}
-            calls: dict[str, list[float]] = {"dcp": [], "ours": []}  # the library call alone
-            cpu: dict[str, list[float]] = {"dcp": [], "ours": []}    # user + system CPU seconds
+            sides = ("dcp", "ours", "limit")
+            times: dict[str, list[float]] = {w: [] for w in sides}
+            rss: dict[str, list[int]] = {w: [] for w in sides}
+            calls: dict[str, list[float]] = {w: [] for w in sides}  # the library call alone
+            cpu: dict[str, list[float]] = {w: [] for w in sides}    # user + system CPU seconds
             equal, detail = None, ""
             for rep in range(args.reps):
-                order = ("dcp", "ours") if rep % 2 == 0 else ("ours", "dcp")  # interleaved, alternating
+                order = sides if rep % 2 == 0 else sides[::-1]  # interleaved, alternating
                 for which in order:
                     dst = os.path.join(work, f"out-{which}")
                     drop_tree(dst)
@@ -131,6 +137,10 @@ def main() -> None:
                     if which == "dcp":
                         cmd = [sys.executable, WORKER, "consolidate", dcp_in, dst, mapping,
                                "--threads", str(args.dcp_threads), "--timing", timing]
+                    elif which == "limit":  # the disk: read the weights' bytes once, write, fsync
+                        os.makedirs(dst)
+                        cmd = [sys.executable, LIMIT, src, os.path.join(dst, "limit.bin"), str(nbytes),
+                               "--timing", timing]
                     else:  # exec: the shell is replaced, so the tree measured is shardckpt alone
                         ours = shlex.join([*exe, "consolidate", src, dst, "--dtype", "fp32", "--json"])
                         cmd = ["sh", "-c", f"exec {ours} > {shlex.quote(timing)}"]
@@ -146,6 +156,7 @@ def main() -> None:
                     equal, detail = outputs_equal(os.path.join(work, "out-dcp"), os.path.join(work, "out-ours"))
                 for which in order:
                     drop_tree(os.path.join(work, f"out-{which}"))
+            limit_call = median(calls["limit"])
             t_dcp, t_ours = median(times["dcp"]), median(times["ours"])
             rows.append({
                 "weights_gb": round(nbytes / 1e9, 3),
@@ -155,6 +166,9 @@ def main() -> None:
                 "dcp_cpu_s": round(median(cpu["dcp"]), 3), "shardckpt_cpu_s": round(median(cpu["ours"]), 3),
                 "dcp_call_s": round(median(calls["dcp"]), 3), "shardckpt_call_s": round(median(calls["ours"]), 3),
                 "call_ratio": round(median(calls["dcp"]) / median(calls["ours"]), 3),
+                "limit_s": round(median(times["limit"]), 3), "limit_call_s": round(limit_call, 3),
+                "limit_gbps": round(nbytes / 1e9 / limit_call, 3),
+                "disk_ratio": round(limit_call / median(calls["ours"]), 3),
                 "dcp_peak_rss_mb": round(max(rss["dcp"]) / 1e6, 1),
                 "shardckpt_peak_rss_mb": round(max(rss["ours"]) / 1e6, 1),
                 "outputs_equal": equal, "equal_detail": detail,
@@ -181,11 +195,13 @@ def main() -> None:
               f"{r['shardckpt_gbps']:>10} {r['dcp_peak_rss_mb']:>11} {r['shardckpt_peak_rss_mb']:>12} "
               f"{'yes' if r['outputs_equal'] else 'no':>14}")
     print("library call alone, timed inside the same processes (no interpreter start, no imports); "
-          "CPU s = user + system of the whole process:")
-    print(f"{'weights GB':>10} {'DCP call s':>11} {'ours call s':>12} {'ratio':>6} {'DCP CPU s':>10} {'ours CPU s':>11}")
+          "CPU s = user + system of the whole process; disk = reading the weights' bytes once, writing "
+          "them once, fsync (bench/_disk_limit.py), and its ratio to shardckpt's call:")
+    print(f"{'weights GB':>10} {'DCP call s':>11} {'ours call s':>12} {'ratio':>6} {'DCP CPU s':>10} "
+          f"{'ours CPU s':>11} {'disk s':>7} {'of disk':>8}")
     for r in rows:
         print(f"{r['weights_gb']:>10} {r['dcp_call_s']:>11} {r['shardckpt_call_s']:>12} {r['call_ratio']:>6} "
-              f"{r['dcp_cpu_s']:>10} {r['shardckpt_cpu_s']:>11}")
+              f"{r['dcp_cpu_s']:>10} {r['shardckpt_cpu_s']:>11} {r['limit_call_s']:>7} {r['disk_ratio']:>8}")
     for r in rows:
         print(f"{r['weights_gb']} GB: outputs equal: {'yes' if r['outputs_equal'] else 'no'} ({r['equal_detail']})")
 

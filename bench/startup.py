@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ensure_bytecode  # noqa: E402
+
 EXE = [sys.executable, "-m", "shardckpt.cli.main"]
 
 
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    ensure_bytecode()
     work = tempfile.mkdtemp(prefix="startup-", dir=args.workdir)
     try:
         ckpt = os.path.join(work, "ckpt")
