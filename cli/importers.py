@@ -57,10 +57,16 @@ def import_hf_command(
 ) -> None:
     """Write SRC's weights as a weights-only checkpoint for --ranks ranks; manifest last."""
     from shardckpt.interop.hf_import import import_hf
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_import
 
     _check_mesh(ranks, replicate)
     opts = parse_storage_options(storage_option)
-    m = import_hf(src, dst, ranks, replicate, unit, opts, opts, parse_bytes(buffer, "--buffer"))
+    with job_from_environment() as job:  # under torchrun: this process's share of the files
+        m = run_import(import_hf, src, dst, ranks, replicate, unit, opts, opts,
+                       parse_bytes(buffer, "--buffer"), job=job)
+    if m is None:  # another process of the job reports
+        return
     _report(m, dst, "hf", json_out, lambda s: (
         f"imported {src} -> {dst}: {s['params']} tensors, {s['units']} units, {ranks} ranks, "
         f"{human_bytes(s['bytes'])}"))
@@ -87,11 +93,16 @@ def import_deepspeed_command(
 ) -> None:
     """Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."""
     from shardckpt.interop.deepspeed_import import import_deepspeed
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_import
 
     _check_mesh(ranks, replicate)
     opts = parse_storage_options(storage_option)
-    m = import_deepspeed(src, dst, ranks, replicate, unit, tag, opts, opts,
-                         parse_bytes(buffer, "--buffer"), tmp_dir)
+    with job_from_environment() as job:  # under torchrun: this process's share of the files
+        m = run_import(import_deepspeed, src, dst, ranks, replicate, unit, tag, opts, opts,
+                       parse_bytes(buffer, "--buffer"), tmp_dir, job=job)
+    if m is None:  # another process of the job reports
+        return
     _report(m, dst, "deepspeed", json_out, lambda s: (
         f"imported {src} (ZeRO-{s['zero_stage']}, {s['source_world_size']} ranks, step "
         f"{s['step']}) -> {dst}: {s['params']} parameters, {ranks} ranks, "
@@ -114,26 +125,48 @@ def import_dcp_command(
                                   "of the model ('' for torchtitan's top-level model keys)."),
     optim_key: Optional[str] = typer.Option(None, "--optim-key", help="With --ranks: the key of "
                                             "the optimizer (default: optim or optimizer)."),
+    frozen: Optional[list[str]] = typer.Option(
+        None, "--frozen", help="With --ranks: regular expression matching (whole) the FQN of "
+                               "frozen parameters (requires_grad=False; repeatable). A model "
+                               "tensor without optimizer state is a frozen parameter when a param "
+                               "group lists it or it matches --frozen, else a buffer."),
     buffer: str = typer.Option("32MB", "--buffer", help="Bytes per read (bounds memory)."),
     tmp_dir: Optional[str] = typer.Option(None, "--tmp-dir", help="With --ranks: local folder "
                                           "for the staged source (about its size)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
-    """Write a DCP checkpoint as a shardckpt checkpoint (its chunks, or flat groups for --ranks)."""
-    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    """Write a DCP checkpoint as a shardckpt checkpoint (its chunks, or flat groups for --ranks).
+
+    With --ranks, a model tensor with optimizer state (Adam's exp_avg and exp_avg_sq, or SGD's
+    momentum_buffer) is a trained parameter;
+    one without, equal to a trained parameter, is tied to it; one a param group lists, or
+    matching --frozen, is a frozen parameter (its own dtype); any other is a persistent buffer.
+    """
     from shardckpt.interop.dcp_import import import_dcp
+    from shardckpt.tools.distributed import job_from_environment
+    from shardckpt.tools.jobs import run_import
 
     opts = parse_storage_options(storage_option)
     if ranks is None:
-        m = import_dcp(src, dst, opts, opts)
+        if frozen:
+            fail("--frozen needs --ranks (chunks keep every tensor as it is)", EXIT_USAGE)
+        with job_from_environment() as job:  # under torchrun: rank 0 imports, the others wait
+            m = run_import(import_dcp, src, dst, opts, opts, job=job, split=False)
+        if m is None:
+            return
         _report(m, dst, "dcp", json_out, lambda s: (
             f"imported {src} -> {dst}: {s['tensors']} tensors, {s['values']} other values, "
             f"{human_bytes(s['bytes'])}"))
         return
+    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+
     _check_mesh(ranks, replicate)
-    m = import_dcp_flat(src, dst, ranks, replicate, unit, model_key, optim_key, opts, opts,
-                        parse_bytes(buffer, "--buffer"), tmp_dir)
+    with job_from_environment() as job:  # under torchrun: this process's share of the files
+        m = run_import(import_dcp_flat, src, dst, ranks, replicate, unit, model_key, optim_key,
+                       opts, opts, parse_bytes(buffer, "--buffer"), tmp_dir, frozen or (), job=job)
+    if m is None:
+        return
     _report(m, dst, "dcp", json_out, lambda s: (
         f"imported {src} -> {dst}: {s['params']} parameters, {s['units']} units, {ranks} ranks, "
         f"{human_bytes(s['bytes'])}"))
@@ -154,6 +187,10 @@ def export_dcp_command(
                                   "the model is written under."),
     optim_key: str = typer.Option("optim", "--optim-key", help="Flat groups: the state-dict key "
                                   "the optimizer is written under."),
+    buffer: str = typer.Option("32MB", "--buffer", help="Most bytes of one DCP chunk: a larger "
+                               "box is written as several (bounds memory)."),
+    file_size: str = typer.Option("1GiB", "--file-size", help="Start a new .distcp file once "
+                                  "one holds this many bytes."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
@@ -161,7 +198,8 @@ def export_dcp_command(
     from shardckpt.interop.dcp_export import export_dcp
 
     opts = parse_storage_options(storage_option)
-    summary = export_dcp(src, dst, opts, opts, model_key, optim_key)
+    summary = export_dcp(src, dst, opts, opts, model_key, optim_key,
+                         parse_bytes(buffer, "--buffer"), parse_bytes(file_size, "--file-size"))
     if json_out:
         echo_json(summary)
     else:

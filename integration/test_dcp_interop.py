@@ -6,12 +6,18 @@
 * FSDP2 (stock DCP, 2 ranks) -> ``import dcp --ranks 3`` -> ``ZeroEngine`` on 3 ranks.
 * ``ZeroEngine`` (2 ranks) -> FSDP2 on 3 ranks, through ``ShardckptReader`` (no conversion) and
   through its DCP export with stock ``dcp.load``.
+* The other way round: ``ZeroEngine`` at 3 ranks -> FSDP2 at 2, FSDP2 at 3 -> ``ZeroEngine`` at 2;
+  HSDP both ways: FSDP2 on a (2, 2) mesh <-> ``ZeroEngine`` with replicate 2 at 4 ranks.
+* FSDP2 with frozen parameters -> ``import dcp --ranks 2 --frozen`` (and as chunks) ->
+  ``ZeroEngine`` with the same parameters frozen; a step leaves them unchanged.
 
 Weights and Adam moments bit for bit, param groups equal, and training continues: global mean
 losses of the next steps equal the source runtime's own continuation to the relative 1e-6 the
 ZeroEngine/FSDP2 comparison (test_runtime_fsdp2.py) states for fp32.
 
-The model, optimizer and state layout are those of integration/test_dcp_fsdp2.py.
+The first model, optimizer and state layout are those of integration/test_dcp_fsdp2.py; the
+Llama jobs are in testing/dcp_llama.py. Each launch serves several directions (one job loads what
+earlier ones saved at another world size).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ import pytest
 import torch
 
 from testing.ckpts import flat_state
+from testing.dcp_llama import (
+    FROZEN, LLAMA_STEPS, engine_job, engine_save_job, fsdp2_from_flat_job, fsdp2_llama_job,
+    hsdp_job, two_ranks_job,
+)
 from testing.fsdp2_dcp import (
     STEPS, build, compare_with_reference, full_state, load_job, state, tp_tensor, train_step,
 )
-from testing.models import BETAS, LR, TINY, WD, tiny_llama, tiny_loss, two_groups
 from testing.ranks import run_distributed
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -64,6 +73,12 @@ def stock_load_job(rank: int, world: int, path: str, ref: str) -> dict[str, Any]
     return compare_with_reference(model, opt, sd, ref, rank)
 
 
+def three_ranks_job(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The import through ShardckptReader, then the export with stock ``dcp.load``."""
+    return {"reader": load_job(rank, world, f"{root}/ck", root),
+            "stock": stock_load_job(rank, world, f"{root}/exported", root)}
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
     """A stock DCP checkpoint from 2 FSDP2 ranks, imported, and exported back."""
@@ -87,11 +102,12 @@ def test_imported_stock_checkpoint_loads_through_shardckpt_reader(
     assert m.chunked is not None and len(m.files) == 2 and verify(f"{root}/ck")
     assert [(c.offsets, c.sizes) for c in m.chunked.tensors["tp.w"].chunks] == \
         [((0, 0), (5, 4)), ((0, 4), (5, 3))]
-    for r in run_distributed(load_job, 3, args=(f"{root}/ck", root), timeout_s=300):
-        assert r["differ"] == [] and r["groups"], r
+    for r in run_distributed(three_ranks_job, 3, args=(root,), timeout_s=300):
+        assert r["reader"]["differ"] == [] and r["reader"]["groups"], r
+        assert r["stock"]["differ"] == [] and r["stock"]["groups"], r
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2])  # 3: in the job of the test above
 def test_exported_checkpoint_loads_with_stock_dcp(imported: tuple[str, list[float]],
                                                   world: int) -> None:
     root, next_losses = imported
@@ -106,176 +122,99 @@ def test_exported_checkpoint_loads_with_stock_dcp(imported: tuple[str, list[floa
 
 # ------------------------------------------------ FSDP2 (stock DCP) -> ZeroEngine (import --ranks)
 
-LLAMA_STEPS, NEXT_STEPS, ROWS = 2, 2, 6  # ROWS: the global batch, split evenly over 2 or 3 ranks
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
 
 
-def global_rows(step: int, rank: int, world: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(500 + step)
-    rows = torch.randint(0, TINY["vocab_size"], (ROWS, 8), generator=g)
-    per = ROWS // world
-    return rows[rank * per:(rank + 1) * per]
-
-
-def _mean_loss(forward: Any, opt: Any, step: int, rank: int, world: int) -> float:
-    import torch.distributed as dist
-
-    tokens = global_rows(step, rank, world)
-    loss = tiny_loss(forward(tokens), tokens, 1)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    return float(mean) / world
-
-
-def fsdp2_llama_job(rank: int, world: int, root: str) -> list[float]:
-    """FSDP2 Llama (tied head), AdamW in two groups; save with stock DCP after LLAMA_STEPS,
-    write the gathered reference, then continue NEXT_STEPS (global mean losses)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from shardckpt.interop.dcp_storage import ShardckptWriter
-    from shardckpt.runtime.llama import LlamaDecoderLayer
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = tiny_llama()
-    for m in model.modules():
-        if isinstance(m, LlamaDecoderLayer):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(two_groups(model.named_parameters(), WD), lr=LR, betas=BETAS,
-                            foreach=False)
-    for s in range(LLAMA_STEPS):
-        _mean_loss(model, opt, s, rank, world)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/llama")
-    dcp.save({"model": msd, "optim": osd}, storage_writer=ShardckptWriter(f"{root}/llama-chunked"))
-    flat, groups = full_state(model, opt)
-    if rank == 0:
-        save_file(flat, f"{root}/llama-reference.safetensors")
-        Path(root, "llama-reference.json").write_text(json.dumps(groups))
-    return [_mean_loss(model, opt, s, rank, world) for s in range(LLAMA_STEPS, LLAMA_STEPS + NEXT_STEPS)]
-
-
-def engine_job(rank: int, world: int, ckpt: str, mode: str) -> list[float]:
-    """ZeroEngine (other init, lr 1.0: all must come from the checkpoint): load flat groups
-    (``mode="flat"``) or chunked tensors (``"chunked"``), save what it holds to ``<ckpt>-resaved``,
-    continue."""
-    from shardckpt.training.chunked_load import load_chunked
-    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
-    from shardckpt.runtime.llama import LLAMA_POLICY
-    from shardckpt.training.save_load import load, save
-
-    engine = ZeroEngine(tiny_llama(seed=7), policy=LLAMA_POLICY,
-                        process_mesh=init_distributed(timeout_s=60))
-    opt = ShardedAdamW(engine, decay_param_groups(engine, WD), lr=1.0)
-    (load if mode == "flat" else load_chunked)(engine, ckpt)
-    save(engine, f"{ckpt}-resaved")
-    return [_mean_loss(engine, opt, s, rank, world) for s in range(LLAMA_STEPS, LLAMA_STEPS + NEXT_STEPS)]
-
-
-@pytest.fixture(scope="module")
-def llama_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
-    """FSDP2 on 2 ranks saved with stock DCP and through ShardckptWriter; its next losses."""
-    root = str(tmp_path_factory.mktemp("llama"))
-    return root, run_distributed(fsdp2_llama_job, 2, args=(root,), timeout_s=300)[0]
-
-
-def assert_engine_state_is_reference(root: str, ckpt: str) -> None:
+def assert_engine_state_is_reference(root: str, ckpt: str, name: str = "llama") -> None:
+    """Masters (frozen ones too), moments and param groups of ZeroEngine checkpoint ``ckpt`` are
+    FSDP2's saved state ``root/<name>-reference``."""
     from safetensors.torch import load_file
 
     from shardckpt.checkpoint.reader import CheckpointReader
 
     m = CheckpointReader(ckpt).manifest
-    want = load_file(f"{root}/llama-reference.safetensors")
-    for p in m.components["model"].layout.params:
-        for kind, key in (("master", f"model.{p.fqn}"), ("exp_avg", f"optim.{p.fqn}.exp_avg"),
-                          ("exp_avg_sq", f"optim.{p.fqn}.exp_avg_sq")):
-            got = flat_state(ckpt, p.fqn, kind)
-            assert torch.equal(got.view(torch.int32), want[key].view(torch.int32)), (p.fqn, kind)
-    want_groups = json.loads(Path(root, "llama-reference.json").read_text())
+    comp = m.components["model"]
+    want = load_file(f"{root}/{name}-reference.safetensors")
+    for p in comp.layout.params:
+        kinds = [k for k, _ in comp.states[p.group]]
+        for kind in kinds:
+            key = f"model.{p.fqn}" if kind == "master" else f"optim.{p.fqn}.{kind}"
+            assert same_bits(flat_state(ckpt, p.fqn, kind), want[key]), (p.fqn, kind)
+    want_groups = json.loads(Path(root, f"{name}-reference.json").read_text())
     assert m.optimizer is not None and m.optimizer.name == "adamw"
     assert [(sorted(g["params"]), g["hparams"]["weight_decay"], g["hparams"]["lr"], g["step"])
             for g in m.optimizer.param_groups] == \
         [(sorted(w["params"]), w["weight_decay"], w["lr"], LLAMA_STEPS) for w in want_groups]
 
 
-def test_fsdp2_stock_checkpoint_imports_for_zero_engine_at_3_ranks(
-        llama_fsdp2: tuple[str, list[float]]) -> None:
+def assert_fsdp2_state_is_engine(got_file: str, ckpt: str) -> None:
+    """What FSDP2 gathered after loading (``got_file``) is ZeroEngine checkpoint ``ckpt``."""
+    from safetensors.torch import load_file
+
+    from shardckpt.checkpoint.reader import CheckpointReader
+
+    got = load_file(got_file)
+    for p in CheckpointReader(ckpt).manifest.components["model"].layout.params:
+        for kind, key in (("master", f"model.{p.fqn}"), ("exp_avg", f"optim.{p.fqn}.exp_avg"),
+                          ("exp_avg_sq", f"optim.{p.fqn}.exp_avg_sq")):
+            assert same_bits(got[key], flat_state(ckpt, p.fqn, kind)), (p.fqn, kind)
+        assert float(got[f"optim.{p.fqn}.step"]) == LLAMA_STEPS
+
+
+def assert_same_engine_state(a: str, b: str) -> None:
+    from shardckpt.checkpoint.reader import CheckpointReader
+
+    comp = CheckpointReader(a).manifest.components["model"]
+    for p in comp.layout.params:
+        for kind, _ in comp.states[p.group]:
+            assert same_bits(flat_state(a, p.fqn, kind), flat_state(b, p.fqn, kind)), (p.fqn, kind)
+
+
+@pytest.fixture(scope="module")
+def llama_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, list[float]]]:
+    """FSDP2 on 2 ranks saved with stock DCP and through ShardckptWriter, without (``llama``)
+    and with frozen parameters (``frozen``); their next losses."""
+    root = str(tmp_path_factory.mktemp("llama"))
+    return root, run_distributed(fsdp2_llama_job, 2, args=(root,), timeout_s=300)[0]
+
+
+@pytest.fixture(scope="module")
+def engine_from_fsdp2(llama_fsdp2: tuple[str, dict[str, list[float]]]) -> dict[str, list[float]]:
+    """ZeroEngine on 3 ranks loads ``llama`` imported for 3 ranks (``flat``) and, without a
+    conversion, ``llama-chunked``; saves each again (``...-resaved``); next losses by way."""
     from shardckpt.interop.dcp_to_flat import import_dcp_flat
 
-    root, fsdp2 = llama_fsdp2
+    root, _ = llama_fsdp2
     m = import_dcp_flat(f"{root}/llama", f"{root}/flat", 3)
     comp = m.components["model"]
     assert comp.aliases == {"lm_head.weight": "model.embed_tokens.weight"} and not comp.buffers
+    ckpts = [(f"{root}/flat", "flat"), (f"{root}/llama-chunked", "chunked")]
+    return run_distributed(engine_job, 3, args=(ckpts,), timeout_s=300)[0]
+
+
+def test_fsdp2_stock_checkpoint_imports_for_zero_engine_at_3_ranks(
+        llama_fsdp2: tuple[str, dict[str, list[float]]],
+        engine_from_fsdp2: dict[str, list[float]]) -> None:
+    root, fsdp2 = llama_fsdp2
     assert_engine_state_is_reference(root, f"{root}/flat")
-    ours = run_distributed(engine_job, 3, args=(f"{root}/flat", "flat"), timeout_s=300)[0]
     assert_engine_state_is_reference(root, f"{root}/flat-resaved")
-    assert ours == pytest.approx(fsdp2, rel=1e-6), (ours, fsdp2)
+    ours = engine_from_fsdp2["flat"]
+    assert ours == pytest.approx(fsdp2["llama"], rel=1e-6), (ours, fsdp2)
 
 
 def test_zero_engine_loads_fsdp2_chunked_checkpoint_at_3_ranks(
-        llama_fsdp2: tuple[str, list[float]]) -> None:
+        llama_fsdp2: tuple[str, dict[str, list[float]]],
+        engine_from_fsdp2: dict[str, list[float]]) -> None:
     root, fsdp2 = llama_fsdp2
-    ckpt = f"{root}/llama-chunked"
-    ours = run_distributed(engine_job, 3, args=(ckpt, "chunked"), timeout_s=300)[0]
-    assert_engine_state_is_reference(root, f"{ckpt}-resaved")
-    assert ours == pytest.approx(fsdp2, rel=1e-6), (ours, fsdp2)
+    assert_engine_state_is_reference(root, f"{root}/llama-chunked-resaved")
+    ours = engine_from_fsdp2["chunked"]
+    assert ours == pytest.approx(fsdp2["llama"], rel=1e-6), (ours, fsdp2)
 
 
 # ------------------------------- ZeroEngine -> FSDP2 through ShardckptReader (no conversion step)
-
-
-def engine_save_job(rank: int, world: int, root: str) -> list[float]:
-    """ZeroEngine, LLAMA_STEPS steps, shardckpt.save; then NEXT_STEPS more (global mean losses)."""
-    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
-    from shardckpt.runtime.llama import LLAMA_POLICY
-    from shardckpt.training.save_load import save
-
-    engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY, process_mesh=init_distributed(timeout_s=60))
-    opt = ShardedAdamW(engine, decay_param_groups(engine, WD), lr=LR, betas=BETAS)
-    for s in range(LLAMA_STEPS):
-        _mean_loss(engine, opt, s, rank, world)
-    save(engine, f"{root}/zero")
-    return [_mean_loss(engine, opt, s, rank, world) for s in range(LLAMA_STEPS, LLAMA_STEPS + NEXT_STEPS)]
-
-
-def fsdp2_from_flat_job(rank: int, world: int, root: str, via: str) -> dict[str, Any]:
-    """FSDP2 (other init, other lr) loads the ZeroEngine checkpoint through ShardckptReader
-    (``via="reader"``) or its DCP export with stock ``dcp.load`` (``via="export"``)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from shardckpt.interop.dcp_storage import ShardckptReader
-    from shardckpt.runtime.llama import LlamaDecoderLayer
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = tiny_llama(seed=3)
-    for m in model.modules():
-        if isinstance(m, LlamaDecoderLayer):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(two_groups(model.named_parameters(), 0.3), lr=0.5, foreach=False)
-    _mean_loss(model, opt, 99, rank, world)  # optimizer state exists and differs
-    msd, osd = get_state_dict(model, opt)
-    sd = {"model": msd, "optim": osd}
-    if via == "reader":
-        dcp.load(sd, storage_reader=ShardckptReader(f"{root}/zero"))
-    else:
-        dcp.load(sd, checkpoint_id=f"{root}/zero-exported")
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    flat, groups = full_state(model, opt)
-    if rank == 0:
-        save_file(flat, f"{root}/fsdp2-loaded-{via}.safetensors")
-    losses = [_mean_loss(model, opt, s, rank, world) for s in range(LLAMA_STEPS, LLAMA_STEPS + NEXT_STEPS)]
-    return {"groups": groups, "losses": losses}
 
 
 @pytest.fixture(scope="module")
@@ -289,25 +228,71 @@ def zero_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[floa
     return root, theirs
 
 
-@pytest.mark.parametrize("via", ["reader", "export"])
-def test_zero_engine_checkpoint_loads_into_fsdp2_at_3_ranks(zero_saved: tuple[str, list[float]],
-                                                            via: str) -> None:
-    from safetensors.torch import load_file
+@pytest.fixture(scope="module")
+def fsdp2_from_zero(zero_saved: tuple[str, list[float]]) -> dict[str, Any]:
+    """FSDP2 on 3 ranks loads ``zero`` through ShardckptReader and saves it with stock DCP
+    (``fsdp2-3``), then loads ``zero-exported`` with stock DCP; param groups and next losses."""
+    root, _ = zero_saved
+    return run_distributed(fsdp2_from_flat_job, 3, args=(root,), timeout_s=300)[0]
 
+
+@pytest.mark.parametrize("via", ["reader", "export"])
+def test_zero_engine_checkpoint_loads_into_fsdp2_at_3_ranks(
+        zero_saved: tuple[str, list[float]], fsdp2_from_zero: dict[str, Any], via: str) -> None:
     from shardckpt.checkpoint.reader import CheckpointReader
 
     root, theirs = zero_saved
-    out = run_distributed(fsdp2_from_flat_job, 3, args=(root, via), timeout_s=300)[0]
+    out = fsdp2_from_zero[via]
     m = CheckpointReader(f"{root}/zero").manifest
-    got = load_file(f"{root}/fsdp2-loaded-{via}.safetensors")
-    comp = m.components["model"]
-    for p in comp.layout.params:
-        for kind, key in (("master", f"model.{p.fqn}"), ("exp_avg", f"optim.{p.fqn}.exp_avg"),
-                          ("exp_avg_sq", f"optim.{p.fqn}.exp_avg_sq")):
-            want = flat_state(f"{root}/zero", p.fqn, kind)
-            assert torch.equal(got[key].view(torch.int32), want.view(torch.int32)), (p.fqn, kind)
-        assert float(got[f"optim.{p.fqn}.step"]) == LLAMA_STEPS
+    assert_fsdp2_state_is_engine(f"{root}/fsdp2-loaded-{via}.safetensors", f"{root}/zero")
     assert [(g["params"], g["weight_decay"], g["lr"], g["betas"]) for g in out["groups"]] == \
         [(g["params"], g["hparams"]["weight_decay"], g["hparams"]["lr"], g["hparams"]["betas"])
          for g in m.optimizer.param_groups]
     assert out["losses"] == pytest.approx(theirs, rel=1e-6), (out["losses"], theirs)
+
+
+# ---------------------------- 3 -> 2 both ways and frozen parameters (one 2-rank launch), HSDP
+
+
+def test_three_to_two_ranks_both_ways_and_frozen_parameters(
+        llama_fsdp2: tuple[str, dict[str, list[float]]], engine_from_fsdp2: dict[str, list[float]],
+        zero_saved: tuple[str, list[float]], fsdp2_from_zero: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+
+    root, fsdp2 = llama_fsdp2
+    zroot, _ = zero_saved
+    import_dcp_flat(f"{zroot}/fsdp2-3", f"{zroot}/fsdp2-3-flat", 2)
+    m = import_dcp_flat(f"{root}/frozen", f"{root}/frozen-flat", 2, frozen=[FROZEN])
+    frozen = sorted(f for g in m.components["model"].layout.groups if not g.requires_grad
+                    for f in g.params)
+    assert len(frozen) == 3 and not m.components["model"].buffers, frozen
+    out = run_distributed(two_ranks_job, 2, args=(root, zroot), timeout_s=300)[0]
+    # ZeroEngine at 3 -> FSDP2 at 2
+    assert_fsdp2_state_is_engine(f"{root}/fsdp2-2-loaded.safetensors", f"{root}/flat-resaved")
+    assert out["fsdp2"] == pytest.approx(engine_from_fsdp2["flat"], rel=1e-6)
+    # FSDP2 at 3 -> ZeroEngine at 2
+    assert_engine_state_is_reference(zroot, f"{zroot}/fsdp2-3-flat-resaved", "fsdp2-3")
+    assert out["zero"] == pytest.approx(fsdp2_from_zero["reader"]["losses"], rel=1e-6)
+    # frozen parameters: loaded bit for bit, through the import and as chunks; unchanged by steps
+    want = load_file(f"{root}/frozen-reference.safetensors")
+    for ckpt in ("frozen-flat", "frozen-chunked"):
+        assert_engine_state_is_reference(root, f"{root}/{ckpt}-resaved", "frozen")
+        assert out[ckpt.replace("-flat", "")] == pytest.approx(fsdp2["frozen"], rel=1e-6)
+        for f in frozen:
+            assert same_bits(flat_state(f"{root}/{ckpt}-after", f, "master"), want[f"model.{f}"])
+
+
+def test_hsdp_2x2_fsdp2_and_zero_engine_replicate_2_both_ways(
+        zero_saved: tuple[str, list[float]]) -> None:
+    root, _ = zero_saved
+    out = run_distributed(hsdp_job, 4, args=(root,), timeout_s=300)[0]
+    assert_same_engine_state(f"{root}/zero", f"{root}/zero-hsdp")
+    # ZeroEngine replicate 2 -> FSDP2 (2, 2)
+    assert_fsdp2_state_is_engine(f"{root}/fsdp2-hsdp.safetensors", f"{root}/zero-hsdp")
+    assert out["fsdp2"] == pytest.approx(out["zero"], rel=1e-6)
+    # FSDP2 (2, 2) -> ZeroEngine replicate 2
+    assert_engine_state_is_reference(root, f"{root}/fsdp2-hsdp-chunked-resaved", "fsdp2-hsdp")
+    assert_same_engine_state(f"{root}/zero", f"{root}/fsdp2-hsdp-chunked-resaved")
+    assert out["zero-again"] == pytest.approx(out["fsdp2"], rel=1e-6)

@@ -1,5 +1,6 @@
 """The offline tools under torchrun: 1, 2 and 4 gloo processes on 127.0.0.1 give the same bytes as
-the single-process command; a process killed mid-run fails the job, commits nothing, and a rerun
+the single-process command (reshard, consolidate, verify, diff, and the imports from Hugging Face,
+DeepSpeed and DCP); a process killed mid-run fails the job, commits nothing, and a rerun
 succeeds."""
 
 from __future__ import annotations
@@ -150,3 +151,113 @@ def test_diff_under_torchrun_reports_what_one_process_does(tmp_path: Path, src: 
     for doc in (a, b):  # time, and bytes read (whole checksum chunks, per process) differ
         doc.pop("seconds"), doc.pop("bytes_read")
     assert a == b and a["differences"]
+
+
+# ------------------------------------------------------------------------------------ import
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "deepspeed"
+
+
+@pytest.fixture(scope="module")
+def hf_src(src: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A Hugging Face folder of several safetensors files and an index: ``src`` consolidated."""
+    out = str(tmp_path_factory.mktemp("hf") / "hf")
+    r = cli_process("consolidate", src, out, "--max-shard-size", "300KB")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def dcp_src(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A stock DCP checkpoint of a model (two blocks, a buffer) and AdamW after one step."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(3)
+    m = torch.nn.Module()
+    m.layers = torch.nn.ModuleList([torch.nn.Linear(40, 40) for _ in range(2)])
+    m.head = torch.nn.Linear(40, 9)
+    m.register_buffer("pos", torch.arange(5.0))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randn(3, 40)
+    m.head(m.layers[1](m.layers[0](x))).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    path = str(tmp_path_factory.mktemp("dcp") / "src")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return path
+
+
+def _import_alone(kind: str, source: str, dst: str) -> None:
+    if kind == "hf":
+        from shardckpt.interop.hf_import import import_hf
+
+        import_hf(source, dst, 4)
+    elif kind == "deepspeed":
+        from shardckpt.interop.deepspeed_import import import_deepspeed
+
+        import_deepspeed(source, dst, 4)
+    else:
+        from shardckpt.interop.dcp_to_flat import import_dcp_flat
+
+        import_dcp_flat(source, dst, 4)
+
+
+@pytest.mark.parametrize("kind", ["hf", "deepspeed", "dcp"])
+def test_import_under_torchrun_equals_one_process(tmp_path: Path, kind: str, hf_src: str,
+                                                  dcp_src: str) -> None:
+    """Two processes write the shard files of ``import KIND SRC DST --ranks 4`` between them:
+    the same manifest (save id and time apart) and the same bytes as the import alone."""
+    source = {"hf": hf_src, "deepspeed": str(FIXTURES / "zero2-bf16-3"), "dcp": dcp_src}[kind]
+    one, job = str(tmp_path / "one"), str(tmp_path / "job")
+    _import_alone(kind, source, one)
+    r = torchrun(2, "import", kind, source, job, "--ranks", "4", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)  # rank 0 reports, once
+    assert summary["destination"] == job and summary["ranks"] == 4
+    assert contents(job) == contents(one)
+    m = json.loads(Path(job, MANIFEST_NAME).read_text())
+    assert sorted(os.listdir(job)) == sorted([MANIFEST_NAME, m["save_id"]])  # lease released
+    assert verify(job), verify(job).problems
+
+
+def test_sigkill_of_a_process_mid_import_commits_nothing(tmp_path: Path) -> None:
+    """``import hf`` of 32 MiB into 8 shard files: the second process is killed once a first
+    target file is there; the job fails and no manifest is written."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    source, dst = tmp_path / "hf", str(tmp_path / "dst")
+    source.mkdir()
+    rng = np.random.default_rng(0)
+    weight_map = {}
+    for f in range(2):  # 2 files x 4 tensors of 4 MiB
+        names = [f"model.layers.{4 * f + i}.w" for i in range(4)]
+        save_file({n: rng.standard_normal(1 << 20, np.float32) for n in names},
+                  str(source / f"model-{f}.safetensors"))
+        weight_map.update({n: f"model-{f}.safetensors" for n in names})
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 32 << 20}, "weight_map": weight_map}))
+    proc = torchrun(2, "import", "hf", str(source), dst, "--ranks", "8", "--buffer", "64KiB",
+                    wait=False)
+    killed = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and killed is None:
+            if [f for _, _, fs in os.walk(dst) for f in fs if f.startswith("shard-")]:
+                killed = kill_rank(proc, 1)  # mid-write: a first target file is there
+            time.sleep(0.005)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed is not None, "the job finished before a process could be killed; make it bigger"
+    assert proc.returncode != 0, err[-3000:]
+    assert not os.path.exists(os.path.join(dst, MANIFEST_NAME))
+    assert not verify(dst)

@@ -1,10 +1,13 @@
-"""The offline tools under torchrun on ``s3://`` (Ceph RGW): the same bytes as the single-process
-command; a process killed mid-run commits nothing, and a rerun succeeds."""
+"""The offline tools under torchrun on ``s3://`` (Ceph RGW): the same bytes, reports and exit
+status as the single-process command (reshard, consolidate, verify, diff); a process killed
+mid-run commits nothing, and a rerun succeeds."""
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import pytest
 
@@ -25,10 +28,42 @@ def cli_options(bucket: Any) -> list[str]:
             "-o", f"client_kwargs.region_name={o['client_kwargs']['region_name']}"]
 
 
-def test_reshard_on_s3_under_torchrun_equals_one_process(ceph_server: Any, s3_bucket: Any) -> None:
-    b = s3_bucket(ceph_server)
-    src = f"{b.url}/src"
-    synthesize(src, 300_000, ranks=4, units=3, seed=7, storage_options=b.storage_options)
+@dataclass(frozen=True)
+class Bucket:
+    """The module's bucket on the Ceph server: its checkpoints are written once and shared."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any]
+
+    def filesystem(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+
+@pytest.fixture(scope="module")
+def bucket(ceph_server: Any) -> Iterator[Bucket]:
+    name = ceph_server.create_bucket()
+    try:
+        yield Bucket(name, f"s3://{name}", ceph_server.storage_options(None))
+    finally:
+        try:
+            ceph_server.delete_bucket(name)
+        except Exception:  # noqa: BLE001 - cleanup must not mask the tests' outcome
+            pass
+
+
+@pytest.fixture(scope="module")
+def src(bucket: Bucket) -> str:
+    """A checkpoint of 4 ranks, read (never changed) by every test of the module."""
+    url = f"{bucket.url}/src"
+    synthesize(url, 300_000, ranks=4, units=3, seed=7, storage_options=bucket.storage_options)
+    return url
+
+
+def test_reshard_on_s3_under_torchrun_equals_one_process(bucket: Bucket, src: str) -> None:
+    b = bucket
     r = cli_process("reshard", src, f"{b.url}/ref", "--to", "6", *cli_options(b))
     assert r.returncode == 0, r.stderr
     fs = b.filesystem()
@@ -45,11 +80,8 @@ def test_reshard_on_s3_under_torchrun_equals_one_process(ceph_server: Any, s3_bu
         [MANIFEST_NAME, result.manifest.save_id])
 
 
-def test_consolidate_on_s3_under_torchrun_equals_one_process(ceph_server: Any,
-                                                              s3_bucket: Any) -> None:
-    b = s3_bucket(ceph_server)
-    src = f"{b.url}/src"
-    synthesize(src, 300_000, ranks=4, units=3, seed=8, storage_options=b.storage_options)
+def test_consolidate_on_s3_under_torchrun_equals_one_process(bucket: Bucket, src: str) -> None:
+    b = bucket
     opts = ["--max-shard-size", "300KB", *cli_options(b)]
     assert cli_process("consolidate", src, f"{b.url}/one", *opts).returncode == 0
     r = torchrun(2, "consolidate", src, f"{b.url}/job", *opts)
@@ -58,6 +90,38 @@ def test_consolidate_on_s3_under_torchrun_equals_one_process(ceph_server: Any,
     one, job = (sorted(fs.find(f"{b.name}/{d}")) for d in ("one", "job"))
     assert len(job) >= 4 and [k.split("/")[-1] for k in job] == [k.split("/")[-1] for k in one]
     assert all(fs.cat_file(x) == fs.cat_file(y) for x, y in zip(one, job))
+
+
+def test_verify_on_s3_under_torchrun_reports_what_one_process_does(bucket: Bucket,
+                                                                    src: str) -> None:
+    """A copy of ``src`` with one damaged object: both report it, by name, and exit 1."""
+    b, fs = bucket, bucket.filesystem()
+    fs.copy(f"{b.name}/src", f"{b.name}/bad", recursive=True)
+    m = json.loads(fs.cat_file(f"{b.name}/bad/{MANIFEST_NAME}"))
+    damaged = m["files"][-1]["path"]
+    data = bytearray(fs.cat_file(f"{b.name}/bad/{damaged}"))
+    data[-5] ^= 0xFF
+    fs.pipe_file(f"{b.name}/bad/{damaged}", bytes(data))
+    one = cli_process("verify", f"{b.url}/bad", "--json", *cli_options(b))
+    r = torchrun(2, "verify", f"{b.url}/bad", "--json", *cli_options(b))
+    assert one.returncode == r.returncode == 1, (one.stderr, r.stderr[-3000:])
+    assert json.loads(r.stdout) == json.loads(one.stdout)
+    problems = json.loads(r.stdout)["problems"]
+    assert len(problems) == 1 and damaged in problems[0], problems
+
+
+def test_diff_on_s3_under_torchrun_reports_what_one_process_does(bucket: Bucket, src: str) -> None:
+    """``src`` against a checkpoint of other values on 2 ranks: the same differences, exit 1."""
+    b = bucket
+    synthesize(f"{b.url}/other", 300_000, ranks=2, units=3, seed=9,
+               storage_options=b.storage_options)
+    one = cli_process("diff", src, f"{b.url}/other", "--json", *cli_options(b))
+    r = torchrun(2, "diff", src, f"{b.url}/other", "--json", *cli_options(b))
+    assert one.returncode == r.returncode == 1, (one.stderr, r.stderr[-3000:])
+    a, c = json.loads(one.stdout), json.loads(r.stdout)
+    for doc in (a, c):  # time, and bytes read (whole checksum chunks, per process) differ
+        doc.pop("seconds"), doc.pop("bytes_read")
+    assert a == c and a["differences"]
 
 
 def test_sigkill_on_s3_commits_nothing_and_a_rerun_succeeds(ceph_server: Any, s3_bucket: Any) -> None:

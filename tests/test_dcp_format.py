@@ -237,15 +237,46 @@ def test_one_writer_and_reader_follow_checkpoint_id(tmp_path: Path) -> None:
     assert not (tmp_path / "unused").exists()
 
 
-def test_runtime_load_of_a_chunked_checkpoint_says_where_to_go(tmp_path: Path) -> None:
-    """``shardckpt.training.save_load.load`` takes flat groups; given DCP's chunks it names the loaders
-    that take them instead of saying only that there is no model component."""
+def test_runtime_load_of_chunked_tensors_goes_through_load_chunked(tmp_path: Path) -> None:
+    """``Checkpointer.load`` (``save_load.load``) of what a module and its optimizer saved through
+    DCP loads into ``ZeroEngine`` with no special call: weights (a frozen layer too), moments,
+    step; a checkpoint without optimizer state is one clear error."""
+    import warnings
+
     from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from shardckpt.errors import CollectiveError
-    from shardckpt.runtime import ZeroEngine
-    from shardckpt.training.save_load import load
+    from shardckpt.runtime import ShardedAdamW, ZeroEngine
+    from shardckpt.training.checkpointer import Checkpointer
+    from shardckpt.training.save_load import load, save
+    from testing.ckpts import flat_state
 
-    engine = ZeroEngine(nn.Sequential(nn.Linear(4, 4)), policy=(nn.Linear,))
-    with pytest.raises(CollectiveError, match="chunked tensors.*load_chunked.*ShardckptReader"):
+    def net(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+        m[0].requires_grad_(False)
+        return m
+
+    m = net(0)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    m(torch.ones(2, 4)).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, storage_writer=ShardckptWriter(str(tmp_path / "ck")))
+    engine = ZeroEngine(net(1), policy=(nn.Linear,))
+    ShardedAdamW(engine, [p for _, p in engine.named_parameters() if p.requires_grad], lr=1.0)
+    Checkpointer(str(tmp_path / "run"), engine).load(str(tmp_path / "ck"))
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in m.state_dict().items())
+    save(engine, str(tmp_path / "again"))
+    for i, p in enumerate(m[1].parameters()):
+        fqn = ("1.weight", "1.bias")[i]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(flat_state(str(tmp_path / "again"), fqn, kind).reshape(p.shape),
+                               opt.state[p][kind])
+    assert engine.optimizer.optimizer_metadata()["param_groups"][0]["step"] == 1
+    with pytest.raises(CollectiveError, match="no optimizer state"):
         load(engine, str(GOLDEN))

@@ -21,69 +21,17 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
 from shardckpt.interop.dcp_export import export_dcp
-from shardckpt.interop.dcp_import import import_dcp, read_dcp_metadata
+from shardckpt.interop.dcp_import import import_dcp
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import MANIFEST_NAME
-from shardckpt.storage import Storage
 
 from testing.ckpts import flat_state
+from testing.dcp_states import assert_same, dcp_load, dcp_save, flat, metadata, state
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def state(seed: int) -> dict[str, Any]:
-    """A torchtitan-like layout: model, optimizer (AdamW after one step), scheduler, train state."""
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)).to(torch.bfloat16)
-    for p in model.parameters():
-        p.data = torch.randn(p.shape, generator=g).to(p.dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
-    model(torch.randn(4, 3, generator=g).to(torch.bfloat16)).float().pow(2).sum().backward()
-    opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
-            "lr_scheduler": {"last_epoch": 3 + seed, "lrs": [0.5, 0.25 * seed]},
-            "train_state": {"step": torch.tensor(7 + seed), "tokens": 1000 + seed},
-            "extra": {"scale": torch.arange(6, dtype=torch.float32).reshape(2, 3) + seed}}
-
-
-def dcp_save(sd: dict[str, Any], path: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(sd, checkpoint_id=str(path))
-
-
-def dcp_load(path: Path | None = None, reader: Any = None) -> dict[str, Any]:
-    sd = state(1)  # other values everywhere: everything compared below was loaded
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if reader is not None:
-            dcp.load(sd, storage_reader=reader)
-        else:
-            dcp.load(sd, checkpoint_id=str(path))
-    return sd
-
-
-def flat(sd: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(sd, dict):
-        return {k: v for key, val in sd.items() for k, v in flat(val, f"{prefix}{key}.").items()}
-    if isinstance(sd, (list, tuple)) and not all(isinstance(x, (int, float, str)) for x in sd):
-        return {k: v for i, val in enumerate(sd) for k, v in flat(val, f"{prefix}{i}.").items()}
-    return {prefix[:-1]: sd}
-
-
-def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
-    fa, fb = flat(a), flat(b)
-    assert set(fa) == set(fb)
-    for k in fa:
-        x, y = fa[k], fb[k]
-        if isinstance(x, torch.Tensor):
-            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, k
-            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), k
-        else:
-            assert x == y, k
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +106,6 @@ def test_export_of_flat_groups_is_what_get_state_dict_gives(tiny_ckpt: tuple[str
 
 def write_metadata(path: Path, md: Any) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(md))
-
-
-def metadata(path: Path) -> Any:
-    return read_dcp_metadata(Storage(str(path)))
 
 
 def refused(src: Path, tmp_path: Path, *needles: str) -> str:

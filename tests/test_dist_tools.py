@@ -1,5 +1,5 @@
-"""The plan the processes of a torchrun job split: balanced by bytes, at 70B scale too; and the
-job's error handling, without launching processes."""
+"""The plan the processes of a torchrun job split: balanced by bytes, at 70B scale too; the
+job's error handling and the imports' job path, without launching processes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,59 @@ def test_a_bad_timeout_is_one_usage_error(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ConfigError, match="SHARDCKPT_DIST_TIMEOUT_S='soon'"):
         with job_from_environment():
             pass
+
+
+def _hf_folder(path: Path) -> str:
+    """A one-file Hugging Face folder of three small tensors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    rng = np.random.default_rng(1)
+    save_file({"model.layers.0.w": rng.standard_normal((7, 5), np.float32),
+               "model.layers.1.w": rng.standard_normal(11, np.float32),
+               "model.norm.weight": np.ones(5, np.float32)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_an_import_as_a_job_of_one_writes_what_the_import_alone_does(tmp_path: Path) -> None:
+    """The job's path of :func:`write_import` (agreement, rank 0's lease and commit) in one
+    process without a process group: the same files and manifest as the import alone."""
+    from shardckpt.interop.hf_import import import_hf
+    from shardckpt.tools.jobs import run_import
+    from testing.torchrun import contents
+
+    src = _hf_folder(tmp_path / "hf")
+    alone = run_import(import_hf, src, str(tmp_path / "one"), 3, job=None)
+    as_job = run_import(import_hf, src, str(tmp_path / "job"), 3, job=Job(0, 1))
+    assert alone is not None and as_job is not None
+    assert len(as_job.files) == 3 and contents(str(tmp_path / "job")) == contents(str(tmp_path / "one"))
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == sorted(["manifest.json", as_job.save_id])
+    with pytest.raises(ConfigError, match="exists; import into an empty location"):
+        run_import(import_hf, src, str(tmp_path / "job"), 3, job=Job(0, 1))
+
+
+def test_an_import_that_does_not_split_runs_on_rank_0_alone() -> None:
+    calls: list[tuple] = []
+
+    def importer(*args: object, **kwargs: object) -> str:
+        calls.append((args, kwargs))
+        return "manifest"
+
+    from shardckpt.tools.jobs import run_import
+
+    assert run_import(importer, "a", job=Job(0, 1), split=False) == "manifest"
+    assert run_import(importer, "b", job=Job(0, 1)) == "manifest"
+    assert calls[0] == (("a",), {}) and calls[1][1]["job"] == Job(0, 1)
+    assert run_import(importer, "c", job=Job(1, 2, group=None), split=True) is None
+
+
+def test_import_hf_outside_torchrun_loads_no_torch(tmp_path: Path) -> None:
+    src = _hf_folder(tmp_path / "hf")
+    code = ("import sys\nfrom shardckpt.cli.main import app\n"
+            f"sys.argv = ['shardckpt', 'import', 'hf', {src!r}, {str(tmp_path / 'ck')!r}, "
+            "'--ranks', '2']\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "assert 'torch' not in sys.modules\nprint('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.endswith("ok\n"), r.stderr

@@ -8,9 +8,12 @@ DCP's planner serialized.
 
 How it is read (docs/FORMAT.md, "Foreign formats"): the metadata only through
 :class:`MetadataUnpickler`, whose ``find_class`` admits DCP's metadata classes, ``torch.Size``,
-dtypes and plain containers and refuses every other global by name; tensor payloads only through
-``torch.load(weights_only=True)`` on their byte range, one chunk at a time; non-tensor values are
-copied as opaque blobs, never deserialized. Everything the metadata says is checked before a byte
+dtypes and plain containers and refuses every other global by name (decoded as plain records,
+:mod:`shardckpt.interop.dcp_records`, so neither torch nor DCP is imported); a tensor payload, one
+chunk at a time, as the bytes of its storage where it is a plain contiguous tensor of the stated
+dtype and shape (:mod:`shardckpt.interop.dcp_payload`, an allow-listing unpickler), else through
+``torch.load(weights_only=True)`` on its byte range; non-tensor values are copied as opaque
+blobs, never deserialized. Everything the metadata says is checked before a byte
 is written (files present, ranges inside them, the chunks of every tensor tiling it); a payload
 that does not decode to the tensor the metadata describes stops the import with nothing committed.
 
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage
+from shardckpt.interop import dcp_records
+from shardckpt.interop.dcp_payload import plain_bytes
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.format.chunked import (
@@ -57,31 +62,33 @@ class MetadataUnpickler(pickle.Unpickler):
     layouts, ``OrderedDict`` and ``PosixPath`` (the checkpoint id DCP records); any other global is
     refused by name, before it is imported or called."""
 
-    def __init__(self, file: Any, url: str) -> None:
+    def __init__(self, file: Any, url: str, records: bool = False) -> None:
         super().__init__(file)
-        self.url = url
+        self.url, self.records = url, records
 
     def find_class(self, module: str, name: str) -> Any:
         import collections
         import pathlib
 
-        import torch
-        from torch.distributed.checkpoint import filesystem, metadata
+        allowed = {("collections", "OrderedDict"): collections.OrderedDict,
+                   ("pathlib", "PosixPath"): pathlib.PosixPath,
+                   ("pathlib", "PurePosixPath"): pathlib.PurePosixPath}
+        if self.records:  # the same globals, as plain records: neither torch nor DCP imported
+            if module == "torch" and name in _DTYPE_NAMES:
+                return dcp_records.dtype_name(name)
+            allowed.update(dcp_records.RECORDS)
+        else:
+            import torch
+            from torch.distributed.checkpoint import filesystem, metadata
 
-        allowed: dict[tuple[str, str], Any] = {
-            (_MD, n): getattr(metadata, n) for n in (
-                "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                "_MEM_FORMAT_ENCODING")}
-        allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
-        allowed[("torch", "Size")] = torch.Size
-        allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-        allowed[("collections", "OrderedDict")] = collections.OrderedDict
-        allowed[("pathlib", "PosixPath")] = pathlib.PosixPath
-        allowed[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-        if module == "torch" and name in _DTYPE_NAMES and isinstance(getattr(torch, name, None),
-                                                                     torch.dtype):
-            return getattr(torch, name)
+            if module == "torch" and name in _DTYPE_NAMES and isinstance(getattr(torch, name, None),
+                                                                         torch.dtype):
+                return getattr(torch, name)
+            allowed.update({k: getattr(metadata, k[1]) for k in dcp_records.RECORDS if k[0] == _MD})
+            allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = \
+                filesystem._StorageInfo
+            allowed[("torch", "Size")] = torch.Size
+            allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
         if (module, name) not in allowed:
             raise IntegrityError(f"{self.url}: names the global {module}.{name}, which is not one "
                                  "of DCP's metadata classes; refused without running it")
@@ -111,9 +118,13 @@ class DcpSource:
     version: str | None
 
 
-def read_dcp_metadata(storage: Storage) -> Any:
-    """The ``Metadata`` in ``storage``'s ``.metadata``, through :class:`MetadataUnpickler`."""
-    from torch.distributed.checkpoint.metadata import Metadata
+def read_dcp_metadata(storage: Storage, records: bool = False) -> Any:
+    """The ``Metadata`` in ``storage``'s ``.metadata``, through :class:`MetadataUnpickler`: DCP's
+    own classes, or with ``records`` the same fields as :mod:`shardckpt.interop.dcp_records`."""
+    if records:
+        Metadata = dcp_records.Metadata
+    else:
+        from torch.distributed.checkpoint.metadata import Metadata
 
     url = storage.url_of(METADATA_NAME)
     try:
@@ -121,7 +132,7 @@ def read_dcp_metadata(storage: Storage) -> Any:
     except NotFoundError:
         raise IntegrityError(f"{url}: missing; not a checkpoint DCP's FileSystemWriter wrote") from None
     try:
-        md = MetadataUnpickler(io.BytesIO(data), url).load()
+        md = MetadataUnpickler(io.BytesIO(data), url, records).load()
     except IntegrityError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of a foreign pickle is one clear error
@@ -146,13 +157,10 @@ def _ints(v: Any, url: str, what: str) -> tuple[int, ...]:
 
 
 def _storage_info(md: Any, url: str, fqn: str, offsets: tuple[int, ...] | None) -> tuple[str, int, int]:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     where = "" if offsets is None else f" at offsets {list(offsets)}"
-    key = MetadataIndex(fqn, None if offsets is None else offsets)
+    key = dcp_records.MetadataIndex(fqn, offsets)
     info = md.storage_data.get(key) if isinstance(md.storage_data, dict) else None
-    if not isinstance(info, _StorageInfo):
+    if not isinstance(info, dcp_records.StorageInfo):
         raise IntegrityError(f"{url}: no storage record for {fqn!r}{where}")
     path, off, n = info.relative_path, info.offset, info.length
     if not isinstance(path, str) or not _PAYLOAD.fullmatch(path) or path in (".", ".."):
@@ -167,9 +175,7 @@ def _storage_info(md: Any, url: str, fqn: str, offsets: tuple[int, ...] | None) 
 
 def read_dcp(storage: Storage) -> DcpSource:
     """Read and check ``storage``'s DCP metadata against its payload files (nothing else read)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-    md = read_dcp_metadata(storage)
+    md = read_dcp_metadata(storage, records=True)
     url = storage.url_of(METADATA_NAME)
     if not isinstance(md.state_dict_metadata, dict):
         raise IntegrityError(f"{url}: state_dict_metadata is not a map")
@@ -178,11 +184,11 @@ def read_dcp(storage: Storage) -> DcpSource:
     for fqn, tmd in md.state_dict_metadata.items():
         if not isinstance(fqn, str):
             raise IntegrityError(f"{url}: a key is {type(fqn).__name__}, not a string")
-        if isinstance(tmd, BytesStorageMetadata):
+        if isinstance(tmd, dcp_records.BytesStorageMetadata):
             path, off, n = _storage_info(md, url, fqn, None)
             items.setdefault(path, []).append(_Item(fqn, None, (n,), path, off, n))
             continue
-        if not isinstance(tmd, TensorStorageMetadata) or not isinstance(tmd.chunks, list):
+        if not isinstance(tmd, dcp_records.TensorStorageMetadata) or not isinstance(tmd.chunks, list):
             raise IntegrityError(f"{url}: {fqn!r} has metadata {type(tmd).__name__}")
         dtype = _dtype(getattr(tmd.properties, "dtype", None), url, fqn)
         shape = _ints(tmd.size, url, f"the shape of {fqn!r}")
@@ -222,17 +228,22 @@ def read_dcp(storage: Storage) -> DcpSource:
     return DcpSource(storage.url, tensors, dict(sorted(items.items())), planner_data, version)
 
 
-def load_chunk(storage: Storage, it: _Item, dtype: str) -> Any:
-    """The tensor chunk ``it`` (its byte range through ``torch.load(weights_only=True)``),
-    checked to be the dtype and shape the metadata says."""
+def _read_item(storage: Storage, it: _Item) -> bytes:
+    data = storage.read(it.file, it.offset, it.offset + it.length)
+    if len(data) != it.length:
+        raise IntegrityError(f"{storage.url_of(it.file)}: {it.fqn!r}: read {len(data)} of "
+                             f"{it.length} bytes at {it.offset}; the file is truncated")
+    return data
+
+
+def load_chunk(storage: Storage, it: _Item, dtype: str, data: bytes | None = None) -> Any:
+    """The tensor chunk ``it`` (its byte range, or ``data``, through
+    ``torch.load(weights_only=True)``), checked to be the dtype and shape the metadata says."""
     import torch
 
     url = storage.url_of(it.file)
     where = f"{it.fqn!r} at offsets {list(it.offsets or ())}"
-    data = storage.read(it.file, it.offset, it.offset + it.length)
-    if len(data) != it.length:
-        raise IntegrityError(f"{url}: {where}: read {len(data)} of {it.length} bytes at "
-                             f"{it.offset}; the file is truncated")
+    data = _read_item(storage, it) if data is None else data
     try:
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a foreign payload: any failure is one clear error
@@ -246,6 +257,20 @@ def load_chunk(storage: Storage, it: _Item, dtype: str) -> Any:
         raise IntegrityError(f"{url}: {where} holds a {got} tensor of shape {list(t.shape)}; the "
                              f"metadata says {dtype} {list(it.sizes)}")
     return t
+
+
+def chunk_bytes(storage: Storage, it: _Item, dtype: str) -> Any:
+    """The tensor chunk ``it`` as row-major bytes: a view of its payload where that is a plain
+    contiguous tensor of the metadata's dtype and shape (:mod:`shardckpt.interop.dcp_payload`,
+    without torch), else decoded by :func:`load_chunk`."""
+    data = _read_item(storage, it)
+    view = plain_bytes(data, dtype, it.sizes)
+    if view is not None:
+        return view
+    import torch
+
+    t = load_chunk(storage, it, dtype, data)
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _plan(source: DcpSource, save_id: str
@@ -298,21 +323,10 @@ def import_dcp(src: "str | Storage", dst: "str | Storage",
     writer = CheckpointWriter(out, spec, save_id)
     out.ensure_free_space("", sum(s[-1].end for s in files if s), "import dcp")
 
-    import torch
-
     def producer(i: int) -> Any:
         def produce(slot: TensorSlot) -> Iterator[Any]:
             it = by_name[f"{i}:{slot.name}"]
-            if it.offsets is None:
-                data = store.read(it.file, it.offset, it.offset + it.length)
-                if len(data) != it.length:
-                    raise IntegrityError(f"{store.url_of(it.file)}: {it.fqn!r}: read {len(data)} "
-                                         f"of {it.length} bytes; the file is truncated")
-                yield data
-                return
-            t = load_chunk(store, it, slot.dtype)
-            if t.numel():
-                yield t.contiguous().reshape(-1).view(torch.uint8).numpy()
+            yield _read_item(store, it) if it.offsets is None else chunk_bytes(store, it, slot.dtype)
         return produce
 
     try:

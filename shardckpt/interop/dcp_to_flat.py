@@ -1,17 +1,23 @@
 """DCP state as ``ZeroEngine`` flat groups: ``shardckpt import dcp SRC DST --ranks N``.
 
-A DCP checkpoint of a model and its Adam-family optimizer, in the layout
+A DCP checkpoint of a model and its Adam-family optimizer (or SGD with momentum), in the layout
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives (``{"model": ..., "optim": ...}``
 or torchtitan's ``{<model keys>, "optimizer", "lr_scheduler", "dataloader", "train_state"}``), is
 first imported with its chunks (:func:`shardckpt.interop.dcp_import.import_dcp`, every check of that
 import) into a local staging folder, then streamed from there into flat groups for ``N`` ranks:
-fp32 masters, ``exp_avg``, ``exp_avg_sq``, the step and the hyper-parameters of each param group.
+fp32 masters, ``exp_avg``, ``exp_avg_sq`` (SGD: ``momentum_buffer``, when the optimizer state
+holds no ``exp_avg``), the step and the hyper-parameters of each param group.
 
-Which tensor is what: ``<model_key>.<fqn>`` is a parameter when ``<optim_key>.state.<fqn>.exp_avg``
-and ``exp_avg_sq`` exist (Adam's state); a tensor without that state that equals a parameter of
-its shape bit for bit is that parameter, tied (saved under both names); any other is a
-persistent buffer. Param groups are read from
-``<optim_key>.param_groups.<i>.{params, lr, ...}`` (``get_state_dict``) or from the per-parameter
+Which tensor is what: ``<model_key>.<fqn>`` is a trained parameter when
+``<optim_key>.state.<fqn>.exp_avg`` and ``exp_avg_sq`` exist (Adam's state; SGD's:
+``momentum_buffer``); a tensor without that
+state that equals a trained parameter of its shape bit for bit is that parameter, tied (saved
+under both names); a tensor without state that a param group lists (an optimizer built over all
+parameters never gives a ``requires_grad=False`` one state) or whose name matches a ``frozen``
+pattern is a frozen parameter, stored in its own dtype; any other is a persistent buffer. A DCP
+state dict cannot tell a frozen parameter the optimizer does not list from a buffer: name it.
+Param groups are read from ``<optim_key>.param_groups.<i>.{params, lr, ...}``
+(``get_state_dict``) or from the per-parameter
 ``<optim_key>.param_groups.<fqn>.<name>`` of ``flatten_optimizer_state_dict`` (torchtitan); these
 values are DCP blobs, decoded only with ``torch.load(weights_only=True)``. Memory: one band of at
 most ``buffer_bytes`` bytes of one tensor at a time.
@@ -23,12 +29,13 @@ import io
 import logging
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
 from shardckpt.checkpoint.chunked_read import iter_elements, read_blob
 from shardckpt.errors import ConfigError, IntegrityError
@@ -36,29 +43,42 @@ from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.importing import (
     ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of,
 )
-from shardckpt.format.dtypes import itemsize
+from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
-from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
+from shardckpt.format.manifest import (
+    MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo, default_states,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["import_dcp_flat", "read_model", "flat_producer"]
+__all__ = ["import_dcp_flat", "read_model", "flat_producer", "as_tensor"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+#: SGD (with momentum): its per-element state and the hyper-parameters an import keeps.
+SGD_KINDS = ("momentum_buffer",)
+SGD_HPARAMS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
 #: Top-level keys of torchtitan's checkpoint that are not the model.
 APP_KEYS = ("lr_scheduler", "dataloader", "train_state")
 
 
 @dataclass
 class DcpModel:
-    """Which chunked tensors are parameters, their Adam state, and buffers."""
+    """Which chunked tensors are parameters, their optimizer state, and buffers."""
 
     params: dict[str, ChunkedTensor]                 # fqn -> weights, state-dict order
     moments: dict[str, dict[str, ChunkedTensor]]     # fqn -> kind -> tensor
+    frozen: dict[str, ChunkedTensor]                 # fqn -> weights of a frozen parameter
     buffers: dict[str, ChunkedTensor]
     aliases: dict[str, str]                          # tied: alias fqn -> parameter fqn
     optimizer: OptimizerInfo
     step: int | None
+    order: tuple[str, ...] = ()                      # state-dict order of params and frozen
+    kinds: tuple[str, ...] = MOMENTS                 # the optimizer's per-element state
+
+    def tensors(self) -> dict[str, ChunkedTensor]:
+        """Trained and frozen parameters, in state-dict order."""
+        both = {**self.params, **self.frozen}
+        return {f: both[f] for f in self.order if f in both} if self.order else both
 
 
 def _optim_key(section: ChunkedSection, optim_key: str | None, url: str) -> str:
@@ -79,7 +99,7 @@ def _value(reader: CheckpointReader, section: ChunkedSection, key: str) -> Any:
     if key in section.tensors:
         t = section.tensors[key]
         data = b"".join(iter_elements(reader, t, 0, max(1, t.numel), 1 << 20))
-        v = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, t.dtype))
+        v = as_tensor(data, t.dtype)
         return v.tolist()[0] if v.numel() == 1 else v.tolist()
     if key not in section.blobs:
         return None
@@ -92,9 +112,10 @@ def _value(reader: CheckpointReader, section: ChunkedSection, key: str) -> Any:
     return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
 
 
-def _hparams(get: Callable[[str], Any], prefix: str) -> dict[str, Any]:
+def _hparams(get: Callable[[str], Any], prefix: str,
+             keys: Sequence[str] = ADAM_HPARAMS) -> dict[str, Any]:
     out = {}
-    for k in ADAM_HPARAMS:
+    for k in keys:
         v = get(f"{prefix}.{k}")
         if v is not None:
             out[k] = list(v) if isinstance(v, (tuple, list)) else v
@@ -102,36 +123,44 @@ def _hparams(get: Callable[[str], Any], prefix: str) -> dict[str, Any]:
 
 
 def _groups(reader: CheckpointReader, section: ChunkedSection, opt: str,
-            trained: Sequence[str]) -> list[tuple[list[str], dict[str, Any], Any]]:
-    """(params, hparams, decoupled_weight_decay) per param group."""
+            trained: Sequence[str], names: Sequence[str], keys: Sequence[str]
+            ) -> tuple[list[tuple[list[str], dict[str, Any], Any]], set[str]]:
+    """(params, hparams, decoupled_weight_decay) per param group, and every name of ``names``
+    the param groups list (trained or not)."""
     def get(key: str) -> Any:
         return _value(reader, section, key)
 
     pat = re.compile(rf"{re.escape(opt)}\.param_groups\.(\d+)\.params")
     ids = sorted(int(m.group(1)) for k in section.blobs if (m := pat.fullmatch(k)))
     if ids:
-        out = []
+        out, listed = [], set()
         for i in ids:
-            names = get(f"{opt}.param_groups.{i}.params")
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            names_ = get(f"{opt}.param_groups.{i}.params")
+            if not isinstance(names_, list) or not all(isinstance(n, str) for n in names_):
                 raise IntegrityError(f"{reader.url}: {opt}.param_groups.{i}.params is not a list "
                                      "of parameter names (save the optimizer with get_state_dict)")
             prefix = f"{opt}.param_groups.{i}"
-            out.append(([n for n in names if n in trained], _hparams(get, prefix),
+            listed.update(names_)
+            out.append(([n for n in names_ if n in trained], _hparams(get, prefix, keys),
                         get(f"{prefix}.decoupled_weight_decay")))
-        return out
+        return out, listed & set(names)
     by_hp: dict[str, tuple[list[str], dict[str, Any], Any]] = {}
     for fqn in trained:  # flatten_optimizer_state_dict: hyper-parameters per parameter
         prefix = f"{opt}.param_groups.{fqn}"
-        hp = _hparams(get, prefix)
+        hp = _hparams(get, prefix, keys)
         entry = by_hp.setdefault(repr(sorted(hp.items())),
                                  ([], hp, get(f"{prefix}.decoupled_weight_decay")))
         entry[0].append(fqn)
-    return list(by_hp.values())
+    listed = {f for f in names if f"{opt}.param_groups.{f}.lr" in section.blobs}
+    return list(by_hp.values()), listed
 
 
 def read_model(reader: CheckpointReader, model_key: str = "model",
-               optim_key: str | None = None) -> DcpModel:
+               optim_key: str | None = None, frozen: Sequence[str] = (),
+               frozen_names: Collection[str] = ()) -> DcpModel:
+    """Which tensor of ``reader``'s chunked section is what (module docstring). ``frozen``:
+    regular expressions, each matching (whole) the FQN of a frozen parameter and at least one;
+    ``frozen_names``: FQNs that are frozen parameters where they are tensors without state."""
     section = reader.manifest.chunked
     if section is None:
         raise IntegrityError(f"{reader.url}: not a checkpoint of chunked tensors")
@@ -147,10 +176,13 @@ def read_model(reader: CheckpointReader, model_key: str = "model",
     if not names:
         raise IntegrityError(f"{reader.url}: no model tensors under {model_key!r}; pass "
                              "--model-key ('' for torchtitan's top-level model keys)")
+    suffixes = {k.rsplit(".", 1)[-1] for k in section.tensors if k.startswith(f"{opt}.state.")}
+    sgd = "exp_avg" not in suffixes and "momentum_buffer" in suffixes
+    state_kinds = SGD_KINDS if sgd else MOMENTS
     params, moments, rest = {}, {}, {}
     for key, fqn in names.items():
         t = section.tensors[key]
-        kinds = {k: section.tensors.get(f"{opt}.state.{fqn}.{k}") for k in MOMENTS}
+        kinds = {k: section.tensors.get(f"{opt}.state.{fqn}.{k}") for k in state_kinds}
         if any(v is None for v in kinds.values()):
             rest[fqn] = t
             continue
@@ -162,19 +194,43 @@ def read_model(reader: CheckpointReader, model_key: str = "model",
         params[fqn], moments[fqn] = t, kinds
     aliases = {f: p for f, t in rest.items()
                for p in [next((p for p, pt in params.items() if _same(reader, t, pt)), None)] if p}
-    buffers = {f: t for f, t in rest.items() if f not in aliases}
-    groups = _groups(reader, section, opt, list(params))
+    groups, listed = _groups(reader, section, opt, list(params), list(names.values()),
+                             SGD_HPARAMS if sgd else ADAM_HPARAMS)
+    frozen_ = _frozen(reader.url, {f: t for f, t in rest.items() if f not in aliases},
+                      list(params), listed | set(frozen_names), frozen)
+    buffers = {f: t for f, t in rest.items() if f not in aliases and f not in frozen_}
     grouped = {f for names_, _, _ in groups for f in names_}
     if grouped != set(params):
-        raise IntegrityError(f"{reader.url}: parameters with Adam state in no param group: "
+        raise IntegrityError(f"{reader.url}: parameters with optimizer state in no param group: "
                              f"{sorted(set(params) - grouped)[:10]}")
-    steps = {f: _value(reader, section, f"{opt}.state.{f}.step") for f in params}
-    name = "adam" if groups and all(d is False for _, _, d in groups) else "adamw"
+    step = _value(reader, section, "train_state.step")
+    # torch's SGD keeps no step: a momentum buffer means at least one step was taken
+    steps = {f: (step or 1) if sgd else _value(reader, section, f"{opt}.state.{f}.step")
+             for f in params}
+    name = "sgd" if sgd else "adam" if groups and all(d is False for _, _, d in groups) else "adamw"
     info = OptimizerInfo(name, tuple(
         {"params": ps, "hparams": hp, "step": int(steps[ps[0]] or 0) if ps else 0}
         for ps, hp, _ in groups))
-    step = _value(reader, section, "train_state.step")
-    return DcpModel(params, moments, buffers, aliases, info, None if step is None else int(step))
+    return DcpModel(params, moments, frozen_, buffers, aliases, info,
+                    None if step is None else int(step), tuple(names.values()), state_kinds)
+
+
+def _frozen(url: str, stateless: dict[str, ChunkedTensor], trained: Sequence[str],
+            listed: set[str], patterns: Sequence[str]) -> dict[str, ChunkedTensor]:
+    """The frozen parameters among the ``stateless`` tensors: listed by a param group, or named
+    by a pattern. A pattern that names nothing or a trained parameter, or a frozen integer
+    tensor, is one error listing them."""
+    pats = [re.compile(p) for p in patterns]
+    named = {f for f in (*stateless, *trained) if any(p.fullmatch(f) for p in pats)}
+    bad = [f"{p.pattern!r} matches no model tensor" for p in pats
+           if not any(p.fullmatch(f) for f in (*stateless, *trained))]
+    bad += [f"{f} has optimizer state (a trained parameter)" for f in trained if f in named]
+    out = {f: t for f, t in stateless.items() if f in named or f in listed}
+    bad += [f"{f} is {t.dtype} (a parameter is floating point)" for f, t in out.items()
+            if t.dtype not in FLOATS]
+    if bad:
+        raise ConfigError(f"{url}: frozen parameters (--frozen): " + "; ".join(bad))
+    return out
 
 
 def _same(reader: CheckpointReader, a: ChunkedTensor, b: ChunkedTensor) -> bool:
@@ -186,28 +242,42 @@ def _same(reader: CheckpointReader, a: ChunkedTensor, b: ChunkedTensor) -> bool:
     return all(x == y for x, y in pieces)
 
 
-def flat_producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
-              buffer_bytes: int) -> Callable[[Any], Iterator[Any]]:
-    import numpy as np
+def as_tensor(data: Any, dtype: str) -> Any:
+    """Bytes (read-only is fine: only read from) as a flat tensor of ``dtype``, without a copy."""
     import torch
 
-    def fp32(t: ChunkedTensor, a: int, b: int) -> Iterator[Any]:
-        budget = max(1, buffer_bytes * itemsize(t.dtype) // 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype))
+
+
+def flat_producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
+                  buffer_bytes: int) -> Callable[[Any], Iterator[Any]]:
+    """Shard ``shard``'s ``<group>.<kind>`` states: masters in the group's master dtype (fp32;
+    a frozen group's own dtype), moments fp32, then the padding."""
+    import torch
+
+    def cast(t: ChunkedTensor, a: int, b: int, dtype: str) -> Iterator[Any]:
+        budget = max(1, buffer_bytes * itemsize(t.dtype) // itemsize(dtype))
         for data in iter_elements(reader, t, a, b, budget):
-            if t.dtype == "float32":
+            if t.dtype == dtype:
                 yield data
             else:
-                v = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, t.dtype))
-                yield v.to(torch.float32).numpy()
+                yield as_tensor(data, t.dtype).to(getattr(torch, dtype)).view(torch.uint8).numpy()
 
     def produce(slot: Any) -> Iterator[Any]:
         gname, kind = slot.name.rsplit(".", 1)
-        pieces, padding = layout.shard_pieces(gname, shard)
+        g = layout.group(gname)
+        dtype = g.master_dtype if kind == "master" else "float32"
+        pieces, padding = layout.shard_pieces(g, shard)
         for p, a, b in pieces:
-            t = model.params[p.fqn] if kind == "master" else model.moments[p.fqn][kind]
-            yield from fp32(t, a, b)
+            if kind != "master":
+                t = model.moments[p.fqn][kind]
+            else:
+                t = model.params[p.fqn] if p.fqn in model.params else model.frozen[p.fqn]
+            yield from cast(t, a, b, dtype)
         if padding:
-            yield np.zeros(padding, np.float32)
+            yield bytes(padding * itemsize(dtype))
 
     return produce
 
@@ -224,12 +294,15 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
                     optim_key: str | None = None,
                     storage_options: Mapping[str, Any] | None = None,
                     dst_storage_options: Mapping[str, Any] | None = None,
-                    buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None) -> Manifest:
+                    buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None,
+                    frozen: Sequence[str] = (), job: Any = None) -> Manifest:
     """Write the DCP checkpoint ``src`` as ``ZeroEngine`` flat groups for ``ranks`` ranks at
-    ``dst`` (masters, Adam moments, step, hyper-parameters, buffers). Refuses a ``dst`` that
+    ``dst`` (masters, Adam moments, step, hyper-parameters, frozen parameters, buffers; ``frozen``:
+    the patterns of :func:`read_model`). Refuses a ``dst`` that
     holds a checkpoint; on any error nothing is committed. The source is staged, with its chunks,
     below ``tmp_dir`` (default: the system's temporary folder; about the source's size)."""
     from shardckpt.interop.dcp_import import import_dcp
+    from shardckpt.interop.importing import write_import
 
     out = as_storage(dst, dst_storage_options)
     if out.exists(MANIFEST_NAME):
@@ -238,12 +311,16 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
     with tempfile.TemporaryDirectory(prefix="shardckpt-dcp-", dir=tmp_dir) as folder:
         import_dcp(src, f"{folder}/staged", storage_options)
         reader = CheckpointReader(f"{folder}/staged")
-        model = read_model(reader, model_key, optim_key)
+        try:
+            model = read_model(reader, model_key, optim_key, frozen)
+        except (ConfigError, IntegrityError) as e:  # name the source, not the staging folder
+            raise type(e)(str(e).replace(reader.url, str(src))) from None
         pats = compile_units(units or BLOCK_UNITS)
-        layout = build_layout([ParamInfo(f, t.shape, "float32", True, unit_of(f, pats))
-                               for f, t in model.params.items()], mesh, "model.")
-        states = {g.name: (("master", "float32"), ("exp_avg", "float32"),
-                           ("exp_avg_sq", "float32")) for g in layout.groups}
+        layout = build_layout([
+            ParamInfo(f, t.shape, "float32" if f in model.params else t.dtype,
+                      f in model.params, unit_of(f, pats))
+            for f, t in model.tensors().items()], mesh, "model.")
+        states = {g.name: default_states(g, model.kinds) for g in layout.groups}
         bufs = tuple(BufferSpec(f, t.shape, t.dtype) for f, t in model.buffers.items())
         extras: dict[str, Any] = {"source": str(src), "dcp": reader.manifest.extras.get("dcp")}
         steps = [g["step"] for g in model.optimizer.param_groups]
@@ -252,16 +329,10 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
         spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
                               model.optimizer, extras,
                               {"world_size": mesh.world_size, "dropped_from_world_size": None})
-        writer = CheckpointWriter(out, spec, new_save_id())
-        out.ensure_free_space("", writer.data_bytes(), "import dcp")
-        try:
-            with writer.lease():
-                entries = [writer.write_shard(s, flat_producer(reader, model, layout, s, buffer_bytes))
-                           for s in range(mesh.shard_degree)]
-                b = writer.write_buffers(_buffers(reader, model))
-                m = writer.commit(entries + ([b] if b else []))
-        except BaseException:
-            writer.discard()
-            raise
-    log.info("imported %s -> %s (%d parameters, %d ranks)", src, out.url, len(model.params), ranks)
+        # under torchrun (``job``) each process writes its share of the files
+        m = write_import(out, spec, "import dcp",
+                         lambda s: flat_producer(reader, model, layout, s, buffer_bytes),
+                         _buffers(reader, model), job)
+    log.info("imported %s -> %s (%d parameters, %d frozen, %d ranks)", src, out.url,
+             len(model.params), len(model.frozen), ranks)
     return m

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import as_storage
 
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.interop.deepspeed_files import (
     MODEL_FILE, Segment, Staged, check_world, find_files, load_pt, segments_12, segments_3,
     shape_of, to_f32,
@@ -44,7 +44,7 @@ from shardckpt.interop.deepspeed_files import (
 from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.importing import (
-    ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of,
+    ADAM_HPARAMS, BLOCK_UNITS, ImportJob, compile_units, unit_of, write_import,
 )
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
@@ -335,7 +335,7 @@ def _producer(source: DeepSpeedSource, layout: Layout, shard: int,
 
 
 def _write(source: DeepSpeedSource, out: Storage, mesh: Mesh, units: Sequence[str] | None,
-           buffer_bytes: int) -> Manifest:
+           buffer_bytes: int, job: "ImportJob | None") -> Manifest:
     """Stream the target shards and buffers from the staged source; manifest last."""
     layout = import_layout(source, mesh, units)
     states = {g.name: (("master", "float32"),) + ((("exp_avg", "float32"),
@@ -344,31 +344,26 @@ def _write(source: DeepSpeedSource, out: Storage, mesh: Mesh, units: Sequence[st
     comp = Component("model", layout, states, source.aliases, bufs)
     spec = CheckpointSpec(mesh, {"model": comp}, source.optimizer, source.extras,
                           {"world_size": mesh.world_size, "dropped_from_world_size": None})
-    writer = CheckpointWriter(out, spec, new_save_id())
-    out.ensure_free_space("", writer.data_bytes(), "import deepspeed")
-    try:
-        with writer.lease():
-            entries = [writer.write_shard(s, _producer(source, layout, s, buffer_bytes))
-                       for s in range(mesh.shard_degree)]
-            b = writer.write_buffers(lambda slot: [source.buffers[slot.name].tobytes()])
-            return writer.commit(entries + ([b] if b else []))
-    except BaseException:
-        writer.discard()
-        raise
+    return write_import(out, spec, "import deepspeed",
+                        lambda s: _producer(source, layout, s, buffer_bytes),
+                        lambda slot: [source.buffers[slot.name].tobytes()], job)
 
 
 def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, replicate: int = 1,
                      units: Sequence[str] | None = None, tag: str | None = None,
                      storage_options: Mapping[str, Any] | None = None,
                      dst_storage_options: Mapping[str, Any] | None = None,
-                     buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None) -> Manifest:
+                     buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None,
+                     job: "ImportJob | None" = None) -> Manifest:
     """Write DeepSpeed checkpoint ``src`` as a shardckpt checkpoint at ``dst`` for ``ranks`` ranks.
 
     fp32 masters, ``exp_avg`` and ``exp_avg_sq`` of every trained parameter, frozen parameters
     (fp32), persistent buffers, tied aliases, the optimizer's param groups and step. Refuses a
     ``dst`` that holds a checkpoint; on any error nothing is committed. The source's fp32 numbers
     are staged in a temporary folder under ``tmp_dir`` (default: the system's; about the size of
-    the source's optimizer files), removed when done.
+    the source's optimizer files), removed when done. In a ``torchrun`` job (``job``) every
+    process stages the source (each target shard takes a piece of every DeepSpeed partition) and
+    writes its share of the target files (:func:`shardckpt.interop.importing.write_import`).
     """
     out = as_storage(dst, dst_storage_options)
     if out.exists(MANIFEST_NAME):
@@ -378,7 +373,7 @@ def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, rep
         staged = Staged(folder)
         try:
             source = read_deepspeed(src, staged, tag, storage_options)
-            m = _write(source, out, mesh, units, buffer_bytes)
+            m = _write(source, out, mesh, units, buffer_bytes, job)
         finally:
             staged.close()
     log.info("imported %s (ZeRO-%d, %d ranks) -> %s (%d ranks)", source.url, source.stage,

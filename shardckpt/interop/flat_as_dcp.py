@@ -5,8 +5,8 @@ so that ``dcp.load`` + ``set_state_dict`` load a ``ZeroEngine`` checkpoint into 
 optimizer at any world size, without a conversion step. The state dict it presents is the one
 ``get_state_dict(model, optimizer)`` gives, under ``{model_key: ..., optim_key: ...}``:
 
-* ``<model_key>.<fqn>``: every parameter (its fp32 master), every tied alias (the same values),
-  every persistent buffer;
+* ``<model_key>.<fqn>``: every parameter (its fp32 master; a frozen one in its own dtype), every
+  tied alias (the same values), every persistent buffer;
 * ``<optim_key>.state.<fqn>.<kind>`` for each optimizer state kind (``exp_avg``, ``exp_avg_sq``)
   and ``<optim_key>.state.<fqn>.step`` (a 0-d fp32 tensor, the param group's step);
 * ``<optim_key>.param_groups.<i>.<name>``: the recorded hyper-parameters, ``params`` (the FQNs),
@@ -61,10 +61,12 @@ class FlatView:
         #: DCP's planner data: each flattened key -> its path in the nested state dict.
         self.paths: dict[str, tuple[str | int, ...]] = {}
         for p in lay.params:
-            self._tensor((model_key, p.fqn), _Entry(p.shape, "float32", "state", p.fqn, "master"))
+            dtype = lay.group(p.group).master_dtype
+            self._tensor((model_key, p.fqn), _Entry(p.shape, dtype, "state", p.fqn, "master"))
         for alias, canon in self.comp.aliases.items():
             p = self.params[canon]
-            self._tensor((model_key, alias), _Entry(p.shape, "float32", "state", canon, "master"))
+            dtype = lay.group(p.group).master_dtype
+            self._tensor((model_key, alias), _Entry(p.shape, dtype, "state", canon, "master"))
         for b in self.comp.buffers:
             self._tensor((model_key, b.fqn), _Entry(b.shape, b.dtype, "buffer", b.fqn))
         if m.optimizer is not None:
@@ -150,7 +152,7 @@ class FlatView:
         return torch.as_strided(flat, lengths, tuple(strides))
 
     def _elements(self, fqn: str, kind: str, first: int, last: int) -> bytes:
-        """fp32 elements ``[first, last)`` of parameter ``fqn``'s ``kind``, from its shards."""
+        """Elements ``[first, last)`` of parameter ``fqn``'s ``kind``, from its shards."""
         r, lay = self.reader, self.comp.layout
         p = self.params[fqn]
         g = lay.group(p.group)

@@ -24,14 +24,14 @@ import numpy as np
 
 from shardckpt.checkpoint.pieces import cast_bytes
 from shardckpt.checkpoint.reader import as_storage
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
 from shardckpt.interop.hf_source import HFSource, HFTensor, open_hf
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.importing import compile_units, unit_of
+from shardckpt.interop.importing import ImportJob, compile_units, unit_of, write_import
 from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -264,13 +264,16 @@ def import_layout(source: HFSource, mesh: Mesh, units: Sequence[str] | None = No
 def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int, replicate: int = 1,
               units: Sequence[str] | None = None, storage_options: Mapping[str, Any] | None = None,
               dst_storage_options: Mapping[str, Any] | None = None,
-              buffer_bytes: int = DEFAULT_BATCH, workers: int = 4) -> Manifest:
+              buffer_bytes: int = DEFAULT_BATCH, workers: int = 4,
+              job: "ImportJob | None" = None) -> Manifest:
     """Write a weights-only checkpoint at ``dst`` for ``ranks`` ranks (``replicate`` x shards).
 
     Each flat group's ``master`` state holds the tensor values (floats widened to fp32; exact
     for bf16/fp16/fp32 sources); no optimizer state. Shard files are streamed one after another,
     memory about ``workers x buffer_bytes``; ``manifest.json`` is created last, so a failed run
-    leaves no checkpoint. Refuses a ``dst`` that already holds one.
+    leaves no checkpoint. Refuses a ``dst`` that already holds one. In a ``torchrun`` job
+    (``job``) each process writes its share of the shard files, reading only their ranges
+    (:func:`shardckpt.interop.importing.write_import`).
     """
     source = src if isinstance(src, HFSource) else open_hf(src, storage_options)
     out = as_storage(dst, dst_storage_options)
@@ -285,19 +288,9 @@ def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int,
     spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, aliases)},
                           extras=extras, per_rank_state={"world_size": ranks,
                                                          "dropped_from_world_size": None})
-    writer = CheckpointWriter(out, spec, new_save_id())
-    out.ensure_free_space("", writer.data_bytes(), "import hf")
-    try:
-        with writer.lease():  # `shardckpt clean` leaves the attempt alone while it runs
-            entries = []
-            for s in range(mesh.shard_degree):
-                entries.append(writer.write_shard(s, _shard_producer(source, layout, s,
-                                                                     buffer_bytes, workers)))
-                log.info("import: wrote shard %d of %d", s + 1, mesh.shard_degree)
-            return writer.commit(entries)
-    except BaseException:
-        writer.discard()  # a failed import leaves no debris where it can remove it
-        raise
+    return write_import(out, spec, "import hf",
+                        lambda s: _shard_producer(source, layout, s, buffer_bytes, workers), None,
+                        job)
 
 
 def _shard_producer(source: HFSource, layout: Layout, shard: int, buffer_bytes: int,

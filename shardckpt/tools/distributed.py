@@ -9,6 +9,9 @@ failure fails every process with the same error and commits nothing; a process t
 the others' next collective fail (at once where the connection drops, else within the process
 group's timeout, ``SHARDCKPT_DIST_TIMEOUT_S`` seconds, 1800 by default).
 
+The imports (``import hf|deepspeed|dcp ... --ranks N``) split their shard files the same way,
+through :func:`shardckpt.interop.importing.write_import`, which takes a :class:`Job`.
+
 torch is loaded (here and by :mod:`shardckpt.checkpoint.collective`) only when the launcher's variables say
 this process is one of a job: a plain ``shardckpt reshard`` never loads it.
 """
@@ -21,7 +24,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardckpt import errors
 from shardckpt.errors import CollectiveError, ConfigError, ShardckptError
@@ -72,6 +75,10 @@ class Job:
     def on_root(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` on rank 0 only; its JSON result (or its error) on every process."""
         return self.agree(lambda: fn() if self.is_root else None, what)[0]
+
+    def share(self, costs: Sequence[int]) -> list[int]:
+        """The items (indices into ``costs``) this process takes: :func:`balance`'s split."""
+        return balance(costs, self.world_size)[self.rank]
 
 
 def _same_error(e: CollectiveError, what: str) -> ShardckptError:

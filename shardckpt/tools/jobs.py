@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     from shardckpt.checkpoint.verify import VerifyResult
+    from shardckpt.format.manifest import Manifest
     from shardckpt.tools.consolidate import ConsolidateResult
     from shardckpt.tools.diff import DiffResult
     from shardckpt.tools.distributed import Job
@@ -121,3 +122,20 @@ def run_diff(a: str, b: str, storage_options: Mapping[str, Any] | None, buffer_b
         return diff_job(job, ra, rb, plan, buffer_bytes, _ignore)
     with progress(plan.total_bytes) as tick:
         return df.run_diff(ra, rb, plan, buffer_bytes, tick)
+
+
+def run_import(importer: Callable[..., "Manifest"], *args: Any, job: "Job | None",
+               split: bool = True, **kwargs: Any) -> "Manifest | None":
+    """``importer(*args, **kwargs)`` (an importer of :mod:`shardckpt.interop`), alone or as the
+    processes of ``job``: with ``split`` every process calls it with ``job=job`` and writes its
+    share of the files; without, rank 0 imports alone while the others wait for its outcome.
+    The manifest it committed, on the process that reports it (None on the job's others)."""
+    if job is None:
+        return importer(*args, **kwargs)
+    if split:
+        m = importer(*args, job=job, **kwargs)
+    else:
+        here: dict[str, Any] = {}
+        job.on_root(lambda: here.update(m=importer(*args, **kwargs)), "import")
+        m = here.get("m")
+    return m if job.is_root else None

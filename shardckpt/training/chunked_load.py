@@ -15,9 +15,9 @@ from shardckpt.checkpoint.collective import agree, rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import Manifest
-from shardckpt.interop.dcp_to_flat import MOMENTS, flat_producer, read_model
+from shardckpt.interop.dcp_to_flat import as_tensor, flat_producer, read_model
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.training.save_load import load_optimizer_info
+from shardckpt.training.optim_info import load_optimizer_info
 
 
 class _Slot:
@@ -29,12 +29,15 @@ class _Slot:
 
 def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None = None, *,
                  model_key: str = "model", optim_key: str | None = None, strict: bool = True,
-                 buffer_bytes: int = DEFAULT_BATCH, group: Any = None) -> Manifest:
+                 weights_only: bool = False, buffer_bytes: int = DEFAULT_BATCH,
+                 group: Any = None) -> Manifest:
     """Load a checkpoint of chunked tensors (FSDP2 saved it through
     :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or ``import dcp`` kept DCP's chunks) into
     ``ZeroEngine`` ``model`` at any world size, without a conversion step: each rank reads the
-    elements of its own shard of every flat group (masters, Adam moments) from the chunks that
-    hold them, then buffers and the optimizer's hyper-parameters and step. Collective."""
+    elements of its own shard of every flat group (masters, Adam moments; the model's frozen
+    parameters from the tensors of their names) from the chunks that hold them, then buffers and
+    the optimizer's hyper-parameters and step (``weights_only``: masters and buffers alone).
+    ``shardckpt.training.save_load.load`` calls this for such a checkpoint. Collective."""
     import torch
 
     rank, _ = rank_and_world(group)
@@ -43,25 +46,31 @@ def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None
 
     def work() -> str:
         reader = CheckpointReader(url, storage_options)
-        src = read_model(reader, model_key, optim_key)
-        missing = sorted(p.fqn for p in lay.params if p.fqn not in src.params)
+        frozen = [p.fqn for g in lay.groups if not g.requires_grad for p in lay.group_params(g)]
+        src = read_model(reader, model_key, optim_key, frozen_names=frozen)
+        found = {g.name: (src.params if g.requires_grad else {**src.params, **src.frozen})
+                 for g in lay.groups}
+        missing = sorted(p.fqn for p in lay.params if p.fqn not in found[p.group])
         if missing and strict:
-            raise IntegrityError(f"{reader.url}: no weights with Adam state for {len(missing)} "
-                                 f"parameters of the model: {missing[:10]}")
+            raise IntegrityError(f"{reader.url}: no weights (with Adam state, for a trained one) "
+                                 f"for {len(missing)} parameters of the model: {missing[:10]}")
         produce = flat_producer(reader, src, lay, my_shard, buffer_bytes)
         with torch.no_grad():
             for gname, kinds in model.local_shards().items():
-                if any(p.fqn not in src.params for p in lay.group_params(gname)):
+                if any(p.fqn not in found[gname] for p in lay.group_params(gname)):
                     continue
                 for kind, tensor in kinds.items():
-                    if kind != "master" and kind not in MOMENTS:
-                        raise IntegrityError(f"{reader.url}: holds Adam state; the optimizer "
-                                             f"keeps {kind!r}")
-                    pieces = produce(_Slot(f"{gname}.{kind}"))
-                    data = bytearray().join(memoryview(x).cast("B") for x in pieces)
-                    if data:
-                        flat = torch.frombuffer(data, dtype=torch.uint8).view(torch.float32)
-                        tensor.view(-1).copy_(flat)
+                    if weights_only and kind != "master":
+                        continue
+                    if kind != "master" and kind not in src.kinds:
+                        raise IntegrityError(f"{reader.url}: holds {', '.join(src.kinds)}; the "
+                                             f"optimizer keeps {kind!r}")
+                    flat, pos = tensor.view(-1), 0
+                    dtype = str(flat.dtype).removeprefix("torch.")
+                    for x in produce(_Slot(f"{gname}.{kind}")):
+                        piece = as_tensor(memoryview(x).cast("B"), dtype)
+                        flat[pos:pos + piece.numel()].copy_(piece)
+                        pos += piece.numel()
         bufs = {}
         for f, t in src.buffers.items():
             raw = bytearray(b"".join(iter_elements(reader, t, 0, t.numel, 1 << 24)))
@@ -70,7 +79,8 @@ def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None
                        if raw else torch.empty(t.shape, dtype=dtype))
         if bufs:
             model.load_buffers(bufs)
-        load_optimizer_info(model, src.optimizer, strict)
+        if not weights_only:
+            load_optimizer_info(model, src.optimizer, strict)
         model.refresh_params()
         return reader.manifest.save_id
 

@@ -25,6 +25,7 @@ from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
     MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
 )
+from shardckpt.training.optim_info import load_optimizer_info
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +52,6 @@ def optimizer_info(model: Sharded) -> OptimizerInfo | None:
     return OptimizerInfo(meta["name"], tuple(
         {"params": list(g["params"]), "hparams": dict(g["hparams"]), "step": int(g["step"])}
         for g in meta["param_groups"]))
-
-
-def load_optimizer_info(model: Sharded, info: OptimizerInfo, strict: bool = True) -> None:
-    """Restore hyper-parameters and steps. Param groups match by their FQN sets; when not
-    ``strict``, by the FQNs both sides know (a group with no counterpart keeps its own)."""
-    opt = getattr(model, "optimizer", None)
-    if opt is None:
-        return
-    saved = [{"params": list(g["params"]), "hparams": dict(g.get("hparams", {})),
-              "step": int(g.get("step", 0))} for g in info.param_groups]
-    if not strict:
-        current = opt.optimizer_metadata()["param_groups"]
-        known_saved = {f for g in saved for f in g["params"]}
-        known_now = {f for g in current for f in g["params"]}
-        merged = []
-        for g in current:
-            mine = set(g["params"]) & known_saved
-            match = next((s for s in saved if mine and set(s["params"]) & known_now == mine), None)
-            merged.append({"params": g["params"], "hparams": (match or g)["hparams"],
-                           "step": (match or g)["step"]})
-        saved = merged
-    opt.load_optimizer_metadata({"name": info.name, "param_groups": saved})
 
 
 def _bytes_of(t: Any) -> Any:
@@ -128,22 +107,41 @@ class SaveJob:
     staging: dict[str, dict[str, Any]] | None = None
     group: Any = None
     writer: CheckpointWriter | None = None
+    snapshot: Any = None                    # offload files: copies on their disk (``take``)
+    failure: BaseException | None = None    # of stage(); raised by run() on every rank
 
     def stage(self) -> None:
-        """Copy the live shards into the staging buffers; afterwards training may go on."""
+        """Copy the live shards aside (into the staging buffers; where they hold ``None``, into
+        ``snapshot``); afterwards training may go on. A failure is raised by :meth:`run`,
+        inside its collective agreement, so that every rank sees it."""
         if self.staging is None or self.shard is None:
             return
-        for g, kinds in self.shards.items():
-            for k, t in kinds.items():
-                if hasattr(t, "read_into"):  # state in an offload file
-                    t.read_into(self.staging[g][k])
-                else:
-                    self.staging[g][k].copy_(t)
-        self.shards = self.staging
+        try:
+            staged: dict[str, dict[str, Any]] = {}
+            for g, kinds in self.shards.items():
+                staged[g] = dict(self.staging[g])
+                for k, t in kinds.items():
+                    if staged[g][k] is None:
+                        staged[g][k] = self.snapshot.take(g, k, t)
+                    elif hasattr(t, "read_into"):  # state in an offload file
+                        t.read_into(staged[g][k])
+                    else:
+                        staged[g][k].copy_(t)
+            self.shards = staged
+        except BaseException as e:  # noqa: BLE001 - raised in run()
+            self.failure = e
+
+    def release(self) -> None:
+        """Remove the snapshot, if any: the save finished or failed."""
+        if self.snapshot is not None:
+            self.snapshot.remove()
+            self.snapshot = None
 
     def write_files(self) -> list[dict[str, Any]]:
         assert self.writer is not None
         w, entries = self.writer, []
+        if self.failure is not None:
+            raise self.failure
         if self.shard is not None:
             shards = self.shards
 
@@ -210,12 +208,14 @@ class SaveJob:
 def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
-               staging: dict[str, dict[str, Any]] | None = None) -> SaveJob:
+               staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None) -> SaveJob:
     """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
     With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
     :meth:`SaveJob.stage` copies the shards into it, so training may change the live state while
-    the files are written; without it, the files are written from the live tensors.
+    the files are written; without it, the files are written from the live tensors. Kinds staged
+    as ``None`` go into ``snapshot`` instead (nvme offload: ``take(group, kind, shard)`` copies
+    on the offload disk; :meth:`SaveJob.release` calls its ``remove()``).
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
@@ -228,7 +228,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
     return SaveJob(url, spec, storage_options, rank, shard if writes else None, shards, buffers,
-                   state, staging, group)
+                   state, staging, group, snapshot=snapshot)
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
@@ -278,7 +278,9 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
 
     ``strict`` (default) refuses missing, unexpected or reshaped parameters, listing all of them
     in one error; otherwise what matches is loaded and the lists are returned. ``weights_only``
-    loads the masters and buffers and leaves optimizer state and step alone.
+    loads the masters and buffers and leaves optimizer state and step alone. A checkpoint of
+    chunked tensors (FSDP2 saved it through DCP) is loaded by
+    :func:`shardckpt.training.chunked_load.load_chunked` (the lists are then empty).
     """
     rank, _ = rank_and_world(group)
     counter: dict[str, Any] = {"bytes": 0}
@@ -287,10 +289,7 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
         reader = CheckpointReader(url, storage_options)
         m = counter["manifest"] = reader.manifest
         if "model" not in m.components and m.chunked is not None:
-            raise ManifestError(
-                f"{reader.url} holds chunked tensors (saved through DCP), not flat groups: load it "
-                "with shardckpt.training.chunked_load.load_chunked(engine, url), or into FSDP2 with "
-                "dcp.load(..., storage_reader=ShardckptReader(url))")
+            return {"chunked": True}  # saved through DCP: load_chunked, below, on every rank
         if "model" not in m.components:
             raise ManifestError(f"{reader.url}: no 'model' component (found {sorted(m.components)})")
         src = m.components["model"]
@@ -345,6 +344,12 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
 
     out, _ = agree(work, f"load of {url}", group)
     assert out is not None
+    if out.get("chunked"):
+        from shardckpt.training.chunked_load import load_chunked
+
+        m = load_chunked(model, url, storage_options, strict=strict, weights_only=weights_only,
+                         group=group)
+        return LoadResult((), (), (), m, 0)
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       counter["manifest"], counter["bytes"])
 

@@ -1,0 +1,33 @@
+"""Restoring an optimizer's param groups (hyper-parameters and steps) from a manifest's
+:class:`~shardckpt.format.manifest.OptimizerInfo`; shared by :mod:`shardckpt.training.save_load`
+and :mod:`shardckpt.training.chunked_load`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardckpt.format.manifest import OptimizerInfo
+
+__all__ = ["load_optimizer_info"]
+
+
+def load_optimizer_info(model: Any, info: OptimizerInfo, strict: bool = True) -> None:
+    """Restore hyper-parameters and steps. Param groups match by their FQN sets; when not
+    ``strict``, by the FQNs both sides know (a group with no counterpart keeps its own)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return
+    saved = [{"params": list(g["params"]), "hparams": dict(g.get("hparams", {})),
+              "step": int(g.get("step", 0))} for g in info.param_groups]
+    if not strict:
+        current = opt.optimizer_metadata()["param_groups"]
+        known_saved = {f for g in saved for f in g["params"]}
+        known_now = {f for g in current for f in g["params"]}
+        merged = []
+        for g in current:
+            mine = set(g["params"]) & known_saved
+            match = next((s for s in saved if mine and set(s["params"]) & known_now == mine), None)
+            merged.append({"params": g["params"], "hparams": (match or g)["hparams"],
+                           "step": (match or g)["step"]})
+        saved = merged
+    opt.load_optimizer_metadata({"name": info.name, "param_groups": saved})
