@@ -35,7 +35,9 @@ the resident optimizer, interleaved as above (``--offload-dir`` for ``nvme``, de
 directory): peak RSS per rank of each, the optimizer bytes per rank that left memory
 ((4 + 8)·Ψ/N: the fp32 master copy and two Adam moments) and the step time overhead; for
 ``nvme`` the bytes read and written per step (twice the offloaded state) over that overhead, to
-set against the disk's bandwidth.
+set against the disk's bandwidth, measured once on ``--offload-dir`` (``bench/_offload_report.py``).
+``--overlap-step`` runs each group's host step during backward (``offload_overlap_step``);
+``--params P`` sizes the model to about ``P`` parameters by its number of layers.
 
 ``--zeropp`` runs shardckpt alone instead, ZeRO-3 with and without each ZeRO++ option side by
 side, on ``--ranks`` (default 4) ranks as nodes of ``--ranks-per-node`` (default 2): bytes per
@@ -59,6 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import _offload_report
 from shardckpt.training.launch import LOOPBACK, free_port, join_all, rank_env
 
 SIDES = ("shardckpt", "fsdp2")
@@ -113,7 +116,8 @@ def build(side: str, args: argparse.Namespace, rank: int, world: int) -> tuple[A
                             process_mesh=ProcessMesh.from_process_group(), init_seed=0,
                             mixed_precision=MixedPrecisionPolicy() if bf16 else None,
                             offload_optimizer=side if side in ("cpu", "nvme") else None,
-                            offload_dir=args.offload_dir if side == "nvme" else None)
+                            offload_dir=args.offload_dir if side == "nvme" else None,
+                            offload_overlap_step=args.overlap_step and side in ("cpu", "nvme"))
         opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=3e-4)
         return engine, opt, sum(spec.numel for spec in engine.layout.params)
     from torch.distributed.device_mesh import init_device_mesh
@@ -226,7 +230,10 @@ def rank_main(side: str, rank: int, args: argparse.Namespace, port: int, baton_p
                 baton.set(f"go/{t + 1}", "1")
         store = getattr(opt, "_offload", None)
         result.update(peak_rss=peak_rss_bytes(), ok=True,
-                      offloaded_bytes=store.state_bytes if store is not None else 0)
+                      offloaded_bytes=store.state_bytes if store is not None else 0,
+                      largest_shard=max((n for n in getattr(store, "sizes", {}).values()),
+                                        default=0),
+                      grad_copy_bytes=sum(t.nbytes for t in getattr(store, "_grads", {}).values()))
         if hasattr(forward, "close"):
             forward.close()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -281,7 +288,9 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
                      "rss_during_steps": all(r["rss_reset"] for r in ranks), "params": psi,
                      "elements": elements, "elements_by_op": wire, "vs_3psi": elements / (3 * psi),
                      "loss": ranks[0]["loss"],
-                     "offloaded_bytes": [r["offloaded_bytes"] for r in ranks]})
+                     "offloaded_bytes": [r["offloaded_bytes"] for r in ranks],
+                     "largest_shard": max(r.get("largest_shard", 0) for r in ranks),
+                     "grad_copy_bytes": max(r.get("grad_copy_bytes", 0) for r in ranks)})
     base = rows[1]
     for row in rows:
         row["ratio"] = row["median_s"] / base["median_s"]
@@ -314,7 +323,12 @@ def main() -> None:
     ap.add_argument("--offload", choices=("cpu", "nvme"),
                     help="shardckpt ZeRO-3 with the optimizer offloaded against resident")
     ap.add_argument("--offload-dir", help="--offload nvme: the directory (default: a temp dir)")
+    ap.add_argument("--overlap-step", action="store_true",
+                    help="--offload: each group's host step during backward")
+    ap.add_argument("--params", type=float, help="about this many parameters (sets --layers)")
     args = ap.parse_args()
+    if args.params:
+        args.layers = _offload_report.layers_for(args)
     if args.offload == "nvme" and not args.offload_dir:
         args.offload_dir = tempfile.mkdtemp(prefix="train-step-offload-")
     if args.zeropp:
@@ -349,29 +363,13 @@ def main() -> None:
               f"{r['paired_ratio']:>7.3f} {min(r['steps_s']):>7.3f} {max(r['steps_s']):>7.3f} "
               f"{rss:>17} {r['elements']:>14,} {r['vs_3psi']:>6.3f} {r['loss']:>10.4f}")
     if args.offload:
-        print_offload(rows)
+        _offload_report.print_offload(rows, args)
     if not all(r["rss_during_steps"] for r in rows):
         print("note: /proc/self/clear_refs refused; peak RSS is over the whole process life")
     print("ratio: median step time over the second side's (FSDP2's, target <= 1.0; with "
           "--offload the resident optimizer's); paired: median over steps of "
           "the ratio of back-to-back steps; elements: logical volume (all-gather output, "
           "reduce-scatter input, 2x all-reduce) per step, over 3Ψ")
-
-
-def print_offload(rows: list[dict]) -> None:
-    """Per precision: memory that left the ranks against the offloaded bytes, and the step
-    time overhead against the bytes moved (nvme: the state read and written once each)."""
-    for off, res in zip(rows[::2], rows[1::2]):
-        saved = [b - a for a, b in zip(off["peak_rss_mb"], res["peak_rss_mb"])]
-        state = [b / 1e6 for b in off["offloaded_bytes"]]
-        extra = off["median_s"] - res["median_s"]
-        line = (f"{off['precision']}: offload {off['side']} peak RSS lower by "
-                f"{'/'.join(f'{m:.0f}' for m in saved)} MB/rank; offloaded state "
-                f"{'/'.join(f'{m:.0f}' for m in state)} MB/rank (master copy + moments); "
-                f"step {extra:+.3f} s")
-        if off["side"] == "nvme" and extra > 0:
-            line += f", {2 * max(state) / 1e3 / extra:.2f} GB/s of state moved per s overhead"
-        print(line)
 
 
 if __name__ == "__main__":

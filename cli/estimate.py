@@ -46,7 +46,8 @@ OFFLOAD_CONVENTION = (
     "bytes per rank: the per-element optimizer state and an fp32 master copy ((4 + optim)·Ψ/S) "
     "leave the device, which keeps its weight shard and gradients; cpu holds them in host "
     "memory, nvme on disk with a host window of three groups of the largest unit "
-    "(--largest-unit) plus a gradient buffer"
+    "(--largest-unit); host memory also holds the fp32 gradient shards copied in backward "
+    "(4·Ψ/S), or one buffer of the largest unit's with --overlap-step"
 )
 
 
@@ -90,6 +91,10 @@ def estimate(
     offload: Optional[str] = typer.Option(
         None, "--offload",
         help="cpu | nvme: adds device, host and disk bytes per rank with the optimizer offloaded."),
+    overlap_step: bool = typer.Option(
+        False, "--overlap-step",
+        help="With --offload: the host step overlaps backward (offload_overlap_step=True), so host "
+             "memory holds one gradient buffer instead of every gradient shard."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
@@ -115,7 +120,7 @@ def estimate(
                                  block_size=_whole("block_size", block_size),
                                  grad_bits=_whole("grad_bits", grad_bits))
         if offload is not None:
-            off = [offload_split(row, offload) for row in rows if row.strategy != "ddp"]
+            off = [offload_split(row, offload, overlap_step) for row in rows if row.strategy != "ddp"]
     except EstimateError as e:
         raise _usage(e.option, given.get(e.option, e.value), e.reason) from None
     if as_json:
@@ -128,7 +133,7 @@ def estimate(
                              "convention": ZEROPP_CONVENTION,
                              "variants": [z.to_dict() for z in zpp]}
         if offload is not None:
-            doc["offload"] = {"mode": offload, "convention": OFFLOAD_CONVENTION,
+            doc["offload"] = {"mode": offload, "overlap_step": overlap_step, "convention": OFFLOAD_CONVENTION,
                               "strategies": [o.to_dict() for o in off]}
         typer.echo(json.dumps(doc, indent=2))
         return

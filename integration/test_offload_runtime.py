@@ -1,7 +1,8 @@
 """Optimizer offload (``"cpu"``, ``"nvme"``) on real gloo process groups: masters and moments
-bit for bit equal to the resident run at stages 1, 2 and 3, and checkpoints saved and loaded
-with offload on or off. One shared job per world size (1, 2) runs every case; a report is a
-list of problems (empty = pass).
+bit for bit equal to the resident run at stages 1, 2 and 3, with the step after backward or
+overlapping it; checkpoints saved and loaded with offload on or off; async saves from a
+snapshot of the offload files (2 ranks). The shared job of each world size runs these cases
+(parity at 1, 2 and 4 ranks); a report is a list of problems (empty = pass).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _shared_dir(pm: Any, name: str) -> Path:
     return Path(box[0])
 
 
-def _build(pm: Any, stage: int, mode: str | None, where: Path | None):
+def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: bool = False):
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
     from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
@@ -46,6 +47,8 @@ def _build(pm: Any, stage: int, mode: str | None, where: Path | None):
         kw["offload_optimizer"] = mode
     if mode == "nvme":
         kw["offload_dir"] = where
+    if overlap:
+        kw["offload_overlap_step"] = True
     engine = ZeroEngine(LlamaForCausalLM(LlamaConfig(**TINY)), policy=LLAMA_POLICY,
                         process_mesh=pm, stage=stage, deterministic=True, **kw)
     opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2, betas=(0.9, 0.95))
@@ -81,7 +84,8 @@ def _diff(a: dict, b: dict, what: str) -> list[str]:
 
 
 def case_parity(pm: Any) -> list[str]:
-    """Stages 1-3: cpu and nvme offload give the resident run's masters and moments."""
+    """Stages 1-3: cpu and nvme offload, the step after backward or overlapping it, give the
+    resident run's masters and moments."""
     where = Path(tempfile.mkdtemp(prefix="shardckpt-offload-parity-"))
     problems = []
     try:
@@ -89,10 +93,10 @@ def case_parity(pm: Any) -> list[str]:
             engine, opt = _build(pm, stage, None, None)
             _train(engine, opt, range(3), pm.rank)
             want = _state(engine)
-            for mode in ("cpu", "nvme"):
-                engine, opt = _build(pm, stage, mode, where)
+            for mode, overlap in (("cpu", False), ("nvme", False), ("cpu", True), ("nvme", True)):
+                engine, opt = _build(pm, stage, mode, where, overlap)
                 _train(engine, opt, range(3), pm.rank)
-                problems += _diff(want, _state(engine), f"stage {stage} {mode}")
+                problems += _diff(want, _state(engine), f"stage {stage} {mode} overlap={overlap}")
                 engine.close()
         if os.listdir(where):
             problems.append(f"left in the offload directory: {os.listdir(where)}")
@@ -134,14 +138,77 @@ def case_checkpoint(pm: Any) -> list[str]:
     return problems
 
 
-CASES: dict[str, Callable] = {"parity": case_parity, "checkpoint": case_checkpoint}
+def _shard_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(ckpt.glob("*/shard-*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def case_async_save(pm: Any) -> list[str]:
+    """An async Checkpointer save with nvme offload (snapshots on the offload disk) holds the
+    bytes of a sync save; a snapshot failing on one rank fails the save on every rank, commits
+    nothing and leaves no snapshot."""
+    from shardckpt.runtime import offload_files
+    from shardckpt.training.checkpointer import Checkpointer
+    from shardckpt.training.save_load import save
+
+    root = _shared_dir(pm, "async")
+    problems: list[str] = []
+    try:
+        engine, opt = _build(pm, 3, "nvme", root / f"off-{pm.rank}")
+        run_dir = opt._offload.run_dir
+        _train(engine, opt, range(2), pm.rank)
+        save(engine, str(root / "sync"))
+        ckpt = Checkpointer(str(root / "run"), engine, async_save=True)
+        ckpt.save(2)
+        _train(engine, opt, range(2, 3), pm.rank)  # the live files change meanwhile
+        ckpt.wait()
+        real = offload_files._copy_range
+        if pm.rank == 1:
+            def full(src: int, dst: int, nbytes: int, path: Any) -> None:
+                raise OSError(28, "No space left on device")
+            offload_files._copy_range = full
+        ckpt.save(3)
+        try:
+            ckpt.wait()
+            problems.append("the save with a failed snapshot on rank 1 did not fail")
+        except Exception as e:  # noqa: BLE001 - the failure every rank must see
+            if "No space left" not in str(e):
+                problems.append(f"unexpected error: {e}")
+        finally:
+            offload_files._copy_range = real
+        ckpt.close()
+        if ckpt.manager.is_committed(3):
+            problems.append("step 3 committed although rank 1 failed")
+        left = [p.name for p in run_dir.iterdir() if p.name.startswith("snapshot-")]
+        if left:
+            problems.append(f"snapshots left: {left}")
+        dist.barrier()
+        if pm.rank == 0:
+            want = _shard_tensors(root / "sync")
+            got = _shard_tensors(root / "run" / "step-00000002")
+            if not want or want.keys() != got.keys():
+                problems.append(f"tensors {sorted(want)[:3]} vs {sorted(got)[:3]}")
+            problems += [f"{k} differs from the sync save" for k in want
+                         if k in got and not torch.equal(want[k], got[k])]
+        engine.close()
+    finally:
+        dist.barrier()
+        if pm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return problems
+
+
+CASES: dict[str, Callable] = {"parity": case_parity, "checkpoint": case_checkpoint,
+                              "async_save": case_async_save}
 
 
 def cases_for(world: int) -> list[str]:
-    return list(CASES)
+    return {1: ["parity", "checkpoint"], 2: list(CASES)}.get(world, ["parity"])
 
 
-reports = case_suite(__name__, CASES, cases_for, [1, 2], timeout_s=240, pg_timeout_s=150,
+reports = case_suite(__name__, CASES, cases_for, [1, 2, 4], timeout_s=240, pg_timeout_s=150,
                      case_pg_timeout_s=120)
 
 
@@ -151,3 +218,7 @@ def test_offload_cpu_and_nvme_bit_exact_at_every_stage(reports):
 
 def test_checkpoints_with_offload_on_or_off_bit_for_bit(reports):
     check_case(reports, "checkpoint")
+
+
+def test_async_save_with_nvme_snapshots_equals_a_sync_save_and_fails_together(reports):
+    check_case(reports, "async_save")

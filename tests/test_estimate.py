@@ -220,11 +220,15 @@ def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
     cpu, nvme = offload_split(z3, "cpu"), offload_split(z3, "nvme")
     moved = (4 + 8) * PSI / 64  # fp32 master copy + two Adam moments, this rank's shard
     assert cpu.device_bytes == nvme.device_bytes == z3.model_state_bytes - 8 * PSI / 64
-    assert (cpu.host_bytes, cpu.disk_bytes) == (moved + 4 * 10**8 / 64, 0.0)
+    grads = 4 * PSI / 64  # host copies of every group's reduced fp32 gradient shard
+    assert (cpu.host_bytes, cpu.disk_bytes) == (moved + grads, 0.0)
     assert nvme.disk_bytes == moved
-    assert nvme.host_bytes == 3 * 12 * 10**8 / 64 + 4 * 10**8 / 64  # window of three groups
+    assert nvme.host_bytes == 3 * 12 * 10**8 / 64 + grads  # window of three groups
+    early = offload_split(z3, "nvme", overlap_step=True)  # one gradient buffer, reused
+    assert early.host_bytes == 3 * 12 * 10**8 / 64 + 4 * 10**8 / 64
+    assert offload_split(z3, "cpu", overlap_step=True).host_bytes == moved + 4 * 10**8 / 64
     z1 = offload_split(estimate(PSI, "zero1", 64), "cpu")
-    assert z1.host_bytes == moved and z1.device_bytes == (2 + 2) * PSI + 4 * PSI / 64
+    assert z1.host_bytes == moved + grads and z1.device_bytes == (2 + 2) * PSI + 4 * PSI / 64
     with pytest.raises(EstimateError, match="offload"):
         offload_split(z3, "gpu")
     with pytest.raises(EstimateError, match="ZeRO"):

@@ -16,6 +16,7 @@ from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ShardedSGD, ZeroEngine, decay_param_groups
 from shardckpt.runtime import offload as offload_module
+from shardckpt.runtime import offload_files
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.training.save_load import load, save
@@ -170,10 +171,10 @@ def test_masters_written_between_steps_reach_the_offloaded_step(tmp_path):
 def test_save_streams_from_the_offload_files_in_bounded_pieces(tmp_path, monkeypatch):
     engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
     _train(engine, _adamw(engine), range(2))
-    monkeypatch.setattr(offload_module, "IO_CHUNK", 256)
+    monkeypatch.setattr(offload_files, "IO_CHUNK", 256)
     reads: list[int] = []
-    real = offload_module._pread_into
-    monkeypatch.setattr(offload_module, "_pread_into",
+    real = offload_files._pread_into
+    monkeypatch.setattr(offload_files, "_pread_into",
                         lambda fd, buf, off, path: (reads.append(len(buf)), real(fd, buf, off,
                                                                                  path)))
     save(engine, str(tmp_path / "ck"))

@@ -47,8 +47,9 @@ from torch.utils.hooks import RemovableHandle
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import Layout, build_layout
 from shardckpt.tools.estimate import Estimate
-from shardckpt.runtime import collectives, footprint, full_params
+from shardckpt.runtime import footprint, full_params
 from shardckpt.runtime.accounting import Accounting
+from shardckpt.runtime.clipping import clip_grad_shards
 from shardckpt.runtime.contracts import EngineOptimizer
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
@@ -98,12 +99,12 @@ class ZeroEngine:
             are the same with or without them.
         offload_optimizer: ``None`` (optimizer state and step on the device), ``"cpu"`` (fp32
             masters, optimizer state and step in host memory, pinned on CUDA) or ``"nvme"``
-            (in files under ``offload_dir``, streamed group by group); the weight shard the
-            all-gathers read stays on the device. Same bits, same checkpoints
-            (:mod:`shardckpt.runtime.offload`). Call :meth:`close` to remove the files.
-        offload_dir: the local directory for ``offload_optimizer="nvme"`` (created if
-            missing; must be writable, checked here; the space is checked and reserved when
-            the optimizer is built).
+            (in files under ``offload_dir``, a writable local directory, streamed group by
+            group); the weight shard the all-gathers read stays on the device. Same bits, same
+            checkpoints (:mod:`shardckpt.runtime.offload`). :meth:`close` removes the files.
+            With ``offload_overlap_step`` each group's host step runs in backward, once its
+            gradient is reduced: no clipping, ``no_sync`` to accumulate (the rule is in
+            :mod:`shardckpt.runtime.offload`); else in ``optimizer.step()``.
 
     Public surface (what checkpointing and tools rely on):
 
@@ -135,9 +136,10 @@ class ZeroEngine:
                  prefix: str = "model.", reshard_root_after_forward: bool = False,
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  zeropp: ZeroPP | None = None, offload_optimizer: str | None = None,
-                 offload_dir: Any = None) -> None:
+                 offload_dir: Any = None, offload_overlap_step: bool = False) -> None:
         stage = check_stage(stage)
-        self.offload: OffloadConfig | None = check_offload(offload_optimizer, offload_dir)
+        self.offload: OffloadConfig | None = check_offload(offload_optimizer, offload_dir,
+                                                           offload_overlap_step)
         mixed_precision = check_policy(mixed_precision)
         zeropp = ZeroPP() if zeropp is None else zeropp
         self.module = module
@@ -178,6 +180,8 @@ class ZeroEngine:
             for g in self.groups.values():
                 g.set_precision(resolve_precision(mixed_precision, g.dtype))
         self._optimizer: EngineOptimizer | None = None
+        self._drain: Callable[[], None] = lambda: None  # offload: the host copies are done
+        self._scaled: Callable[[torch.Tensor], None] = lambda coef: None
         # an OrderedDict: RemovableHandle keeps a weak reference to it
         self._update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._schedule = StageSchedule(self.units, stage, deterministic,
@@ -251,6 +255,7 @@ class ZeroEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the reduced gradients, any unreduced accumulation, and any stray ``.grad``."""
+        self._drain()
         for g in self.groups.values():
             g.zero_grad(set_to_none)
         self._schedule.pool.clear()
@@ -299,16 +304,10 @@ class ZeroEngine:
         call on every rank, between ``backward()`` and ``step()``.
         """
         self.check_grads_reduced()
-        device = self.process_mesh.device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for g in self.groups.values():
-            if g.grad is not None:
-                total += g.grad.double().square().sum()
-        norm = collectives.all_reduce_shard_sum(self.process_mesh, total, self.accounting).sqrt()
-        coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-        for g in self.groups.values():
-            if g.grad is not None:
-                g.grad.mul_(coef.to(g.grad.dtype))
+        self._drain()
+        norm, coef = clip_grad_shards(self.groups.values(), self.process_mesh, self.accounting,
+                                      max_norm, eps)
+        self._scaled(coef)  # the offloaded step's host copies, alike (refused if stepped)
         return float(norm)
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -383,6 +382,13 @@ class ZeroEngine:
         if self._optimizer is not None and self._optimizer is not optimizer:
             raise ConfigError("this engine already has an optimizer; create one per engine")
         self._optimizer = optimizer
+
+    def set_offload_hooks(self, on_reduced: Callable[[FlatParamGroup], None],
+                          drain: Callable[[], None], scaled: Callable[[Any], None]) -> None:
+        """An offloaded optimizer's: ``on_reduced(group)`` as a reduction finishes, ``drain()``
+        before reduced gradients change in place, ``scaled(coef)`` once clipping scaled them."""
+        self._schedule.on_reduced, self._schedule.on_backward = on_reduced, drain
+        self._drain, self._scaled = drain, scaled
 
     def close(self) -> None:
         """Release the optimizer's offloaded state (``offload_optimizer``: its files are

@@ -3,20 +3,37 @@
 ZeRO-Offload (Ren et al., 2021) and ZeRO-Infinity (Rajbhandari et al., 2021) for the sharded
 element-wise optimizers of :mod:`shardckpt.runtime.optim`. Per trained flat group the offload
 store holds an fp32 master and every per-element state kind (``exp_avg``, ...); the step runs
-on the host, group by group:
+on the host, group by group, on one worker thread:
 
-1. the reduced gradient shard is copied to a host buffer (pinned on CUDA, reused);
+1. as each group's gradient reduction finishes in backward, the reduced gradient shard is
+   copied to the group's host buffer (pinned on CUDA) on the worker while backward goes on;
 2. the group's master and state are at hand: in place (``"cpu"``), or read from their files,
-   the next group's read already in flight on a background thread (``"nvme"``);
+   the next group's read already in flight (``"nvme"``);
 3. the optimizer's update runs on them, op for op as in the resident step, so every element
    gets the same bits;
 4. the updated master is copied to the device shard the all-gathers read (``group.master``);
-   with ``"nvme"`` the master and state are written back on the background thread while the
-   next group computes.
+   with ``"nvme"`` the master and state are written back while the next group computes.
 
-Resident host memory for ``"nvme"`` is the gradient buffer plus at most three groups' master and
-state (the one computing, the one being read ahead, the one being written back), whatever the
-model size. The device shard stays authoritative for the weights between steps: whatever writes
+When the step runs (DeepSpeed's rule): by default in ``optimizer.step()``, after backward, so
+that whatever needs every gradient first (the global norm of
+:meth:`~shardckpt.runtime.engine.ZeroEngine.clip_grad_norm_`, an inf/nan check) sees them all;
+clipping scales the host copies as it scales the device shards, and a gradient changed in place
+after its copy is copied again at the step. ``offload_overlap_step=True`` (opt-in: at backward
+time the engine cannot know whether the loop will clip) runs a group's step (2-4) on the worker
+right after its copy, while backward computes the remaining units; ``step()`` only waits for it.
+That needs every synced backward's gradient to be final: accumulate micro-batches under
+``no_sync()`` (or ``set_requires_gradient_sync(False)``), follow each synced backward by
+``step()``, set hyper-parameters (the LR schedule) before backward, and do not clip;
+``clip_grad_norm_``, a second reduction of a group before ``step()`` and hyper-parameters
+changed since backward are each one :class:`~shardckpt.errors.ConfigError`. The bits are the
+same either way. The main thread leaves a reduced gradient unchanged until the worker has copied
+it (:meth:`OffloadStore.drain` runs before the next backward, ``zero_grad`` and clipping).
+
+Resident host memory: with ``"cpu"`` the state (12 bytes per element for AdamW) plus the host
+gradient copies (4); with ``"nvme"`` the host gradient copies plus at most three groups' master
+and state (the one computing, the one being read ahead, the one being written back), whatever
+the model size; with ``offload_overlap_step`` one reused gradient buffer replaces the copies.
+The device shard stays authoritative for the weights between steps: whatever writes
 it (a checkpoint load, ``summon_full_params(writeback=True)``) marks the group changed
 (:meth:`FlatParamGroup.refresh`), and the next step copies it into the store first.
 
@@ -24,158 +41,41 @@ Files: one per flat group and state kind, ``<group>.<kind>.bin`` (raw little-end
 in ``<offload_dir>/shardckpt-offload-<run id>-rank<RRRRR>/``, the run id unique per run as the
 checkpoint format's save ids are; preallocated at construction, so a full disk is one error
 then, naming the path and the bytes; removed by :meth:`OffloadStore.close` (and at exit).
-Checkpoints read and write them in place through :class:`OffloadedShard`.
+Checkpoints read and write them in place through :class:`OffloadedShard`; an async checkpoint
+copies them (and the master shards) into an :class:`OffloadSnapshot` in the run directory,
+``copy_file_range`` on the same disk instead of memory, and streams from that.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import shutil
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from shardckpt.errors import ConfigError, ShardckptError
+from shardckpt.runtime.offload_config import MODES, OffloadConfig, check_offload
+from shardckpt.runtime.offload_files import (OffloadedShard, OffloadSnapshot, _as_bytes, _human,
+                                             _pread_into, _pwrite_from, _remove, _reserve)
+
+__all__ = ["MODES", "OffloadConfig", "OffloadSnapshot", "OffloadStore", "OffloadedShard",
+           "check_offload"]
 
 log = logging.getLogger(__name__)
 
-MODES = ("cpu", "nvme")
-
-#: Bytes per read or write call when streaming a file (checkpoints, zeroing).
-IO_CHUNK = 16 << 20
-
 #: The update of one flat group: (master, grad, state kinds, the group's work items).
 UpdateFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any], None]
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """Where the optimizer state lives: ``mode`` ``"cpu"`` or ``"nvme"`` (with ``directory``)."""
-
-    mode: str
-    directory: Path | None = None
-
-    def describe(self) -> str:
-        return f"optimizer offload {self.mode}" + (f" to {self.directory}" if self.directory else "")
-
-
-def check_offload(mode: str | None, directory: str | os.PathLike[str] | None
-                  ) -> OffloadConfig | None:
-    """The validated offload settings (``None``: resident); one :class:`ConfigError` naming
-    the field otherwise. For ``"nvme"`` the directory is created if missing and must be
-    writable."""
-    if mode is None:
-        if directory is not None:
-            raise ConfigError(f"offload_dir={str(directory)!r} is set but offload_optimizer is "
-                              "None; pass offload_optimizer='nvme' to use it")
-        return None
-    if mode not in MODES:
-        raise ConfigError(f"offload_optimizer is {mode!r}; use None, 'cpu' or 'nvme'")
-    if mode == "cpu":
-        if directory is not None:
-            raise ConfigError("offload_dir is only for offload_optimizer='nvme'")
-        return OffloadConfig("cpu")
-    if directory is None:
-        raise ConfigError("offload_optimizer='nvme' needs offload_dir, a directory on local disk")
-    path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".shardckpt-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"offload directory {path} is not writable: "
-                          f"{e.strerror or e} ({type(e).__name__})") from e
-    return OffloadConfig("nvme", path)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise ShardckptError(f"offload file {path}: ended after {offset + done} bytes, "
-                                 f"expected {offset + len(buf)}")
-        done += n
-
-
-def _pwrite_from(fd: int, buf: memoryview, offset: int, path: Path) -> None:
-    done = 0
-    try:
-        while done < len(buf):
-            done += os.pwrite(fd, buf[done:], offset + done)
-    except OSError as e:
-        raise ShardckptError(f"offload file {path}: writing {len(buf)} bytes at {offset} "
-                             f"failed: {e.strerror or e}") from e
-
-
-class OffloadedShard:
-    """One state kind of one flat group, living in its offload file: what ``local_shards()``
-    gives for it. Checkpoints stream from it (:meth:`iter_bytes`) and into it
-    (:meth:`write_bytes`) without holding it whole."""
-
-    def __init__(self, path: Path, fd: int, numel: int, dtype: torch.dtype) -> None:
-        self.path, self._fd, self.dtype = path, fd, dtype
-        self.shape = torch.Size([numel])
-        self.nbytes = numel * dtype.itemsize
-
-    def numel(self) -> int:
-        return self.shape[0]
-
-    def iter_bytes(self, chunk: int | None = None) -> Iterator[Any]:
-        """The file's bytes in order, ``chunk`` (default :data:`IO_CHUNK`) at a time (uint8
-        numpy arrays): never the whole shard in memory at once."""
-        chunk = chunk or IO_CHUNK
-        for lo in range(0, self.nbytes, chunk):
-            t = torch.empty(min(chunk, self.nbytes - lo), dtype=torch.uint8)
-            _pread_into(self._fd, _as_bytes(t), lo, self.path)
-            yield t.numpy()
-
-    def read_into(self, out: torch.Tensor) -> None:
-        """Copy the whole shard into ``out`` (same numel and dtype; any device)."""
-        if out.device.type == "cpu" and out.is_contiguous():
-            _pread_into(self._fd, _as_bytes(out.reshape(-1)), 0, self.path)
-            return
-        host = torch.empty(self.shape, dtype=self.dtype)
-        _pread_into(self._fd, _as_bytes(host), 0, self.path)
-        out.copy_(host)
-
-    def write_bytes(self, offset: int, data: Any) -> None:
-        """Write ``data`` (bytes-like) at byte ``offset``."""
-        _pwrite_from(self._fd, memoryview(data).cast("B"), offset, self.path)
-
-    def zero_(self) -> "OffloadedShard":
-        zeros = bytes(min(IO_CHUNK, self.nbytes))
-        for lo in range(0, self.nbytes, IO_CHUNK):
-            self.write_bytes(lo, zeros[:min(IO_CHUNK, self.nbytes - lo)])
-        return self
-
-    def __repr__(self) -> str:
-        return f"OffloadedShard({self.path}, numel={self.numel()}, dtype={self.dtype})"
 
 
 class OffloadStore:
     """The masters and optimizer state of this rank's trained flat groups, off the device.
 
     ``sizes``: group name -> shard numel; ``kinds``: the optimizer's per-element state kinds.
+    One worker thread runs the host gradient copies, the early steps and the file I/O.
     """
 
     def __init__(self, config: OffloadConfig, sizes: Mapping[str, int], kinds: Sequence[str],
@@ -184,10 +84,15 @@ class OffloadStore:
         self.kinds = tuple(kinds)
         self.sizes = dict(sizes)
         self.pin = device.type == "cuda"
+        # the worker's copies: on CUDA on a stream of their own, not queued behind backward
+        self._stream = torch.cuda.Stream(device) if self.pin else None
         self._grad: torch.Tensor | None = None
+        self._grads: dict[str, torch.Tensor] = {}  # host copies of the reduced gradients
+        self._copied: dict[str, tuple[weakref.ref, int]] = {}  # what they copied (and version)
+        self._early: dict[str, Any] = {}  # groups stepped in this backward -> their work items
+        self._tasks: list[Future[None]] = []
         self._host: dict[str, dict[str, torch.Tensor]] = {}
         self._files: dict[tuple[str, str], OffloadedShard] = {}
-        self._pool: ThreadPoolExecutor | None = None
         self.run_dir: Path | None = None
         self._failed: str | None = None  # a step failed half-way: the state is inconsistent
         if config.mode == "cpu":
@@ -196,6 +101,8 @@ class OffloadStore:
                           for name, n in self.sizes.items()}
         else:
             self._create_files(rank)
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            1, thread_name_prefix="shardckpt-offload")
         self._finalizer = weakref.finalize(self, _remove, self.run_dir,
                                            [s._fd for s in self._files.values()])
 
@@ -234,20 +141,31 @@ class OffloadStore:
             raise ConfigError(
                 f"offload directory {base}: creating the optimizer state files "
                 f"({need} bytes, {_human(need)}) failed: {e.strerror or e}") from e
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shardckpt-offload")
         log.info("optimizer state offloaded to %s: %d files, %s", self.run_dir,
                  len(self._files), _human(need))
 
     # ----------------------------------------------------------------- checkpoint access
 
     def local_state(self, name: str) -> dict[str, Any]:
-        """State kind -> the live host tensor (``"cpu"``) or :class:`OffloadedShard`."""
+        """State kind -> the live host tensor (``"cpu"``) or :class:`OffloadedShard`; waits for
+        the worker first (an early step may still be writing them)."""
         self._check_usable()
+        self.drain()
         if name not in self.sizes:
             return {}
         if self._host:
             return {k: self._host[name][k] for k in self.kinds}
         return {k: self._files[name, k] for k in self.kinds}
+
+    def snapshot(self) -> OffloadSnapshot | None:
+        """An empty :class:`OffloadSnapshot` directory in the run directory (``"nvme"``; else
+        ``None``): an async checkpoint copies the files into it instead of into memory."""
+        from shardckpt.checkpoint.writer import new_save_id
+
+        self._check_usable()
+        if self.run_dir is None:
+            return None
+        return OffloadSnapshot(self.run_dir / f"snapshot-{new_save_id()}")
 
     def pull_master(self, name: str, master: torch.Tensor) -> None:
         """Copy the device master of ``name`` into the store (it changed outside a step)."""
@@ -256,6 +174,109 @@ class OffloadStore:
             return
         host = master.detach().to("cpu", copy=True)
         self._files[name, "master"].write_bytes(0, _as_bytes(host))
+
+    # ------------------------------------------------------------- gradients from backward
+
+    @property
+    def early_names(self) -> set[str]:
+        """The groups whose step already ran in this backward (``overlap_step``)."""
+        return set(self._early)
+
+    def grad_ready(self, name: str, grad: torch.Tensor, master: torch.Tensor | None = None,
+                   update: UpdateFn | None = None, work: Any = None) -> None:
+        """The reduction of ``name`` finished with ``grad`` (its device shard): copy it to the
+        host on the worker; with ``update`` (``overlap_step``) also run the group's step there
+        and copy the updated master into ``master``. The caller leaves ``grad`` unchanged until
+        :meth:`drain`."""
+        self._check_usable()
+        if name not in self.sizes or self._pool is None:
+            return
+        if name in self._early:
+            raise ConfigError(
+                f"flat group {name} was reduced again before optimizer.step(), but its step "
+                "already ran in the first backward (offload_overlap_step=True); accumulate "
+                "micro-batches under engine.no_sync() and call step() after each synced backward")
+        event = None
+        if grad.device.type == "cuda":  # the worker's copy waits for the reduction's kernels
+            event = torch.cuda.Event()
+            event.record()
+        if update is None:
+            self._copied[name] = (weakref.ref(grad), grad._version)
+            self._tasks.append(self._pool.submit(self._copy_grad, name, grad, event))
+        else:
+            self._early[name] = work
+            self._tasks.append(self._pool.submit(self._early_step, name, grad, event, master,
+                                                 update, work))
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, event: Any = None) -> None:
+        """``dst.copy_(src)`` on the worker; on CUDA on the worker's stream, after ``event``
+        (the reduction's kernels), and finished on return."""
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream):
+            if event is not None:
+                self._stream.wait_event(event)
+            dst.copy_(src, non_blocking=True)
+        self._stream.synchronize()
+
+    def _copy_grad(self, name: str, grad: torch.Tensor, event: Any) -> None:
+        buf = self._grads.get(name)
+        if buf is None:
+            buf = self._grads[name] = torch.empty(grad.numel(), dtype=torch.float32,
+                                                  pin_memory=self.pin)
+        self._copy(buf, grad, event)
+
+    def _early_step(self, name: str, grad: torch.Tensor, event: Any, master: torch.Tensor,
+                    update: UpdateFn, work: Any) -> None:
+        try:
+            n = grad.numel()  # one reused buffer: the worker runs one task at a time
+            if self._grad is None or self._grad.numel() < n:
+                self._grad = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
+            host = self._grad[:n]
+            self._copy(host, grad, event)
+            window = self._host[name] if self._host else self._read(name)
+            update(window["master"], host, {k: window[k] for k in self.kinds}, work)
+            self._copy(master, window["master"])
+            if not self._host:
+                self._write(name, window)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            raise
+
+    def drain(self) -> None:
+        """Wait for every host copy and early step handed to the worker; raise the first
+        failure."""
+        tasks, self._tasks = self._tasks, []
+        errors = []
+        for f in tasks:
+            try:
+                f.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def scale_grads(self, coef: torch.Tensor) -> None:
+        """Scale the host copies as the device shards were (clipping): the same multiply, so
+        the same bits; a copy whose device shard changed otherwise is made again at the step."""
+        if self.config.overlap_step:
+            raise ConfigError("clip_grad_norm_ with offload_overlap_step=True: the steps ran in "
+                              "backward, before any global norm; build the engine without it")
+        self.drain()
+        coef = coef.to("cpu", torch.float32)
+        for name, (ref, version) in list(self._copied.items()):
+            grad = ref()
+            if grad is not None and grad._version == version + 1:
+                self._grads[name].mul_(coef)
+                self._copied[name] = (ref, grad._version)
+
+    def _grad_of(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """The host copy of ``grad`` made in backward, if it is still what ``grad`` holds."""
+        ref, version = self._copied.get(name, (None, -1))
+        if ref is not None and ref() is grad and grad._version == version:
+            return self._grads[name]
+        return self.host_grad(grad)
 
     # ---------------------------------------------------------------------------- step
 
@@ -312,18 +333,30 @@ class OffloadStore:
     def step(self, work: Mapping[str, Any], masters: Mapping[str, torch.Tensor],
              grads: Mapping[str, torch.Tensor], update: UpdateFn) -> None:
         """Run ``update`` on every group of ``work`` on the host and copy each updated master
-        to its device shard in ``masters``. If it fails half-way, some groups are updated and
+        to its device shard in ``masters``; a group stepped in backward (:meth:`grad_ready`
+        with ``update``) is only waited for. If it fails half-way, some groups are updated and
         others not: the store then refuses every later step and checkpoint access, so that no
         checkpoint is taken from that state."""
         self._check_usable()
+        early, self._early = self._early, {}
         try:
-            for name, window in self.windows(list(work)):
-                grad = self.host_grad(grads[name])
+            self.drain()
+            moved = sorted(n for n, items in early.items() if work.get(n) != items)
+            if moved:
+                raise ConfigError(
+                    f"the hyper-parameters or steps of flat groups {moved[:3]} changed between "
+                    "their step in backward (offload_overlap_step=True) and optimizer.step(); "
+                    "set the learning rate and other hyper-parameters before backward")
+            rest = [n for n in work if n not in early]
+            for name, window in self.windows(rest):
+                grad = self._grad_of(name, grads[name])
                 update(window["master"], grad, {k: window[k] for k in self.kinds}, work[name])
                 masters[name].copy_(window["master"])
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"
             raise
+        finally:
+            self._copied.clear()
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -336,29 +369,13 @@ class OffloadStore:
     def close(self) -> None:
         """Release the host state, or close and remove the files."""
         if self._pool is not None:
+            try:
+                self.drain()
+            except BaseException:  # the failure was raised where it happened
+                pass
             self._pool.shutdown(wait=True)
             self._pool = None
         self._host = {}
         self._grad = None
+        self._grads = {}
         self._finalizer()
-
-
-def _reserve(fd: int, nbytes: int) -> None:
-    """Allocate ``nbytes`` of disk for the file (a file system without ``fallocate`` gets a
-    sized file; the write-back then reports a full disk with the path)."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        os.ftruncate(fd, nbytes)
-
-
-def _remove(run_dir: Path | None, fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    if run_dir is not None:
-        shutil.rmtree(run_dir, ignore_errors=True)

@@ -29,41 +29,13 @@ from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.runtime.contracts import ShardedEngine
 from shardckpt.runtime.flat import FlatParamGroup
 from shardckpt.runtime.offload import OffloadStore
+from shardckpt.runtime.param_groups import (WHOLE_TENSOR_OPTIMIZERS, decay_param_groups,
+                                            is_no_decay)
+
+__all__ = ["WHOLE_TENSOR_OPTIMIZERS", "ShardedAdamW", "ShardedOptimizer", "ShardedSGD",
+           "build_optimizer", "decay_param_groups", "is_no_decay"]
 
 log = logging.getLogger(__name__)
-
-#: Optimizers whose update of an element depends on whole tensors, with the reason.
-WHOLE_TENSOR_OPTIMIZERS = {
-    "shampoo": "preconditions each matrix with its own row and column statistics",
-    "distributedshampoo": "preconditions each matrix with its own row and column statistics",
-    "soap": "runs Adam in each matrix's Shampoo eigenbasis",
-    "muon": "orthogonalizes each whole matrix update (Newton-Schulz)",
-    "lamb": "scales each tensor's update by its trust ratio ||w|| / ||update||",
-    "lars": "scales each tensor's update by its trust ratio ||w|| / ||grad||",
-    "adafactor": "factors the second moment into each matrix's row and column means",
-    "lbfgs": "takes line-search steps along a direction built from whole-model history",
-    "galore": "projects each matrix's gradient onto its low-rank subspace",
-}
-
-
-def is_no_decay(fqn: str, shape: tuple[int, ...]) -> bool:
-    """Norm weights, biases and other vectors get no weight decay (the usual LLM recipe)."""
-    return len(shape) < 2 or fqn.endswith(".bias") or "norm" in fqn.lower()
-
-
-def decay_param_groups(engine: ShardedEngine, weight_decay: float,
-                       no_decay: Callable[[str, tuple[int, ...]], bool] = is_no_decay
-                       ) -> list[dict[str, Any]]:
-    """Two param groups of the trained parameters: ``weight_decay`` and ``0.0`` (norms, biases).
-
-    Uses the layout's shapes (parameters are placeholders between steps).
-    """
-    decay, plain = [], []
-    for fqn, p in engine.named_parameters():
-        if p.requires_grad:
-            (plain if no_decay(fqn, engine.layout.param(fqn).shape) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": plain, "weight_decay": 0.0}]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +67,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._fqns: list[list[str]] = []
         self._segments: list[list[_Segment]] = []
+        self._by_group: dict[str, list[tuple[int, _Segment]]] = {}  # flat -> (param group, seg)
         self._flat_groups: list[list[FlatParamGroup]] = []
         self._steps: list[int] = []
         for group in self.param_groups:
@@ -112,6 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._offload = OffloadStore(engine.offload,
                                          {n: g.shard_numel for n, g in trained.items()},
                                          self.state_kinds, pm.device, pm.rank)
+            engine.set_offload_hooks(self._grad_reduced, self._offload.drain,
+                                     self._offload.scale_grads)
         self._ready = True
         engine.attach_optimizer(self)
 
@@ -156,6 +131,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if lo < hi:
                 segments.append(_Segment(fg, lo - fg.shard_start, hi - fg.shard_start))
         self._fqns.append(fqns)
+        for seg in segments:
+            self._by_group.setdefault(seg.group.name, []).append((len(self._segments), seg))
         self._segments.append(segments)
         self._flat_groups.append(list(flats.values()))
         self._steps.append(0)
@@ -167,6 +144,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._offload is not None:
             return self._offload.local_state(group_name)
         return dict(self._state.get(group_name, {}))
+
+    def offload_snapshot(self) -> Any:
+        """With ``"nvme"`` offload: (trained group names, an empty ``OffloadSnapshot``) for an
+        async checkpoint to copy their shards into; else ``None``."""
+        snap = self._offload.snapshot() if self._offload is not None else None
+        return None if snap is None else (set(self._offload.sizes), snap)
 
     def close_offload(self) -> None:
         """Release the offloaded state (files removed); see :meth:`ZeroEngine.close`."""
@@ -183,26 +166,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._engine.check_grads_reduced()
         self._engine.before_update()  # e.g. an async checkpoint still copying these shards
+        # The same on every rank: a flat group's gradient exists after a collective reduce.
+        active = [i for i, fgs in enumerate(self._flat_groups)
+                  if any(fg.grad is not None for fg in fgs)]
+        names = dict.fromkeys(seg.group.name for i in active for seg in self._segments[i]
+                              if seg.group.grad is not None)
         # flat group -> its segments to update, with their param group's step and hyper
-        work: dict[str, list[tuple[_Segment, int, dict[str, Any]]]] = {}
-        for i, group in enumerate(self.param_groups):
-            # The same on every rank: a flat group's gradient exists after a collective reduce.
-            if not any(fg.grad is not None for fg in self._flat_groups[i]):
-                continue
+        work = {name: self._items(name) for name in names}
+        for i in active:
             self._steps[i] += 1
-            hyper = {k: (float(v) if isinstance(v, torch.Tensor) else v)
-                     for k, v in group.items() if k != "params"}
-            for seg in self._segments[i]:
-                if seg.group.grad is not None:
-                    work.setdefault(seg.group.name, []).append((seg, self._steps[i], hyper))
         groups = self._engine.groups
         if self._offload is None:
             for name, items in work.items():
                 fg = groups[name]
                 self._update_segments(fg.master, fg.grad, self._state[name], items)
         else:
+            early = self._offload.early_names
             for name in work:  # the device shard changed since the last step (a load, ...)
-                if groups[name].master_changed:
+                if groups[name].master_changed and name not in early:
                     self._offload.pull_master(name, groups[name].master)
             self._offload.step(work, {n: groups[n].master for n in work},
                                {n: groups[n].grad for n in work}, self._update_segments)
@@ -210,6 +191,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for name in work:  # after_step re-derived them from what the store holds too
             groups[name].master_changed = False
         return loss
+
+    def _items(self, name: str) -> list[tuple[_Segment, int, dict[str, Any]]]:
+        """``name``'s segments, each with its param group's next step and hyper (read now)."""
+        items, hypers = [], {}
+        for i, seg in self._by_group.get(name, []):
+            if i not in hypers:
+                hypers[i] = {k: (float(v) if isinstance(v, torch.Tensor) else v)
+                             for k, v in self.param_groups[i].items() if k != "params"}
+            items.append((seg, self._steps[i] + 1, hypers[i]))
+        return items
+
+    def _grad_reduced(self, group: FlatParamGroup) -> None:
+        """``group``'s reduction finished in backward: its gradient goes to the host, and with
+        ``offload_overlap_step`` its step runs (:mod:`shardckpt.runtime.offload`)."""
+        store = self._offload
+        if store is None or group.grad is None:
+            return
+        if not self._engine.offload.overlap_step:
+            store.grad_ready(group.name, group.grad)
+            return
+        if not store.early_names:
+            self._engine.before_update()  # the first change of this step's shards
+        if group.master_changed:
+            store.pull_master(group.name, group.master)
+        store.grad_ready(group.name, group.grad, group.master, self._update_segments,
+                         self._items(group.name))
 
     def _update_segments(self, master: torch.Tensor, grad: torch.Tensor,
                          state: Mapping[str, torch.Tensor],

@@ -30,7 +30,9 @@ reduces what is left (parameters that got no gradient count as zero) and frees e
 A reduction is issued asynchronously and left in flight while backward computes the next unit;
 issuing the next one finishes the older ones (at most :data:`REDUCTIONS_IN_FLIGHT` wait on the
 wire), and the end of backward finishes them all, in the same order on every rank, so ``grad``
-holds the same bits as with synchronous reductions.
+holds the same bits as with synchronous reductions. Each finished reduction is reported
+(``on_reduced``): with the optimizer offloaded, that group's gradient goes to the host, and its
+host step may run, while backward goes on (:mod:`shardckpt.runtime.offload`).
 
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) re-runs a unit's forward
 inside backward: the pre-hook gathers (idempotent) and the forward hook neither frees nor hooks
@@ -49,7 +51,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -169,6 +171,9 @@ class StageSchedule:
         self.prefetcher = Prefetcher(prefetch)
         self._reducing: collections.deque[FlatParamGroup] = collections.deque()
         self.pool = pool  # emptied at the end of each backward
+        # optimizer offload: each group whose reduction finished, in order; a backward begins
+        self.on_reduced: Callable[[FlatParamGroup], None] | None = None
+        self.on_backward: Callable[[], None] | None = None
         self.hooks: list[Any] = []
         if top is not None:  # a top-level forward starts and ends (before/after the units' hooks)
             self.hooks.append(top.register_forward_pre_hook(self._begin_forward, prepend=True))
@@ -246,6 +251,8 @@ class StageSchedule:
 
     def _enter_backward(self) -> None:
         if not self.in_backward:
+            if self.on_backward is not None:
+                self.on_backward()
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -274,15 +281,21 @@ class StageSchedule:
         group.reduce_grad(self.deterministic, wait=False)
         self._reducing.append(group)
         while len(self._reducing) > REDUCTIONS_IN_FLIGHT:
-            self._reducing.popleft().finish_reduce()
+            self._finish(self._reducing.popleft())
 
     def _finish_reductions(self, until: Any = None) -> None:
         """Finish the reductions in flight, oldest first (all, or up to the first ``until``)."""
         while self._reducing:
             g = self._reducing.popleft()
-            g.finish_reduce()
+            self._finish(g)
             if until is not None and until(g):
                 return
+
+    def _finish(self, group: FlatParamGroup) -> None:
+        """Finish ``group``'s reduction: its ``grad`` is final for this backward."""
+        group.finish_reduce()
+        if self.on_reduced is not None:
+            self.on_reduced(group)
 
     def _maybe_free(self, unit: Unit) -> None:
         if unit.inputs_done and unit.done >= unit.trained:

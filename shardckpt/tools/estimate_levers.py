@@ -116,7 +116,9 @@ class OffloadSplit:
     optim) · Ψ / S``, leave the device, which keeps its weight shard, gradients and (when
     separate) master shard. ``cpu``: host memory holds them; ``nvme``: the disk does, and host
     memory holds the streaming window of :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest
-    unit's shard plus a gradient buffer (0 when ``largest_unit`` is unknown)."""
+    unit's shard (0 when ``largest_unit`` is unknown). Host memory also holds the reduced fp32
+    gradients: a copy of every group's shard, made in backward (``4 · Ψ / S``), or, when the
+    step overlaps backward (``offload_overlap_step``), one buffer of the largest unit's shard."""
 
     mode: str
     strategy: str
@@ -129,8 +131,9 @@ class OffloadSplit:
         return fields_dict(self)
 
 
-def offload_split(row: Estimate, mode: str) -> OffloadSplit:
-    """Where ``row``'s model state lives per rank with ``offload_optimizer=mode``."""
+def offload_split(row: Estimate, mode: str, overlap_step: bool = False) -> OffloadSplit:
+    """Where ``row``'s model state lives per rank with ``offload_optimizer=mode`` (and
+    ``offload_overlap_step``)."""
     if mode not in OFFLOAD_MODES:
         raise EstimateError("offload", mode, f"unknown; known: {', '.join(OFFLOAD_MODES)}")
     if row.strategy == "ddp":
@@ -140,8 +143,8 @@ def offload_split(row: Estimate, mode: str) -> OffloadSplit:
     moved = per_param * row.params / row.shard
     device = row.model_state_bytes - optim.bytes
     unit = (row.largest_unit or 0) / row.shard
-    grad_buffer = 4 * unit
+    grads = 4 * unit if overlap_step else 4 * row.params / row.shard
     if mode == "cpu":
-        return OffloadSplit(mode, row.strategy, row.label, device, moved + grad_buffer, 0.0)
-    window = OFFLOAD_WINDOW_GROUPS * per_param * unit + grad_buffer
+        return OffloadSplit(mode, row.strategy, row.label, device, moved + grads, 0.0)
+    window = OFFLOAD_WINDOW_GROUPS * per_param * unit + grads
     return OffloadSplit(mode, row.strategy, row.label, device, window, moved)

@@ -23,7 +23,11 @@ staging buffer allocated once (pinned on CUDA) — the optimizer's next ``step()
 copy (whichever optimizer the engine has by then, whenever it was created), while the next
 forward and backward overlap it — then writes and commits over a process group of its own; at
 most one save is in flight; the next ``save``, ``wait`` or ``close`` raises its error, and the
-previous checkpoint stays intact (the manifest is the last thing written).
+previous checkpoint stays intact (the manifest is the last thing written). With the optimizer
+offloaded to files (``offload_optimizer="nvme"``) the trained groups are not copied into memory:
+their offload files, and their master shards, are copied into a snapshot directory on the same
+disk (``copy_file_range``; a reflink where the file system shares blocks), streamed from there,
+and removed when the save finishes or fails.
 
 Resume tries the newest committed checkpoint that checks out; if a checksum fails while loading
 it (on any rank), every rank falls back to the next older one, deleting nothing.
@@ -188,20 +192,29 @@ class Checkpointer:
             out[name] = state
         return out
 
-    def _staging_buffers(self) -> dict[str, dict[str, Any]]:
+    def _staging_buffers(self, on_disk: set[str]) -> dict[str, dict[str, Any]]:
+        """Host buffers shaped like ``local_shards()``, allocated once; ``None`` for every kind
+        of the groups in ``on_disk`` (nvme offload: copied on the offload disk instead)."""
         import torch
 
         live = self.engine.local_shards()
-        shape = {g: {k: (t.shape, t.dtype) for k, t in kinds.items()} for g, kinds in live.items()}
+        shape = {g: {k: (t.shape, t.dtype) for k, t in kinds.items()}
+                 for g, kinds in live.items() if g not in on_disk}
         if self._staging is None or shape != {g: {k: (t.shape, t.dtype) for k, t in kinds.items()}
                                               for g, kinds in self._staging.items()}:
             # first save, or an optimizer (hence its state kinds) came since the last one
             pin = torch.cuda.is_available()
             self._staging = {
-                g: {k: (torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin))
-                    for k, t in kinds.items()}
-                for g, kinds in live.items()}
-        return self._staging
+                g: {k: (torch.empty(s, dtype=d, device="cpu", pin_memory=pin))
+                    for k, (s, d) in kinds.items()}
+                for g, kinds in shape.items()}
+        return {g: self._staging.get(g) or dict.fromkeys(kinds) for g, kinds in live.items()}
+
+    def _offload_snapshot(self) -> tuple[set[str], Any]:
+        """The optimizer's offload snapshot (nvme): its groups and the empty snapshot."""
+        opt = getattr(self.engine, "optimizer", None)
+        snap = getattr(opt, "offload_snapshot", lambda: None)()
+        return snap if snap is not None else (set(), None)
 
     def save(self, step: int, extras: Mapping[str, Any] | None = None) -> None:
         """Save ``step`` on every rank: synchronously, or async (see the module docstring)."""
@@ -209,12 +222,20 @@ class Checkpointer:
         url = self.manager.url_for(step)
         ext = {**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
                **dict(extras or {}), "step": step, "seed": self.seed, "app": self._app_json()}
-        staging = None
+        staging, snapshot = None, None
         if self.async_save:
             self._hook_optimizer()
-            staging = self._staging_buffers()
-        job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
-                         self._group, rank_state=rng_state(), staging=staging)
+            on_disk, snapshot = self._offload_snapshot()
+        try:
+            if self.async_save:
+                staging = self._staging_buffers(on_disk)
+            job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
+                             self._group, rank_state=rng_state(), staging=staging,
+                             snapshot=snapshot)
+        except BaseException:
+            if snapshot is not None:
+                snapshot.remove()
+            raise
         if not self.async_save:
             self._finish(job, step)
             return
@@ -223,13 +244,15 @@ class Checkpointer:
 
         def run() -> None:
             try:
-                job.stage()
-            finally:
-                self._staged.set()
-            try:
+                try:
+                    job.stage()
+                finally:
+                    self._staged.set()
                 fut.set_result(self._finish(job, step))
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 fut.set_exception(e)
+            finally:
+                job.release()  # the offload snapshot, if any
 
         thread = threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True)
         thread.start()
