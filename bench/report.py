@@ -6,6 +6,8 @@ Each benchmark runs as its own subprocess with ``--json``, one after the other (
 disturb each other). The numbers collected are written to ``WORKDIR/results.json``; ``--results``
 renders a report from such a file without running anything. ``--quick`` uses small sizes and few
 repetitions (a few minutes on a 2-core machine): its numbers show the shape, not the final figures.
+The S3 benchmark (``bench/s3.py``, through ``report_s3.py``) starts a local Ceph RGW, or moto's S3
+where Ceph is not installed; the report names the server.
 """
 
 from __future__ import annotations
@@ -14,11 +16,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,18 +28,20 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from report_plots import PLOT_TITLES, PLOTS, machine_line, pairs  # noqa: E402
+from report_plots import PLOT_TITLES, PLOTS, machine_line, md_table, pairs  # noqa: E402
+from report_run import machine_info, run_json, torchrun_speedup  # noqa: E402
+from report_s3 import S3_TITLE, plot_s3, run_s3, s3_note, s3_table, s3_targets  # noqa: E402
 
 # What each mode runs. Sizes in GB: checkpoint bytes for reshard, fp32 weights for consolidate.
 PLANS: dict[str, dict[str, Any]] = {
     "full": {
-        "sizes": [0.25, 0.5, 1.0, 2.0, 4.0], "reshard_reps": 3, "consolidate_reps": 3,
+        "sizes": [0.25, 0.5, 1.0, 2.0, 4.0], "reshard_reps": 3, "consolidate_reps": 3, "startup_reps": 10,
         "save_load": ["--params", "125M", "--reps", "7", "--ranks", "4"], "load_ranks": [1, 2, 4],
         "train_ranks": [2, 4], "train": [],
         "torchrun_procs": [1, 2, 4], "torchrun_params": "250M", "torchrun_reps": 3,
     },
     "quick": {
-        "sizes": [0.25, 0.5], "reshard_reps": 2, "consolidate_reps": 1,
+        "sizes": [0.25, 0.5], "reshard_reps": 2, "consolidate_reps": 1, "startup_reps": 5,
         "save_load": ["--params", "10M", "--reps", "2", "--ranks", "2", "--settle", "0.5"],
         "load_ranks": [1, 2],
         "train_ranks": [2, 4],
@@ -50,95 +51,6 @@ PLANS: dict[str, dict[str, Any]] = {
     },
 }
 RESHARD_TARGET_SIZES = (0.5, 1.0, 2.0)
-TORCHRUN_FROM, TORCHRUN_TO = 64, 16
-
-
-# --------------------------------------------------------------------------------------------
-# machine and running
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, logical CPU count and RAM, read from /proc where there is one."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ram_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram_gib = round(int(line.split()[1]) * 1024 / 2**30, 1)
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cpus": os.cpu_count(), "ram_gib": ram_gib,
-            "python": platform.python_version(), "os": platform.system()}
-
-
-def parse_json_output(text: str) -> Any:
-    """The JSON document a ``--json`` run printed (anything before it is skipped)."""
-    starts = [i for i in (text.find("{"), text.find("[")) if i >= 0]
-    if not starts:
-        raise ValueError("no JSON in the output")
-    return json.loads(text[min(starts):])
-
-
-def run_json(cmd: list[str], timeout: float = 3600) -> Any:
-    print("+", shlex.join(cmd), flush=True)
-    t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    print(f"  {time.perf_counter() - t:.1f} s", flush=True)
-    return parse_json_output(p.stdout)
-
-
-def run_timed(cmd: list[str], timeout: float = 3600) -> float:
-    print("+", shlex.join(cmd), flush=True)
-    t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    dt = time.perf_counter() - t
-    if p.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
-    print(f"  {dt:.1f} s", flush=True)
-    return dt
-
-
-def torchrun_speedup(work: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """Wall time of ``torchrun -m shardckpt reshard`` against its process count, one checkpoint."""
-    src, dst = os.path.join(work, "torchrun-src"), os.path.join(work, "torchrun-dst")
-    shutil.rmtree(src, ignore_errors=True)
-    run_timed([sys.executable, "-m", "shardckpt", "synth", src, "--params", plan["torchrun_params"],
-               "--ranks", str(TORCHRUN_FROM), "--units", "8"])
-    nbytes = sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file())
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    seconds: dict[int, list[float]] = {k: [] for k in plan["torchrun_procs"]}
-    inner: dict[int, list[float]] = {k: [] for k in plan["torchrun_procs"]}
-    try:
-        for _ in range(plan["torchrun_reps"]):
-            for k in plan["torchrun_procs"]:  # interleaved across repetitions
-                shutil.rmtree(dst, ignore_errors=True)
-                t = time.perf_counter()
-                out = run_json([*torchrun, "--standalone", "--nproc_per_node", str(k), "-m", "shardckpt",
-                                "reshard", src, dst, "--to", str(TORCHRUN_TO), "--json"])
-                seconds[k].append(time.perf_counter() - t)
-                inner[k].append(out["seconds"])  # what the job reports: without start-up
-    finally:
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.rmtree(src, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in seconds.items()}
-    med_in = {k: statistics.median(v) for k, v in inner.items()}
-    k0 = plan["torchrun_procs"][0]
-    return {"params": plan["torchrun_params"], "from": TORCHRUN_FROM, "to": TORCHRUN_TO,
-            "bytes": nbytes, "reps": plan["torchrun_reps"],
-            "rows": [{"procs": k, "seconds": round(med[k], 3), "speedup": round(med[k0] / med[k], 3),
-                      "gbps": round(nbytes / 1e9 / med[k], 3), "in_process_s": round(med_in[k], 3),
-                      "in_process_speedup": round(med_in[k0] / med_in[k], 3)}
-                     for k in plan["torchrun_procs"]]}
 
 
 def collect(mode: str, work: str) -> dict[str, Any]:
@@ -152,6 +64,8 @@ def collect(mode: str, work: str) -> dict[str, Any]:
         out[name] = fn()
         out["seconds"][name] = round(time.perf_counter() - t, 1)
 
+    stage("startup", lambda: run_json([py, str(HERE / "startup.py"), "--reps", str(plan["startup_reps"]),
+                                       "--json"]))
     stage("reshard", lambda: run_json([py, str(HERE / "reshard.py"), "--sizes", sizes, "--reps",
                                        str(plan["reshard_reps"]), "--workdir",
                                        os.path.join(work, "reshard"), "--json"]))
@@ -167,32 +81,12 @@ def collect(mode: str, work: str) -> dict[str, Any]:
                                                    *plan["train"], "--json"])
                                  for r in plan["train_ranks"]})
     stage("torchrun", lambda: torchrun_speedup(work, plan))
-    if mode == "full" and s3_available():
-        stage("s3", lambda: run_json([py, str(HERE / "s3.py"), "--json"]))
+    stage("s3", lambda: run_s3(mode, run_json))
     return out
-
-
-def s3_available() -> bool:
-    """Whether the Ceph gateway ``scripts/ceph-rgw.sh install`` provides is installed (s3.py starts it)."""
-    return all(shutil.which(b) for b in ("radosgw", "ceph-mon", "ceph-osd"))
 
 
 # --------------------------------------------------------------------------------------------
 # the pure part: numbers -> tables, verdicts, plots
-
-
-def fmt(x: Any, digits: int = 3) -> str:
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return "" if x is None else str(x)
-
-
-def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _met(value: float, op: str, bound: float) -> bool:
@@ -221,9 +115,19 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             beside=f"in-process {row['ratio_in_process']:.3f}")
     for requested, row in zip(sizes, res.get("consolidate", {}).get("rows", [])):
         why = (f"the call takes {row['shardckpt_call_s']:.3f} s against DCP's {row['dcp_call_s']:.3f} s "
-               f"at this size; the cause is not analysed in this report")
+               f"at this size")
         add(f"consolidate {requested:g} GB vs DCP library call (speed)", row["call_ratio"], ">=", 2.0,
             why, beside=f"whole command {row['ratio']:.3f}")
+        if "disk_ratio" in row:
+            add(f"consolidate {requested:g} GB vs the disk's limit (speed)", row["disk_ratio"], ">=", 0.8,
+                f"{row['shardckpt_call_s']:.3f} s against {row['limit_call_s']:.3f} s to read the weights' "
+                "bytes once, write them once and fsync")
+    startup = res.get("startup", {})
+    for row in startup.get("rows", []):
+        if row["command"] in ("shardckpt --help", "shardckpt inspect CKPT"):
+            add(f"`{row['command']}` start-up (time, s)", row["median_s"], "<=", 0.25,
+                f"median of {startup.get('reps')} whole-process runs; `python -c pass` takes "
+                f"{startup.get('floor_s', 0):.3f} s here")
     runs = res.get("save_load", {})
     if runs:
         # Save-side ratios from the first run (every run saves the same way); load per world size.
@@ -251,6 +155,8 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{row['median_s']:.3f} s a step; paired steps give {row['paired_ratio']:.3f} "
                 "(the ranks share the machine's cores)",
                 beside=f"paired {row['paired_ratio']:.3f}")
+    for name, value, op, bound, why, beside in s3_targets(res.get("s3")):
+        add(name, value, op, bound, why, beside)
     return out
 
 
@@ -275,7 +181,11 @@ def plot_tables(res: dict[str, Any]) -> dict[str, str]:
         md_table(["fp32 weights GB", "shardckpt GB/s", "DCP GB/s", "ratio (command)",
                   "shardckpt call s", "DCP call s", "ratio (library call)"],
                  [[r["weights_gb"], r["shardckpt_gbps"], r["dcp_gbps"], r["ratio"], r["shardckpt_call_s"],
-                   r["dcp_call_s"], r["call_ratio"]] for r in cs]))
+                   r["dcp_call_s"], r["call_ratio"]] for r in cs])
+        + "\n\n" +
+        md_table(["fp32 weights GB", "shardckpt call s", "disk limit s", "disk GB/s", "of the disk's limit"],
+                 [[r["weights_gb"], r["shardckpt_call_s"], r.get("limit_call_s", ""), r.get("limit_gbps", ""),
+                   r.get("disk_ratio", "")] for r in cs]))
     tables["rss"] = (
         md_table(["checkpoint GB", "reshard MB", "cp -r MB"],
                  [[r["size_gb"], r["reshard_peak_rss_mb"], r["copy_peak_rss_mb"]] for r in rs])
@@ -358,7 +268,10 @@ def render_markdown(res: dict[str, Any], meta: dict[str, Any], images: dict[str,
             lines += [f"![{PLOT_TITLES[name]}]({images[name]})", ""]
         lines += [notes[name], "", tables[name], ""]
     if "s3" in res:
-        lines += ["## S3 (Ceph gateway)", "", "```json", json.dumps(res["s3"], indent=2), "```", ""]
+        lines += [f"## {len(PLOTS) + 1}. {S3_TITLE}", ""]
+        if "s3" in images:
+            lines += [f"![{S3_TITLE}]({images['s3']})", ""]
+        lines += [s3_note(res["s3"]), "", s3_table(res["s3"]), ""]
     stages = res.get("seconds", {})
     if stages:
         lines += ["## Time per benchmark", "",
@@ -374,6 +287,9 @@ def write_report(res: dict[str, Any], meta: dict[str, Any], out: Path) -> Path:
         path = img_dir / f"{name}.png"
         fn(res, meta, path)
         images[name] = f"bench/{path.name}"
+    if "s3" in res:
+        plot_s3(res, meta, img_dir / "s3.png")
+        images["s3"] = "bench/s3.png"
     md = out / "benchmarks.md"
     md.write_text(render_markdown(res, meta, images))
     return md

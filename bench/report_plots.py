@@ -1,10 +1,24 @@
 """The plots of ``bench/report.py``: one PNG per figure, each captioned with the machine, the date
-and the command (matplotlib, Agg backend)."""
+and the command (matplotlib, Agg backend); and the markdown tables under them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return "" if x is None else str(x)
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def machine_line(meta: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """Benchmark: shardckpt on a real S3 server (a local Ceph RGW) against plain s3fs copies.
 
-Starts Ceph RGW with `testing/s3servers.CephServer`, synthesizes a checkpoint of about
+Starts Ceph RGW with `testing/s3servers.CephServer` (``--server moto``: moto's S3 in this
+process, where Ceph is not installed), synthesizes a checkpoint of about
 ``--size`` GB (fp32 master + two AdamW moments, ``--units`` blocks) straight to S3 for each
 ``FROM:TO`` geometry, then times, in fresh processes, interleaved, median of ``--reps``:
 
@@ -13,6 +14,11 @@ Starts Ceph RGW with `testing/s3servers.CephServer`, synthesizes a checkpoint of
   by an fsync of every file (consolidate fsyncs its output before it writes the index, so the
   copy is made as durable); the same downloads left in the page cache are timed and compared too
   ("vs cached").
+* save and load, for geometries of at most ``--save-ranks-max`` source ranks: one process per
+  rank writes its shard from memory to S3 (manifest committed once all are written) and reads
+  it back with checked ranged reads, against each process uploading (reading) the same bytes as
+  one object with plain s3fs (``bench/s3_save_load.py``); the time is the job's, from a barrier
+  the processes pass with their data ready, without interpreter start-up.
 
 ratio = the plain copy's time / shardckpt's time for the same checkpoint (for reshard, which moves
 every byte like the copy, that is the throughput ratio; consolidate reads the ``master`` state
@@ -20,7 +26,8 @@ only, in chunk-rounded ranged GETs). Targets: ratio >= 0.8, peak RSS (summed ove
 process tree) < 512 MB. Deleted objects are garbage collected (``radosgw-admin gc process``)
 between runs so the memstore OSD does not fill. Nothing asserts.
 
-    python bench/s3.py [--size 1.0] [--geometries 16:4,64:16] [--reps 3] [--json]
+    python bench/s3.py [--size 1.0] [--geometries 16:4,64:16] [--reps 3] [--server ceph|moto]
+                       [--json]
 """
 
 from __future__ import annotations
@@ -113,14 +120,17 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=8, help="transformer blocks of the synthetic model")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--copy-threads", type=int, default=4)
+    ap.add_argument("--save-ranks-max", type=int, default=16,
+                    help="save and load only for geometries of at most this many source ranks")
+    ap.add_argument("--server", choices=("ceph", "moto"), default="ceph")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from testing.s3servers import CephServer
+    from testing.s3servers import CephServer, MotoServer
 
     state = tempfile.mkdtemp(prefix="shardckpt-bench-ceph-")
     work = tempfile.mkdtemp(prefix="shardckpt-bench-s3-")
-    server = CephServer(state_dir=state).start()
+    server = (CephServer(state_dir=state) if args.server == "ceph" else MotoServer()).start()
     results = []
     try:
         for geo in args.geometries.split(","):
@@ -132,8 +142,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
+    where = "Ceph RGW on 127.0.0.1 (memstore)" if args.server == "ceph" else "moto on 127.0.0.1"
     for res in results:
-        print(f"\nCeph RGW on 127.0.0.1 (memstore): synthetic checkpoint {res['size_gb']} GB, "
+        print(f"\n{where}: synthetic checkpoint {res['size_gb']} GB, "
               f"{res['from']} ranks x {args.units} blocks ({res['slot_mb']:.2f} MB per slot), "
               f"median of {args.reps}, interleaved; GB/s = checkpoint GB per second")
         print(f"{'operation':<40} {'median s':>9} {'GB/s':>7} {'ratio':>6} {'vs cached':>10} "
@@ -161,6 +172,8 @@ def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks
     params = int(args.size * 1e9 / 12)  # fp32 master + two fp32 AdamW moments
 
     def gc() -> None:
+        if args.server != "ceph":
+            return
         subprocess.run(["radosgw-admin", "-c", os.path.join(state, "ceph.conf"), "gc", "process",
                         "--include-all"], check=False, capture_output=True, timeout=300)
 
@@ -237,11 +250,50 @@ def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks
                      "ratio_page_cache": None if ratio_cached is None else round(ratio_cached, 3),
                      "peak_rss_mb": round(max(rss[name]) / 1e6, 1),
                      "all_seconds": [round(x, 3) for x in times[name]]})
+    if from_ranks <= args.save_ranks_max:
+        rows += save_load_rows(bucket, src, from_ranks, args.reps, env, clear, gc)
     clear("src")
     server.delete_bucket(bucket)
     gc()
-    return {"from": from_ranks, "to": to_ranks, "size_gb": round(nbytes / 1e9, 3), "slot_mb": slot_mb,
+    return {"server": args.server, "from": from_ranks, "to": to_ranks, "size_gb": round(nbytes / 1e9, 3), "slot_mb": slot_mb,
             "synth_s": round(synth_s, 2), "synth_gbps": round(nbytes / 1e9 / synth_s, 3), "rows": rows}
+
+
+def save_load_rows(bucket: str, src: str, ranks: int, reps: int, env: dict[str, str],
+                   clear: Any, gc: Any) -> list[dict[str, Any]]:
+    """Save and load by ``ranks`` processes, shardckpt against plain s3fs, interleaved; median
+    of ``reps`` of the job's own time (``bench/s3_save_load.py``)."""
+    from common import run_measured_json
+
+    job = [sys.executable, os.path.join(HERE, "s3_save_load.py")]
+    cases = {"save S3 (shardckpt)": ("shardckpt", "save", "sv"),
+             "s3fs upload per rank (save peer)": ("s3fs", "save", "ps"),
+             "load S3 (shardckpt)": ("shardckpt", "load", "sv"),
+             "s3fs read per rank (load peer)": ("s3fs", "load", "ps")}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    rss: dict[str, list[int]] = {k: [] for k in cases}
+    nbytes: dict[str, int] = {}
+    for rep in range(reps):
+        for name, (side, op, prefix) in cases.items():  # each load reads what its save wrote
+            _, peak, out = run_measured_json([*job, side, op, src, f"s3://{bucket}/{prefix}{rep}",
+                                              str(ranks)], env)
+            times[name].append(out["seconds"])
+            rss[name].append(peak)
+            nbytes[name] = out["bytes"]
+        for prefix in (f"sv{rep}", f"ps{rep}"):
+            clear(prefix)
+        gc()
+    peer = {"save S3 (shardckpt)": "s3fs upload per rank (save peer)",
+            "load S3 (shardckpt)": "s3fs read per rank (load peer)"}
+    rows = []
+    for name in cases:
+        t = median(times[name])
+        ratio = median(times[peer[name]]) / t if name in peer else None
+        rows.append({"name": name, "seconds": round(t, 3), "gbps": round(nbytes[name] / 1e9 / t, 3),
+                     "ratio": None if ratio is None else round(ratio, 3), "ratio_page_cache": None,
+                     "peak_rss_mb": round(max(rss[name]) / 1e6, 1), "ranks": ranks,
+                     "all_seconds": [round(x, 3) for x in times[name]]})
+    return rows
 
 
 if __name__ == "__main__":

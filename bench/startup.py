@@ -24,7 +24,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ensure_bytecode  # noqa: E402
 
-EXE = [sys.executable, "-m", "shardckpt.cli.main"]
+#: The console script installed beside this interpreter (what users run), else ``python -m``.
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+EXE = [_SCRIPT] if os.access(_SCRIPT, os.X_OK) else [sys.executable, "-m", "shardckpt.cli.main"]
 
 
 def wall(cmd: list[str]) -> float:
@@ -67,7 +69,7 @@ def main() -> None:
         rows.append({"command": name, "min_s": xs[0], "median_s": med, "max_s": xs[-1],
                      "over_floor": med / floor})
     if args.json:
-        print(json.dumps({"reps": args.reps, "rows": rows}, indent=2))
+        print(json.dumps({"reps": args.reps, "floor_s": floor, "command": EXE, "rows": rows}, indent=2))
         return
     print(f"whole-process wall time, median of {args.reps} interleaved runs")
     print(f"{'command':<26} {'min s':>7} {'median s':>9} {'max s':>7} {'x floor':>8}")

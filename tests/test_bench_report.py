@@ -43,6 +43,24 @@ def _train(ratio: float) -> list[dict]:
     return rows
 
 
+def _s3_row(name: str, seconds: float) -> dict:
+    return {"name": name, "seconds": seconds, "gbps": round(0.05 / seconds, 3), "ratio": None,
+            "ratio_page_cache": None, "peak_rss_mb": 100.0 + seconds, "all_seconds": [seconds]}
+
+
+def _s3() -> dict:
+    """What bench/s3.py prints for one 8:4 geometry, wrapped as report_s3.run_s3 keeps it."""
+    rows = [_s3_row(n, t) for n, t in (
+        ("reshard S3->S3 (shardckpt)", 2.0), ("streaming s3fs copy S3->S3", 1.0),
+        ("server-side fs.copy S3->S3 (reference)", 0.2),
+        ("consolidate S3->local (shardckpt)", 1.0), ("s3fs fs.get S3->local", 0.5),
+        ("s3fs fs.get S3->local + fsync", 1.6), ("streaming download S3->local + fsync", 1.2),
+        ("save S3 (shardckpt)", 0.5), ("s3fs upload per rank (save peer)", 0.45),
+        ("load S3 (shardckpt)", 0.25), ("s3fs read per rank (load peer)", 0.25))]
+    return {"server": "moto", "runs": [{"server": "moto", "from": 8, "to": 4, "size_gb": 0.05,
+                                        "slot_mb": 1.0, "rows": rows}]}
+
+
 @pytest.fixture
 def canned() -> tuple[dict, dict]:
     res = {
@@ -67,6 +85,7 @@ def canned() -> tuple[dict, dict]:
                                "in_process_s": 1.0, "in_process_speedup": 1.0},
                               {"procs": 2, "seconds": 2.5, "speedup": 1.6, "gbps": 0.19,
                                "in_process_s": 0.8, "in_process_speedup": 1.25}]},
+        "s3": _s3(),
         "seconds": {"reshard": 10.0},
     }
     meta = {"machine": {"cpu": "Test CPU", "cpus": 2, "ram_gib": 24.0, "python": "3.11"},
@@ -128,7 +147,9 @@ def test_markdown(report, canned):
 def test_plot_is_png(report, canned, tmp_path):
     pytest.importorskip("matplotlib")
     res, meta = canned
-    for name, fn in report.PLOTS.items():
+    import report_s3
+
+    for name, fn in [*report.PLOTS.items(), ("s3", report_s3.plot_s3)]:
         path = tmp_path / f"{name}.png"
         fn(res, meta, path)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,13 +160,49 @@ def test_write_report(report, canned, tmp_path):
     res, meta = canned
     md = report.write_report(res, meta, tmp_path)
     text = md.read_text()
-    assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == sorted(
-        f"{n}.png" for n in report.PLOTS)
-    assert all(f"(bench/{n}.png)" in text for n in report.PLOTS)
+    names = [*report.PLOTS, "s3"]
+    assert sorted(p.name for p in (tmp_path / "bench").iterdir()) == sorted(f"{n}.png" for n in names)
+    assert all(f"(bench/{n}.png)" in text for n in names)
 
 
 def test_parse_json_output(report):
-    assert report.parse_json_output('note\n{"a": [1]}\n') == {"a": [1]}
-    assert report.parse_json_output('[{"x": 1}]') == [{"x": 1}]
+    import report_run  # beside bench/report.py, which put its folder on the path
+
+    assert report_run.parse_json_output('note\n{"a": [1]}\n') == {"a": [1]}
+    assert report_run.parse_json_output('[{"x": 1}]') == [{"x": 1}]
     with pytest.raises(ValueError):
-        report.parse_json_output("nothing")
+        report_run.parse_json_output("nothing")
+
+
+def test_s3_rows_compare_each_operation_with_its_fastest_peer(report):
+    import report_s3
+
+    rows = {r["op"]: r for r in report_s3.s3_rows(_s3())}
+    assert list(rows) == ["save", "load", "reshard", "consolidate"]
+    assert rows["reshard"]["ratio"] == 0.5 and rows["reshard"]["geometry"] == "8 -> 4"
+    # consolidate against the faster of the two durable downloads (1.2 s), not the cached one
+    assert rows["consolidate"]["peer"] == "streaming download S3->local + fsync"
+    assert rows["consolidate"]["ratio"] == 1.2
+    assert rows["save"]["geometry"] == "8 ranks" and rows["save"]["ratio"] == 0.9
+    assert report_s3.s3_rows(None) == [] and report_s3.s3_rows({"server": "ceph", "runs": []}) == []
+
+
+def test_s3_verdicts_table_and_section(report, canned):
+    res, meta = canned
+    rows = {t["name"]: t for t in report.targets(res)}
+    assert rows["S3 reshard 8 -> 4 vs plain s3fs (speed)"]["met"] is False
+    assert "moto" in rows["S3 reshard 8 -> 4 vs plain s3fs (speed)"]["why"]
+    assert rows["S3 consolidate 8 -> 4 vs plain s3fs (speed)"]["met"] is True
+    assert rows["S3 save 8 ranks vs plain s3fs (speed)"]["target"] == ">= 0.8"
+    assert rows["S3 load 8 ranks vs plain s3fs (speed)"]["met"] is True
+    md = report.render_markdown(res, meta, {"s3": "bench/s3.png"})
+    import report_s3
+
+    title = f"## {len(report.PLOTS) + 1}. {report_s3.S3_TITLE}"
+    assert title in md and f"![{report_s3.S3_TITLE}](bench/s3.png)" in md
+    assert "Ceph not installed" in md
+    assert ("| reshard | 8 -> 4 | 0.050 | 0.025 | streaming s3fs copy S3->S3 | 0.050 | 0.500 | "
+            "102.000 |") in md
+    del res["s3"]  # a report without S3 numbers has no S3 section and no S3 targets
+    assert report_s3.S3_TITLE not in report.render_markdown(res, meta, {})
+    assert not [t for t in report.targets(res) if t["name"].startswith("S3 ")]
