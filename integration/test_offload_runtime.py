@@ -37,12 +37,16 @@ def _shared_dir(pm: Any, name: str) -> Path:
     return Path(box[0])
 
 
-def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: bool = False):
-    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
+def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: bool = False,
+           bf16: bool = False):
+    from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
+    from shardckpt.runtime import decay_param_groups
     from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     kw: dict[str, Any] = {}
+    if bf16:
+        kw["mixed_precision"] = MixedPrecisionPolicy(torch.bfloat16)
     if mode is not None:
         kw["offload_optimizer"] = mode
     if mode == "nvme":
@@ -55,14 +59,18 @@ def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: b
     return engine, opt
 
 
-def _train(engine: Any, opt: Any, steps: range, rank: int) -> None:
+def _train(engine: Any, opt: Any, steps: range, rank: int) -> list[float]:
     from shardckpt.runtime.llama import causal_lm_loss
 
+    losses = []
     for s in steps:
         tokens = _tokens(s, rank)
-        causal_lm_loss(engine(tokens), tokens).backward()
+        loss = causal_lm_loss(engine(tokens), tokens)
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+    return losses
 
 
 def _state(engine: Any) -> dict[tuple[str, str], torch.Tensor]:
@@ -83,9 +91,28 @@ def _diff(a: dict, b: dict, what: str) -> list[str]:
     return [f"{what}: {k} differs" for k in a if not torch.equal(a[k], b[k])]
 
 
+def _bf16_parity(pm: Any, stage: int, where: Path) -> list[str]:
+    """bf16 compute: offloaded, the device holds the bf16 shards alone; the masters, moments
+    and losses are the resident run's."""
+    engine, opt = _build(pm, stage, None, None, bf16=True)
+    losses = _train(engine, opt, range(3), pm.rank)
+    want, problems = _state(engine), []
+    for mode, overlap in (("cpu", False), ("nvme", True)):
+        engine, opt = _build(pm, stage, mode, where, overlap, bf16=True)
+        what = f"bf16 stage {stage} {mode} overlap={overlap}"
+        if _train(engine, opt, range(3), pm.rank) != losses:
+            problems.append(f"{what}: losses differ")
+        problems += _diff(want, _state(engine), what)
+        if any(g.master is not None or g.shard.dtype != torch.bfloat16
+               for g in engine.groups.values()):
+            problems.append(f"{what}: an fp32 master is on the device")
+        engine.close()
+    return problems
+
+
 def case_parity(pm: Any) -> list[str]:
     """Stages 1-3: cpu and nvme offload, the step after backward or overlapping it, give the
-    resident run's masters and moments."""
+    resident run's masters and moments; at 2 ranks with bf16 compute too."""
     where = Path(tempfile.mkdtemp(prefix="shardckpt-offload-parity-"))
     problems = []
     try:
@@ -98,6 +125,8 @@ def case_parity(pm: Any) -> list[str]:
                 _train(engine, opt, range(3), pm.rank)
                 problems += _diff(want, _state(engine), f"stage {stage} {mode} overlap={overlap}")
                 engine.close()
+            if pm.world_size == 2:
+                problems += _bf16_parity(pm, stage, where)
         if os.listdir(where):
             problems.append(f"left in the offload directory: {os.listdir(where)}")
     finally:

@@ -237,10 +237,13 @@ def test_one_writer_and_reader_follow_checkpoint_id(tmp_path: Path) -> None:
     assert not (tmp_path / "unused").exists()
 
 
-def test_runtime_load_of_chunked_tensors_goes_through_load_chunked(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [None, "nvme"])
+def test_runtime_load_of_chunked_tensors_goes_through_load_chunked(tmp_path: Path,
+                                                                  offload: str | None) -> None:
     """``Checkpointer.load`` (``save_load.load``) of what a module and its optimizer saved through
     DCP loads into ``ZeroEngine`` with no special call: weights (a frozen layer too), moments,
-    step; a checkpoint without optimizer state is one clear error."""
+    step, into the engine's tensors or its offload files; a checkpoint without optimizer state
+    is one clear error."""
     import warnings
 
     from torch import nn
@@ -266,7 +269,8 @@ def test_runtime_load_of_chunked_tensors_goes_through_load_chunked(tmp_path: Pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": msd, "optim": osd}, storage_writer=ShardckptWriter(str(tmp_path / "ck")))
-    engine = ZeroEngine(net(1), policy=(nn.Linear,))
+    where = {"offload_optimizer": offload, "offload_dir": str(tmp_path / "off")} if offload else {}
+    engine = ZeroEngine(net(1), policy=(nn.Linear,), **where)
     ShardedAdamW(engine, [p for _, p in engine.named_parameters() if p.requires_grad], lr=1.0)
     Checkpointer(str(tmp_path / "run"), engine).load(str(tmp_path / "ck"))
     full = engine.full_state_dict()
@@ -280,3 +284,4 @@ def test_runtime_load_of_chunked_tensors_goes_through_load_chunked(tmp_path: Pat
     assert engine.optimizer.optimizer_metadata()["param_groups"][0]["step"] == 1
     with pytest.raises(CollectiveError, match="no optimizer state"):
         load(engine, str(GOLDEN))
+    engine.close()

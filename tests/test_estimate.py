@@ -219,7 +219,9 @@ def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
     z3 = estimate(PSI, "zero3", 64, precision="fsdp2-bf16", largest_unit=10**8)
     cpu, nvme = offload_split(z3, "cpu"), offload_split(z3, "nvme")
     moved = (4 + 8) * PSI / 64  # fp32 master copy + two Adam moments, this rank's shard
-    assert cpu.device_bytes == nvme.device_bytes == z3.model_state_bytes - 8 * PSI / 64
+    # the device keeps the bf16 weight shard alone: the optimizer state and (4 - 2) bytes of
+    # the fp32 master leave it
+    assert cpu.device_bytes == nvme.device_bytes == z3.model_state_bytes - (8 + 2) * PSI / 64
     grads = 4 * PSI / 64  # host copies of every group's reduced fp32 gradient shard
     assert (cpu.host_bytes, cpu.disk_bytes) == (moved + grads, 0.0)
     assert nvme.disk_bytes == moved
@@ -228,7 +230,9 @@ def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
     assert early.host_bytes == 3 * 12 * 10**8 / 64 + 4 * 10**8 / 64
     assert offload_split(z3, "cpu", overlap_step=True).host_bytes == moved + 4 * 10**8 / 64
     z1 = offload_split(estimate(PSI, "zero1", 64), "cpu")
-    assert z1.host_bytes == moved + grads and z1.device_bytes == (2 + 2) * PSI + 4 * PSI / 64
+    assert z1.host_bytes == moved + grads and z1.device_bytes == (2 + 2) * PSI + 2 * PSI / 64
+    fp32 = estimate(PSI, "zero3", 64, precision="fsdp2-fp32")  # there the shard is the master
+    assert offload_split(fp32, "cpu").device_bytes == fp32.model_state_bytes - 8 * PSI / 64
     with pytest.raises(EstimateError, match="offload"):
         offload_split(z3, "gpu")
     with pytest.raises(EstimateError, match="ZeRO"):

@@ -207,3 +207,47 @@ def test_a_run_with_its_optimizer_built_first_resumes_from_an_import(tmp_path: P
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(engine(ids), hf(ids).logits)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_hf_weights_into_an_offloaded_bf16_engine(tmp_path: Path, mode: str) -> None:
+    """With the optimizer offloaded and bf16 compute, the fp32 masters live in the offload store
+    (host memory or its files): ``load_hf`` writes them there, bit for bit what a resident
+    engine loads, and the device keeps only their bf16 cast."""
+    from shardckpt.runtime.precision import MixedPrecisionPolicy
+
+    path = save_tiny(tmp_path / "m", tied=False)
+
+    def build(**kw: Any) -> ZeroEngine:
+        cfg = LlamaConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+        with torch.device("meta"):
+            model = LlamaForCausalLM(dataclasses.replace(cfg, torch_dtype="float32"))
+        e = ZeroEngine(model, policy=LLAMA_POLICY, deterministic=True,
+                       mixed_precision=MixedPrecisionPolicy(torch.bfloat16), **kw)
+        ShardedAdamW(e, lr=1e-3)
+        load_hf(e, str(path))
+        return e
+
+    def masters(e: ZeroEngine) -> dict[str, Any]:
+        out = {}
+        for g, kinds in e.local_shards().items():
+            t = kinds["master"]
+            if not isinstance(t, torch.Tensor):  # in its offload file
+                host = torch.empty(t.shape, dtype=t.dtype)
+                t.read_into(host)
+                t = host
+            out[g] = t.clone()
+        return out
+
+    resident = build()
+    kw: dict[str, Any] = {"offload_optimizer": mode}
+    if mode == "nvme":
+        kw["offload_dir"] = str(tmp_path / "off")
+    offloaded = build(**kw)
+    want, got = masters(resident), masters(offloaded)
+    assert want.keys() == got.keys() and all(torch.equal(want[g], got[g]) for g in want)
+    for name, g in offloaded.groups.items():
+        assert g.shard.dtype == torch.bfloat16
+        assert torch.equal(g.shard, want[name].to(torch.bfloat16))
+    offloaded.close()
+    resident.close()

@@ -17,6 +17,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.precision import MixedPrecisionPolicy
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -90,6 +91,22 @@ def test_the_step_overlapping_backward_is_bit_exact(tmp_path, stage, mode):
     engine = _engine(stage, mode, tmp_path, offload_overlap_step=True)
     _train(engine, _adamw(engine), range(3), micro=2)
     _assert_same(_resident(stage), _state(engine))
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_the_overlapping_step_with_bf16_compute_keeps_bf16_alone_on_the_device(tmp_path, stage,
+                                                                               mode):
+    """The early step casts the updated master into the bf16 device shard on the host."""
+    bf16 = dict(mixed_precision=MixedPrecisionPolicy(torch.bfloat16))
+    base = _engine(stage, **bf16)
+    _train(base, _adamw(base), range(3), micro=2)
+    engine = _engine(stage, mode, tmp_path, offload_overlap_step=True, **bf16)
+    _train(engine, _adamw(engine), range(3), micro=2)
+    _assert_same(_state(base), _state(engine))
+    assert all(g.master is None and g.shard.dtype == torch.bfloat16
+               for g in engine.groups.values())
     engine.close()
 
 

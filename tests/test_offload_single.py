@@ -19,12 +19,16 @@ from shardckpt.runtime import offload as offload_module
 from shardckpt.runtime import offload_files
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.precision import MixedPrecisionPolicy
+from shardckpt.runtime.zeropp import ZeroPP
 from shardckpt.training.save_load import load, save
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+BF16 = dict(mixed_precision=MixedPrecisionPolicy(torch.bfloat16))
 
 
 def _engine(stage: int = 3, **kwargs) -> ZeroEngine:
@@ -37,13 +41,17 @@ def _adamw(engine: ZeroEngine) -> ShardedAdamW:
     return ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2, betas=(0.9, 0.95))
 
 
-def _train(engine: ZeroEngine, opt: torch.optim.Optimizer, steps: range) -> None:
+def _train(engine: ZeroEngine, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
     for s in steps:
         tokens = torch.randint(0, CFG.vocab_size, (2, 8),
                                generator=torch.Generator().manual_seed(s))
-        causal_lm_loss(engine(tokens), tokens).backward()
+        loss = causal_lm_loss(engine(tokens), tokens)
+        loss.backward()
+        losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+    return losses
 
 
 def _state(engine: ZeroEngine) -> dict[tuple[str, str], torch.Tensor]:
@@ -204,20 +212,26 @@ def test_checkpoints_load_with_offload_on_or_off_bit_for_bit(tmp_path, src, dst)
     loader.close()
 
 
-def test_async_checkpointer_stages_from_the_offload_files(tmp_path):
-    engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
-    opt = _adamw(engine)
+@pytest.mark.parametrize("mixed", [{}, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("src, dst", [("nvme", "cpu"), ("cpu", "nvme")])
+def test_async_checkpointer_stages_from_the_offload_store(tmp_path, mixed, src, dst):
+    def build(mode, where):
+        kw = dict(offload_dir=tmp_path / where) if mode == "nvme" else {}
+        e = _engine(offload_optimizer=mode, **kw, **mixed)
+        return e, _adamw(e)
+
+    engine, opt = build(src, "a")
     ckpt = Checkpointer(str(tmp_path / "run"), engine, async_save=True)
     _train(engine, opt, range(1))
     want = _state(engine)
     ckpt.save(1)
     _train(engine, opt, range(1, 2))
     ckpt.close()
-    other = _engine(offload_optimizer="cpu")
-    _adamw(other)
+    other, _ = build(dst, "b")
     assert Checkpointer(str(tmp_path / "run"), other).resume() == 1
     _assert_same(want, _state(other))
     engine.close()
+    other.close()
 
 
 def test_a_weights_only_checkpoint_zeroes_the_offloaded_state(tmp_path):
@@ -258,3 +272,68 @@ def test_a_failed_write_back_is_one_error_and_no_checkpoint_is_taken_after_it(tm
     _adamw(other)
     load(other, str(tmp_path / "good"))  # the previous checkpoint is intact
     engine.close()
+
+
+# ------------------------------------------------- bf16 compute: the device keeps bf16 alone
+
+
+def _offloaded(tmp_path, mode: str | None, stage: int = 3, where: str = "off", **kwargs):
+    kw = dict(offload_optimizer=mode, offload_dir=tmp_path / where) if mode == "nvme" \
+        else dict(offload_optimizer=mode)
+    engine = _engine(stage, **kw, **BF16, **kwargs)
+    return engine, _adamw(engine)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_bf16_compute_offloaded_keeps_only_bf16_on_the_device_bit_exact(tmp_path, stage, mode):
+    base, base_opt = _offloaded(tmp_path, None, stage)
+    engine, opt = _offloaded(tmp_path, mode, stage)
+    assert _train(base, base_opt, range(3)) == _train(engine, opt, range(3))
+    _assert_same(_state(base), _state(engine))
+    for name, g in engine.groups.items():  # no fp32 copy of the weights on the device
+        assert g.master is None and g.shard.dtype == torch.bfloat16
+        assert torch.equal(g.shard, base.groups[name].master.to(torch.bfloat16))
+    held, resident = engine.model_state_bytes(), base.model_state_bytes()
+    shards = sum(g.shard_numel for g in engine.groups.values())
+    assert held["master"] == 2 * shards and resident["master"] == 4 * shards
+    assert held["optim"] == 0 and resident["optim"] == 8 * shards
+    engine.close()
+
+
+@pytest.mark.parametrize("src, dst", [("cpu", None), (None, "nvme"), ("nvme", "cpu")])
+def test_bf16_compute_checkpoints_round_trip_with_offload_on_or_off(tmp_path, src, dst):
+    saver, opt = _offloaded(tmp_path, src, where="a")
+    _train(saver, opt, range(2))
+    save(saver, str(tmp_path / "ck"))
+    loader, opt2 = _offloaded(tmp_path, dst, where="b")
+    load(loader, str(tmp_path / "ck"))
+    _assert_same(_state(saver), _state(loader))
+    assert _train(saver, opt, range(2, 4)) == _train(loader, opt2, range(2, 4))
+    _assert_same(_state(saver), _state(loader))
+    saver.close()
+    loader.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_bf16_compute_offloaded_summon_and_full_state_dict_write_the_store(tmp_path, mode):
+    engines = [_offloaded(tmp_path, m) for m in (None, mode)]
+    for e, o in engines:
+        _train(e, o, range(1))
+        with e.summon_full_params(writeback=True) as params, torch.no_grad():
+            for p in params.values():
+                p.mul_(0.5)
+        _train(e, o, range(1, 2))
+        full = e.full_state_dict()
+        e.load_full_state_dict({k: v * 2 for k, v in full.items()})
+        _train(e, o, range(2, 3))
+    (base, _), (engine, _) = engines
+    _assert_same(_state(base), _state(engine))
+    _assert_same(base.full_state_dict(), engine.full_state_dict())
+    engine.close()
+
+
+def test_qwz_with_bf16_compute_and_offload_is_refused(tmp_path):
+    engine = _engine(3, offload_optimizer="cpu", zeropp=ZeroPP(qwz=True), **BF16)
+    with pytest.raises(ConfigError, match="qwZ with offload_optimizer and a compute dtype"):
+        _adamw(engine)

@@ -100,8 +100,9 @@ class ZeroEngine:
         offload_optimizer: ``None`` (optimizer state and step on the device), ``"cpu"`` (fp32
             masters, optimizer state and step in host memory, pinned on CUDA) or ``"nvme"``
             (in files under ``offload_dir``, a writable local directory, streamed group by
-            group); the weight shard the all-gathers read stays on the device. Same bits, same
-            checkpoints (:mod:`shardckpt.runtime.offload`). :meth:`close` removes the files.
+            group); the weight shard the gathers read stays on the device (in the compute
+            dtype alone if narrower: :mod:`~shardckpt.runtime.offload_master`). Same bits,
+            same checkpoints (:mod:`shardckpt.runtime.offload`). :meth:`close` removes files.
             With ``offload_overlap_step`` each group's host step runs in backward, once its
             gradient is reduced: no clipping, ``no_sync`` to accumulate (the rule is in
             :mod:`shardckpt.runtime.offload`); else in ``optimizer.step()``.
@@ -219,8 +220,8 @@ class ZeroEngine:
 
         Kinds: ``master`` (fp32 if trained, the param dtype if frozen) and, for trained groups
         once an optimizer is attached, its per-element kinds. The same for every stage and
-        precision policy. These are the real storage: write into them (e.g. from a checkpoint),
-        then call :meth:`refresh_params`.
+        precision policy. These are the real storage (an offloaded ``master`` the store's: a host
+        tensor or an ``OffloadedShard``): write into them, then call :meth:`refresh_params`.
         """
         out: dict[str, dict[str, torch.Tensor]] = {}
         for name, g in self.groups.items():
@@ -238,7 +239,7 @@ class ZeroEngine:
         """
         for g in self.groups.values():
             g.free()
-            g.refresh()
+            g.refresh(reload=True)
 
     def after_step(self) -> None:
         """After the optimizer updated the trained masters: re-derive their compute shards; in

@@ -4,6 +4,9 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
 
 * ``master`` is 1-D, ``s`` elements, ``group.master_dtype`` (fp32 if trained, the param's dtype if
   frozen); ``master[i]`` is element ``r * s + i`` of the flat group. Padding elements are zero.
+  ``shard`` is what gathers read: ``master``, or with the optimizer offloaded and a narrower
+  compute dtype the compute shard alone, ``master`` being ``None``
+  (:mod:`shardckpt.runtime.offload_master`).
 * the compute dtype (``precision.compute``: the declared dtype, or a mixed-precision policy's
   ``param_dtype``) is what all-gathers move: ``master`` itself when the dtypes agree, else a copy
   cast (round to nearest even) at gather time and dropped once the all-gather is done, so no
@@ -56,6 +59,8 @@ from shardckpt.runtime import collectives, zeropp
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.gradpool import GradBufferPool
 from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.offload_master import (OffloadedMaster, master_tensor, set_shard,
+                                              store_master)
 from shardckpt.runtime.precision import GroupPrecision, resolve_precision, torch_dtype
 from shardckpt.runtime.prefetch import CommStream, InFlight
 
@@ -85,8 +90,9 @@ class FlatParamGroup:
         self.precision: GroupPrecision = resolve_precision(None, self.dtype)
         self.shard_numel = layout.shard_numel(spec)
         self.shard_start, self.shard_end = layout.shard_range(spec, pm.shard_rank)
-        self.master = torch.zeros(self.shard_numel, dtype=torch_dtype(spec.master_dtype),
-                                  device=pm.device)
+        self.shard = self.master = torch.zeros(  # ``master``: ``None`` once offloaded
+            self.shard_numel, dtype=torch_dtype(spec.master_dtype), device=pm.device)
+        self.offloaded: OffloadedMaster | None = None
         # set whenever ``master`` may have changed outside an offloaded step (the offload store
         # copies it in before the next step; :mod:`shardckpt.runtime.offload`)
         self.master_changed = True
@@ -121,7 +127,7 @@ class FlatParamGroup:
 
     def _make_compute_buffers(self) -> None:
         """The (freed) ``full`` and the placeholder, in ``self.dtype``."""
-        device = self.master.device
+        device = self.shard.device
         self.full = torch.empty(self.spec.padded_numel, dtype=self.dtype, device=device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -137,8 +143,8 @@ class FlatParamGroup:
 
     @property
     def compute(self) -> torch.Tensor:
-        """This rank's shard in the compute dtype: ``master`` itself, or a fresh cast of it."""
-        return self.master if self.master.dtype == self.dtype else self.master.to(self.dtype)
+        """This rank's shard in the compute dtype: ``shard`` itself, or a fresh cast of it."""
+        return self.shard if self.shard.dtype == self.dtype else self.shard.to(self.dtype)
 
     @property
     def local_grad(self) -> torch.Tensor | None:
@@ -183,7 +189,7 @@ class FlatParamGroup:
                     self.pm, self.full, self.master, zpp.block_size, self.acct)
             else:
                 # One shard rank: copy_ casts straight into ``full``; else cast once for the wire.
-                src = self.master if self.pm.shard_degree == 1 else self.compute
+                src = self.shard if self.pm.shard_degree == 1 else self.compute
                 keep = (src,)
                 work = collectives.all_gather_shard(self.pm, self.full, src, async_op=True,
                                                     acct=self.acct)
@@ -201,17 +207,10 @@ class FlatParamGroup:
             if finish is not None:
                 with torch.no_grad():
                     finish()
-            if self._keep_secondary:
+            if self._keep_secondary:  # hpZ: keep this rank's 1/K slice for the backward
                 self._keep_secondary = False
-                self._take_secondary()
-
-    def _take_secondary(self) -> None:
-        """hpZ: keep this rank's ``1/K`` slice of the gathered weights for the backward gather."""
-        part = self.spec.padded_numel // self.pm.node_size
-        start = self.pm.node_rank * part
-        with torch.no_grad():
-            self._secondary = self.full[start:start + part].clone()
-        self.acct.secondary(self._secondary.untyped_storage().nbytes())
+                self._secondary = zeropp.node_slice(self.pm, self.full)
+                self.acct.secondary(self._secondary.untyped_storage().nbytes())
 
     def drop_secondary(self) -> None:
         """Forget the hpZ copy (end of backward, or the masters changed)."""
@@ -259,16 +258,19 @@ class FlatParamGroup:
             self.wait_gather()
         full = self.full if full is None else full
         with torch.no_grad():
-            self.master.copy_(full[self.shard_start:self.shard_end])
+            master = master_tensor(self)
+            master.copy_(full[self.shard_start:self.shard_end])
             pad_from = max(0, self.spec.numel - self.shard_start)
             if pad_from < self.shard_numel:  # padding means nothing and is zero
-                self.master[pad_from:].zero_()
-        self.refresh()
+                master[pad_from:].zero_()
+        store_master(self, master)
 
-    def refresh(self) -> None:
-        """Re-derive the compute shard from ``master``: the compute copy is cast from ``master``
-        at each gather, so only an hpZ copy of the old weights is dropped."""
+    def refresh(self, reload: bool = False) -> None:
+        """Re-derive the compute shard from the master: cast from ``master`` at each gather, or
+        with ``reload`` cast from the store's into ``shard``; an hpZ copy is dropped."""
         self.master_changed = True
+        if reload and self.offloaded is not None:
+            set_shard(self, self.offloaded.read())
         self.drop_secondary()
 
     # ---------------------------------------------------------------------- gradients
@@ -296,10 +298,10 @@ class FlatParamGroup:
         wrote), or the resident one reused, zeroed."""
         if not self.resident_grad:
             return self.pool.take(self.spec.padded_numel, self.precision.grad,
-                                  self.master.device)
+                                  self.shard.device)
         if self._grad_buffer is None:
             self._grad_buffer = torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
-                                            device=self.master.device)
+                                            device=self.shard.device)
             return self._grad_buffer
         if self._grad_in_buffer():  # the mean so far must survive the new local gradients
             self.grad = self.grad.clone()

@@ -3,9 +3,11 @@
 * **model state** (:func:`model_state_bytes`): bytes held now, by the estimator's kinds:
   ``params`` (resident gathered compute copies: stages 1 and 2 keep them), ``grads`` (reduced
   gradient shards, unreduced local buffers, and stage 1's resident whole-size gradient buffers,
-  which hold their reduced fp32 shard in their own slice), ``master`` (the master shards,
-  the parameters' storage in the checkpoint) and ``optim`` (the optimizer's per-element shards).
-  Each storage counts once.
+  which hold their reduced fp32 shard in their own slice), ``master`` (the engine's weight
+  shards: the master shards, the parameters' storage in the checkpoint; with the optimizer
+  offloaded and a narrower compute dtype, the compute-dtype shards, the masters being off the
+  device) and ``optim`` (the optimizer's per-element shards, unless offloaded). What the offload
+  store holds (host memory or files) is not counted. Each storage counts once.
 * :func:`estimate_for` asks the estimator (:mod:`shardckpt.tools.estimate`) for the same model
   (padded Ψ, largest unit), strategy, mesh and precision policy, so the two can be compared
   figure by figure.
@@ -48,13 +50,14 @@ def model_state_bytes(groups: Mapping[str, FlatParamGroup],
             seen.add(storage.data_ptr())
             out[kind] += storage.nbytes()
 
+    offloaded = optimizer is not None and getattr(optimizer, "offloaded", False)
     for name, g in groups.items():
-        add("master", g.master)
+        add("master", g.shard)
         if g.gathered:
             add("params", g.full)
         for t in (g.grad_buffer, g.grad, g.local_grad):
             add("grads", t)
-        if optimizer is not None and g.trainable:
+        if optimizer is not None and g.trainable and not offloaded:
             for t in optimizer.local_state(name).values():
                 add("optim", t)
     return out

@@ -27,6 +27,7 @@ from shardckpt.format.layout import Layout
 from shardckpt.runtime import collectives
 from shardckpt.runtime.flat import FlatParamGroup, point_params
 from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.offload_master import master_tensor, store_master
 from shardckpt.runtime.stages import StageSchedule, in_backward
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def gather_full_params(sharded: ShardedModule, fqns: list[str] | None = None
     for g in sharded.groups.values():
         if wanted is not None and not wanted.intersection(g.spec.params):
             continue
-        full = collectives.all_gather_flat(sharded.process_mesh, g.master)
+        full = collectives.all_gather_flat(sharded.process_mesh, master_tensor(g))
         for spec in g.param_specs:
             if wanted is None or spec.fqn in wanted:
                 out[spec.fqn] = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
@@ -177,7 +178,7 @@ def summon_full_params(sharded: ShardedModule, writeback: bool = False
     pm = sharded.process_mesh
     fulls: dict[str, torch.Tensor] = {}
     for name, g in sharded.groups.items():
-        fulls[name] = full = collectives.all_gather_flat(pm, g.master)
+        fulls[name] = full = collectives.all_gather_flat(pm, master_tensor(g))
         point_params(g.params, g.param_specs, full)
     params = dict(sharded.params)
     params.update({alias: params[canon] for alias, canon in sharded.tied_aliases.items()})
@@ -266,6 +267,7 @@ def load_full_state_dict(sharded: ShardedModule, state_dict: Mapping[str, torch.
     with torch.no_grad():
         for g in sharded.groups.values():
             g.free()
+            master = master_tensor(g)
             for spec in g.param_specs:
                 if spec.fqn not in source:
                     continue
@@ -273,6 +275,6 @@ def load_full_state_dict(sharded: ShardedModule, state_dict: Mapping[str, torch.
                 hi = min(spec.offset + spec.numel, g.shard_end)
                 if lo < hi:
                     flat = source[spec.fqn].reshape(-1)[lo - spec.offset:hi - spec.offset]
-                    g.master[lo - g.shard_start:hi - g.shard_start].copy_(flat)
-            g.refresh()
+                    master[lo - g.shard_start:hi - g.shard_start].copy_(flat)
+            store_master(g, master)
         load_buffers(buffers, {k: v for k, v in state_dict.items() if k in buffers}, strict=False)

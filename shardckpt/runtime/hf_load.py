@@ -68,6 +68,9 @@ class HFLoadResult:
 
 def _write(target: torch.Tensor, offset: int, data: Any) -> None:
     """Copy the bytes ``data`` (already in ``target``'s dtype) to element ``offset`` of ``target``."""
+    if hasattr(target, "write_bytes"):  # a master in its offload file
+        target.write_bytes(offset * target.dtype.itemsize, as_bytes(data))
+        return
     raw = np.frombuffer(as_bytes(data), dtype=np.uint8)
     k = target.element_size()
     if target.device.type == "cpu":
@@ -78,6 +81,8 @@ def _write(target: torch.Tensor, offset: int, data: Any) -> None:
 
 
 def _bytes_at(target: torch.Tensor, offset: int, nbytes: int) -> bytes:
+    if hasattr(target, "read_bytes"):  # a master in its offload file
+        return target.read_bytes(offset * target.dtype.itemsize, nbytes)
     k = target.element_size()
     return target.detach().view(torch.uint8)[offset * k:offset * k + nbytes].cpu().numpy().tobytes()
 

@@ -11,8 +11,10 @@ on the host, group by group, on one worker thread:
    the next group's read already in flight (``"nvme"``);
 3. the optimizer's update runs on them, op for op as in the resident step, so every element
    gets the same bits;
-4. the updated master is copied to the device shard the all-gathers read (``group.master``);
-   with ``"nvme"`` the master and state are written back while the next group computes.
+4. the updated master is copied to the device shard the all-gathers read (``group.shard``:
+   the master itself, or with a narrower compute dtype its cast on the host, the device then
+   holding no fp32 copy: :mod:`shardckpt.runtime.offload_master`); with ``"nvme"`` the master
+   and state are written back while the next group computes.
 
 When the step runs (DeepSpeed's rule): by default in ``optimizer.step()``, after backward, so
 that whatever needs every gradient first (the global norm of
@@ -33,9 +35,10 @@ Resident host memory: with ``"cpu"`` the state (12 bytes per element for AdamW) 
 gradient copies (4); with ``"nvme"`` the host gradient copies plus at most three groups' master
 and state (the one computing, the one being read ahead, the one being written back), whatever
 the model size; with ``offload_overlap_step`` one reused gradient buffer replaces the copies.
-The device shard stays authoritative for the weights between steps: whatever writes
-it (a checkpoint load, ``summon_full_params(writeback=True)``) marks the group changed
-(:meth:`FlatParamGroup.refresh`), and the next step copies it into the store first.
+A device master (compute in the master dtype) stays authoritative for the weights between
+steps: whatever writes it (a checkpoint load, ``summon_full_params(writeback=True)``) marks the
+group changed (:meth:`FlatParamGroup.refresh`), and the next step copies it into the store
+first. A master held in the store alone is written there, and the device shard cast from it.
 
 Files: one per flat group and state kind, ``<group>.<kind>.bin`` (raw little-endian elements)
 in ``<offload_dir>/shardckpt-offload-<run id>-rank<RRRRR>/``, the run id unique per run as the
@@ -167,8 +170,24 @@ class OffloadStore:
             return None
         return OffloadSnapshot(self.run_dir / f"snapshot-{new_save_id()}")
 
+    def local_master(self, name: str) -> Any:
+        """The master of ``name``: the live host tensor (``"cpu"``) or its
+        :class:`OffloadedShard`; waits for the worker first."""
+        self._check_usable()
+        self.drain()
+        return self._host[name]["master"] if self._host else self._files[name, "master"]
+
+    def read_master(self, name: str) -> torch.Tensor:
+        """The fp32 master of ``name`` on the host (the live tensor with ``"cpu"``)."""
+        live = self.local_master(name)
+        if isinstance(live, torch.Tensor):
+            return live
+        out = torch.empty(self.sizes[name], dtype=torch.float32)
+        live.read_into(out)
+        return out
+
     def pull_master(self, name: str, master: torch.Tensor) -> None:
-        """Copy the device master of ``name`` into the store (it changed outside a step)."""
+        """Copy ``master`` (fp32, any device) into the store's master of ``name``."""
         if self._host:
             self._host[name]["master"].copy_(master)
             return
@@ -237,7 +256,7 @@ class OffloadStore:
             self._copy(host, grad, event)
             window = self._host[name] if self._host else self._read(name)
             update(window["master"], host, {k: window[k] for k in self.kinds}, work)
-            self._copy(master, window["master"])
+            self._copy(master, window["master"].to(master.dtype))  # the host cast
             if not self._host:
                 self._write(name, window)
         except BaseException as e:
@@ -351,7 +370,7 @@ class OffloadStore:
             for name, window in self.windows(rest):
                 grad = self._grad_of(name, grads[name])
                 update(window["master"], grad, {k: window[k] for k in self.kinds}, work[name])
-                masters[name].copy_(window["master"])
+                masters[name].copy_(window["master"].to(masters[name].dtype))  # the host cast
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"
             raise

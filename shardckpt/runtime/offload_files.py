@@ -86,6 +86,12 @@ class OffloadedShard:
         """Write ``data`` (bytes-like) at byte ``offset``."""
         _pwrite_from(self._fd, memoryview(data).cast("B"), offset, self.path)
 
+    def read_bytes(self, offset: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes from byte ``offset``."""
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        _pread_into(self._fd, _as_bytes(t), offset, self.path)
+        return t.numpy().tobytes()
+
     def zero_(self) -> "OffloadedShard":
         zeros = bytes(min(IO_CHUNK, self.nbytes))
         for lo in range(0, self.nbytes, IO_CHUNK):

@@ -29,6 +29,7 @@ from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.runtime.contracts import ShardedEngine
 from shardckpt.runtime.flat import FlatParamGroup
 from shardckpt.runtime.offload import OffloadStore
+from shardckpt.runtime.offload_master import open_store, store_state, store_step
 from shardckpt.runtime.param_groups import (WHOLE_TENSOR_OPTIMIZERS, decay_param_groups,
                                             is_no_decay)
 
@@ -81,12 +82,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._state = {name: {k: torch.zeros_like(g.master) for k in self.state_kinds}
                            for name, g in trained.items()}
         else:
-            pm = engine.process_mesh
-            self._offload = OffloadStore(engine.offload,
-                                         {n: g.shard_numel for n, g in trained.items()},
-                                         self.state_kinds, pm.device, pm.rank)
-            engine.set_offload_hooks(self._grad_reduced, self._offload.drain,
-                                     self._offload.scale_grads)
+            self._offload = open_store(engine, trained, self.state_kinds, self._grad_reduced)
         self._ready = True
         engine.attach_optimizer(self)
 
@@ -142,8 +138,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a tensor, or with ``offload_optimizer="nvme"`` an
         :class:`~shardckpt.runtime.offload.OffloadedShard` (its file)."""
         if self._offload is not None:
-            return self._offload.local_state(group_name)
+            return store_state(self._offload, self._engine.groups.get(group_name))
         return dict(self._state.get(group_name, {}))
+
+    @property
+    def offloaded(self) -> bool:
+        """True if the masters and state are in an offload store, off the device."""
+        return self._offload is not None
 
     def offload_snapshot(self) -> Any:
         """With ``"nvme"`` offload: (trained group names, an empty ``OffloadSnapshot``) for an
@@ -181,12 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 fg = groups[name]
                 self._update_segments(fg.master, fg.grad, self._state[name], items)
         else:
-            early = self._offload.early_names
-            for name in work:  # the device shard changed since the last step (a load, ...)
-                if groups[name].master_changed and name not in early:
-                    self._offload.pull_master(name, groups[name].master)
-            self._offload.step(work, {n: groups[n].master for n in work},
-                               {n: groups[n].grad for n in work}, self._update_segments)
+            store_step(self._offload, groups, work, self._update_segments)
         self._engine.after_step()
         for name in work:  # after_step re-derived them from what the store holds too
             groups[name].master_changed = False
@@ -213,9 +209,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         if not store.early_names:
             self._engine.before_update()  # the first change of this step's shards
-        if group.master_changed:
+        if group.master_changed and group.offloaded is None:
             store.pull_master(group.name, group.master)
-        store.grad_ready(group.name, group.grad, group.master, self._update_segments,
+        store.grad_ready(group.name, group.grad, group.shard, self._update_segments,
                          self._items(group.name))
 
     def _update_segments(self, master: torch.Tensor, grad: torch.Tensor,

@@ -147,6 +147,13 @@ def start_quantized_gather(pm: ProcessMesh, full: torch.Tensor, shard: torch.Ten
     return work, (packed, wire), finish
 
 
+def node_slice(pm: ProcessMesh, full: torch.Tensor) -> torch.Tensor:
+    """hpZ: a copy of this rank's ``1/K`` slice of the gathered ``full`` (its secondary)."""
+    part = full.numel() // pm.node_size
+    with torch.no_grad():
+        return full[pm.node_rank * part:(pm.node_rank + 1) * part].clone()
+
+
 def start_node_gather(pm: ProcessMesh, full: torch.Tensor, secondary: torch.Tensor,
                       acct: Accounting | None = None) -> Any:
     """hpZ: all-gather the node's secondary slices into ``full`` inside the node (a byte copy).

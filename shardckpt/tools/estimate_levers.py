@@ -113,10 +113,11 @@ OFFLOAD_WINDOW_GROUPS = 3
 class OffloadSplit:
     """Model-state bytes per rank with the optimizer offloaded (shardckpt's runtime:
     ``offload_optimizer``): the per-element optimizer state and an fp32 master copy, ``(4 +
-    optim) · Ψ / S``, leave the device, which keeps its weight shard, gradients and (when
-    separate) master shard. ``cpu``: host memory holds them; ``nvme``: the disk does, and host
-    memory holds the streaming window of :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest
-    unit's shard (0 when ``largest_unit`` is unknown). Host memory also holds the reduced fp32
+    optim) · Ψ / S``, leave the device, which keeps its weight shard (in the compute dtype,
+    ``p · Ψ / S``, when that is narrower than the master's) and gradients. ``cpu``: host memory
+    holds them; ``nvme``: the disk does, and host memory holds the streaming window of
+    :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest unit's shard (0 when ``largest_unit`` is
+    unknown). Host memory also holds the reduced fp32
     gradients: a copy of every group's shard, made in backward (``4 · Ψ / S``), or, when the
     step overlaps backward (``offload_overlap_step``), one buffer of the largest unit's shard."""
 
@@ -138,10 +139,12 @@ def offload_split(row: Estimate, mode: str, overlap_step: bool = False) -> Offlo
         raise EstimateError("offload", mode, f"unknown; known: {', '.join(OFFLOAD_MODES)}")
     if row.strategy == "ddp":
         raise EstimateError("strategy", "ddp", "offload applies to ZeRO-1/2/3 and HSDP")
-    optim = row.kind("optim")
+    optim, master, p = row.kind("optim"), row.kind("master"), row.kind("params").bytes_per_param
     per_param = 4 + optim.bytes_per_param  # fp32 master copy + per-element state
     moved = per_param * row.params / row.shard
     device = row.model_state_bytes - optim.bytes
+    if p < master.bytes_per_param:  # the device keeps the compute-dtype shard alone
+        device -= master.bytes - p * row.params / row.shard
     unit = (row.largest_unit or 0) / row.shard
     grads = 4 * unit if overlap_step else 4 * row.params / row.shard
     if mode == "cpu":

@@ -65,6 +65,12 @@ def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None
                     if kind != "master" and kind not in src.kinds:
                         raise IntegrityError(f"{reader.url}: holds {', '.join(src.kinds)}; the "
                                              f"optimizer keeps {kind!r}")
+                    if hasattr(tensor, "write_bytes"):  # state in an offload file
+                        at = 0
+                        for x in produce(_Slot(f"{gname}.{kind}")):
+                            tensor.write_bytes(at, x)
+                            at += memoryview(x).nbytes
+                        continue
                     flat, pos = tensor.view(-1), 0
                     dtype = str(flat.dtype).removeprefix("torch.")
                     for x in produce(_Slot(f"{gname}.{kind}")):
