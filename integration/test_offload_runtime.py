@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from testing.ranks import case_suite, check_case
+from testing.engines import shard_state
 
 pytestmark = pytest.mark.slow
 
@@ -73,17 +74,6 @@ def _train(engine: Any, opt: Any, steps: range, rank: int) -> list[float]:
     return losses
 
 
-def _state(engine: Any) -> dict[tuple[str, str], torch.Tensor]:
-    out = {}
-    for g, kinds in engine.local_shards().items():
-        for k, t in kinds.items():
-            if not isinstance(t, torch.Tensor):  # an offload file
-                host = torch.empty(t.shape, dtype=t.dtype)
-                t.read_into(host)
-                t = host
-            out[g, k] = t.clone()
-    return out
-
 
 def _diff(a: dict, b: dict, what: str) -> list[str]:
     if a.keys() != b.keys():
@@ -96,13 +86,13 @@ def _bf16_parity(pm: Any, stage: int, where: Path) -> list[str]:
     and losses are the resident run's."""
     engine, opt = _build(pm, stage, None, None, bf16=True)
     losses = _train(engine, opt, range(3), pm.rank)
-    want, problems = _state(engine), []
+    want, problems = shard_state(engine), []
     for mode, overlap in (("cpu", False), ("nvme", True)):
         engine, opt = _build(pm, stage, mode, where, overlap, bf16=True)
         what = f"bf16 stage {stage} {mode} overlap={overlap}"
         if _train(engine, opt, range(3), pm.rank) != losses:
             problems.append(f"{what}: losses differ")
-        problems += _diff(want, _state(engine), what)
+        problems += _diff(want, shard_state(engine), what)
         if any(g.master is not None or g.shard.dtype != torch.bfloat16
                for g in engine.groups.values()):
             problems.append(f"{what}: an fp32 master is on the device")
@@ -119,11 +109,11 @@ def case_parity(pm: Any) -> list[str]:
         for stage in (1, 2, 3):
             engine, opt = _build(pm, stage, None, None)
             _train(engine, opt, range(3), pm.rank)
-            want = _state(engine)
+            want = shard_state(engine)
             for mode, overlap in (("cpu", False), ("nvme", False), ("cpu", True), ("nvme", True)):
                 engine, opt = _build(pm, stage, mode, where, overlap)
                 _train(engine, opt, range(3), pm.rank)
-                problems += _diff(want, _state(engine), f"stage {stage} {mode} overlap={overlap}")
+                problems += _diff(want, shard_state(engine), f"stage {stage} {mode} overlap={overlap}")
                 engine.close()
             if pm.world_size == 2:
                 problems += _bf16_parity(pm, stage, where)
@@ -149,15 +139,15 @@ def case_checkpoint(pm: Any) -> list[str]:
         _train(ref, ref_opt, range(2), pm.rank)
         save(ref, str(root / "resident"))
         _train(src, opt, range(2, 3), pm.rank)
-        after = _state(src)
+        after = shard_state(src)
         for url, mode, stage in (("from-nvme", None, 2), ("from-nvme", "cpu", 1),
                                  ("resident", "nvme", 3)):
             dst, dst_opt = _build(pm, stage, mode, root / f"off-dst-{pm.rank}")
             load(dst, str(root / url))
-            problems += _diff(_state(ref), _state(dst), f"{url} into {mode} at load")
+            problems += _diff(shard_state(ref), shard_state(dst), f"{url} into {mode} at load")
             _train(dst, dst_opt, range(2, 3), pm.rank)
             if url == "from-nvme":
-                problems += _diff(after, _state(dst), f"{url} into {mode} after a step")
+                problems += _diff(after, shard_state(dst), f"{url} into {mode} after a step")
             dst.close()
         src.close()
     finally:

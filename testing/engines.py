@@ -96,3 +96,19 @@ def train_llama(engine, opt, data, steps: range) -> None:
         causal_lm_loss(engine(tokens), tokens).backward()
         opt.step()
         opt.zero_grad()
+
+
+def shard_state(engine: Any) -> dict[tuple[str, str], Any]:
+    """(group, kind) -> a copy of this rank's shard, for every kind ``local_shards()`` gives;
+    state in an offload file is read back into a host tensor."""
+    import torch
+
+    out = {}
+    for g, kinds in engine.local_shards().items():
+        for k, t in kinds.items():
+            if not isinstance(t, torch.Tensor):  # an offload file
+                host = torch.empty(t.shape, dtype=t.dtype)
+                t.read_into(host)
+                t = host
+            out[g, k] = t.clone()
+    return out

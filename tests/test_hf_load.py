@@ -215,6 +215,7 @@ def test_hf_weights_into_an_offloaded_bf16_engine(tmp_path: Path, mode: str) -> 
     (host memory or its files): ``load_hf`` writes them there, bit for bit what a resident
     engine loads, and the device keeps only their bf16 cast."""
     from shardckpt.runtime.precision import MixedPrecisionPolicy
+    from testing.engines import shard_state
 
     path = save_tiny(tmp_path / "m", tied=False)
 
@@ -229,15 +230,7 @@ def test_hf_weights_into_an_offloaded_bf16_engine(tmp_path: Path, mode: str) -> 
         return e
 
     def masters(e: ZeroEngine) -> dict[str, Any]:
-        out = {}
-        for g, kinds in e.local_shards().items():
-            t = kinds["master"]
-            if not isinstance(t, torch.Tensor):  # in its offload file
-                host = torch.empty(t.shape, dtype=t.dtype)
-                t.read_into(host)
-                t = host
-            out[g] = t.clone()
-        return out
+        return {g: t for (g, kind), t in shard_state(e).items() if kind == "master"}
 
     resident = build()
     kw: dict[str, Any] = {"offload_optimizer": mode}

@@ -18,6 +18,7 @@ from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import MixedPrecisionPolicy
+from testing.engines import shard_state
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -58,17 +59,6 @@ def _train(engine: ZeroEngine, opt, steps: range, micro: int = 1, clip: float | 
         opt.zero_grad()
 
 
-def _state(engine: ZeroEngine) -> dict[tuple[str, str], torch.Tensor]:
-    out = {}
-    for g, kinds in engine.local_shards().items():
-        for k, t in kinds.items():
-            if not isinstance(t, torch.Tensor):  # an offload file
-                host = torch.empty(t.shape, dtype=t.dtype)
-                t.read_into(host)
-                t = host
-            out[g, k] = t.clone()
-    return out
-
 
 def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
@@ -81,7 +71,7 @@ def _resident(stage: int) -> dict[tuple[str, str], torch.Tensor]:
     """The resident run's state after three steps of two micro-batches (one per stage)."""
     base = _engine(stage)
     _train(base, _adamw(base), range(3), micro=2)
-    return _state(base)
+    return shard_state(base)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -90,7 +80,7 @@ def test_the_step_overlapping_backward_is_bit_exact(tmp_path, stage, mode):
     """Two micro-batches per step (no_sync for the first), three steps."""
     engine = _engine(stage, mode, tmp_path, offload_overlap_step=True)
     _train(engine, _adamw(engine), range(3), micro=2)
-    _assert_same(_resident(stage), _state(engine))
+    _assert_same(_resident(stage), shard_state(engine))
     engine.close()
 
 
@@ -104,7 +94,7 @@ def test_the_overlapping_step_with_bf16_compute_keeps_bf16_alone_on_the_device(t
     _train(base, _adamw(base), range(3), micro=2)
     engine = _engine(stage, mode, tmp_path, offload_overlap_step=True, **bf16)
     _train(engine, _adamw(engine), range(3), micro=2)
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     assert all(g.master is None and g.shard.dtype == torch.bfloat16
                for g in engine.groups.values())
     engine.close()
@@ -117,7 +107,7 @@ def test_clipping_scales_the_host_copies_made_in_backward_bit_exact(tmp_path, mo
     engine = _engine(2, mode, tmp_path)
     opt = _adamw(engine)
     _train(engine, opt, range(3), clip=0.05)
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     engine.close()
 
 
@@ -142,7 +132,7 @@ def test_gradients_reach_the_host_in_backward_and_the_step_waits_for_step(tmp_pa
     opt.step()
     two_opt.step()
     assert len(calls) == len(trained) and "shardckpt-offload" not in calls[0]
-    _assert_same(_state(two), _state(engine))
+    _assert_same(shard_state(two), shard_state(engine))
     engine.close()
 
 

@@ -22,6 +22,7 @@ from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import MixedPrecisionPolicy
 from shardckpt.runtime.zeropp import ZeroPP
 from shardckpt.training.save_load import load, save
+from testing.engines import shard_state
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -53,18 +54,6 @@ def _train(engine: ZeroEngine, opt: torch.optim.Optimizer, steps: range) -> list
         opt.zero_grad()
     return losses
 
-
-def _state(engine: ZeroEngine) -> dict[tuple[str, str], torch.Tensor]:
-    """Every kind of every group as a tensor (offload files read back)."""
-    out = {}
-    for g, kinds in engine.local_shards().items():
-        for k, t in kinds.items():
-            if not isinstance(t, torch.Tensor):
-                host = torch.empty(t.shape, dtype=t.dtype)
-                t.read_into(host)
-                t = host
-            out[g, k] = t.clone()
-    return out
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -138,7 +127,7 @@ def test_offloaded_step_is_bit_exact_against_the_resident_one(tmp_path, stage, m
     engine = _engine(stage, offload_optimizer=mode, **kwargs)
     opt = _adamw(engine)
     _train(engine, opt, range(3))
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     # the host path ran: the store's masters are tensors of their own, not the device shards
     store = opt._offload
     assert store is not None and store.config.mode == mode
@@ -154,7 +143,7 @@ def test_sgd_with_momentum_offloaded_is_bit_exact(tmp_path):
     _train(base, ShardedSGD(base, lr=1e-2, momentum=0.9), range(3))
     engine = _engine(2, offload_optimizer="nvme", offload_dir=tmp_path)
     _train(engine, ShardedSGD(engine, lr=1e-2, momentum=0.9), range(3))
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     engine.close()
 
 
@@ -169,7 +158,7 @@ def test_masters_written_between_steps_reach_the_offloaded_step(tmp_path):
             kinds["master"].mul_(0.5)
         e.refresh_params()
         _train(e, o, range(1, 2))
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     engine.close()
 
 
@@ -204,10 +193,10 @@ def test_checkpoints_load_with_offload_on_or_off_bit_for_bit(tmp_path, src, dst)
     save(saver, str(tmp_path / "ck"))
     loader, opt2 = build(dst, "b")
     load(loader, str(tmp_path / "ck"))
-    _assert_same(_state(saver), _state(loader))
+    _assert_same(shard_state(saver), shard_state(loader))
     _train(saver, opt, range(2, 4))
     _train(loader, opt2, range(2, 4))
-    _assert_same(_state(saver), _state(loader))
+    _assert_same(shard_state(saver), shard_state(loader))
     saver.close()
     loader.close()
 
@@ -223,13 +212,13 @@ def test_async_checkpointer_stages_from_the_offload_store(tmp_path, mixed, src, 
     engine, opt = build(src, "a")
     ckpt = Checkpointer(str(tmp_path / "run"), engine, async_save=True)
     _train(engine, opt, range(1))
-    want = _state(engine)
+    want = shard_state(engine)
     ckpt.save(1)
     _train(engine, opt, range(1, 2))
     ckpt.close()
     other, _ = build(dst, "b")
     assert Checkpointer(str(tmp_path / "run"), other).resume() == 1
-    _assert_same(want, _state(other))
+    _assert_same(want, shard_state(other))
     engine.close()
     other.close()
 
@@ -239,11 +228,11 @@ def test_a_weights_only_checkpoint_zeroes_the_offloaded_state(tmp_path):
     save(weights, str(tmp_path / "ck"))
     engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path / "off")
     _train(engine, _adamw(engine), range(1))
-    assert any(t.any() for (g, k), t in _state(engine).items() if k != "master")
+    assert any(t.any() for (g, k), t in shard_state(engine).items() if k != "master")
     load(engine, str(tmp_path / "ck"))
-    state = _state(engine)
+    state = shard_state(engine)
     assert all(not t.any() for (g, k), t in state.items() if k != "master")
-    assert all(torch.equal(state[key], t) for key, t in _state(weights).items())
+    assert all(torch.equal(state[key], t) for key, t in shard_state(weights).items())
     engine.close()
     assert os.listdir(tmp_path / "off") == []
 
@@ -290,7 +279,7 @@ def test_bf16_compute_offloaded_keeps_only_bf16_on_the_device_bit_exact(tmp_path
     base, base_opt = _offloaded(tmp_path, None, stage)
     engine, opt = _offloaded(tmp_path, mode, stage)
     assert _train(base, base_opt, range(3)) == _train(engine, opt, range(3))
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     for name, g in engine.groups.items():  # no fp32 copy of the weights on the device
         assert g.master is None and g.shard.dtype == torch.bfloat16
         assert torch.equal(g.shard, base.groups[name].master.to(torch.bfloat16))
@@ -308,9 +297,9 @@ def test_bf16_compute_checkpoints_round_trip_with_offload_on_or_off(tmp_path, sr
     save(saver, str(tmp_path / "ck"))
     loader, opt2 = _offloaded(tmp_path, dst, where="b")
     load(loader, str(tmp_path / "ck"))
-    _assert_same(_state(saver), _state(loader))
+    _assert_same(shard_state(saver), shard_state(loader))
     assert _train(saver, opt, range(2, 4)) == _train(loader, opt2, range(2, 4))
-    _assert_same(_state(saver), _state(loader))
+    _assert_same(shard_state(saver), shard_state(loader))
     saver.close()
     loader.close()
 
@@ -328,7 +317,7 @@ def test_bf16_compute_offloaded_summon_and_full_state_dict_write_the_store(tmp_p
         e.load_full_state_dict({k: v * 2 for k, v in full.items()})
         _train(e, o, range(2, 3))
     (base, _), (engine, _) = engines
-    _assert_same(_state(base), _state(engine))
+    _assert_same(shard_state(base), shard_state(engine))
     _assert_same(base.full_state_dict(), engine.full_state_dict())
     engine.close()
 
