@@ -17,3 +17,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+@app.callback()
+def _group() -> None:
+    # A callback keeps ``app`` a group of commands however many are registered: the console
+    # script (:mod:`shardckpt.cli.run`) registers only the command it runs.
+    pass

@@ -1,6 +1,6 @@
 """``python -m shardckpt`` (and ``torchrun ... -m shardckpt``): the ``shardckpt`` command."""
 
-from shardckpt.cli.main import app
+from shardckpt.cli.run import main
 
 if __name__ == "__main__":
-    app()
+    main()

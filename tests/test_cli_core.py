@@ -316,6 +316,27 @@ def test_help_does_not_import_torch() -> None:
     assert r2.returncode == 0 and "verify" in r2.stdout
 
 
+def test_console_script_registers_each_command_from_its_module() -> None:
+    """The console script registers only the module of the command it runs: its table names
+    every command the modules register, with the module that registers it, and a command's
+    help is the same through it as through the whole application."""
+    from shardckpt.cli import main as everything
+    from shardckpt.cli.run import COMMAND_MODULES
+
+    app = everything.app
+    registered = {c.name or c.callback.__name__: c.callback.__module__.rsplit(".", 1)[-1]
+                  for c in app.registered_commands}
+    registered.update({g.name: "importers" for g in app.registered_groups})
+    assert registered == COMMAND_MODULES
+    for name in ("reshard", "inspect", "import"):
+        whole = subprocess.run([sys.executable, "-m", "shardckpt.cli.main", name, "--help"],
+                               capture_output=True, text=True, timeout=60)
+        alone = subprocess.run([shardckpt_script(), name, "--help"], capture_output=True, text=True,
+                               timeout=60)
+        assert whole.returncode == alone.returncode == 0, (whole.stderr, alone.stderr)
+        assert alone.stdout == whole.stdout.replace("python -m shardckpt.cli.main", "shardckpt")
+
+
 # --------------------------------------------------------------- progress totals from the library
 
 

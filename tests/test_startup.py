@@ -20,7 +20,10 @@ NEVER = ("torch", "s3fs", "aiobotocore", "botocore", "fsspec", "pydantic")
 RICH_HELP = ("typer.rich_utils", "rich", "rich.markdown", "pygments", "markdown_it")
 #: The part of it that a command printing its own tables (rich.table) still never needs.
 HELP_ONLY = ("typer.rich_utils", "rich.markdown")
-WATCHED = NEVER + RICH_HELP + ("numpy", "shardckpt.storage.s3", "shardckpt.tools.estimate")
+#: The ``crc32c`` package's ``__init__`` (it reads its version through ``importlib.metadata``):
+#: shardckpt loads only its C extension.
+CRC_PACKAGE = ("crc32c", "importlib.metadata")
+WATCHED = NEVER + RICH_HELP + CRC_PACKAGE + ("numpy", "shardckpt.storage.s3", "shardckpt.tools.estimate")
 
 # Runs ``python -m shardckpt.cli.main ARGS`` in this interpreter and, however it ends, writes the
 # watched modules it loaded as JSON to the file named first; the exit code is the command's.
@@ -73,13 +76,14 @@ def test_command_help_and_usage_errors_stay_plain(tmp_path: Path) -> None:
 def test_byte_moving_commands_load_no_arrays(tmp_path: Path, ckpts: tuple[str, str],
                                              command: str) -> None:
     """Reading a manifest, checking checksums and resharding move bytes: numpy is not needed,
-    nor torch, nor S3's client stack, fsspec or pydantic for a local path."""
+    nor torch, nor S3's client stack, fsspec or pydantic for a local path, nor the metadata
+    machinery the crc32c package's ``__init__`` loads."""
     a, _ = ckpts
     args = command.split() + [a]
     if command == "reshard":
         args += [str(tmp_path / "r"), "--to", "1"]
     mods = loaded_by(tmp_path, *args)
-    assert not mods & set(NEVER + HELP_ONLY + ("numpy",)), mods
+    assert not mods & set(NEVER + HELP_ONLY + CRC_PACKAGE + ("numpy",)), mods
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])

@@ -20,8 +20,6 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, Iterable, Iterator, Mapping, overload
 
-import crc32c as _crc32c
-
 from shardckpt.errors import ManifestError
 
 #: The member that holds the manifest's checksum; written by every writer since format 1.1.
@@ -43,8 +41,42 @@ _TAIL = re.compile(rb'"' + CHECKSUM_FIELD.encode() + rb'"' + _WS + rb":" + _WS
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def crc32c(data: bytes) -> int:
-    return _crc32c.crc32c(data)
+def _crc32c_extension() -> Any:
+    """The ``crc32c`` package's C extension (``crc32c._crc32c``), loaded from its file.
+
+    The package's ``__init__`` looks its own version up through ``importlib.metadata`` and loads
+    its command line, ~30 ms of every command's start (a third of ``inspect``'s imports); the
+    checksum function is the extension's either way. The package itself where that fails (or
+    where it is already imported)."""
+    if "crc32c" not in sys.modules:
+        try:
+            import importlib.machinery
+            import importlib.util
+            import os
+
+            spec = importlib.util.find_spec("crc32c")
+            base = (spec.submodule_search_locations or [""])[0] if spec else ""
+            for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+                path = os.path.join(base, "_crc32c" + suffix)
+                if base and os.path.exists(path):
+                    ext = importlib.util.spec_from_file_location("crc32c._crc32c", path)
+                    if ext is not None and ext.loader is not None:
+                        mod = importlib.util.module_from_spec(ext)
+                        ext.loader.exec_module(mod)
+                        return mod
+        except (ImportError, OSError):
+            pass
+    import crc32c as package
+
+    return package
+
+
+_CRC32C = _crc32c_extension().crc32c
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``data``, continuing from ``value``."""
+    return _CRC32C(data, value)
 
 
 def seal(doc: Mapping[str, Any]) -> bytes:

@@ -14,16 +14,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
-import crc32c as _crc32c
-
 from shardckpt.errors import StorageError
+from shardckpt.format.integrity import crc32c
 from shardckpt.storage.retry import _describe, _map_error, mapped_errors
 
 log = logging.getLogger(__name__)
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    return _crc32c.crc32c(data, value)
 
 
 # CRC32C combine, as zlib's crc32_combine: crc(A + B) = x^(8 len(B)) * crc(A) + crc(B) mod P
