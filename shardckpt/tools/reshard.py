@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -362,6 +361,8 @@ def _run_workers(src: str, src_options: Mapping[str, Any] | None, dst: str,
                  dst_options: Mapping[str, Any] | None, mesh: Mesh, save_id: str,
                  parts: Sequence[Sequence[int]], buffer_bytes: int) -> tuple[list[FileEntry], int]:
     """Write the target shards of ``parts[w]`` in spawned process ``w``; fail if any fails."""
+    import multiprocessing as mp  # only with --workers
+
     ctx = mp.get_context("spawn")
     procs = []
     for w, shards in enumerate(parts):
