@@ -2,7 +2,7 @@
 bit for bit equal to the resident run at stages 1, 2 and 3, with the step after backward or
 overlapping it; checkpoints saved and loaded with offload on or off; async saves from a
 snapshot of the offload files (2 ranks). The shared job of each world size runs these cases
-(parity at 1, 2 and 4 ranks); a report is a list of problems (empty = pass).
+(parity at 1 to 4 ranks); a report is a list of problems (empty = pass).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def cases_for(world: int) -> list[str]:
     return {1: ["parity", "checkpoint"], 2: list(CASES)}.get(world, ["parity"])
 
 
-reports = case_suite(__name__, CASES, cases_for, [1, 2, 4], timeout_s=240, pg_timeout_s=150,
+reports = case_suite(__name__, CASES, cases_for, [1, 2, 3, 4], timeout_s=240, pg_timeout_s=150,
                      case_pg_timeout_s=120)
 
 
