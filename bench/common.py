@@ -6,11 +6,18 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Sequence
 
 import psutil
+
+
+#: The ``shardckpt`` command as users run it: the console script installed beside this
+#: interpreter, else ``python -m shardckpt`` (which runs the same entry point).
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "shardckpt")
+SHARDCKPT = [_SCRIPT] if os.access(_SCRIPT, os.X_OK) else [sys.executable, "-m", "shardckpt"]
 
 
 def ensure_bytecode() -> None:

@@ -34,7 +34,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_bytecode, drop_tree, median, run_measured  # noqa: E402
+from common import SHARDCKPT, ensure_bytecode, drop_tree, median, run_measured  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_dcp_consolidate_worker.py")
@@ -102,7 +102,7 @@ def main() -> None:
     own_work = args.workdir is None
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")
     os.makedirs(work, exist_ok=True)
-    exe = [sys.executable, "-m", "shardckpt.cli.main"]
+    exe = list(SHARDCKPT)
     rows = []
     try:
         for size_gb in (float(s) for s in args.sizes.split(",")):

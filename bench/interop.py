@@ -34,7 +34,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from common import dir_bytes, drop_tree, median, run_measured  # noqa: E402
+from common import SHARDCKPT, dir_bytes, drop_tree, median, run_measured  # noqa: E402
 
 
 def model_config(params: float) -> dict:
@@ -102,7 +102,7 @@ def main_dcp(args: argparse.Namespace, work: str) -> None:
 
         run_distributed(job_save_dcp, args.ranks, args=(src, model_config(args.params)),
                         timeout_s=3600, pg_timeout_s=1800)
-    exe = [sys.executable, "-m", "shardckpt.cli.main"]
+    exe = list(SHARDCKPT)
     cmds = {
         "dcp_to_torch_save": lambda d: [sys.executable, "-m",
                                         "torch.distributed.checkpoint.format_utils",
@@ -152,7 +152,7 @@ def main() -> None:
 
         run_distributed(job_save, args.ranks, args=(src, args.stage, model_config(args.params)),
                         timeout_s=3600, pg_timeout_s=1800, env={"DS_ACCELERATOR": "cpu"})
-    exe = [sys.executable, "-m", "shardckpt.cli.main"]
+    exe = list(SHARDCKPT)
     cmds = {
         # torch.save output: its safetensors output refuses a tied embedding
         "zero_to_fp32": lambda d: [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", src, d],

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_bytecode, dir_bytes, drop_tree, median, run_measured, run_measured_json  # noqa: E402
+from common import SHARDCKPT, ensure_bytecode, dir_bytes, drop_tree, median, run_measured, run_measured_json  # noqa: E402
 
 
 def plan_70b_seconds() -> tuple[float, int]:
@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     ensure_bytecode()
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")
-    exe = [sys.executable, "-m", "shardckpt.cli.main"]
+    exe = list(SHARDCKPT)
     rows = []
     for size_gb in (float(s) for s in args.sizes.split(",")):
         src = os.path.join(work, f"src-{size_gb}")

@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from common import drop_tree, median, run_measured  # noqa: E402
+from common import SHARDCKPT, drop_tree, median, run_measured  # noqa: E402
 
 BLOCK = 8 << 20
 
@@ -166,7 +166,7 @@ def run(server: Any, state: str, work: str, args: argparse.Namespace, from_ranks
            "PYTHONPATH": ROOT}
     bucket = server.create_bucket("bench")
     fs = server.filesystem()
-    exe = [sys.executable, "-m", "shardckpt.cli.main"]
+    exe = list(SHARDCKPT)
     me = [sys.executable, os.path.abspath(__file__)]
     src = f"s3://{bucket}/src"
     params = int(args.size * 1e9 / 12)  # fp32 master + two fp32 AdamW moments

@@ -22,11 +22,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_bytecode  # noqa: E402
+from common import SHARDCKPT, ensure_bytecode  # noqa: E402
 
-#: The console script installed beside this interpreter (what users run), else ``python -m``.
-_SCRIPT = os.path.join(os.path.dirname(sys.executable), "shardckpt")
-EXE = [_SCRIPT] if os.access(_SCRIPT, os.X_OK) else [sys.executable, "-m", "shardckpt.cli.main"]
+EXE = list(SHARDCKPT)
 
 
 def wall(cmd: list[str]) -> float:
