@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from shardckpt.checkpoint.verify import verify
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
 from testing.cli import cli_process
-from testing.torchrun import contents, kill_rank, torchrun
+from testing.torchrun import contents, kill_when, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -78,19 +77,10 @@ def test_sigkill_of_a_process_commits_nothing_and_a_rerun_succeeds(tmp_path: Pat
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     synthesize(src, 4_000_000, ranks=4, units=4)  # ~50 MB
     proc = torchrun(2, "reshard", src, dst, "--to", "8", "--buffer", "64KiB", wait=False)
-    killed = None
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None and killed is None:
-            files = [f for _, _, fs in os.walk(dst) for f in fs if f.startswith("shard-")]
-            if len(files) >= 3:  # both processes are writing
-                killed = kill_rank(proc, victim)
-            time.sleep(0.005)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    def both_writing() -> bool:
+        return len([f for _, _, fs in os.walk(dst) for f in fs if f.startswith("shard-")]) >= 3
+    killed, err = kill_when(proc, both_writing, victim)
     assert killed is not None, "the job finished before a process could be killed; make it bigger"
     assert proc.returncode != 0, err[-3000:]
     assert not os.path.exists(os.path.join(dst, MANIFEST_NAME))
@@ -245,18 +235,10 @@ def test_sigkill_of_a_process_mid_import_commits_nothing(tmp_path: Path) -> None
         {"metadata": {"total_size": 32 << 20}, "weight_map": weight_map}))
     proc = torchrun(2, "import", "hf", str(source), dst, "--ranks", "8", "--buffer", "64KiB",
                     wait=False)
-    killed = None
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None and killed is None:
-            if [f for _, _, fs in os.walk(dst) for f in fs if f.startswith("shard-")]:
-                killed = kill_rank(proc, 1)  # mid-write: a first target file is there
-            time.sleep(0.005)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    def writing() -> bool:  # mid-write: a first target file is there
+        return any(f.startswith("shard-") for _, _, fs in os.walk(dst) for f in fs)
+    killed, err = kill_when(proc, writing, 1)
     assert killed is not None, "the job finished before a process could be killed; make it bigger"
     assert proc.returncode != 0, err[-3000:]
     assert not os.path.exists(os.path.join(dst, MANIFEST_NAME))

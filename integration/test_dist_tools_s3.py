@@ -5,7 +5,6 @@ mid-run commits nothing, and a rerun succeeds."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -16,7 +15,7 @@ from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.synth import synthesize
 
 from testing.cli import cli_process
-from testing.torchrun import contents, kill_rank, torchrun
+from testing.torchrun import contents, kill_when, torchrun
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -131,20 +130,11 @@ def test_sigkill_on_s3_commits_nothing_and_a_rerun_succeeds(ceph_server: Any, s3
     fs = b.filesystem()
     proc = torchrun(2, "reshard", src, dst, "--to", "8", "--buffer", "64KiB", *cli_options(b),
                     wait=False)
-    killed = None
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None and killed is None:
-            fs.invalidate_cache()
-            written = [k for k in fs.find(f"{b.name}/dst") if "/shard-" in k]
-            if written:  # a first target file is complete: the job is mid-run
-                killed = kill_rank(proc, 1)
-            time.sleep(0.05)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    def written() -> bool:  # a first target file is complete: the job is mid-run
+        fs.invalidate_cache()
+        return any("/shard-" in k for k in fs.find(f"{b.name}/dst"))
+    killed, err = kill_when(proc, written, 1, poll_s=0.05)
     assert killed is not None, "the job finished before a process could be killed; make it bigger"
     assert proc.returncode != 0, err[-3000:]
     fs.invalidate_cache()

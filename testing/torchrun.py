@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -62,3 +62,25 @@ def kill_rank(proc: Any, rank: int) -> int | None:
         except psutil.Error:
             continue
     return None
+
+
+def kill_when(proc: Any, ready: "Callable[[], bool]", rank: int, poll_s: float = 0.005,
+              timeout_s: float = 120.0) -> tuple[int | None, str]:
+    """SIGKILL worker ``rank`` of torchrun job ``proc`` once ``ready()`` holds (the job is
+    mid-run), then wait for the job: (the killed pid or None, the job's stderr). A job still
+    running at the end is killed."""
+    import time
+
+    killed = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and proc.poll() is None and killed is None:
+            if ready():
+                killed = kill_rank(proc, rank)
+            time.sleep(poll_s)
+        _, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return killed, err
