@@ -66,6 +66,14 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def _finish(*axes: Any, fontsize: int = 8) -> None:
+    """Every plot's axes: y from 0, a legend, a light grid."""
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=fontsize)
+        ax.grid(alpha=0.3)
+
+
 def plot_throughput(res: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
     plt, fig, (a, b) = _figure(PLOT_TITLES["throughput"], meta, 2)
     rs = res.get("reshard", {}).get("rows", [])
@@ -81,10 +89,7 @@ def plot_throughput(res: dict[str, Any], meta: dict[str, Any], path: Path) -> No
     b.plot(x, [r["weights_gb"] / r["shardckpt_call_s"] for r in cs], "o:", label="shardckpt (library call)")
     b.plot(x, [r["weights_gb"] / r["dcp_call_s"] for r in cs], "s:", label="DCP (library call)")
     b.set(xlabel="fp32 weights (GB)", ylabel="GB/s", title="consolidate to safetensors")
-    for ax in (a, b):
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+    _finish(a, b, fontsize=7)
     _save(plt, fig, path)
 
 
@@ -100,10 +105,7 @@ def plot_rss(res: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
     b.plot(x, [r["shardckpt_peak_rss_mb"] for r in cs], "o-", label="shardckpt consolidate")
     b.plot(x, [r["dcp_peak_rss_mb"] for r in cs], "s-", label="DCP consolidate")
     b.set(xlabel="fp32 weights (GB)", ylabel="peak RSS (MB)", title="consolidate to safetensors")
-    for ax in (a, b):
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+    _finish(a, b, fontsize=7)
     _save(plt, fig, path)
 
 
@@ -115,9 +117,7 @@ def plot_load(res: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
                               ("load_dcp_sc", "DCP (shardckpt reader)", "^--")):
         a.plot(x, [v["seconds"][key] for _, v in runs], style, label=label)
     a.set(xlabel="ranks that load", ylabel="load time (s)", xticks=x)
-    a.set_ylim(bottom=0)
-    a.legend(fontsize=8)
-    a.grid(alpha=0.3)
+    _finish(a)
     _save(plt, fig, path)
 
 

@@ -7,11 +7,12 @@ snapshot of the offload files (2 ranks). The shared job of each world size runs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -31,11 +32,18 @@ def _tokens(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (2, 8), generator=g)
 
 
-def _shared_dir(pm: Any, name: str) -> Path:
-    """A directory every rank names alike (rank 0 picks it), empty at the start."""
+@contextlib.contextmanager
+def _shared_dir(pm: Any, name: str) -> Iterator[Path]:
+    """A directory every rank names alike (rank 0 picks it), empty at the start; removed by
+    rank 0 once every rank is done with it."""
     box = [tempfile.mkdtemp(prefix=f"shardckpt-offload-{name}-") if pm.rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    try:
+        yield Path(box[0])
+    finally:
+        dist.barrier()
+        if pm.rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: bool = False,
@@ -129,9 +137,8 @@ def case_checkpoint(pm: Any) -> list[str]:
     and load into an offloaded one; training on gives the same bits."""
     from shardckpt.training.save_load import load, save
 
-    root = _shared_dir(pm, "ckpt")
     problems = []
-    try:
+    with _shared_dir(pm, "ckpt") as root:
         src, opt = _build(pm, 3, "nvme", root / f"off-src-{pm.rank}")
         _train(src, opt, range(2), pm.rank)
         save(src, str(root / "from-nvme"))
@@ -150,10 +157,6 @@ def case_checkpoint(pm: Any) -> list[str]:
                 problems += _diff(after, shard_state(dst), f"{url} into {mode} after a step")
             dst.close()
         src.close()
-    finally:
-        dist.barrier()
-        if pm.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
     return problems
 
 
@@ -172,9 +175,8 @@ def case_async_save(pm: Any) -> list[str]:
     from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.training.save_load import save
 
-    root = _shared_dir(pm, "async")
     problems: list[str] = []
-    try:
+    with _shared_dir(pm, "async") as root:
         engine, opt = _build(pm, 3, "nvme", root / f"off-{pm.rank}")
         run_dir = opt._offload.run_dir
         _train(engine, opt, range(2), pm.rank)
@@ -212,10 +214,6 @@ def case_async_save(pm: Any) -> list[str]:
             problems += [f"{k} differs from the sync save" for k in want
                          if k in got and not torch.equal(want[k], got[k])]
         engine.close()
-    finally:
-        dist.barrier()
-        if pm.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
     return problems
 
 

@@ -33,3 +33,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint stock DCP's ``FileSystemWriter`` wrote (``testing.dcp_states.state(0)``);
+    shared by the DCP tests, which only read it (a test that damages one copies it first)."""
+    pytest.importorskip("torch.distributed.checkpoint")
+    from testing.dcp_states import dcp_save, state
+
+    path = tmp_path_factory.mktemp("dcp") / "src"
+    dcp_save(state(0), path)
+    return path

@@ -26,19 +26,12 @@ from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import MANIFEST_NAME
 
 from testing.ckpts import flat_state
-from testing.dcp_states import assert_same, dcp_load, dcp_save, flat, metadata, state
+from testing.dcp_states import assert_same, dcp_load, dcp_save, flat, metadata
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("dcp") / "src"
-    dcp_save(state(0), path)
-    return path
 
 
 @pytest.fixture

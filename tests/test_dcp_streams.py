@@ -18,19 +18,12 @@ from shardckpt.interop.dcp_export import export_dcp
 from shardckpt.interop.dcp_import import import_dcp
 
 from testing.ckpts import flat_state
-from testing.dcp_states import assert_same, dcp_load, dcp_save, metadata, state
+from testing.dcp_states import assert_same, dcp_load, dcp_save, metadata
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("dcp") / "src"
-    dcp_save(state(0), path)
-    return path
 
 
 def test_export_streams_bounded_chunks_into_several_files(tiny_ckpt: tuple[str, Any],
