@@ -1,0 +1,129 @@
+"""A seeded, structure-aware fuzzer for readers of untrusted inputs.
+
+A case starts from a valid document (a manifest, DCP metadata records, a safetensors header, a
+DeepSpeed state, a watch record) and replaces one or a few of its nodes with hostile values: NaN
+and infinities, huge or negative integers, lone surrogates, long strings, deep nesting, wrong
+types, path tricks. :func:`mutations` yields the cases of one seed, so a failure is reproduced by
+its seed and index; :func:`expect_clean` states what every reader must do with any of them:
+return, or raise one :class:`~shardckpt.errors.ShardckptError`; never another exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import signal
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+#: Values a hostile author puts where a number, a name or a list goes.
+HOSTILE: tuple[Any, ...] = (
+    math.nan, math.inf, -math.inf, -1, 0, 2**63, 2**64 + 1, -(2**63) - 1, 10**30, 1e308,
+    True, None, "", "x" * 5000, "\ud800", "a\nb", "../../etc/passwd", "/etc/passwd",
+    "step-00000001\n", "%s%s%n", "<script>", [], {}, [1, 2, 3], {"a": 1}, 1.5, "1", "nan",
+)
+
+
+def _paths(doc: Any, here: tuple = ()) -> Iterator[tuple]:
+    """Every node's path (a tuple of keys and indices) in ``doc``, the root included."""
+    yield here
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, here + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, here + (i,))
+
+
+def _get(doc: Any, path: tuple) -> Any:
+    for k in path:
+        doc = doc[k]
+    return doc
+
+
+def deep(depth: int = 5000) -> Any:
+    """A list nested ``depth`` deep (parsers that recurse must refuse it, not overflow)."""
+    v: Any = 0
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def mutate(doc: Any, rng: random.Random, edits: int = 1) -> Any:
+    """A copy of ``doc`` with ``edits`` nodes replaced, removed or duplicated."""
+    out = copy.deepcopy(doc)
+    for _ in range(edits):
+        paths = list(_paths(out))
+        path = rng.choice(paths)
+        if not path:  # the root itself
+            out = rng.choice(HOSTILE + (deep(),))
+            continue
+        parent, key = _get(out, path[:-1]), path[-1]
+        op = rng.random()
+        if op < 0.15 and isinstance(parent, dict):
+            del parent[key]
+        elif op < 0.2 and isinstance(parent, list):
+            del parent[key]
+        elif op < 0.25 and isinstance(parent, dict):
+            parent[rng.choice(("x" * 5000, "\ud800", "../x", ""))] = copy.deepcopy(parent[key])
+        elif op < 0.3:
+            parent[key] = deep(rng.choice((50, 5000)))
+        elif op < 0.4 and isinstance(parent[key], int) and not isinstance(parent[key], bool):
+            parent[key] = parent[key] * rng.choice((-1, 2**40, 10**4000)) + rng.choice((0, 1, -1))
+        elif op < 0.5 and isinstance(parent[key], str):
+            parent[key] = parent[key] + rng.choice(("\n", "\ud800", "/..", "\x00", "x" * 5000))
+        else:
+            parent[key] = rng.choice(HOSTILE)
+    return out
+
+
+def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
+    """``data`` truncated, extended, or with a few bytes changed."""
+    b = bytearray(data)
+    op = rng.random()
+    if op < 0.3 and b:
+        return bytes(b[: rng.randrange(len(b))])
+    if op < 0.4:
+        return bytes(b) + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+    for _ in range(rng.randrange(1, 8)):
+        if b:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    return bytes(b)
+
+
+def mutations(doc: Any, seed: int, n: int, max_edits: int = 3) -> Iterator[tuple[int, Any]]:
+    """``n`` mutated copies of ``doc`` as ``(index, case)``, the same for the same ``seed``."""
+    rng = random.Random(seed)
+    for i in range(n):
+        yield i, mutate(doc, rng, rng.randint(1, max_edits))
+
+
+@contextmanager
+def hang_guard(seconds: int, what: str) -> Iterator[None]:
+    """Fail (``AssertionError``) a case that runs past ``seconds``: a hang detector, not a speed
+    bound, so give it ample room (the main thread only; POSIX)."""
+    def alarm(*_: Any) -> None:
+        raise AssertionError(f"{what}: still running after {seconds} s (a hang?)")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def expect_clean(fn: Callable[[], Any], what: str, hang_s: int = 60) -> BaseException | None:
+    """Run ``fn``: it returns, or raises a :class:`ShardckptError` (returned). Any other exception
+    fails with ``what`` (the case's seed and index) in the message."""
+    from shardckpt.errors import ShardckptError
+
+    with hang_guard(hang_s, what):
+        try:
+            fn()
+        except ShardckptError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - the point: nothing else may escape
+            raise AssertionError(f"{what}: {type(e).__name__} escaped: {e!r:.500}") from e
+    return None
