@@ -25,15 +25,28 @@ HOSTILE: tuple[Any, ...] = (
 )
 
 
-def _paths(doc: Any, here: tuple = ()) -> Iterator[tuple]:
+class Deep:
+    """A list nested ``depth`` deep, kept as a marker so that copying and walking a case stay
+    cheap; :func:`dumps` writes it out (parsers that recurse must refuse it, not overflow)."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def __deepcopy__(self, memo: dict) -> "Deep":
+        return self
+
+
+def _paths(doc: Any) -> list[tuple]:
     """Every node's path (a tuple of keys and indices) in ``doc``, the root included."""
-    yield here
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            yield from _paths(v, here + (k,))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            yield from _paths(v, here + (i,))
+    out, todo = [], [((), doc)]
+    while todo:
+        here, node = todo.pop()
+        out.append(here)
+        if isinstance(node, dict):
+            todo.extend((here + (k,), v) for k, v in node.items())
+        elif isinstance(node, list):
+            todo.extend((here + (i,), v) for i, v in enumerate(node))
+    return out
 
 
 def _get(doc: Any, path: tuple) -> Any:
@@ -42,12 +55,38 @@ def _get(doc: Any, path: tuple) -> Any:
     return doc
 
 
-def deep(depth: int = 5000) -> Any:
-    """A list nested ``depth`` deep (parsers that recurse must refuse it, not overflow)."""
-    v: Any = 0
-    for _ in range(depth):
-        v = [v]
-    return v
+def dumps(case: Any) -> str:
+    """``case`` as JSON text, hostile values kept: NaN and infinities as JS literals, lone
+    surrogates escaped, each :class:`Deep` written out as nested brackets."""
+    import json
+
+    deep: list[int] = []
+
+    def default(o: Any) -> Any:
+        if isinstance(o, Deep):
+            deep.append(o.depth)
+            return f"\x00deep{len(deep) - 1}\x00"
+        raise TypeError(type(o).__name__)
+
+    text = json.dumps(case, default=default)
+    for i, d in enumerate(deep):
+        text = text.replace(f'"\\u0000deep{i}\\u0000"', "[" * d + "0" + "]" * d, 1)
+    return text
+
+
+def materialize(case: Any) -> Any:
+    """``case`` with each :class:`Deep` replaced by real nested lists (for inputs that are not
+    JSON text: a ``torch.save`` payload, a Python object handed to a parser)."""
+    if isinstance(case, Deep):
+        v: Any = 0
+        for _ in range(case.depth):
+            v = [v]
+        return v
+    if isinstance(case, dict):
+        return {k: materialize(v) for k, v in case.items()}
+    if isinstance(case, list):
+        return [materialize(v) for v in case]
+    return case
 
 
 def mutate(doc: Any, rng: random.Random, edits: int = 1) -> Any:
@@ -57,7 +96,7 @@ def mutate(doc: Any, rng: random.Random, edits: int = 1) -> Any:
         paths = list(_paths(out))
         path = rng.choice(paths)
         if not path:  # the root itself
-            out = rng.choice(HOSTILE + (deep(),))
+            out = rng.choice(HOSTILE + (Deep(5000),))
             continue
         parent, key = _get(out, path[:-1]), path[-1]
         op = rng.random()
@@ -68,7 +107,7 @@ def mutate(doc: Any, rng: random.Random, edits: int = 1) -> Any:
         elif op < 0.25 and isinstance(parent, dict):
             parent[rng.choice(("x" * 5000, "\ud800", "../x", ""))] = copy.deepcopy(parent[key])
         elif op < 0.3:
-            parent[key] = deep(rng.choice((50, 5000)))
+            parent[key] = Deep(rng.choice((50, 5000)))
         elif op < 0.4 and isinstance(parent[key], int) and not isinstance(parent[key], bool):
             parent[key] = parent[key] * rng.choice((-1, 2**40, 10**4000)) + rng.choice((0, 1, -1))
         elif op < 0.5 and isinstance(parent[key], str):
