@@ -32,16 +32,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _save_load_jobs as jobs  # noqa: E402
 from common import drop_tree, median  # noqa: E402
+from shardckpt.format.quantities import parse_count  # noqa: E402
 
 TARGETS = {"save_vs_dcp": (">=", 1.0), "save_vs_raw": (">=", 0.8), "load_vs_dcp": (">=", 1.0),
            "async_blocking_vs_sync": ("<=", 0.10), "dcp_writer_vs_fs": (">=", 1.0),
            "dcp_reader_vs_fs": (">=", 1.0), "dcp_async_blocking_vs_fs": ("<=", 1.0)}
-
-
-def parse_count(text: str) -> int:
-    mult = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
-    t = text.strip().lower()
-    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(float(t))
 
 
 def llama_config(params: int) -> dict[str, object]:
@@ -76,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     from shardckpt.training.launch import launch
 
-    cfg = llama_config(parse_count(args.params))
+    cfg = llama_config(parse_count(args.params, "--params"))
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")
     os.makedirs(work, exist_ok=True)
     t = time.perf_counter()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TypeVar
@@ -41,39 +40,29 @@ def parse_storage_options(items: Optional[list[str]]) -> dict[str, Any]:
     return out
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtTbB]?)[iI]?[bB]?\s*$")
-
-
 def parse_count(text: str, what: str) -> int:
-    """'7.5e9', '7.5B', '125M', '5GB' -> int (K/M/G/B/T are powers of 1000)."""
-    m = _SIZE.match(text)
-    if not m:
-        fail(f"{what} {text!r}: expected a number such as 1e6, 125M, 7.5B", EXIT_USAGE)
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}[m.group(2).lower()]
-    value = int(round(float(m.group(1)) * scale))
-    if value <= 0:
-        fail(f"{what} {text!r}: must be positive", EXIT_USAGE)
-    return value
+    """A count option ('1_000_000', '1e6', '125M', '7B'): :func:`shardckpt.format.quantities.parse_count`;
+    bad text is one line and exit code 2."""
+    from shardckpt.format.quantities import QuantityError, parse_count as parse
 
-
-_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_BYTE_UNITS = {"": 1, "b": 1,
-               **{f"{p}{b}": 1000 ** (i + 1) for i, p in enumerate("kmgt") for b in ("", "b")},
-               **{f"{p}i{b}": 1 << 10 * (i + 1) for i, p in enumerate("kmgt") for b in ("", "b")}}
+    try:
+        return parse(text, what)
+    except QuantityError as e:
+        fail(str(e), EXIT_USAGE)
+        raise  # unreachable: fail exits
 
 
 def parse_bytes(text: str, what: str) -> int:
-    """A size in bytes, the one parser of every size option: '64' and '64B' are 64 bytes;
-    K/KB, M/MB, G/GB, T/TB are powers of 1000, Ki/KiB, Mi/MiB, Gi/GiB, Ti/TiB powers of 1024
-    (case-insensitive); '1e9' is a billion bytes."""
-    m = _BYTES.match(text)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _BYTE_UNITS:
-        fail(f"{what} {text!r}: expected a size in bytes such as 65536, 64KiB, 32MB, 1GiB", EXIT_USAGE)
-    value = int(round(float(m.group(1)) * _BYTE_UNITS[unit]))
-    if value <= 0:
-        fail(f"{what} {text!r}: must be positive", EXIT_USAGE)
-    return value
+    """A size option in bytes, the one parser of every size option: '64' and '64B' are 64 bytes;
+    K/KB … T/TB are powers of 1000, Ki/KiB … Ti/TiB powers of 1024
+    (:func:`shardckpt.format.quantities.parse_size`); bad text is one line and exit code 2."""
+    from shardckpt.format.quantities import QuantityError, parse_size
+
+    try:
+        return parse_size(text, what)
+    except QuantityError as e:
+        fail(str(e), EXIT_USAGE)
+        raise  # unreachable: fail exits
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> None:

@@ -99,8 +99,8 @@ def estimate(
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
-    from shardckpt.tools.estimate import (GB, EstimateError, estimate_all, parse_count,
-                                          precision_preset)
+    from shardckpt.format.quantities import parse_count
+    from shardckpt.tools.estimate import GB, EstimateError, estimate_all, precision_preset
     from shardckpt.tools.estimate_levers import offload_split, zeropp_traffic
 
     given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
@@ -108,9 +108,9 @@ def estimate(
              "block_size": block_size, "grad_bits": grad_bits, "offload": offload}
     zpp: tuple[ZeroPPTraffic, ...] = ()
     off: list[OffloadSplit] = []
+    psi = parse_count(params, "--params")  # a QuantityError is the usage error as it stands
+    unit = parse_count(largest_unit, "--largest-unit") if largest_unit is not None else None
     try:
-        psi = parse_count(params, "params")
-        unit = parse_count(largest_unit, "largest_unit") if largest_unit is not None else None
         n, r = _whole("ranks", ranks), _whole("replicate", replicate)
         prec = precision_preset(precision)
         rows = estimate_all(psi, n, replicate=r, precision=prec.name, largest_unit=unit)

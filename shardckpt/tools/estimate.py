@@ -29,11 +29,11 @@ ZeRO++ traffic and optimizer offload: :mod:`shardckpt.tools.estimate_levers`.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from shardckpt.errors import ConfigError
+from shardckpt.format import quantities
 from shardckpt.format.layout import REPLICATE_AXIS, SHARD_AXIS
 
 GB = 1e9
@@ -188,23 +188,13 @@ def fields_dict(obj: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------- validation
 
 
-_COUNT = re.compile(r"^\s*([0-9][0-9_]*\.?[0-9_]*(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*$", re.I)
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-
-
 def parse_count(text: str, option: str = "params") -> int:
-    """Parse a parameter count: ``7.5e9``, ``7.5B``, ``70B``, ``125M``, ``1.2T``, ``350k``.
-
-    Suffixes (any case): K = 1e3, M = 1e6, B or G = 1e9, T = 1e12. Rounds to the nearest integer;
-    refuses anything unparsable or below 1.
-    """
-    m = _COUNT.match(text)
-    if m is None:
-        raise EstimateError(option, text, "not a count; write e.g. 7.5e9, 7.5B, 70B or 125M")
-    value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
-    if not math.isfinite(value) or round(value) < 1:
-        raise EstimateError(option, text, "must be at least 1")
-    return round(value)
+    """Parse a parameter count: ``7.5e9``, ``7.5B``, ``70B``, ``125M``, ``1.2T``, ``350k``,
+    ``1_000_000`` (:func:`shardckpt.format.quantities.parse_count`, the one count parser)."""
+    try:
+        return quantities.parse_count(text, option)
+    except quantities.QuantityError as e:
+        raise EstimateError(option, text, e.reason) from None
 
 
 def check_count(option: str, value: object, minimum: int = 1) -> int:
