@@ -47,6 +47,14 @@ class StorageError(ShardckptError):
         self.path = path
 
 
+class NotFoundError(StorageError):
+    """The object does not exist."""
+
+
+class DeadlineExceededError(StorageError):
+    """A transient failure persisted until the retry deadline."""
+
+
 class CommitConflictError(StorageError):
     """A create-only write found the object already there: another save committed first."""
 

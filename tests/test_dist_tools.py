@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardckpt.tools.distributed import Job, _same_error, job_from_environment, launched
+from shardckpt.checkpoint.collective import same_error as _same_error
+from shardckpt.tools.distributed import Job, job_from_environment, launched
 from shardckpt.errors import CollectiveError, ConfigError, IncompatibleLayoutError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh

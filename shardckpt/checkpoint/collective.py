@@ -11,7 +11,8 @@ import json
 import traceback
 from typing import Any, Callable, TypeVar
 
-from shardckpt.errors import CollectiveError
+from shardckpt import errors
+from shardckpt.errors import CollectiveError, ShardckptError
 
 T = TypeVar("T")
 
@@ -101,7 +102,7 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
         payload = result if isinstance(result, (dict, list, str, int, float, type(None))) else None
         report = {"ok": True, "payload": payload}
     except Exception as e:  # noqa: BLE001 - re-raised below on every rank
-        report = {"ok": False, "error": f"{type(e).__name__}: {e}",
+        report = {"ok": False, "error": f"{type(e).__name__}: {e}", "message": str(e),
                   "kinds": [c.__name__ for c in type(e).__mro__],
                   "trace": traceback.format_exc(limit=8)}
         local = e
@@ -126,6 +127,9 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
             failures)
         # class names of each failure and its bases, so every rank can tell kinds apart alike
         err.kinds = {r: set(rep.get("kinds", ())) for r, rep in enumerate(reports) if not rep["ok"]}
+        err.kind_order = {r: list(rep.get("kinds", ())) for r, rep in enumerate(reports) if not rep["ok"]}
+        err.messages = {r: rep.get("message", rep["error"]) for r, rep in enumerate(reports)
+                        if not rep["ok"]}
         raise err from local
     return result, reports
 
@@ -134,3 +138,30 @@ def failed_with(err: CollectiveError, kind: type[BaseException]) -> list[int]:
     """Ranks whose failure in ``err`` (raised by :func:`agree`) was a ``kind`` (or a subclass)."""
     kinds = getattr(err, "kinds", {})
     return sorted(r for r, names in kinds.items() if kind.__name__ in names)
+
+
+def same_error(err: CollectiveError, what: str) -> ShardckptError:
+    """The error of the lowest failing rank in ``err`` (raised by :func:`agree`), rebuilt on this
+    rank with the most derived class of its lineage that :mod:`shardckpt.errors` defines, and its
+    message (prefixed with the rank when ranks failed differently), so that every process raises,
+    and a command exits, alike: a ``NotFoundError`` stays one, a usage error stays a
+    ``ConfigError``. Lost contact, or a failure outside shardckpt's classes, stays ``err``."""
+    failures = err.failures
+    if not failures:
+        return err
+    first = min(failures)
+    kind, _, said = failures[first].partition(": ")
+    message = getattr(err, "messages", {}).get(first, said)
+    same = len(set(failures.values())) == 1
+    text = message if same else f"{what}: rank {first}: {message}"
+    for name in getattr(err, "kind_order", {}).get(first, [kind]):
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, ShardckptError)):
+            continue
+        if cls is CollectiveError or cls is ShardckptError:
+            break
+        try:
+            return cls(text)
+        except TypeError:  # a class with a richer constructor: try its base
+            continue
+    return CollectiveError(text if kind in text else f"{text} ({kind})", failures)

@@ -17,20 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
-from shardckpt.errors import ShardckptError, StorageError
+from shardckpt.errors import DeadlineExceededError, NotFoundError, ShardckptError, StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEADLINE_ENV = "SHARDCKPT_DEADLINE_S"
-
-
-class NotFoundError(StorageError):
-    """The object does not exist."""
-
-
-class DeadlineExceededError(StorageError):
-    """A transient failure persisted until the retry deadline."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from shardckpt import errors
 from shardckpt.errors import CollectiveError, ConfigError, ShardckptError
 from shardckpt.tools.split import balance, contiguous_split, shard_bytes
 
@@ -64,12 +63,12 @@ class Job:
     def agree(self, fn: Callable[[], Any], what: str) -> list[Any]:
         """Run ``fn`` here (its result JSON), then every process's result, in rank order; if ``fn``
         failed anywhere, every process raises the lowest failing rank's error (same class)."""
-        from shardckpt.checkpoint.collective import agree
+        from shardckpt.checkpoint.collective import agree, same_error
 
         try:
             _, reports = agree(fn, what, self.group)
         except CollectiveError as e:
-            raise _same_error(e, what) from e
+            raise same_error(e, what) from e
         return [r["payload"] for r in reports]
 
     def on_root(self, fn: Callable[[], Any], what: str) -> Any:
@@ -79,24 +78,6 @@ class Job:
     def share(self, costs: Sequence[int]) -> list[int]:
         """The items (indices into ``costs``) this process takes: :func:`balance`'s split."""
         return balance(costs, self.world_size)[self.rank]
-
-
-def _same_error(e: CollectiveError, what: str) -> ShardckptError:
-    """The error of the lowest failing rank, rebuilt with its class where shardckpt defines it,
-    so that every process exits alike (a usage error stays one)."""
-    if not e.failures:
-        return e  # contact was lost: that is the error
-    first = min(e.failures)
-    kind, _, message = e.failures[first].partition(": ")
-    same = len(set(e.failures.values())) == 1
-    text = message if same else f"{what}: rank {first}: {message}"
-    cls = getattr(errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, ShardckptError):
-        try:
-            return cls(text)
-        except TypeError:
-            pass
-    return CollectiveError(text if kind in text else f"{text} ({kind})", e.failures)
 
 
 def _timeout_s() -> float:
