@@ -136,9 +136,22 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def require_torch() -> None:
+    """Refuse, before any process starts, a demo on a machine without torch (one line saying how
+    to install it, rather than an import error from every rank)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise ShardckptError(
+            f"shardckpt demo trains a model and needs torch, which does not import here ({e}); "
+            "install it with `pip install torch` (or `pip install 'shardckpt[torch]'`)") from None
+
+
 def run_demo(workdir: str | None = None, ranks: int = 4, to: int = 2, steps: int = 4,
              say: Callable[[str], None] = lambda s: None) -> DemoSummary:
-    """Run the demo; ``say`` receives one line per phase. Raises if the final check fails."""
+    """Run the demo in ``workdir`` (default: a new temporary directory, whose path the summary
+    gives; the caller decides whether to keep it); ``say`` receives one line per phase. Raises if
+    the final check fails."""
     from shardckpt.tools.consolidate import consolidate
     from shardckpt.training.launch import launch
     from shardckpt.checkpoint.run_dir import step_dir
@@ -150,6 +163,7 @@ def run_demo(workdir: str | None = None, ranks: int = 4, to: int = 2, steps: int
             raise ConfigError(f"{name} {n}: must divide the demo's global batch of {GLOBAL_BATCH}")
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be >= 1")
+    require_torch()
     workdir = workdir or tempfile.mkdtemp(prefix="shardckpt-demo-")
     os.makedirs(workdir, exist_ok=True)
     if os.listdir(workdir):
