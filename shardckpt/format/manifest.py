@@ -38,7 +38,7 @@ MAX_MANIFEST_BYTES = 512 << 20
 DEFAULT_CHUNK_SIZE = 1 << 20
 ROLES = ("shard", "buffers", "rank", "chunks")
 #: Names of save ids, components, groups and path segments: letters, digits, ``_ . -``.
-SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+\Z")
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
 
 

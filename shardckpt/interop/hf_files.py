@@ -32,8 +32,8 @@ COPY_ALLOWED = (
 MAX_COPY_BYTES = 1 << 30  # a tokenizer is megabytes; anything near this is not one
 
 #: Names that hold weights (or an index of them) in a model folder, in any common format.
-WEIGHT_NAME = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack)(\.index\.json)?$"
-                         r"|\.safetensors\.partial-[0-9a-f]+$")
+WEIGHT_NAME = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack)(\.index\.json)?\Z"
+                         r"|\.safetensors\.partial-[0-9a-f]+\Z")
 
 
 def hf_config(m: Manifest, dtype: str, source: str = "") -> dict[str, Any] | None:

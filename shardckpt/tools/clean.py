@@ -22,8 +22,8 @@ from shardckpt.storage.lease import live_until
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import OpenUpload, Storage, abort_upload, list_open_uploads
 
-SAVE_ID = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
-TMP_MANIFEST = re.compile(r"^manifest\.json\.tmp-[0-9a-f]+$")
+SAVE_ID = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}\Z")
+TMP_MANIFEST = re.compile(r"^manifest\.json\.tmp-[0-9a-f]+\Z")
 
 
 @dataclass

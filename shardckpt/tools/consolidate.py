@@ -71,7 +71,7 @@ MODEL_INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 PROVENANCE = "shardckpt_consolidated.json"
 _OUTPUT_NAME = re.compile(r"^(model|optimizer)(-\d{5}-of-\d{5})?(-[0-9a-f]{8})?\.safetensors"
-                          r"(\.index\.json|\.partial-[0-9a-f]+)?$|^shardckpt_consolidated\.json$")
+                          r"(\.index\.json|\.partial-[0-9a-f]+)?\Z|^shardckpt_consolidated\.json\Z")
 
 
 # --------------------------------------------------------------------------------- write (effectful)

@@ -42,7 +42,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.format.dtypes import OUTPUT_ALIASES
 
 KINDS = ("verify", "reshard", "consolidate", "copy", "retain")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}\Z")
 _TOP = {"name", "watch", "state", "interval_s", "concurrency", "retries", "backoff_s",
         "lease_ttl_s", "storage_options", "steps"}
 _STEP_KEYS = {

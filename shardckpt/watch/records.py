@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 WATCH_DIR = ".watch"
 MAX_RECORD_BYTES = 1 << 16
-_CLAIM = re.compile(rf"^{re.escape(LEASE_PREFIX)}claim-(\d+)$")
+_CLAIM = re.compile(rf"^{re.escape(LEASE_PREFIX)}claim-(\d+)\Z")
 
 
 def pipeline_dir(pipeline: str) -> str:
