@@ -15,7 +15,8 @@ from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, echo, echo_json, fail,
 def watch(
     pipeline: str = typer.Argument(..., help="The pipeline's TOML file (see README: Pipelines)."),
     once: bool = typer.Option(False, "--once", help="Process the committed checkpoints there are, "
-                              "then exit (for cron and CI); exit 1 if a step was dead-lettered."),
+                              "then exit (for cron and CI); exit 1 if a step was dead-lettered "
+                              "or a checkpoint waits behind an unreadable record."),
     status: bool = typer.Option(False, "--status", help="Print each checkpoint and its steps' "
                                 "states, then exit."),
     json_out: bool = typer.Option(False, "--json", help="With --status: print JSON."),
@@ -60,7 +61,9 @@ def watch(
         if server is not None:
             server.shutdown()
     if once:
+        unreadable = f", {report.unreadable} waiting behind an unreadable record (see the log)" \
+            if report.unreadable else ""
         echo(f"{report.done} step(s) done, {report.dead} dead-lettered, {report.held} checkpoint(s) "
-             f"held by another watcher, {report.uncommitted} not committed")
-        if report.dead:
+             f"held by another watcher, {report.uncommitted} not committed{unreadable}")
+        if report.dead or report.unreadable:
             raise typer.Exit(EXIT_FAILED)

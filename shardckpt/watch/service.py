@@ -20,6 +20,12 @@ the claim while the lease is renewed (every ``lease_ttl_s / 3``); a watcher that
 lease for a whole ``lease_ttl_s`` (a host frozen that long) can be overtaken, and then the
 outputs' own create-only commits and the create-only records keep one result.
 
+A step whose record is unreadable (:func:`~shardckpt.watch.records.read_record`: planted, damaged,
+not a record) is neither run nor counted done; its checkpoint waits, and is looked at again each
+pass, until someone removes that record. Names in the run directory other than checkpoint names
+(:func:`~shardckpt.watch.records.checkpoint_step`: ``step-`` and ASCII digits, nothing after) are
+ignored, and what the log says of the store is one printable line.
+
 Checkpoints whose every step is settled are remembered, so an idle watcher costs one LIST of the
 run directory per interval. Steps run in this process, one at a time per checkpoint: memory is
 that of the largest step. Does not import torch.
@@ -41,10 +47,10 @@ from shardckpt.watch import records as watch_records
 from shardckpt.watch import steps as watch_steps
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.errors import ShardckptError
-from shardckpt.checkpoint.run_dir import STEP_DIR
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.storage import Storage
 from shardckpt.watch.config import Pipeline, StepSpec
+from shardckpt.watch.records import checkpoint_step, printable
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +80,13 @@ class Counters:
 @dataclass
 class PassReport:
     """One pass over the run: steps recorded done or dead by this watcher, checkpoints left to
-    another watcher (held) or not yet committed."""
+    another watcher (held), not yet committed, or waiting behind an unreadable record."""
 
     done: int = 0
     dead: int = 0
     held: int = 0
     uncommitted: int = 0
+    unreadable: int = 0
 
 
 class Watcher:
@@ -116,8 +123,8 @@ class Watcher:
             return self.process_pass()
         except ShardckptError as e:
             self.counters.add("errors", "pass")
-            log.error("a pass over %s failed (%s); trying again in %g s", self.watch.url, e,
-                      self.p.interval_s)
+            log.error("a pass over %s failed (%s); trying again in %g s", self.watch.url,
+                      printable(e, 1000), self.p.interval_s)
             return PassReport()
 
     def stop(self) -> None:
@@ -127,9 +134,9 @@ class Watcher:
         """(step, name) of the step directories not yet settled, oldest first: one LIST."""
         out = []
         for name in self.watch.ls(""):
-            m = STEP_DIR.match(name)
-            if m and name not in self._settled:
-                out.append((int(m.group(1)), name))
+            step = checkpoint_step(name)
+            if step is not None and name not in self._settled:
+                out.append((step, name))
         return sorted(out)
 
     def process_pass(self) -> PassReport:
@@ -151,6 +158,7 @@ class Watcher:
             report.done += r.done
             report.dead += r.dead
             report.held += r.held
+            report.unreadable += r.unreadable
         self.counters.passes += 1
         return report
 
@@ -171,6 +179,9 @@ class Watcher:
             if st == "dead":
                 self._settle(name)
                 return report
+            if st == "unreadable":  # warned by read_record; not settled: looked at again next pass
+                report.unreadable += 1
+                return report
             if st == "running" or self.stop_event.is_set():
                 report.held += st == "running"
                 return report
@@ -179,6 +190,9 @@ class Watcher:
             outcome = self.run_step(spec, src, manifest, name, step)
             if outcome == "held":
                 report.held += 1
+                return report
+            if outcome == "unreadable":
+                report.unreadable += 1
                 return report
             if outcome == "dead":
                 report.dead += 1
@@ -195,7 +209,7 @@ class Watcher:
             self._settled.add(name)
 
     def is_settled(self, name: str, before: int) -> bool:
-        """Whether every step of ``name`` before step index ``before`` has a record."""
+        """Whether every step of ``name`` before step index ``before`` has a readable record."""
         if name in self._settled:
             return True
         states = watch_records.step_states(self.state, self.p.name, name, self.keys[:before - 1])
@@ -205,10 +219,12 @@ class Watcher:
 
     def run_step(self, spec: StepSpec, src: Storage, manifest: "Manifest | ShardckptError",
                  name: str, step: int) -> str:
-        """Claim, run (with retries) and record one step: "done", "dead", "held" or "stopped"."""
+        """Claim, run (with retries) and record one step: "done", "dead", "held", "stopped" or
+        "unreadable" (a record that fails its checks appeared meanwhile)."""
         claim = watch_records.StepClaim(self.state, self.p.name, name, spec.key, self.p.lease_ttl_s)
         if not claim.try_claim():
-            return "done" if claim.settled() == "done" else "held"
+            settled = claim.settled()
+            return settled if settled in ("done", "unreadable") else "held"
         try:
             return self._attempts(claim, spec, src, manifest, name, step)
         finally:
@@ -268,8 +284,9 @@ def _read(src: Storage) -> "Manifest | ShardckptError":
 
 
 def _one_line(e: BaseException) -> str:
+    """A failure as one printable line (what a ``.dead`` record keeps and the log shows)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return printable(f"{type(e).__name__}: {text}" if text else type(e).__name__)
 
 
 def _fresh_listings(url: str, opts: dict[str, Any]) -> dict[str, Any]:
