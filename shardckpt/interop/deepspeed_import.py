@@ -130,7 +130,12 @@ def _stage_rank(storage: Storage, rel: str, rank: int, world: int, staged: Stage
     step = osd.get("base_optimizer_state_step", sd.get("global_steps", 0))
     steps = [int(float(states.get(i, {}).get("step", step))) for i in range(len(lengths))]
     paddings = osd.get("param_alignment_paddings") if stage < 3 else None
-    return RankInfo(stage, lengths, [dict(g) for g in groups], steps, paddings)
+    if paddings is not None:  # per flat group, per parameter: element counts
+        paddings = [[int(p) for p in g] for g in paddings]
+    groups = [dict(g) for g in groups]
+    for g in groups:  # indices of flat groups (ZeRO-3: of parameters' sub-groups)
+        g["params"] = [int(i) for i in g.get("params") or ()]
+    return RankInfo(stage, lengths, groups, steps, paddings)
 
 
 @dataclass
@@ -195,7 +200,7 @@ def _optimizer(ranks: list[RankInfo], trained: Mapping[str, int],
                opt_cfg: Mapping[str, Any]) -> OptimizerInfo:
     """Name, hyper-parameters and steps per DeepSpeed param group."""
     groups = ranks[0].param_groups
-    decoupled = {g.get("decoupled_weight_decay") for g in groups} - {None}
+    decoupled = {v for g in groups if isinstance(v := g.get("decoupled_weight_decay"), bool)}
     cfg_type = str(opt_cfg.get("type", "")).lower()
     if decoupled == {False} or (cfg_type == "adam" and not (opt_cfg.get("params") or {}).get(
             "adam_w_mode", True)):
@@ -225,7 +230,7 @@ def _structure(url: str) -> Iterator[None]:
         yield
     except ShardckptError:
         raise
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as e:
         raise IntegrityError(f"{url}: not laid out as a DeepSpeed ZeRO checkpoint file "
                              f"({type(e).__name__}: {e})") from None
 
