@@ -63,6 +63,19 @@ class InsufficientSpaceError(StorageError):
     """The destination's file system has less free space than a write needs; nothing was written."""
 
 
+class UnsafePickleError(ShardckptError):
+    """A pickled value (a DCP ``torch.save`` blob) is not one ``torch.load(weights_only=True)``
+    loads: it names a global outside torch's allow-list (``refused``, e.g. ``posix.system``) or
+    uses what that unpickler refuses. Nothing of it was run; ``key`` and ``file`` name it."""
+
+    def __init__(self, message: str, key: str = "", file: str = "",
+                 refused: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+        self.file = file
+        self.refused = tuple(refused)
+
+
 class CollectiveError(ShardckptError):
     """One or more ranks failed inside a collective operation; ``failures`` maps rank to message."""
 

@@ -3,6 +3,12 @@
 :class:`DcpCheckpointer` saves each step with :class:`shardckpt.interop.dcp_storage.ShardckptWriter`
 into a run directory (:class:`shardckpt.checkpoint.run_dir.CheckpointManager`) and loads the newest
 good checkpoint with :class:`~shardckpt.interop.dcp_storage.ShardckptReader`.
+
+Values that are not tensors load only if ``torch.load(weights_only=True)`` loads them: the reader
+checks each one and the load planner
+(:class:`~shardckpt.interop.dcp_storage.WeightsOnlyLoadPlanner`) decodes them with
+``weights_only=True``. ``allow_pickle=True`` turns both off, for runs whose every
+checkpoint comes from a writer you trust: loading then runs whatever code a value names.
 """
 
 from __future__ import annotations
@@ -12,8 +18,8 @@ from typing import Any, Mapping
 
 import torch
 
-from shardckpt.errors import ShardckptError
-from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter
+from shardckpt.errors import ShardckptError, UnsafePickleError
+from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter, WeightsOnlyLoadPlanner
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +32,11 @@ class DcpCheckpointer:
     Checkpoints go to ``<run>/step-<step>/`` (:class:`shardckpt.checkpoint.run_dir.CheckpointManager`);
     after a save commits, rank 0 moves ``latest`` and applies retention. :meth:`load_latest`
     loads the newest committed checkpoint that passes the manager's check and loads cleanly,
-    skipping uncommitted and damaged ones; every rank makes the same choice.
+    skipping uncommitted and damaged ones; every rank makes the same choice. A checkpoint holding
+    a value ``torch.load(weights_only=True)`` refuses is not skipped: :meth:`load_latest` raises
+    :class:`~shardckpt.errors.UnsafePickleError` (falling back to an older step would hide
+    both a hostile checkpoint and one that needs ``torch.serialization.add_safe_globals``).
+    ``allow_pickle=True`` loads such values, running the code they name: trusted runs only.
 
         ckpt = DcpCheckpointer("s3://bucket/run", keep_last=3)
         start = ckpt.load_latest(state_dict) or 0
@@ -36,12 +46,13 @@ class DcpCheckpointer:
 
     def __init__(self, run_url: str, keep_last: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, async_save: bool = False,
-                 full_verify: bool = False) -> None:
+                 full_verify: bool = False, allow_pickle: bool = False) -> None:
         from shardckpt.checkpoint.run_dir import CheckpointManager
 
         self.manager = CheckpointManager(run_url, keep_last, storage_options)
         self.storage_options = dict(storage_options or {})
         self.async_save, self.full_verify = async_save, full_verify
+        self.allow_pickle = bool(allow_pickle)
         self._pending: tuple[int, Any] | None = None
 
     def save(self, step: int, state_dict: dict[str, Any]) -> None:
@@ -78,11 +89,17 @@ class DcpCheckpointer:
 
         steps = [f.step for f in self.manager.resume_points(self.full_verify)] if _rank() == 0 else []
         for step in _broadcast_ints(steps):
+            reader = ShardckptReader(self.manager.url_for(step), self.storage_options,
+                                     allow_pickle=self.allow_pickle)
+            planner = None if self.allow_pickle else WeightsOnlyLoadPlanner()
             try:
-                dcp.load(state_dict, storage_reader=ShardckptReader(self.manager.url_for(step),
-                                                                    self.storage_options))
+                dcp.load(state_dict, storage_reader=reader, planner=planner)
                 return step
             except CheckpointException as e:
+                unsafe = [exc for exc, _ in e.failures.values()
+                          if isinstance(exc, UnsafePickleError)]
+                if unsafe:
+                    raise unsafe[0] from e
                 if not all(isinstance(exc, ShardckptError) for exc, _ in e.failures.values()):
                     raise
                 log.warning("skipping %s: %s", self.manager.url_for(step),

@@ -6,18 +6,27 @@ of its save attempt (``<save-id>/chunks-<rank>.safetensors``) with CRC32C per ch
 coordinator commits by creating ``manifest.json`` last, create-only, through
 :meth:`shardckpt.checkpoint.writer.CheckpointWriter.commit` (every file checked, directories synced,
 the attempt leased). The manifest is JSON: DCP's metadata is rebuilt from it on load, and the
-values DCP's planner serializes itself (``WriteItemType.BYTE_IO``) are stored as opaque
-checksummed blobs that shardckpt never deserializes. Each rank reads only the byte ranges its
-load plan names, CRC-checked::
+values DCP's planner serializes itself (``WriteItemType.BYTE_IO``, ``torch.save`` bytes) are
+stored as opaque checksummed blobs. Each rank reads only the byte ranges its load plan names,
+CRC-checked::
 
     dcp.save(state_dict, storage_writer=ShardckptWriter("s3://bucket/run/step-100"))
     dcp.load(state_dict, storage_reader=ShardckptReader("s3://bucket/run/step-100"))
+
+DCP's ``DefaultLoadPlanner`` decodes such a value by calling ``torch.load`` with
+``weights_only=False``, which runs whatever code the pickle names. :class:`ShardckptReader`
+therefore hands the planner only values that ``torch.load(weights_only=True)`` loads
+(:mod:`shardckpt.interop.safe_unpickle`) and refuses any other with
+:class:`~shardckpt.errors.UnsafePickleError`, unless it is built with ``allow_pickle=True`` for a
+trusted checkpoint. :class:`WeightsOnlyLoadPlanner` is DCP's default load planner decoding values
+with ``weights_only=True`` (what ``DcpCheckpointer`` loads with).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -25,6 +34,7 @@ from typing import Any, Mapping
 
 import torch
 from torch.futures import Future
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata, StorageMeta,
 )
@@ -45,9 +55,12 @@ from shardckpt.format.layout import Mesh, prod
 from shardckpt.storage.lease import DEFAULT_TTL_S
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, FileEntry, TensorSlot
 from shardckpt.interop.dcp_metadata import chunked_section, dtype_name, section_metadata
+from shardckpt.interop.safe_unpickle import check_value
 from shardckpt.storage import Storage
 
-__all__ = ["ShardckptWriter", "ShardckptReader"]
+log = logging.getLogger(__name__)
+
+__all__ = ["ShardckptWriter", "ShardckptReader", "WeightsOnlyLoadPlanner"]
 
 #: Bytes one rank reads at a time while loading (its requests are batched up to this).
 DEFAULT_READ_BATCH = 256 << 20
@@ -219,16 +232,30 @@ class ShardckptReader(StorageReader):
     CRC32C chunk it touches checked. A checkpoint of flat groups (``ZeroEngine``) is presented
     as the state dict ``get_state_dict(model, optimizer)`` gives, under
     ``{model_key: ..., optim_key: ...}`` (:class:`shardckpt.interop.flat_as_dcp.FlatView`).
+
+    Values that are not tensors (``torch.save`` bytes, which DCP's default load planner decodes
+    by calling ``torch.load`` with ``weights_only=False``) are handed to the planner only if
+    ``torch.load(weights_only=True)`` loads them: plain Python values, tensors, and the classes
+    allowed with ``torch.serialization.add_safe_globals``. Any other is refused, before this
+    rank hands the planner any value or tensor, with
+    :class:`~shardckpt.errors.UnsafePickleError` naming the key, the file and the refused global.
+    ``allow_pickle=True`` hands every value over unchecked: only for a checkpoint whose every
+    writer you trust, since loading it then runs whatever code its values name.
     """
 
     def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None, *,
                  workers: int = 8, read_batch_bytes: int = DEFAULT_READ_BATCH,
-                 model_key: str = "model", optim_key: str = "optim") -> None:
+                 model_key: str = "model", optim_key: str = "optim",
+                 allow_pickle: bool = False) -> None:
         super().__init__()
         self.checkpoint_id = str(url)
         self.storage_options = dict(storage_options or {})
         self.workers, self.read_batch_bytes = workers, read_batch_bytes
         self.model_key, self.optim_key = model_key, optim_key
+        self.allow_pickle = bool(allow_pickle)
+        if self.allow_pickle:
+            log.info("%s: values are handed to DCP's planner unchecked (allow_pickle=True)",
+                     self.checkpoint_id)
         self._reader: CheckpointReader | None = None
         self._flat: Any = None
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[ChunkedTensor, ChunkRecord]] = {}
@@ -274,9 +301,14 @@ class ShardckptReader(StorageReader):
         if self._flat is not None:
             self._read_flat(plan, planner)
             return _done(None)
+        values = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        for item, data in self._read_values(r, values):  # all checked before any is handed over
+            planner.load_bytes(item, io.BytesIO(data))
         batch: list[tuple[ReadItem, tuple[FileEntry, int, int], Any]] = []
         size = 0
         for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue
             entry, a, b, src = self._locate(r, item)
             batch.append((item, (entry, a, b), src))
             size += b - a
@@ -286,11 +318,49 @@ class ShardckptReader(StorageReader):
         self._apply(r, batch, planner)
         return _done(None)
 
+    def _read_values(self, r: CheckpointReader,
+                     items: list[ReadItem]) -> list[tuple[ReadItem, bytes]]:
+        """The bytes of each value item, in batches of at most ``read_batch_bytes``, each checked
+        (class docstring) unless ``allow_pickle``."""
+        out: list[tuple[ReadItem, bytes]] = []
+        batch: list[tuple[ReadItem, FileEntry, tuple[FileEntry, int, int]]] = []
+        size = 0
+
+        def flush() -> None:
+            views = r.read_ranges([req for _, _, req in batch], workers=self.workers)
+            for (item, entry, _), view in zip(batch, views):
+                data = bytes(view)
+                self._check(data, item.storage_index.fqn, entry.path)
+                out.append((item, data))
+            batch.clear()
+
+        for item in items:
+            entry, a, b, _ = self._locate(r, item)
+            batch.append((item, entry, (entry, a, b)))
+            size += b - a
+            if size >= self.read_batch_bytes:
+                flush()
+                size = 0
+        if batch:
+            flush()
+        return out
+
+    def _check(self, data: bytes, key: str, file: str) -> None:
+        if not self.allow_pickle:
+            check_value(data, key, file, self.checkpoint_id)
+
     def _read_flat(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        values = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                data = self._flat.value(item.storage_index.fqn).getvalue()
+                self._check(data, item.storage_index.fqn, "manifest.json")
+                values.append((item, data))
+        for item, data in values:
+            planner.load_bytes(item, io.BytesIO(data))
         for item in plan.items:
             fqn = item.storage_index.fqn
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, self._flat.value(fqn))
                 continue
             target = planner.resolve_tensor(item)
             target.copy_(self._flat.box(fqn, item.storage_offsets, item.lengths))
@@ -321,9 +391,6 @@ class ShardckptReader(StorageReader):
             return
         views = r.read_ranges([req for _, req, _ in batch], workers=self.workers)
         for (item, _, src), view in zip(batch, views):
-            if src is None:
-                planner.load_bytes(item, io.BytesIO(bytes(view)))
-                continue
             t, chunk = src
             target = planner.resolve_tensor(item)
             target.copy_(_box_tensor(view, t.dtype, chunk, item.lengths))
@@ -332,6 +399,23 @@ class ShardckptReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner``, decoding values with ``torch.load(weights_only=True)``
+    instead of ``weights_only=False``: a value that names anything outside torch's allow-list
+    (and the classes allowed with ``torch.serialization.add_safe_globals``) fails to load
+    instead of running. Pass it as ``dcp.load(..., planner=WeightsOnlyLoadPlanner())``; it
+    works with any storage reader."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _box_tensor(view: memoryview, dtype: str, chunk: ChunkRecord, lengths: Any) -> torch.Tensor:
