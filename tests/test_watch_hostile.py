@@ -231,6 +231,21 @@ def test_hostile_lease_counts_as_held_and_pages_render(tmp_path: Path, server_fo
     assert (report.held, report.done) in ((1, 0), (0, 2))
 
 
+def test_file_planted_for_a_record_directory_fails_only_its_checkpoint(tmp_path: Path) -> None:
+    from shardckpt.errors import ShardckptError
+
+    path = pipeline(tmp_path, (100, 200))
+    planted = record_path(tmp_path, CKPT, "x").parent
+    planted.rmdir()
+    planted.write_text("not a directory")
+    with pytest.raises(ShardckptError):
+        Watcher(load_pipeline(str(path))).run(once=True)
+    other = record_path(tmp_path, "step-00000200", "x").parent
+    assert sorted(p.name for p in other.glob("*.done")) == ["1-verify.done", "2-copy.done"]
+    doc = pipeline_status(load_pipeline(str(path)))
+    assert [c["checkpoint"] for c in doc["checkpoints"]] == [CKPT, "step-00000200"]
+
+
 # ----------------------------------------------------------------- a newline in a directory name
 
 

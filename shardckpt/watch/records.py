@@ -239,7 +239,8 @@ def read_record(storage: Storage, rel: str, checkpoint: str | None = None,
         return None
     except ShardckptError as e:
         where = storage.url_of(rel)
-        problem = printable(str(e).splitlines()[0] if str(e).strip() else type(e).__name__, 500)
+        problem = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        problem = printable(problem.removeprefix(f"{where}: "), 500)
         _warn_once(where, problem)
         raise RecordError(f"{printable(where)}: {problem}") from None
     return doc

@@ -150,17 +150,32 @@ class Watcher:
                 continue
             todo.append((step, name))
         if self.p.concurrency <= 1 or len(todo) <= 1:
-            results = [self.process_checkpoint(step, name) for step, name in todo]
+            results = [self._isolated(step, name) for step, name in todo]
         else:
             with ThreadPoolExecutor(self.p.concurrency, thread_name_prefix="shardckpt-watch") as pool:
-                results = list(pool.map(lambda sn: self.process_checkpoint(*sn), todo))
+                results = list(pool.map(lambda sn: self._isolated(*sn), todo))
+        failed = [r for r in results if isinstance(r, ShardckptError)]
         for r in results:
-            report.done += r.done
-            report.dead += r.dead
-            report.held += r.held
-            report.unreadable += r.unreadable
+            if isinstance(r, PassReport):
+                report.done += r.done
+                report.dead += r.dead
+                report.held += r.held
+                report.unreadable += r.unreadable
+        if failed:  # after the other checkpoints had their turn: one bad one holds up no other
+            for e in failed[1:]:
+                log.error("%s", printable(e, 1000))
+            raise failed[0]
         self.counters.passes += 1
         return report
+
+    def _isolated(self, step: int, name: str) -> "PassReport | ShardckptError":
+        """:meth:`process_checkpoint`, its storage failure returned instead of ending the pass
+        before the next checkpoints (a file planted where a record directory goes fails only
+        its own checkpoint)."""
+        try:
+            return self.process_checkpoint(step, name)
+        except ShardckptError as e:
+            return e
 
     # ------------------------------------------------------------------------ checkpoint
 
