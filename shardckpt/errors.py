@@ -55,6 +55,17 @@ class DeadlineExceededError(StorageError):
     """A transient failure persisted until the retry deadline."""
 
 
+class LinkRefusedError(StorageError):
+    """A destructive operation (clean, retention, ``--overwrite``) met a symbolic link at or on
+    the way to what it was to remove. It follows no link and removes none: ``link`` names the
+    link, ``target`` where it points; nothing was removed."""
+
+    def __init__(self, message: str, path: str | None = None, link: str = "", target: str = "") -> None:
+        super().__init__(message, path)
+        self.link = link
+        self.target = target
+
+
 class CommitConflictError(StorageError):
     """A create-only write found the object already there: another save committed first."""
 

@@ -34,7 +34,8 @@ places: any fsspec filesystem), :mod:`.local` (the local disk), :mod:`.s3` (S3: 
 the create-only commit, open uploads), :mod:`.writer` (streaming, checksummed writes),
 :mod:`.checked` and :mod:`.reads` (the checked read path: one range, many ranges, read-ahead),
 :mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``),
-:mod:`.places` (comparable locations, free space).
+:mod:`.places` (comparable locations, free space), :mod:`.confined` (local removals that never
+follow a symbolic link out of the directory they were asked for).
 Import from this package; the split is not part of the API. :mod:`.s3` is loaded when an ``s3://``
 location is opened or one of its names is asked for here, so that local work never loads it.
 """

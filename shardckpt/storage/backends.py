@@ -168,6 +168,20 @@ class Backend:
         except NotFoundError:
             pass
 
+    def remove_inside(self, root: str, rel: str, root_url: str, recursive: bool) -> bool:
+        """Remove ``rel`` below ``root`` and nothing outside it (see :mod:`.confined`). Object
+        stores have no links: a plain removal of a checked relative path (True: whether it was
+        there is not asked, to spare a request)."""
+        from shardckpt.storage.confined import parts_of
+
+        parts_of(rel, root_url)
+        self.rm(posixpath.join(root, rel), f"{root_url}/{rel}", recursive)
+        return True
+
+    def first_link(self, root: str, rel: str, root_url: str) -> tuple[str, str] | None:
+        """The first symbolic link at or on the way to ``rel``: object stores have none."""
+        return None
+
     def staging_name(self, rel: str, token: str) -> str:
         """The name to write ``rel`` under until :meth:`install`: itself, where a write becomes
         visible only when complete."""

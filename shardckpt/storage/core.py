@@ -196,6 +196,21 @@ class Storage:
     def rm(self, rel: str, recursive: bool = False) -> None:
         self.backend.rm(self.full(rel), self.url_of(rel), recursive)
 
+    def remove_inside(self, rel: str, recursive: bool = False) -> bool:
+        """Remove ``rel`` (with ``recursive``, a whole directory) and nothing outside this
+        storage's root: the removal every destructive command uses (clean, retention,
+        ``--overwrite``). Local: the root is resolved once; no symbolic link below it is followed
+        or removed: a link at or on the way to ``rel`` raises
+        :class:`~shardckpt.errors.LinkRefusedError` (naming it and its target) and nothing is
+        removed; links inside a directory being removed are unlinked, never followed. Object
+        stores: a plain removal. Local: True if ``rel`` was there."""
+        return self.backend.remove_inside(self.root, rel, self.url, recursive)
+
+    def first_link(self, rel: str) -> tuple[str, str] | None:
+        """(url, target) of the first symbolic link at or on the way to ``rel``, or None (always
+        on object stores): what :meth:`remove_inside` would refuse."""
+        return self.backend.first_link(self.root, rel, self.url)
+
     def fsync_dir(self, rel: str = "") -> None:
         """Local: make the entries of directory ``rel`` durable (a file created in it survives a
         power loss only once its directory is synced). Object stores have no directories: no-op."""

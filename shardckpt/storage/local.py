@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Callable, Iterator
 
 from shardckpt.errors import IntegrityError, StorageError
-from shardckpt.storage import places
+from shardckpt.storage import confined, places
 from shardckpt.storage.backends import Backend, conflict_error
 from shardckpt.storage.options import Tuning
 from shardckpt.storage.retry import NotFoundError, RetryPolicy, _map_error, mapped_errors
@@ -112,6 +112,18 @@ class LocalBackend(Backend):
             self.call("remove", url, remove)
         except NotFoundError:
             pass
+
+    def remove_inside(self, root: str, rel: str, root_url: str, recursive: bool) -> bool:
+        """Remove ``rel`` below ``root`` without following or removing any symbolic link
+        (:func:`.confined.remove_inside`)."""
+        url = f"{root_url}/{rel}"
+        try:
+            return self.call("remove", url, lambda: confined.remove_inside(root, rel, root_url, recursive))
+        except NotFoundError:
+            return False
+
+    def first_link(self, root: str, rel: str, root_url: str) -> tuple[str, str] | None:
+        return self.call("stat", f"{root_url}/{rel}", lambda: confined.first_link(root, rel, root_url))
 
     def read(self, path: str, url: str, start: int | None = None, end: int | None = None) -> bytes:
         def local() -> bytes:
