@@ -22,7 +22,10 @@ def clean(
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
-    """Remove save directories no manifest names; abort multipart uploads left open."""
+    """Remove save directories no manifest names; abort multipart uploads left open.
+
+    Nothing outside PREFIX is touched: symbolic links below it are reported, never followed
+    or removed."""
     from shardckpt.tools.clean import clean as run
 
     r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=parse_storage_options(storage_option))
@@ -30,6 +33,7 @@ def clean(
         echo_json({"prefix": prefix, "dry_run": dry_run, "debris": r.debris, "kept_young": r.kept_young,
                    "kept_live": r.kept_live,
                    "committed": r.committed,
+                   "links": [{"path": p, "target": t} for p, t in r.links],
                    "open_uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated}
                                     for u in r.uploads],
                    "aborted_uploads": [u.key for u in r.aborted]})
@@ -41,6 +45,8 @@ def clean(
         typer.echo(f"kept {d} (younger than --min-age {min_age:g} s: may be a save in progress)")
     for d in r.kept_live:
         typer.echo(f"kept {d} (its writer holds a lease: a save in progress)")
+    for p, t in r.links:
+        typer.echo(f"kept {p} (a symbolic link to {t}: clean neither follows nor removes links)")
     for u in r.uploads:
         state = "aborted" if u in r.aborted else "open"
         typer.echo(f"{state} multipart upload {u.key} ({u.upload_id})")

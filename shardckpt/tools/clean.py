@@ -6,24 +6,35 @@ checkpoint is never touched. Saves may still be in progress: only debris older t
 is removed (a save id begins with its UTC start time; uploads carry their start time), and a
 save directory whose writer still holds its lease (:mod:`shardckpt.storage.lease`) is never removed,
 whatever its age: a long save or reshard renews its lease until it commits or fails.
+
+A checkpoint's live directories are those its manifest's files lie in (whatever its ``save_id``
+says): their names are never debris, and clean does not look inside them.
+
+Clean never leaves ``prefix``: a symbolic link found below it (a linked directory, a save
+directory or a temporary manifest that is a link) is neither followed nor removed; it is reported
+in :attr:`CleanReport.links`, and every removal goes through
+:meth:`~shardckpt.storage.Storage.remove_inside`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from shardckpt.checkpoint.reader import read_manifest
-from shardckpt.errors import ShardckptError
+from shardckpt.errors import LinkRefusedError, ShardckptError
 from shardckpt.storage.lease import live_until
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import OpenUpload, Storage, abort_upload, list_open_uploads
 
 SAVE_ID = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}\Z")
 TMP_MANIFEST = re.compile(r"^manifest\.json\.tmp-[0-9a-f]+\Z")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,36 +45,50 @@ class CleanReport:
     uploads: list[OpenUpload] = field(default_factory=list)  # open multipart uploads found
     aborted: list[OpenUpload] = field(default_factory=list)
     committed: list[str] = field(default_factory=list)       # checkpoints seen and left alone
+    links: list[tuple[str, str]] = field(default_factory=list)  # (relative path, target): not followed
 
 
 def _age(save_id: str, now: float) -> float:
-    m = SAVE_ID.match(save_id)
+    m = SAVE_ID.fullmatch(save_id)
     if not m:
         return float("inf")
     started = _dt.datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=_dt.timezone.utc)
     return now - started.timestamp()
 
 
+def live_dirs(save_id: str, files: Any) -> set[str]:
+    """The names directly below a checkpoint directory that its manifest keeps alive: its save id
+    and the first directory of every file it names (the manifest's ``save_id`` need not be where
+    its files lie)."""
+    return {save_id} | {f.path.split("/", 1)[0] for f in files if "/" in f.path}
+
+
 def _scan(storage: Storage, rel: str, now: float, min_age_s: float, report: CleanReport, depth: int) -> None:
     names = storage.ls(rel)
     join = (lambda n: f"{rel}/{n}") if rel else (lambda n: n)
-    keep = None
+    keep: set[str] = set()
     if MANIFEST_NAME in names:
         try:
-            keep = read_manifest(storage.child(rel) if rel else storage).save_id
-            report.committed.append(rel or ".")
+            m = read_manifest(storage.child(rel) if rel else storage)
         except ShardckptError:
-            keep = None  # unreadable manifest: not ours to judge; leave its directory alone
-            return
+            return  # unreadable manifest: not ours to judge; leave its directory alone
+        keep = live_dirs(m.save_id, m.files)
+        report.committed.append(rel or ".")
     for n in names:
-        if SAVE_ID.match(n) and n != keep:
+        if n == MANIFEST_NAME or n in keep:
+            continue
+        link = storage.first_link(join(n))
+        if link is not None:
+            report.links.append((join(n), link[1]))
+            continue
+        if SAVE_ID.fullmatch(n):
             if live_until(storage, join(n), now) is not None:
                 report.kept_live.append(join(n))
             else:
                 (report.debris if _age(n, now) >= min_age_s else report.kept_young).append(join(n))
-        elif TMP_MANIFEST.match(n):
+        elif TMP_MANIFEST.fullmatch(n):
             report.debris.append(join(n))
-        elif depth > 0 and not SAVE_ID.match(n) and n != MANIFEST_NAME and storage.isdir(join(n)):
+        elif depth > 0 and storage.isdir(join(n)):
             _scan(storage, join(n), now, min_age_s, report, depth - 1)
 
 
@@ -77,8 +102,13 @@ def clean(prefix: str, dry_run: bool = False, min_age_s: float = 3600.0,
     report.uploads = list_open_uploads(storage)
     if dry_run:
         return report
-    for rel in report.debris:
-        storage.rm(rel, recursive=True)
+    for rel in list(report.debris):
+        try:
+            storage.remove_inside(rel, recursive=True)
+        except LinkRefusedError as e:  # replaced by a link since the scan: report it, go on
+            log.warning("%s", e)
+            report.debris.remove(rel)
+            report.links.append((rel, e.target))
     for u in report.uploads:
         if now - u.initiated >= min_age_s:
             abort_upload(storage, u)
@@ -88,11 +118,16 @@ def clean(prefix: str, dry_run: bool = False, min_age_s: float = 3600.0,
 
 def remove_stale_saves(storage: Storage, keep: str) -> list[str]:
     """Remove the save directories directly below ``storage`` other than ``keep`` whose writers
-    hold no lease (killed or failed attempts, replaced checkpoints); return what was removed."""
+    hold no lease (killed or failed attempts, replaced checkpoints); return what was removed. A
+    save directory that is a symbolic link is left alone (logged), never followed."""
     now = time.time()
     removed = []
     for n in storage.ls(""):
-        if SAVE_ID.match(n) and n != keep and live_until(storage, n, now) is None:
-            storage.rm(n, recursive=True)
+        if SAVE_ID.fullmatch(n) and n != keep and live_until(storage, n, now) is None:
+            try:
+                storage.remove_inside(n, recursive=True)
+            except LinkRefusedError as e:
+                log.warning("%s", e)
+                continue
             removed.append(n)
     return removed
