@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping
 from shardckpt.checkpoint.reader import read_manifest
 
 from shardckpt.checkpoint.verify import verify
-from shardckpt.errors import IncompleteCheckpointError, ShardckptError
+from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import NotFoundError, Storage
 
@@ -136,12 +136,19 @@ class CheckpointManager:
         if latest:
             protect.add(latest)
         doomed = [f for f in committed[:-self.keep_last] if f.name not in protect]
+        removed = []
         for f in doomed:
-            # the manifest goes first: a half-deleted checkpoint must not look committed
-            self.storage.rm(f"{f.name}/{MANIFEST_NAME}")
-            self.storage.rm(f.name, recursive=True)
+            # the manifest goes first: a half-deleted checkpoint must not look committed; a
+            # checkpoint that is (or lies behind) a symbolic link is left alone, never followed
+            try:
+                self.storage.remove_inside(f"{f.name}/{MANIFEST_NAME}")
+                self.storage.remove_inside(f.name, recursive=True)
+            except LinkRefusedError as e:
+                log.warning("retention: %s", e)
+                continue
             log.info("retention removed %s", f.url)
-        return [f.url for f in doomed]
+            removed.append(f.url)
+        return removed
 
 
 def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str | None]:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 from shardckpt.checkpoint.reader import read_manifest
 
 from shardckpt.checkpoint.verify import verify
-from shardckpt.errors import IncompleteCheckpointError, ShardckptError
+from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.watch.config import StepSpec
@@ -114,22 +114,30 @@ def run_copy(ctx: StepContext) -> dict[str, Any]:
 def run_retain(ctx: StepContext) -> dict[str, Any]:
     """Remove committed checkpoints older than the newest ``keep`` (up to this one) whose every
     earlier step is settled, never the newest committed one or the one ``latest`` names. The
-    manifest goes first, so that a half-removed checkpoint never looks committed."""
+    manifest goes first, so that a half-removed checkpoint never looks committed. Nothing outside
+    the run directory is touched: a checkpoint directory that is a symbolic link (or lies behind
+    one) is left alone and reported in ``links``, never followed or removed."""
     from shardckpt.checkpoint.run_dir import CheckpointManager
 
     manager = CheckpointManager(ctx.watch.url, storage_options=ctx.storage_options)
     every = manager.committed()
     committed = [f for f in every if f.step <= ctx.step]
     protect = {f.name for f in every[-1:]} | {manager.read_latest() or ""}
-    removed = []
+    removed: list[str] = []
+    links: list[dict[str, str]] = []
     for f in committed[:-(ctx.spec.keep or 1)]:
         if f.name in protect or not ctx.is_settled(f.name):
             continue
-        manager.storage.rm(f"{f.name}/{MANIFEST_NAME}")
-        manager.storage.rm(f.name, recursive=True)
+        try:
+            manager.storage.remove_inside(f"{f.name}/{MANIFEST_NAME}")
+            manager.storage.remove_inside(f.name, recursive=True)
+        except LinkRefusedError as e:
+            log.warning("retain: %s", e)
+            links.append({"path": e.link, "target": e.target})
+            continue
         log.info("retain removed %s", f.url)
         removed.append(f.name)
-    return {"removed": removed, "bytes": 0}
+    return {"removed": removed, "bytes": 0, **({"links": links} if links else {})}
 
 
 STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
