@@ -18,11 +18,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
-from shardckpt.errors import ConfigError, IncompatibleLayoutError, ShardckptError, StorageError
+from shardckpt.errors import (
+    ConfigError, IncompatibleLayoutError, LinkRefusedError, ShardckptError, StorageError,
+)
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh
 from shardckpt.format.reshard_plan import Copy, ReshardPlan, plan_reshard
-from shardckpt.tools.clean import remove_stale_saves
+from shardckpt.tools.clean import SAVE_ID, remove_stale_saves
 from shardckpt.tools.split import balance, shard_bytes
 from shardckpt.format.manifest import (
     MANIFEST_NAME, MAX_MANIFEST_BYTES, Component, FileEntry, Manifest, TensorSlot,
@@ -211,9 +213,36 @@ def _prepare_dst(dst: Storage, src: Storage, overwrite: bool) -> bytes | None:
     if not overwrite:
         raise ConfigError(f"{dst.url} already exists and is not empty; pass --overwrite to replace it "
                           "(the current checkpoint there stays until the new one commits)")
+    replacing = None
     if MANIFEST_NAME in existing:  # replaced as it is, readable or not (a damaged one too)
-        return dst.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-    return None
+        replacing = dst.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    _refuse_links(dst, existing, replacing)
+    return replacing
+
+
+def _replaced_files(dst: Storage, replaced: bytes | None) -> list[str]:
+    """The files of the manifest ``replaced`` (its bytes), or none where it cannot be read."""
+    if replaced is None:
+        return []
+    try:
+        return [f.path for f in parse(replaced, dst.url_of(MANIFEST_NAME)).files]
+    except ShardckptError:
+        return []  # a damaged manifest: its save directory goes with the other stale ones
+
+
+def _refuse_links(dst: Storage, existing: Sequence[str], replacing: bytes | None) -> None:
+    """Before anything is written: refuse an ``--overwrite`` whose removals after the commit (the
+    replaced checkpoint's files, earlier save directories) would meet a symbolic link in DST. A
+    link is never followed (its target may be anything) nor removed (someone put it there)."""
+    doomed = _replaced_files(dst, replacing) + [n for n in existing if SAVE_ID.fullmatch(n)]
+    for rel in doomed:
+        link = dst.first_link(rel)
+        if link is not None:
+            raise LinkRefusedError(
+                f"{dst.url}: --overwrite would remove {dst.url_of(rel)}, but {link[0]} is a symbolic "
+                f"link to {link[1]}; shardckpt never deletes through a link or removes one. Nothing "
+                "was written: remove the link, or choose another destination", dst.url_of(rel),
+                link[0], link[1])
 
 
 def _check_work(m: Manifest, mesh: Mesh, to: int, buffer_bytes: int) -> None:
@@ -337,17 +366,17 @@ def _write_all(reader: CheckpointReader, writer: CheckpointWriter, src: str,
 
 def _remove_replaced(dst: Storage, replaced: bytes | None, keep: str) -> None:
     """After an ``--overwrite`` commit: remove the files of the manifest it replaced (where that
-    could be read) and every save directory no writer holds a lease on, except the new one."""
-    old = None
-    if replaced is not None:
-        try:
-            old = parse(replaced, dst.url_of(MANIFEST_NAME))
-        except ShardckptError:
-            old = None  # a damaged manifest: its save directory goes with the others below
+    could be read) and every save directory no writer holds a lease on, except the new one.
+    Removals stay inside DST (:meth:`~shardckpt.storage.Storage.remove_inside`): a symbolic link
+    that appeared since :func:`_prepare_dst` checked is left alone and logged."""
     try:
-        for f in old.files if old is not None else ():
-            if f.path.split("/", 1)[0] != keep:
-                dst.rm(f.path)
+        for path in _replaced_files(dst, replaced):
+            if path.split("/", 1)[0] == keep:
+                continue
+            try:
+                dst.remove_inside(path)
+            except LinkRefusedError as e:
+                log.warning("%s", e)
         removed = remove_stale_saves(dst, keep)
     except ShardckptError as e:
         log.warning("%s: committed, but could not remove what it replaced (%s); `shardckpt clean "
