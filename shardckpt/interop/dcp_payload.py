@@ -28,7 +28,7 @@ from typing import Any
 from shardckpt.format.dtypes import DTYPES, itemsize
 from shardckpt.format.layout import prod
 
-__all__ = ["plain_bytes"]
+__all__ = ["plain_bytes", "stored_only", "distinct_elements"]
 
 #: torch's typed storage class names -> dtype names.
 STORAGE_DTYPES = {
@@ -131,3 +131,35 @@ def plain_bytes(payload: Any, dtype: str, shape: tuple[int, ...]) -> memoryview 
             or t.offset + n > t.storage.numel):
         return None
     return raw[t.offset * elem:(t.offset + n) * elem]
+
+
+def stored_only(payload: Any) -> str | None:
+    """Why ``payload`` is not a zip of stored (uncompressed) entries lying inside it, or None.
+    ``torch.load`` inflates a compressed entry: a few bytes read could become gigabytes held."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(memoryview(payload).cast("B")))
+        infos = zf.infolist()
+    except Exception as e:  # noqa: BLE001 - not a zip: torch.load refuses it with its own error
+        return None if isinstance(e, zipfile.BadZipFile) else f"{type(e).__name__}"
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+            return f"entry {info.filename[:80]!r} is compressed ({info.compress_size} bytes for " \
+                   f"{info.file_size})"
+    if sum(i.file_size for i in infos) > len(payload):
+        return "its entries declare more bytes than it holds"
+    return None
+
+
+def distinct_elements(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a view of ``size`` and ``stride`` maps distinct indices to distinct storage
+    elements (no stride 0 along a dim of more than one element, no overlapping rows): the dims
+    sorted by stride, each stride at least the extent of those inside it."""
+    if 0 in size:
+        return True
+    dims = sorted((s, n) for s, n in zip(stride, size) if n > 1)
+    extent = 1
+    for s, n in dims:
+        if s < extent:
+            return False
+        extent = s * n
+    return True
