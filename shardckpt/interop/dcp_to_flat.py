@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import re
 import tempfile
 import warnings
@@ -112,14 +113,61 @@ def _value(reader: CheckpointReader, section: ChunkedSection, key: str) -> Any:
     return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
 
 
+#: Hyper-parameters that are flags; every other one is a finite number (``betas``: a pair).
+FLAGS = ("amsgrad", "maximize", "nesterov")
+
+
+def _origin(reader: CheckpointReader, section: ChunkedSection, key: str) -> str:
+    """Where the value ``key`` came from: the source's payload file (the import keeps one
+    ``chunks`` file per source file, in the order of the source's sorted names)."""
+    files = (reader.manifest.extras.get("dcp") or {}).get("files") or []
+    where = section.blobs[key].file if key in section.blobs else \
+        section.tensors[key].chunks[0].file if key in section.tensors and section.tensors[key].chunks else ""
+    m = re.search(r"chunks-(\d+)\.safetensors\Z", where)
+    i = int(m.group(1)) if m else -1
+    name = files[i] if 0 <= i < len(files) and isinstance(files[i], str) else "?"
+    return f"{reader.url}/{name}"
+
+
+def _number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and abs(v) < 2 ** 63)
+
+
+def _recordable(name: str, v: Any) -> bool:
+    """Whether ``v`` can be kept as hyper-parameter ``name`` (plain JSON, finite)."""
+    if name in FLAGS:
+        return isinstance(v, bool)
+    if name == "betas":
+        return isinstance(v, (tuple, list)) and len(v) == 2 and all(_number(x) for x in v)
+    return _number(v)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2 ** 63:
+        return f"an integer of {v.bit_length()} bits"
+    try:
+        r = repr(v)
+    except Exception:  # noqa: BLE001 - a foreign value whose repr fails
+        r = ""
+    return f"a {type(v).__name__}" + (f" {r[:60]}" if r and len(r) <= 60 else "")
+
+
 def _hparams(get: Callable[[str], Any], prefix: str,
-             keys: Sequence[str] = ADAM_HPARAMS) -> dict[str, Any]:
+             keys: Sequence[str] = ADAM_HPARAMS,
+             bad: Callable[[str, Any], Exception] | None = None) -> dict[str, Any]:
     out = {}
     for k in keys:
         v = get(f"{prefix}.{k}")
         if v is not None:
+            if not _recordable(k, v):
+                raise (bad or _bad_value)(f"{prefix}.{k}", v)
             out[k] = list(v) if isinstance(v, (tuple, list)) else v
     return out
+
+
+def _bad_value(key: str, v: Any) -> Exception:
+    return IntegrityError(f"the value {key!r} is {_show(v)}, not a finite number, flag or pair")
 
 
 def _groups(reader: CheckpointReader, section: ChunkedSection, opt: str,
@@ -129,6 +177,12 @@ def _groups(reader: CheckpointReader, section: ChunkedSection, opt: str,
     the param groups list (trained or not)."""
     def get(key: str) -> Any:
         return _value(reader, section, key)
+
+    def bad(key: str, v: Any) -> Exception:
+        want = "true or false" if key.rsplit(".", 1)[-1] in FLAGS else \
+            "a pair of finite numbers" if key.endswith(".betas") else "a finite number"
+        return IntegrityError(f"{_origin(reader, section, key)}: the hyper-parameter {key!r} is "
+                              f"{_show(v)}, not {want}")
 
     pat = re.compile(rf"{re.escape(opt)}\.param_groups\.(\d+)\.params")
     ids = sorted(int(m.group(1)) for k in section.blobs if (m := pat.fullmatch(k)))
@@ -141,13 +195,13 @@ def _groups(reader: CheckpointReader, section: ChunkedSection, opt: str,
                                      "of parameter names (save the optimizer with get_state_dict)")
             prefix = f"{opt}.param_groups.{i}"
             listed.update(names_)
-            out.append(([n for n in names_ if n in trained], _hparams(get, prefix, keys),
+            out.append(([n for n in names_ if n in trained], _hparams(get, prefix, keys, bad),
                         get(f"{prefix}.decoupled_weight_decay")))
         return out, listed & set(names)
     by_hp: dict[str, tuple[list[str], dict[str, Any], Any]] = {}
     for fqn in trained:  # flatten_optimizer_state_dict: hyper-parameters per parameter
         prefix = f"{opt}.param_groups.{fqn}"
-        hp = _hparams(get, prefix, keys)
+        hp = _hparams(get, prefix, keys, bad)
         entry = by_hp.setdefault(repr(sorted(hp.items())),
                                  ([], hp, get(f"{prefix}.decoupled_weight_decay")))
         entry[0].append(fqn)
@@ -203,9 +257,9 @@ def read_model(reader: CheckpointReader, model_key: str = "model",
     if grouped != set(params):
         raise IntegrityError(f"{reader.url}: parameters with optimizer state in no param group: "
                              f"{sorted(set(params) - grouped)[:10]}")
-    step = _value(reader, section, "train_state.step")
+    step = _step(reader, section, "train_state.step")
     # torch's SGD keeps no step: a momentum buffer means at least one step was taken
-    steps = {f: (step or 1) if sgd else _value(reader, section, f"{opt}.state.{f}.step")
+    steps = {f: (step or 1) if sgd else _step(reader, section, f"{opt}.state.{f}.step")
              for f in params}
     name = "sgd" if sgd else "adam" if groups and all(d is False for _, _, d in groups) else "adamw"
     info = OptimizerInfo(name, tuple(
@@ -213,6 +267,17 @@ def read_model(reader: CheckpointReader, model_key: str = "model",
         for ps, hp, _ in groups))
     return DcpModel(params, moments, frozen_, buffers, aliases, info,
                     None if step is None else int(step), tuple(names.values()), state_kinds)
+
+
+def _step(reader: CheckpointReader, section: ChunkedSection, key: str) -> int | None:
+    """A step count (a whole number, float or not, from 0 to 2**63), or None if absent."""
+    v = _value(reader, section, key)
+    if v is None:
+        return None
+    if not _number(v) or v < 0 or v != int(v):
+        raise IntegrityError(f"{_origin(reader, section, key)}: the step {key!r} is {_show(v)}, "
+                             "not a whole number from 0 to 2**63")
+    return int(v)
 
 
 def _frozen(url: str, stateless: dict[str, ChunkedTensor], trained: Sequence[str],
