@@ -344,7 +344,7 @@ def test_cli(ckpts: dict, tmp_path: Path) -> None:
     for args, code, words in [
         (["--dtype", "fp8"], 2, "unknown dtype 'fp8'"),
         (["--component", "ema"], 2, "no component 'ema'"),
-        (["--max-shard-size", "lots"], 2, "--max-shard-size 'lots'"),
+        (["--max-shard-size", "lots"], 2, "--max-shard-size lots: expected a size in bytes"),
     ]:
         res = runner.invoke(app, ["consolidate", src, str(tmp_path / "x"), *args])
         assert res.exit_code == code and words in res.output, res.output

@@ -142,4 +142,4 @@ def test_buffer_is_a_size_in_bytes_as_in_reshard(tmp_path: Path) -> None:
         assert (tmp_path / "a" / n).read_bytes() == (tmp_path / "b" / n).read_bytes()
     a = one_line_error(cli("consolidate", src, str(tmp_path / "c"), "--buffer", "lots"), code=2)
     b = one_line_error(cli("reshard", src, str(tmp_path / "c"), "--to", "1", "--buffer", "lots"), code=2)
-    assert a == b == "error: --buffer 'lots': expected a size in bytes such as 65536, 64KiB, 32MB, 1GiB"
+    assert a == b == "error: --buffer lots: expected a size in bytes such as 65536, 64KiB, 32MB or 1GiB"
