@@ -70,7 +70,8 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[dict[str, Ten
             raise IntegrityError(f"{source}: tensor {name!r}: entry is not an object")
         code, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
         if not isinstance(code, str) or code not in SAFETENSORS_TO_DTYPE:
-            raise IntegrityError(f"{source}: tensor {name[:200]!r}: unknown dtype {str(code)[:60]!r}")
+            raise IntegrityError(f"{source}: tensor {name[:200]!r}: unknown dtype "
+                                 f"{str(code)[:60]!r}")
         if (not isinstance(shape, list) or len(shape) > 16
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
             raise IntegrityError(f"{source}: tensor {name!r}: invalid shape {shape!r}")
