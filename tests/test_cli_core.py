@@ -129,7 +129,7 @@ def test_storage_option_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bad_options_exit_2(tmp_path: Path) -> None:
     one_line_error(cli("synth", str(tmp_path / "x"), "--params", "lots", "--ranks", "2"),
-                   "--params 'lots'", code=2)
+                   "--params lots: expected a count", code=2)
     one_line_error(cli("synth", str(tmp_path / "x"), "--params", "1M", "--ranks", "0"), "--ranks 0", code=2)
     one_line_error(cli("synth", str(tmp_path / "x"), "--params", "1M", "--ranks", "6", "--replicate", "4"),
                    "not divisible", code=2)
