@@ -114,3 +114,12 @@ def fault_proxy() -> Iterator[Callable[..., FaultProxy]]:
     yield make
     for proxy in proxies:
         proxy.stop()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``cuda``-marked tests without a CUDA device (torch imported only for those)."""
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")

@@ -45,3 +45,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("dcp") / "src"
     dcp_save(state(0), path)
     return path
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip ``cuda``-marked tests without a CUDA device (torch imported only for those)."""
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
