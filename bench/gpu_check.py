@@ -228,9 +228,11 @@ def fs_type(path: str) -> str | None:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) >= len(best):
-                        best, kind = parts[1], parts[2]
+                if len(parts) < 3:
+                    continue
+                under = path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")
+                if under and len(parts[1]) >= len(best):
+                    best, kind = parts[1], parts[2]
         return kind
     except OSError:
         return None
@@ -471,8 +473,8 @@ def section_a(ctx: Ctx, rec: dict[str, Any]) -> None:
 
             attention = sdpa_kernel([SDPBackend.MATH])
         except ImportError:  # torch < 2.3
-            attention = torch.backends.cuda.sdp_kernel(enable_flash=False, enable_mem_efficient=False,
-                                                       enable_math=True)
+            attention = torch.backends.cuda.sdp_kernel(
+                enable_flash=False, enable_mem_efficient=False, enable_math=True)
     try:
         with attention, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -529,7 +531,8 @@ def _section_a(ctx: Ctx, rec: dict[str, Any], cfg: Any, sz: dict[str, Any]) -> N
             row.update(_compare(engine, refs[key], losses))
             engine.close()
         rec["cases"].append(row)
-        log(f"  a: {label}: {'equal' if row.get('equal') else 'DIFFERS' if 'equal' in row else 'error'}")
+        verdict = "equal" if row.get("equal") else "DIFFERS" if "equal" in row else "error"
+        log(f"  a: {label}: {verdict}")
     with guarded(rec, "reference_repeatable", ctx):
         # the reference run twice: are the device's kernels themselves repeatable?
         again = _parity_reference(cfg, ctx.device, data[1], 1, "per_micro")
@@ -670,7 +673,7 @@ def section_b(ctx: Ctx, rec: dict[str, Any]) -> None:
             row["mfu"] = (round(row["achieved_tflops"] / peak, 4) if peak else None)
         res[side] = row
     rec["results"] = res
-    if "fsdp2" in res and res["fsdp2"].get("median_step_s") and res["shardckpt"].get("median_step_s"):
+    if res.get("fsdp2", {}).get("median_step_s") and res["shardckpt"].get("median_step_s"):
         rec["ratio_step_time_shardckpt_over_fsdp2"] = ratio(res["shardckpt"]["median_step_s"],
                                                             res["fsdp2"]["median_step_s"])
         rec["paired_ratio"] = round(statistics.median(
@@ -1110,10 +1113,10 @@ def section_f(ctx: Ctx, rec: dict[str, Any]) -> None:
                 with open(path) as f:
                     ranks.append(json.load(f))
             else:
-                ranks.append({"rank": r, "ok": False,
-                              "error": {"type": "NoResult", "message":
-                                        f"rank {r} left no result (exit code "
-                                        f"{procs[r].exitcode}{', ended after the timeout' if r in stuck else ''})"}})
+                late = ", ended after the timeout" if r in stuck else ""
+                ranks.append({"rank": r, "ok": False, "error": {
+                    "type": "NoResult",
+                    "message": f"rank {r} left no result (exit code {procs[r].exitcode}{late})"}})
         rec["ran"] = True
         rec["ranks_ok"] = all(x.get("ok") for x in ranks)
         first = ranks[0]
@@ -1152,7 +1155,8 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
                         f"{12 * llama_params(s['model']) / 1e9:.2f} GB of state per save "
                         "(fp32 masters + 2 AdamW moments), 3 async saves, 1 sync save, 1 load"),
         "d": lambda s: (f"Llama {fmt_params(llama_params(s['model']))} params, "
-                        f"{s['batch']}x{s['seq']} tokens, {s['warmup']} + {s['steps']} steps per side"),
+                        f"{s['batch']}x{s['seq']} tokens, {s['warmup']} + {s['steps']} "
+                        "steps per side"),
         "e": lambda s: (f"{s['rows']} x {s['cols']:,} elements (bf16 weights, fp32 gradients), "
                         f"block {s['block']}, {s['reps']} reps"),
         "f": lambda s: (f"Llama {fmt_params(llama_params(s['model']))} params on up to "
@@ -1188,8 +1192,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         return env
     try:
         props = torch.cuda.get_device_properties(0)
-        env.update(device_name=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
-                   device_memory_gb=gb(props.total_memory),
+        env.update(device_name=torch.cuda.get_device_name(0),
+                   device_count=torch.cuda.device_count(), device_memory_gb=gb(props.total_memory),
                    capability=f"{props.major}.{props.minor}")
         version = torch.cuda.nccl.version()
         env["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
@@ -1352,7 +1356,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.perf_counter()
     doc: dict[str, Any] = {
-        "schema": SCHEMA, "command": " ".join(["python", "bench/gpu_check.py", *(argv or sys.argv[1:])]),
+        "schema": SCHEMA,
+        "command": " ".join(["python", "bench/gpu_check.py", *(argv or sys.argv[1:])]),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "device": args.device, "small": args.small, "budget_s": args.budget_s,
         "isolated": not args.no_isolate, "sections": {}}
