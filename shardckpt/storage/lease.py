@@ -7,13 +7,23 @@ fails. A killed writer's lease is not renewed and expires; on the writer's own h
 name and PID namespace) it ends as soon as the writer's process is gone. :func:`live_until`
 answers whether a save directory holds a live lease; ``clean`` and ``reshard --overwrite`` leave
 such a directory alone.
+
+Whoever can write below a prefix can plant a lease, so a lease file is parsed strictly
+(:func:`parse_lease`: at most :data:`MAX_LEASE_BYTES`, a flat UTF-8 JSON object, ``expires`` a
+finite number of seconds, ``host`` a string, ``pid`` a positive integer below 2**31, ``pidns`` an
+integer or null). A file named as a lease that fails those checks counts as a live lease that
+never ends, with one warning naming it: the callers are destructive (``clean`` removes what no
+lease holds, the watch service starts a step no lease holds), and a planted file must make them
+keep something, never remove it or run a step twice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import socket
 import threading
 import time
@@ -21,13 +31,24 @@ import uuid
 from typing import Any
 
 from shardckpt.errors import ShardckptError
-from shardckpt.storage import Storage
+from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
 
 LEASE_PREFIX = ".lease-"
 DEFAULT_TTL_S = 120.0
 MAX_LEASE_BYTES = 4096
+#: A lease document is one flat object; arrays or objects inside it are refused before parsing.
+MAX_LEASE_DEPTH = 1
+MAX_PID = 2**31 - 1
+#: Expiry times beyond this (about the year 33658) are not a writer's.
+MAX_EXPIRES = 1e12
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+class LeaseError(ShardckptError):
+    """A file named as a lease that does not hold a lease document."""
 
 
 class Lease:
@@ -86,22 +107,116 @@ class Lease:
 def live_until(storage: Storage, save_dir: str, now: float | None = None) -> float | None:
     """The latest expiry (UNIX seconds) of the unexpired leases in ``save_dir``; None if none.
 
-    A lease that cannot be read or parsed counts as no lease: leases are written whole (an
-    atomic rename locally, one PUT on object stores), so such a file is not a writer's.
+    A lease file that cannot be read (other than one removed since the listing) or fails
+    :func:`parse_lease` counts as live for ever (``math.inf``), with one warning naming it: leases
+    are written whole (an atomic rename locally, one PUT on object stores), so such a file is not
+    a writer's, and for the destructive callers keeping a directory is the safe mistake. Raises
+    nothing but :class:`ShardckptError` (from listing ``save_dir``).
     """
     now = time.time() if now is None else now
     best = None
     for name in storage.ls(save_dir):
         if not name.startswith(LEASE_PREFIX):
             continue
+        rel = f"{save_dir}/{name}"
         try:
-            doc = json.loads(storage.read_limited(f"{save_dir}/{name}", MAX_LEASE_BYTES))
-            expires = float(doc["expires"])
-        except (ShardckptError, ValueError, KeyError, TypeError):
+            doc = parse_lease(storage.read_limited(rel, MAX_LEASE_BYTES))
+        except NotFoundError:  # released since the listing
             continue
+        except ShardckptError as e:
+            _warn_once(storage.url_of(rel), str(e))
+            return math.inf
+        expires = doc["expires"]
         if expires > now and not _writer_gone(doc) and (best is None or expires > best):
             best = expires
     return best
+
+
+def parse_lease(data: bytes) -> dict[str, Any]:
+    """A lease document, checked (see the module doc); :class:`LeaseError` (one line) if
+    ``data`` is not one. Fields other than those named there are kept unchecked."""
+    if len(data) > MAX_LEASE_BYTES:
+        raise LeaseError(f"{len(data)} bytes, more than the {MAX_LEASE_BYTES} a lease may have")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LeaseError(f"not UTF-8 text (byte {e.start})") from None
+    depth = deepest = 0
+    for ch in _BRACKET.findall(_JSON_STRING.sub('""', text)):
+        depth += 1 if ch in "[{" else -1
+        deepest = max(deepest, depth)
+    if deepest > MAX_LEASE_DEPTH:
+        raise LeaseError(f"nested {deepest} deep; a lease is one flat JSON object")
+    try:
+        doc = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_repeats)
+    except (ValueError, RecursionError) as e:  # RecursionError: unreachable after the depth check
+        raise LeaseError(f"not valid JSON: {_short(e)}") from None
+    if not isinstance(doc, dict):
+        raise LeaseError(f"a JSON {type(doc).__name__}, not an object")
+    if "expires" not in doc:
+        raise LeaseError("no 'expires'")
+    expires = doc["expires"]
+    if not _number(expires) or not -MAX_EXPIRES <= expires <= MAX_EXPIRES:  # NaN fails too
+        raise LeaseError(f"expires = {_short(repr(expires))}: expected a time in UNIX seconds")
+    doc["expires"] = float(expires)
+    if "host" in doc and not isinstance(doc["host"], str):
+        raise LeaseError(f"host = {_short(repr(doc['host']))}: expected a string")
+    pid = doc.get("pid")
+    if "pid" in doc and not (_integer(pid) and 0 < pid <= MAX_PID):
+        raise LeaseError(f"pid = {_short(repr(pid))}: expected a process id (1 to {MAX_PID})")
+    pidns = doc.get("pidns")
+    if pidns is not None and not (_integer(pidns) and 0 <= pidns < 2**64):
+        raise LeaseError(f"pidns = {_short(repr(pidns))}: expected an inode number or null")
+    return doc
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """``v`` as a short printable line for a message (an int too long to print says so)."""
+    try:
+        text = str(v)
+    except ValueError:  # an integer past the str() digit limit
+        text = "a number too long to print"
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a lease holds")
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {_short(k)!r} appears twice")
+        out[k] = v
+    return out
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(where: str, problem: str) -> None:
+    """One warning per lease file and problem in this process (a watcher or a status page
+    looks at the same step directory again every pass)."""
+    with _warned_lock:
+        if (where, problem) in _warned:
+            return
+        if len(_warned) > 4096:
+            _warned.clear()
+        _warned.add((where, problem))
+    log.warning("%s is not a lease that can be read (%s); counting it as held, so nothing it "
+                "covers is removed or started until it is removed", _short(where, 1000), _short(problem, 500))
 
 
 def _pid_namespace() -> int | None:
@@ -118,17 +233,18 @@ def whoami() -> dict[str, Any]:
 
 def _writer_gone(doc: dict[str, Any]) -> bool:
     """Whether the lease's writer is a process of this host and PID namespace that has exited
-    (a killed writer's lease then ends at once, not after its expiry)."""
+    (a killed writer's lease then ends at once, not after its expiry). ``doc`` is checked
+    (:func:`parse_lease`)."""
     me = whoami()
     pid = doc.get("pid")
     if doc.get("host") != me["host"] or me["pidns"] is None or doc.get("pidns") != me["pidns"]:
         return False
-    if not isinstance(pid, int) or pid <= 0:
+    if not _integer(pid) or not 0 < pid <= MAX_PID:
         return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except OSError:  # exists, owned by another user
+    except (OSError, OverflowError):  # exists, owned by another user
         return False
     return False
