@@ -28,7 +28,7 @@ from shardckpt.storage import NotFoundError, Storage
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-STEP_DIR = re.compile(r"^step-(\d{8,})\Z")
+STEP_DIR = re.compile(r"^step-([0-9]{8,})\Z")
 
 
 def step_dir(step: int) -> str:

@@ -32,7 +32,7 @@ from shardckpt.format.parse_context import (
     ParseContext, Problem, finite_float, listed, no_duplicate_keys, reject_constant,
 )
 
-_SHARD_NAME = re.compile(r"shard-(\d{1,9})-of-(\d{1,9})\.safetensors")
+_SHARD_NAME = re.compile(r"shard-([0-9]{1,9})-of-([0-9]{1,9})\.safetensors")
 _TOP = "top level"
 
 
@@ -99,7 +99,7 @@ def _parse_body(ctx: ParseContext, doc: dict[str, Any], version: tuple[int, int]
 
 def _parse_version(ctx: ParseContext, v: Any) -> tuple[int, int]:
     s = ctx.str_(v, "version", MAX_SHORT)
-    m = re.fullmatch(r"(\d{1,6})\.(\d{1,6})", s)
+    m = re.fullmatch(r"([0-9]{1,6})\.([0-9]{1,6})", s)
     if not m:
         raise ctx.fail("version", f"expected 'MAJOR.MINOR', found {s!r}")
     major, minor = int(m.group(1)), int(m.group(2))

@@ -31,7 +31,7 @@ from shardckpt.storage.lease import live_until
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import OpenUpload, Storage, abort_upload, list_open_uploads
 
-SAVE_ID = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}\Z")
+SAVE_ID = re.compile(r"^([0-9]{8}T[0-9]{6}Z)-[0-9a-f]{8}\Z")
 TMP_MANIFEST = re.compile(r"^manifest\.json\.tmp-[0-9a-f]+\Z")
 
 log = logging.getLogger(__name__)

@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 MODEL_INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 PROVENANCE = "shardckpt_consolidated.json"
-_OUTPUT_NAME = re.compile(r"^(model|optimizer)(-\d{5}-of-\d{5})?(-[0-9a-f]{8})?\.safetensors"
+_OUTPUT_NAME = re.compile(r"^(model|optimizer)(-[0-9]{5}-of-[0-9]{5})?(-[0-9a-f]{8})?\.safetensors"
                           r"(\.index\.json|\.partial-[0-9a-f]+)?\Z|^shardckpt_consolidated\.json\Z")
 
 
