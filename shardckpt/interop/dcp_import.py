@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.interop import dcp_records
-from shardckpt.interop.dcp_payload import plain_bytes
+from shardckpt.interop.dcp_payload import distinct_elements, plain_bytes, stored_only
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.format.chunked import (
@@ -43,6 +43,7 @@ from shardckpt.format.dtypes import DTYPES, itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
 from shardckpt.storage import NotFoundError, Storage
+from shardckpt.storage.links import check_inside
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,27 @@ MAX_METADATA_BYTES = 1 << 30
 _MD = "torch.distributed.checkpoint.metadata"
 _DTYPE_NAMES = tuple(DTYPES) + ("complex64", "complex128")
 _PAYLOAD = re.compile(r"[A-Za-z0-9_.-]+")
+#: Offsets, lengths, sizes and shapes in the metadata are below this (as in a manifest).
+MAX_INT = 1 << 63
+
+
+def _show(v: Any) -> str:
+    """``repr(v)``, short: a huge integer by its size (its digits would be an error of their own
+    past Python's limit, and unreadable before it), anything else cut at 80 characters."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= MAX_INT:
+        return f"<an integer of {v.bit_length()} bits>"
+    if isinstance(v, (tuple, list)) and any(isinstance(x, int) and abs(x) >= MAX_INT for x in v):
+        return "[" + ", ".join(_show(x) for x in v[:8]) + (", ...]" if len(v) > 8 else "]")
+    try:
+        r = repr(v)
+    except Exception:  # noqa: BLE001 - a foreign object whose repr fails
+        r = f"<a {type(v).__name__}>"
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _count(x: Any) -> bool:
+    """A non-negative integer (not a bool) below :data:`MAX_INT`."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_INT
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -127,6 +149,7 @@ def read_dcp_metadata(storage: Storage, records: bool = False) -> Any:
         from torch.distributed.checkpoint.metadata import Metadata
 
     url = storage.url_of(METADATA_NAME)
+    check_inside(storage, METADATA_NAME)
     try:
         data = storage.read_limited(METADATA_NAME, MAX_METADATA_BYTES)
     except NotFoundError:
@@ -144,15 +167,20 @@ def read_dcp_metadata(storage: Storage, records: bool = False) -> Any:
 
 
 def _dtype(dtype: Any, url: str, fqn: str) -> str:
-    name = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str):  # records give a dtype as its name; str() of anything else
+        # (a list nested thousands deep) may itself fail
+        raise IntegrityError(f"{url}: {fqn!r} has a {type(dtype).__name__} for its dtype, not "
+                             "one of torch's dtypes")
+    name = dtype.removeprefix("torch.")
     if name not in DTYPES:
         raise IntegrityError(f"{url}: {fqn!r} is {name}; shardckpt stores {', '.join(DTYPES)}")
     return name
 
 
 def _ints(v: Any, url: str, what: str) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list)) or not all(isinstance(x, int) and x >= 0 for x in v):
-        raise IntegrityError(f"{url}: {what} is not a list of non-negative integers")
+    if not isinstance(v, (tuple, list)) or len(v) > 64 or not all(_count(x) for x in v):
+        raise IntegrityError(f"{url}: {what} is {_show(v)}, not a list of non-negative integers "
+                             f"below 2**63")
     return tuple(int(x) for x in v)
 
 
@@ -162,14 +190,17 @@ def _storage_info(md: Any, url: str, fqn: str, offsets: tuple[int, ...] | None) 
     info = md.storage_data.get(key) if isinstance(md.storage_data, dict) else None
     if not isinstance(info, dcp_records.StorageInfo):
         raise IntegrityError(f"{url}: no storage record for {fqn!r}{where}")
-    path, off, n = info.relative_path, info.offset, info.length
+    # A record's fields are whatever the pickle gave: a missing one is None, refused below.
+    path, off, n = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
     if not isinstance(path, str) or not _PAYLOAD.fullmatch(path) or path in (".", ".."):
-        raise IntegrityError(f"{url}: {fqn!r}{where} is stored in {path!r}, not a file beside it")
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (off, n)):
-        raise IntegrityError(f"{url}: {fqn!r}{where} has offset {off!r} and length {n!r}")
+        raise IntegrityError(f"{url}: {fqn!r}{where} is stored in {_show(path)}, not a file "
+                             "beside it")
+    if not (_count(off) and _count(n)):
+        raise IntegrityError(f"{url}: {fqn!r}{where} has offset {_show(off)} and length "
+                             f"{_show(n)}; expected non-negative integers below 2**63")
     if getattr(info, "transform_descriptors", None):
         raise IntegrityError(f"{url}: {fqn!r}{where} is stored with transforms "
-                             f"{list(info.transform_descriptors)}; only plain payloads are read")
+                             f"{_show(info.transform_descriptors)}; only plain payloads are read")
     return path, off, n
 
 
@@ -177,25 +208,28 @@ def read_dcp(storage: Storage) -> DcpSource:
     """Read and check ``storage``'s DCP metadata against its payload files (nothing else read)."""
     md = read_dcp_metadata(storage, records=True)
     url = storage.url_of(METADATA_NAME)
-    if not isinstance(md.state_dict_metadata, dict):
+    state_dict_metadata = getattr(md, "state_dict_metadata", None)
+    if not isinstance(state_dict_metadata, dict):
         raise IntegrityError(f"{url}: state_dict_metadata is not a map")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     items: dict[str, list[_Item]] = {}
-    for fqn, tmd in md.state_dict_metadata.items():
+    for fqn, tmd in state_dict_metadata.items():
         if not isinstance(fqn, str):
             raise IntegrityError(f"{url}: a key is {type(fqn).__name__}, not a string")
         if isinstance(tmd, dcp_records.BytesStorageMetadata):
             path, off, n = _storage_info(md, url, fqn, None)
             items.setdefault(path, []).append(_Item(fqn, None, (n,), path, off, n))
             continue
-        if not isinstance(tmd, dcp_records.TensorStorageMetadata) or not isinstance(tmd.chunks, list):
-            raise IntegrityError(f"{url}: {fqn!r} has metadata {type(tmd).__name__}")
-        dtype = _dtype(getattr(tmd.properties, "dtype", None), url, fqn)
-        shape = _ints(tmd.size, url, f"the shape of {fqn!r}")
+        chunks = getattr(tmd, "chunks", None)
+        if not isinstance(tmd, dcp_records.TensorStorageMetadata) or not isinstance(chunks, list):
+            raise IntegrityError(f"{url}: {fqn!r} has metadata {type(tmd).__name__} without a "
+                                 "list of chunks")
+        dtype = _dtype(getattr(getattr(tmd, "properties", None), "dtype", None), url, fqn)
+        shape = _ints(getattr(tmd, "size", None), url, f"the shape of {fqn!r}")
         records = []
-        for c in tmd.chunks:
-            off = _ints(c.offsets, url, f"a chunk offset of {fqn!r}")
-            sizes = _ints(c.sizes, url, f"a chunk size of {fqn!r}")
+        for c in chunks:
+            off = _ints(getattr(c, "offsets", None), url, f"a chunk offset of {fqn!r}")
+            sizes = _ints(getattr(c, "sizes", None), url, f"a chunk size of {fqn!r}")
             if len(off) != len(shape) or len(sizes) != len(shape):
                 raise IntegrityError(f"{url}: {fqn!r} has {len(shape)} dimensions but a chunk's "
                                      f"offsets and sizes have {len(off)} and {len(sizes)}")
@@ -206,9 +240,14 @@ def read_dcp(storage: Storage) -> DcpSource:
                                  f"{list(shape)}: {problems[0]}")
         for c in records:
             path, pos, n = _storage_info(md, url, fqn, c.offsets)
+            if c.end > n:  # a payload holds at least its tensor's bytes: no stride-0 expansion
+                raise IntegrityError(
+                    f"{url}: {fqn!r} at offsets {list(c.offsets)} is a {dtype} box of sizes "
+                    f"{list(c.sizes)} ({c.end} bytes), but its payload in {path} is {n} bytes")
             items.setdefault(path, []).append(_Item(fqn, c.offsets, c.sizes, path, pos, n))
         tensors[fqn] = (dtype, shape)
     for path, its in items.items():
+        check_inside(storage, path)
         try:
             size = storage.size(path)
         except NotFoundError:
@@ -244,6 +283,10 @@ def load_chunk(storage: Storage, it: _Item, dtype: str, data: bytes | None = Non
     url = storage.url_of(it.file)
     where = f"{it.fqn!r} at offsets {list(it.offsets or ())}"
     data = _read_item(storage, it) if data is None else data
+    bad = stored_only(data)
+    if bad:  # torch.load would inflate it: memory no longer bounded by what is read
+        raise IntegrityError(f"{url}: {where}: bytes [{it.offset}, {it.offset + it.length}) are "
+                             f"not a torch.save archive of stored entries: {bad}")
     try:
         t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a foreign payload: any failure is one clear error
@@ -256,6 +299,11 @@ def load_chunk(storage: Storage, it: _Item, dtype: str, data: bytes | None = Non
     if got != dtype or tuple(t.shape) != it.sizes:
         raise IntegrityError(f"{url}: {where} holds a {got} tensor of shape {list(t.shape)}; the "
                              f"metadata says {dtype} {list(it.sizes)}")
+    held = t.untyped_storage().nbytes()
+    if not distinct_elements(tuple(t.shape), tuple(t.stride())) or held < t.numel() * t.element_size():
+        raise IntegrityError(f"{url}: {where} is a view (strides {list(t.stride())}) that repeats "
+                             f"elements of its {held}-byte storage; a payload's storage must hold "
+                             "every element of its tensor")
     return t
 
 
