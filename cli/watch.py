@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import typer
 
 from shardckpt.cli.app import app
 from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, echo, echo_json, fail, guarded
+
+log = logging.getLogger("shardckpt.watch")
+
+#: The signals that stop a watcher gracefully: a service manager's stop, and Ctrl-C.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @app.command()
@@ -25,9 +36,12 @@ def watch(
                                              "for Prometheus) on 127.0.0.1:PORT while watching."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings only."),
 ) -> None:
-    """Verify, reshard, consolidate, copy and prune every checkpoint of a run, each step exactly once."""
-    import logging
+    """Verify, reshard, consolidate, copy and prune every checkpoint of a run, each step exactly once.
 
+    SIGTERM or SIGINT (Ctrl-C) stops it: the step in flight finishes and is recorded, no other
+    starts, a step waiting to retry is left unrecorded (its claim released, for the next watcher),
+    and it exits 0; a second signal exits at once (128 + the signal's number), leaving the step
+    in flight to be redone or adopted by the next watcher."""
     from shardckpt.watch.service import Watcher
     from shardckpt.watch.config import load_pipeline
     from shardckpt.watch.status import pipeline_status, status_lines
@@ -55,11 +69,14 @@ def watch(
         server = start_server(serve, lambda: pipeline_status(p, w.watch, w.state), w.counters)
         echo(f"serving the status of {p.name} on http://127.0.0.1:{server.server_address[1]}/", err=True)
     try:
-        report = w.run(once=once)
+        with stop_on_signals(w.stop) as received:
+            report = w.run(once=once)
     finally:
         w.stop()
         if server is not None:
             server.shutdown()
+    if received:
+        echo(f"stopped on {received[0]}", err=True)
     if once:
         unreadable = f", {report.unreadable} waiting behind an unreadable record (see the log)" \
             if report.unreadable else ""
@@ -67,3 +84,61 @@ def watch(
              f"held by another watcher, {report.uncommitted} not committed{unreadable}")
         if report.dead or report.unreadable:
             raise typer.Exit(EXIT_FAILED)
+
+
+@contextmanager
+def stop_on_signals(stop: Any) -> Iterator[list[str]]:
+    """While the block runs, SIGTERM and SIGINT call ``stop`` (once); a second one ends the
+    process at once with status 128 + its number. Yields the names of the signals received.
+
+    The handlers are installed whatever the signals' dispositions were, so a watcher started
+    with SIGINT ignored (``nohup``, ``cmd &`` in a non-interactive shell) still stops on it;
+    they are restored on the way out. A handler only writes the signal's number to a pipe: a
+    thread reads it and does the rest, so nothing that takes a lock runs inside a handler (the
+    main thread may hold that lock where the signal interrupts it). Off the main thread, where
+    handlers cannot be installed, this does nothing."""
+    received: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            os.write(write_fd, bytes([signum]))
+        except OSError:  # the pipe is full of signals already: one more changes nothing
+            pass
+
+    def react() -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 1)
+            except OSError:
+                return
+            if not data:
+                return
+            name = signal.Signals(data[0]).name
+            if received:
+                log.error("%s during the stop: exiting now; the step in flight is left to the "
+                          "next watcher (its lease ends with this process)", name)
+                sys.stderr.flush()
+                os._exit(128 + data[0])
+            received.append(name)
+            log.warning("%s: stopping once the step in flight is recorded; no other step starts "
+                        "(%s again exits at once)", name, name)
+            stop()
+
+    reader = threading.Thread(target=react, name="shardckpt-watch-signals", daemon=True)
+    reader.start()
+    previous = {}
+    try:
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, handler)
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        os.close(write_fd)
+        reader.join()
+        os.close(read_fd)

@@ -26,6 +26,11 @@ pass, until someone removes that record. Names in the run directory other than c
 (:func:`~shardckpt.watch.records.checkpoint_step`: ``step-`` and ASCII digits, nothing after) are
 ignored, and what the log says of the store is one printable line.
 
+:meth:`Watcher.stop` (``shardckpt watch`` calls it on SIGTERM or SIGINT) starts no further step:
+a step in flight runs to its end and is recorded (its output commits, then its record), and a
+step waiting out a retry's backoff ends unrecorded with its claim released, so that the next
+watcher runs it. Nothing is abandoned midway that a restart would not handle anyway.
+
 Checkpoints whose every step is settled are remembered, so an idle watcher costs one LIST of the
 run directory per interval. Steps run in this process, one at a time per checkpoint: memory is
 that of the largest step. Does not import torch.
@@ -110,9 +115,12 @@ class Watcher:
         :meth:`stop`. Returns the last pass's report."""
         if once:
             return self.process_pass()
+        log.info("watching %s for pipeline %s, every %g s", printable(self.watch.url), self.p.name,
+                 self.p.interval_s)
         report = self._pass_or_log()
         while not self.stop_event.wait(self.p.interval_s):
             report = self._pass_or_log()
+        log.info("stopped watching %s", printable(self.watch.url))
         return report
 
     def _pass_or_log(self) -> PassReport:
