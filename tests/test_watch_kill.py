@@ -124,10 +124,28 @@ def setup(tmp: Path, steps: tuple[int, ...]) -> Path:
     return path
 
 
+_started: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_children():
+    """Whatever a test leaves running (a failed wait, a paused child) is killed and reaped."""
+    try:
+        yield
+    finally:
+        while _started:
+            proc = _started.pop()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=120)
+
+
 def start(tmp: Path, pipeline: Path, point: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(pipeline), point, str(tmp / "log"),
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(pipeline), point, str(tmp / "log"),
                              str(tmp / "markers")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+    _started.append(proc)
+    return proc
 
 
 def wait_marker(tmp: Path, proc: subprocess.Popen, tag: str) -> None:
