@@ -4,7 +4,11 @@
   model's Hugging Face config (a JSON object); it is written with ``torch_dtype`` and ``dtype``
   (the key newer ``transformers`` read) set to the dtype of the consolidated weights.
 * Tokenizer and generation files are copied from another model folder (``--copy-from``), by an
-  explicit allow-list: never weights, never code.
+  explicit allow-list: never weights, never code. That folder's author is not trusted: a file
+  that is a symbolic link is copied only when it resolves inside the folder (inside the
+  repository folder, for a Hugging Face cache snapshot, whose files are links into ``blobs/``),
+  and a ``config.json`` only when it is strict JSON a checkpoint could hold
+  (:mod:`shardckpt.interop.foreign`). Both are checked before anything is written.
 
 Does not import torch.
 """
@@ -17,6 +21,7 @@ from typing import Any, Mapping
 
 from shardckpt.errors import ConfigError, ManifestError
 from shardckpt.format.manifest import Manifest
+from shardckpt.interop.foreign import check_link, source_root
 from shardckpt.storage import Storage
 
 HF_CONFIG_KEY = "hf_config"
@@ -64,10 +69,26 @@ def files_to_copy(src: Storage, with_config: bool) -> list[str]:
                           "tokenizer files from")
     if not chosen:
         raise ConfigError(f"{src.url} holds none of the files a copy takes ({', '.join(wanted)})")
+    check_sources(src, chosen)
     return chosen
 
 
+def check_sources(src: Storage, names: list[str]) -> None:
+    """Refuse, before anything is written, a file of ``names`` that is a symbolic link leading
+    out of ``src`` (:func:`~shardckpt.interop.foreign.source_root`), or a ``config.json`` that is
+    not strict JSON: one error naming the file."""
+    from shardckpt.interop.hf_source import read_config
+
+    root = source_root(src)
+    for name in names:
+        check_link(src, name, root)
+    if CONFIG in names:
+        read_config(src, CONFIG, root)
+
+
 def copy_files(src: Storage, dst: Storage, names: list[str]) -> None:
-    """Copy ``names`` from ``src`` to ``dst``, each replaced atomically where the store allows."""
+    """Copy ``names`` from ``src`` to ``dst``, each replaced atomically where the store allows;
+    every name is checked (:func:`check_sources`) before the first is written."""
+    check_sources(src, names)
     for name in names:
         dst.put(name, src.read_limited(name, MAX_COPY_BYTES))
