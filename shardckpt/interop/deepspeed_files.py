@@ -15,7 +15,6 @@ check that the partitions add up to the parameters.
 
 from __future__ import annotations
 
-import io
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,6 +23,10 @@ from typing import Any, Sequence
 
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.layout import prod
+from shardckpt.interop.foreign import check_link, escaped, shown, source_root
+from shardckpt.interop.pt_archive import (
+    check_tensors, load_mapped, local_copy, read_layout, read_storages,
+)
 from shardckpt.storage import NotFoundError, Storage
 
 
@@ -38,8 +41,15 @@ class DeepSpeedObject:
         self.state = state
 
 
+class StageError(ValueError):
+    """A ZeRO stage that is not 0, 1, 2 or 3 (raised while a file is unpickled)."""
+
+
 def zero_stage(value: Any) -> int:
-    """Stand-in for DeepSpeed's ``ZeroStageEnum``: the stage as an int."""
+    """Stand-in for DeepSpeed's ``ZeroStageEnum``: the stage as an int (0 to 3, else refused)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 3:
+        raise StageError(f"holds ZeRO stage {shown(value if isinstance(value, str) else repr(value), 40)}; "
+                         "a stage is 0, 1, 2 or 3")
     return int(value)
 
 
@@ -68,29 +78,64 @@ def _allowed() -> list[Any]:
     return out
 
 
-def _first_line(e: BaseException) -> str:
+def _reason(e: BaseException) -> str:
+    """The whole reason torch gives, on one line (the advice torch adds to a weights-only failure,
+    about loading without it, is left out: that is never done here)."""
     text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text[text.index(marker) + len(marker):].strip()
+    return escaped(text) if text else type(e).__name__
 
 
-def load_pt(storage: Storage, rel: str) -> dict[str, Any]:
-    """The dict saved in ``rel``, read whole (one file in memory at a time), tensors on CPU.
+def load_pt(storage: Storage, rel: str, root: str | None = None) -> dict[str, Any]:
+    """The dict saved in ``rel``, tensors on the CPU, read so that memory follows what the file's
+    tensors hold, not the file's size (:mod:`shardckpt.interop.pt_archive`): the zip structure
+    is checked first, the pickle is loaded with its storages mapped, not read, every tensor is
+    checked against its storage and the storages against the file, and only then are the
+    storages read.
 
-    Raises :class:`IntegrityError` naming the file for a missing, truncated or damaged file, a
-    global not on the allow-list (named), or anything but a dict at the top.
+    ``root``: the folder the file must resolve inside (default: ``storage``'s,
+    :func:`~shardckpt.interop.foreign.source_root`).
+    Raises :class:`IntegrityError` naming the file for a missing, truncated or damaged file, an
+    archive with bytes no tensor accounts for, a tensor that repeats or overlaps elements or
+    reaches past its storage (named by its key), a global not on the allow-list (named), or
+    anything but a dict at the top.
     """
-    import pickle
-
-    import torch
+    from shardckpt.storage.core import iter_file_chunks
+    from shardckpt.storage.local import LocalBackend
 
     url = storage.url_of(rel)
+    real = check_link(storage, rel, root if root is not None else source_root(storage))
     try:
-        data = storage.read(rel)
+        size = storage.size(rel)
     except NotFoundError:
         raise IntegrityError(f"{url}: missing") from None
+    layout = read_layout(lambda a, b: storage.read(rel, a, b), size, url)
+    local = isinstance(storage.backend, LocalBackend)
+    path = ((real or storage.full(rel)) if local
+            else local_copy(iter_file_chunks(storage, rel, 8 << 20)))
     try:
-        with torch.serialization.safe_globals(_allowed()):
-            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        obj = _load(path, url)
+        if not isinstance(obj, dict):
+            raise IntegrityError(f"{url}: holds a {type(obj).__name__}, not a DeepSpeed state "
+                                 "dict")
+        read_storages(obj, check_tensors(obj, layout, url), path, url)
+    finally:
+        if not local:
+            os.unlink(path)
+    return obj
+
+
+def _load(path: str, url: str) -> Any:
+    """``torch.load`` of ``path`` through the allow-list, storages mapped; one error naming
+    ``url`` for anything it refuses or fails on."""
+    import pickle
+
+    try:
+        return load_mapped(path, url, _allowed())
+    except StageError as e:
+        raise IntegrityError(f"{url}: {e}") from None
     except pickle.UnpicklingError as e:
         m = _UNSUPPORTED.search(str(e))
         if m:
@@ -98,15 +143,10 @@ def load_pt(storage: Storage, rel: str) -> dict[str, Any]:
                                  "allow-list of what a DeepSpeed checkpoint may hold; refused "
                                  "without running it") from None
         raise IntegrityError(f"{url}: not a readable torch.save file (truncated or damaged): "
-                             f"{_first_line(e)}") from None
+                             f"{_reason(e)}") from None
     except Exception as e:  # noqa: BLE001 - a foreign pickle: any failure is one clear error
         raise IntegrityError(f"{url}: not a readable torch.save file (truncated or damaged): "
-                             f"{_first_line(e)}") from None
-    finally:
-        del data
-    if not isinstance(obj, dict):
-        raise IntegrityError(f"{url}: holds a {type(obj).__name__}, not a DeepSpeed state dict")
-    return obj
+                             f"{_reason(e)}") from None
 
 
 class Segment(tuple):
@@ -126,21 +166,39 @@ class Segment(tuple):
 @dataclass
 class Staged:
     """Raw fp32 regions in a local folder: name -> (path, elements); written once, then read in
-    pieces through open handles (one per region, kept until :meth:`close`)."""
+    pieces through open handles (one per region, kept until :meth:`close`).
+
+    ``limit`` (bytes, None: none) bounds what is staged and held from the source altogether: a
+    source's tensors yield at most twice their bytes (bf16 widened to fp32), so a source whose
+    names use one tensor many times is refused (:meth:`spend`) before it is written out."""
 
     folder: str
     regions: dict[str, tuple[str, int]] = field(default_factory=dict)
     handles: dict[str, Any] = field(default_factory=dict)
+    limit: int | None = None
+    spent: int = 0
+    source: str = ""
 
-    def put(self, name: str, parts: Any) -> None:
-        """Write region ``name``: the fp32 arrays ``parts`` one after another (no joined copy)."""
+    def spend(self, nbytes: int, url: str) -> None:
+        """Count ``nbytes`` taken from file ``url``; refuse once the total passes ``limit``."""
+        self.spent += nbytes
+        if self.limit is not None and self.spent > self.limit:
+            raise IntegrityError(f"{url}: its values would come to more than {self.limit} bytes "
+                                 f"of fp32, over twice the {self.source or 'source'}'s files; "
+                                 "refused (a tensor used under many names)")
+
+    def put(self, name: str, parts: Any, url: str = "") -> None:
+        """Write region ``name``: the tensors or fp32 arrays ``parts`` one after another, each
+        widened to fp32 only as it is written (no joined copy)."""
         import numpy as np
 
         path = os.path.join(self.folder, f"{len(self.regions):06d}.f32")
         n = 0
         with open(path, "wb") as f:
             for part in parts:
-                a = np.ascontiguousarray(part, dtype=np.float32).reshape(-1)
+                self.spend(4 * int(part.size if isinstance(part, np.ndarray) else part.numel()), url)
+                a = part if isinstance(part, np.ndarray) else to_f32(part)
+                a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
                 f.write(memoryview(a).cast("B"))
                 n += a.size
         self.regions[name] = (path, n)
@@ -172,17 +230,28 @@ def shape_of(s: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in s)
 
 
+def _folder_name(tag: str) -> bool:
+    return (bool(tag) and tag not in (".", "..") and "/" not in tag and "\\" not in tag
+            and tag.isprintable())
+
+
 def find_files(storage: Storage, tag: str | None) -> tuple[str, list[str], list[str]]:
     """(tag, optim files by rank, model files) of the checkpoint at ``storage``; one error naming
     the missing file or the world sizes that disagree."""
+    root = source_root(storage)
     if tag is None:
         try:
+            check_link(storage, "latest", root)
             tag = storage.read_limited("latest", 4096).decode("utf-8", "replace").strip()
         except NotFoundError:
             raise IntegrityError(f"{storage.url_of('latest')}: missing; pass --tag to name the "
                                  "checkpoint folder") from None
-    if not tag or "/" in tag or tag in (".", ".."):
-        raise ConfigError(f"{storage.url}: tag {tag!r} is not a folder name")
+        if not _folder_name(tag):
+            raise IntegrityError(f"{storage.url_of('latest')}: names the tag {shown(tag)}, which "
+                                 "is not a folder name; pass --tag to name the checkpoint folder")
+    if not _folder_name(tag):
+        raise ConfigError(f"{storage.url}: tag {shown(tag)} is not a folder name")
+    check_link(storage, tag, root)
     names = storage.ls(tag)
     if not names:
         raise IntegrityError(f"{storage.url_of(tag)}: no such checkpoint folder (or it is empty)")

@@ -19,9 +19,12 @@ How DeepSpeed lays its fp32 state out (what :func:`~shardckpt.interop.deepspeed_
   parameter in ``param_shapes`` order. Frozen parameters are cut the same way, per rank, in each
   rank's ``frozen_param_fragments``.
 
-Memory: one DeepSpeed rank file at a time is loaded (its bytes and its tensors: about two rank
-files); its partitions are staged as raw fp32 in a local temporary folder, and each target
-shard is then streamed from there in pieces of at most ``buffer_bytes``. ``manifest.json`` is
+Memory: one DeepSpeed rank file at a time is loaded, checked before its values are read so
+that it holds no more than its tensors' own bytes (:func:`~shardckpt.interop.deepspeed_files.load_pt`);
+its partitions are staged as raw fp32 in a local temporary folder, and each target shard is then
+streamed from there in pieces of at most ``buffer_bytes``. What is staged and held is bounded by
+twice the source files' bytes (bf16 widened to fp32): a tensor used under many names is refused.
+Every file is read only if it resolves inside the source folder. ``manifest.json`` is
 created last; on any error nothing is committed and the attempt's files are removed.
 """
 
@@ -39,8 +42,9 @@ from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.interop.deepspeed_files import (
     MODEL_FILE, Segment, Staged, check_world, find_files, load_pt, segments_12, segments_3,
-    shape_of, to_f32,
+    shape_of,
 )
+from shardckpt.interop.foreign import check_link, escaped, shown, source_root
 from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.importing import (
@@ -48,7 +52,7 @@ from shardckpt.interop.importing import (
 )
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
-from shardckpt.storage import Storage
+from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +90,8 @@ class RankInfo:
 
 
 def _moments(base: Any, lengths: Sequence[int], url: str) -> list[dict[str, Any]]:
-    """Per flat group, ``exp_avg`` and ``exp_avg_sq`` cut to the fp32 partition's length (the
-    padded tail DeepSpeed keeps in the optimizer state is dropped)."""
+    """Per flat group, ``exp_avg`` and ``exp_avg_sq`` (flat tensors, not yet widened) cut to the
+    fp32 partition's length (the padded tail DeepSpeed keeps in the optimizer state is dropped)."""
     states = base.get("state", {}) if isinstance(base, dict) else {}
     out = []
     for i, n in enumerate(lengths):
@@ -97,9 +101,9 @@ def _moments(base: Any, lengths: Sequence[int], url: str) -> list[dict[str, Any]
                                  "exp_avg_sq; only Adam-family optimizer state is imported")
         d = {}
         for k in KINDS[1:]:
-            a = to_f32(st[k])
-            if a.size < n:
-                raise IntegrityError(f"{url}: {k} of flat group {i} has {a.size} elements, "
+            a = st[k].detach().reshape(-1)
+            if a.numel() < n:
+                raise IntegrityError(f"{url}: {k} of flat group {i} has {a.numel()} elements, "
                                      f"fewer than its {n} weights")
             d[k] = a[:n]
         out.append(d)
@@ -113,18 +117,17 @@ def _stage_rank(storage: Storage, rel: str, rank: int, world: int, staged: Stage
     osd = sd.get("optimizer_state_dict")
     if not isinstance(osd, dict) or "zero_stage" not in osd:
         raise IntegrityError(f"{url}: no ZeRO optimizer state; not a ZeRO checkpoint file")
-    stage = int(osd["zero_stage"])
-    if stage not in (1, 2, 3):
-        raise IntegrityError(f"{url}: ZeRO stage {stage} is not 1, 2 or 3")
+    stage = osd["zero_stage"]
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise IntegrityError(f"{url}: ZeRO stage {shown(repr(stage), 40)} is not 1, 2 or 3")
     check_world(storage, rel, osd.get("partition_count", world), world)
     flats = osd["fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"]
     base = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
-    masters = [to_f32(t) for t in flats]
-    lengths = [int(a.size) for a in masters]
+    lengths = [int(t.numel()) for t in flats]
     moments = _moments(base, lengths, url)
-    staged.put(f"{rank}.master", masters)
+    staged.put(f"{rank}.master", flats, url)
     for k in KINDS[1:]:
-        staged.put(f"{rank}.{k}", [m[k] for m in moments])
+        staged.put(f"{rank}.{k}", [m[k] for m in moments], url)
     groups = base.get("param_groups", []) if isinstance(base, dict) else []
     states = base.get("state", {}) if isinstance(base, dict) else {}
     step = osd.get("base_optimizer_state_step", sd.get("global_steps", 0))
@@ -151,7 +154,8 @@ class ModelInfo:
     optimizer_config: dict[str, Any]
 
 
-def _model_info(sd: Mapping[str, Any], url: str) -> ModelInfo:
+def _model_info(sd: Mapping[str, Any], url: str,
+                spend: Callable[[int, str], None] = lambda n, url: None) -> ModelInfo:
     if "param_shapes" not in sd:
         raise IntegrityError(f"{url}: no param_shapes; not a DeepSpeed ZeRO model states file")
     flat = [{k: shape_of(v) for k, v in g.items()} for g in sd["param_shapes"]]
@@ -173,6 +177,7 @@ def _model_info(sd: Mapping[str, Any], url: str) -> ModelInfo:
     for name in names:  # floating buffers in fp32, as DeepSpeed's own consolidation gives them
         if name in module:
             t = module[name].detach()
+            spend(int(t.numel()) * 4, url)
             buffers[name] = (t.float() if t.is_floating_point() else t).numpy().copy()
     extras = {"step": int(sd.get("global_steps", 0) or 0),
               "samples_seen": int(sd.get("global_samples", 0) or 0),
@@ -182,8 +187,8 @@ def _model_info(sd: Mapping[str, Any], url: str) -> ModelInfo:
 
 
 def _frozen_values(sd: Mapping[str, Any], info: ModelInfo, url: str, whole: bool) -> list[Any]:
-    """The frozen parameters' values in ``info.frozen`` order: whole (ZeRO-1: ``module``;
-    ZeRO-2: ``frozen_param_fragments``) or this rank's pieces (ZeRO-3)."""
+    """The frozen parameters' values (tensors, not yet widened) in ``info.frozen`` order: whole
+    (ZeRO-1: ``module``; ZeRO-2: ``frozen_param_fragments``) or this rank's pieces (ZeRO-3)."""
     frags = sd.get("frozen_param_fragments") or sd.get("module") or {}
     out = []
     for f, shape in info.frozen.items():
@@ -192,7 +197,7 @@ def _frozen_values(sd: Mapping[str, Any], info: ModelInfo, url: str, whole: bool
         have = prod(frags[f].shape) if f in frags else -1
         if have < 0 or (whole and have != n) or have > want:
             raise IntegrityError(f"{url}: no value of frozen parameter {f!r} ({list(shape)})")
-        out.append(to_f32(frags[f]))
+        out.append(frags[f])
     return out
 
 
@@ -230,9 +235,10 @@ def _structure(url: str) -> Iterator[None]:
         yield
     except ShardckptError:
         raise
-    except (KeyError, TypeError, AttributeError, ValueError, IndexError, OverflowError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError,
+            RecursionError) as e:
         raise IntegrityError(f"{url}: not laid out as a DeepSpeed ZeRO checkpoint file "
-                             f"({type(e).__name__}: {e})") from None
+                             f"({type(e).__name__}: {escaped(str(e))})") from None
 
 
 def _read_models(storage: Storage, models: list[str], world: int,
@@ -242,7 +248,7 @@ def _read_models(storage: Storage, models: list[str], world: int,
     whole = os.path.basename(models[0]) == MODEL_FILE
     sd = load_pt(storage, models[0])
     with _structure(url0):
-        info = _model_info(sd, url0)
+        info = _model_info(sd, url0, staged.spend)
         check_world(storage, models[0], info.extras["world"] or world, world)
         values = _frozen_values(sd, info, url0, whole)
     del sd
@@ -251,18 +257,20 @@ def _read_models(storage: Storage, models: list[str], world: int,
         for f, shape in info.frozen.items():
             segs[f] = [Segment(0, prod(shape), "frozen", pos)] if prod(shape) else []
             pos += prod(shape)
-        staged.put("frozen.master", values)
+        with _structure(url0):
+            staged.put("frozen.master", values, url0)
         return info, segs
-    staged.put("0f.master", values)
-    lengths = [sum(v.size for v in values)]
+    with _structure(url0):
+        staged.put("0f.master", values, url0)
+    lengths = [sum(int(v.numel()) for v in values)]
     del values
     for r, rel in enumerate(models[1:], 1):
         sd = load_pt(storage, rel)
         with _structure(storage.url_of(rel)):
             values = _frozen_values(sd, info, storage.url_of(rel), False)
+            staged.put(f"{r}f.master", values, storage.url_of(rel))
         del sd
-        staged.put(f"{r}f.master", values)
-        lengths.append(sum(v.size for v in values))
+        lengths.append(sum(int(v.numel()) for v in values))
         del values
     return info, segments_3(url0, list(info.frozen.items()), lengths, world, "f")
 
@@ -273,6 +281,16 @@ def read_deepspeed(location: "str | Storage", staged: Staged, tag: str | None = 
     storage = as_storage(location, storage_options)
     tag, optim, models = find_files(storage, tag)
     world, url = len(optim), storage.url_of(tag)
+    root = source_root(storage)
+    # What the files' tensors can yield, at most: bf16 widened to fp32 doubles it.
+    sizes = 0
+    for rel in optim + models:
+        check_link(storage, rel, root)
+        try:
+            sizes += storage.size(rel)
+        except NotFoundError:
+            raise IntegrityError(f"{storage.url_of(rel)}: missing") from None
+    staged.limit, staged.source = 2 * sizes + (1 << 20), storage.url_of(tag)
     info, frozen_segs = _read_models(storage, models, world, staged)
     ranks = []
     for r, rel in enumerate(optim):
