@@ -17,6 +17,9 @@ def demo(
     ranks: int = typer.Option(4, "--ranks", help="World size of the first training job."),
     to: int = typer.Option(2, "--to", help="World size to reshard to and resume on."),
     steps: int = typer.Option(4, "--steps", help="Training steps in each of the two jobs."),
+    keep: Optional[bool] = typer.Option(None, "--keep/--no-keep",
+                                        help="Keep the files at the end, or remove them. Default: "
+                                             "remove the temp dir the demo made, keep a --workdir."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Train a small Llama with ZeRO-3 on N processes, save, reshard N->M, resume on M, consolidate,
@@ -24,7 +27,7 @@ def demo(
     from shardckpt.demo import run_demo
 
     say = (lambda line: None) if json_out else (lambda line: typer.echo(f"- {line}"))
-    s = run_demo(workdir, ranks, to, steps, say=say)
+    s = run_demo(workdir, ranks, to, steps, say=say, keep=keep)
     if json_out:
         echo_json(s.to_dict())
         return
@@ -37,6 +40,8 @@ def demo(
     typer.echo("  times: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in s.times.items()))
     typer.echo(f"  named-batch loss: sharded {s.sharded_loss!r}, plain module {s.plain_loss!r} "
                f"({'bit for bit equal' if s.bit_exact else 'DIFFERENT'})")
-    typer.echo(f"  files: {s.workdir}")
-    for k, v in s.paths.items():
-        typer.echo(f"    {k}: {v}")
+    if s.kept:
+        typer.echo("  files:")
+        for k, v in s.paths.items():
+            typer.echo(f"    {k}: {v}")
+    typer.echo(f"- {s.cleanup}")

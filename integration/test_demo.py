@@ -21,6 +21,7 @@ def test_demo_small(tmp_path):
     assert [p["ranks"] for p in s["phases"]] == [2, 1]
     assert s["phases"][1]["start"] == 2 and s["phases"][1]["samples_seen"] == 32
     assert os.path.exists(os.path.join(s["paths"]["consolidated"], "model.safetensors.index.json"))
+    assert s["kept"] and s["cleanup"] == f"files kept in {work} (remove them with: rm -rf {work})"
 
 
 def test_demo_refuses_bad_options(tmp_path):

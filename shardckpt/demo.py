@@ -8,18 +8,26 @@
    batch equals the sharded model's bit for bit.
 
 The global batch stays the same across the change of world size (micro-batch x ranks).
+
+The files go to a new temporary directory, removed at the end, or to a directory the user names,
+kept (:func:`demo_workdir`; ``--keep``/``--no-keep`` override either).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from shardckpt.errors import ConfigError, ShardckptError
+
+log = logging.getLogger(__name__)
 
 #: The demo model: the vocabulary is large enough that the root unit is the largest.
 DEMO_MODEL = dict(vocab_size=4096, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
@@ -127,6 +135,8 @@ class DemoSummary:
     sharded_loss: float = 0.0
     plain_loss: float = 0.0
     bit_exact: bool = False
+    kept: bool = True               # whether the files are still there (see demo_workdir)
+    cleanup: str = ""               # one line: where the files are, or what was removed
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -148,27 +158,32 @@ def require_torch() -> None:
 
 
 def run_demo(workdir: str | None = None, ranks: int = 4, to: int = 2, steps: int = 4,
-             say: Callable[[str], None] = lambda s: None) -> DemoSummary:
-    """Run the demo in ``workdir`` (default: a new temporary directory, whose path the summary
-    gives; the caller decides whether to keep it); ``say`` receives one line per phase. Raises if
-    the final check fails."""
-    from shardckpt.tools.consolidate import consolidate
-    from shardckpt.training.launch import launch
-    from shardckpt.checkpoint.run_dir import step_dir
-    from shardckpt.tools.reshard import reshard
-    from shardckpt.runtime.llama_config import LlamaConfig
-
+             say: Callable[[str], None] = lambda s: None, keep: bool | None = None) -> DemoSummary:
+    """Run the demo in ``workdir`` (default: a new temporary directory); ``say`` receives one
+    line per phase, and a last one saying where the files are or that they were removed
+    (``keep``: see :func:`demo_workdir`, whose policy holds whether the demo succeeds or fails).
+    Raises if the final check fails."""
     for name, n in (("--ranks", ranks), ("--to", to)):
         if n < 1 or GLOBAL_BATCH % n:
             raise ConfigError(f"{name} {n}: must divide the demo's global batch of {GLOBAL_BATCH}")
     if steps < 1:
         raise ConfigError(f"--steps {steps}: must be >= 1")
     require_torch()
-    workdir = workdir or tempfile.mkdtemp(prefix="shardckpt-demo-")
-    os.makedirs(workdir, exist_ok=True)
-    if os.listdir(workdir):
-        raise ConfigError(f"{workdir} is not empty; give --workdir an empty or new directory")
-    s = DemoSummary(os.path.abspath(workdir), ranks, to, steps)
+    with demo_workdir(workdir, keep, say) as wd:
+        s = DemoSummary(wd.path, ranks, to, steps)
+        _run_phases(s, say)
+    s.kept, s.cleanup = wd.kept, wd.note
+    return s
+
+
+def _run_phases(s: DemoSummary, say: Callable[[str], None]) -> None:
+    from shardckpt.tools.consolidate import consolidate
+    from shardckpt.training.launch import launch
+    from shardckpt.checkpoint.run_dir import step_dir
+    from shardckpt.tools.reshard import reshard
+    from shardckpt.runtime.llama_config import LlamaConfig
+
+    workdir, ranks, to, steps = s.workdir, s.ranks, s.to, s.steps
     run_n, run_m = os.path.join(workdir, f"run-{ranks}"), os.path.join(workdir, f"run-{to}")
     hf = os.path.join(workdir, "hf")
 
@@ -211,4 +226,64 @@ def run_demo(workdir: str | None = None, ranks: int = 4, to: int = 2, steps: int
     if not s.bit_exact:
         raise ShardckptError(f"the plain module's loss {s.plain_loss!r} differs from the sharded "
                              f"model's {s.sharded_loss!r}")
-    return s
+
+
+@dataclass
+class Workdir:
+    path: str       # absolute
+    created: bool   # the demo made the directory (a temporary one, or a --workdir that was new)
+    keep: bool      # leave the files at the end
+    kept: bool = True
+    note: str = ""  # set at the end: where the files are, or what was removed
+
+
+@contextmanager
+def demo_workdir(workdir: str | None, keep: bool | None = None,
+                 say: Callable[[str], None] = lambda s: None) -> Iterator[Workdir]:
+    """The demo's directory for the ``with`` block, and what happens to it after, whatever the
+    block's outcome. Without ``workdir``, a new temporary directory, removed at the end unless
+    ``keep``; with one, it must be empty or new, and is kept unless ``keep`` is False: then the
+    directory is removed if the demo made it, else emptied (it was empty before). The line saying
+    where the files are, or what was removed, is ``note``; when the block fails, ``say`` gets it
+    too (the caller then has no summary to print it with)."""
+    if workdir is None:
+        path, created = tempfile.mkdtemp(prefix="shardckpt-demo-"), True
+        keep = bool(keep)
+    else:
+        path = os.path.abspath(workdir)
+        created = not os.path.exists(path)
+        if not created and not os.path.isdir(path):
+            raise ConfigError(f"{workdir} is not a directory; give --workdir an empty or new one")
+        if not created and os.listdir(path):
+            raise ConfigError(f"{workdir} is not empty; give --workdir an empty or new directory")
+        os.makedirs(path, exist_ok=True)
+        keep = True if keep is None else keep
+    wd = Workdir(path, created, keep)
+    done = False
+    try:
+        yield wd
+        done = True
+    finally:
+        if wd.keep:
+            wd.note = f"files kept in {path} (remove them with: rm -rf {path})"
+        else:
+            _remove_own(wd)
+            wd.kept = False
+            wd.note = (f"removed {path}" if created else f"removed the files in {path}") + \
+                " (--keep keeps them)"
+        if not done:
+            say(wd.note)
+
+
+def _remove_own(wd: Workdir) -> None:
+    """Remove what the demo wrote: the whole directory if it made it, else what is inside it."""
+    if wd.created:
+        shutil.rmtree(wd.path, ignore_errors=True)
+        return
+    for name in os.listdir(wd.path):
+        p = os.path.join(wd.path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.unlink(p)
+    log.debug("emptied %s", wd.path)
