@@ -123,7 +123,7 @@ def _origin(reader: CheckpointReader, section: ChunkedSection, key: str) -> str:
     files = (reader.manifest.extras.get("dcp") or {}).get("files") or []
     where = section.blobs[key].file if key in section.blobs else \
         section.tensors[key].chunks[0].file if key in section.tensors and section.tensors[key].chunks else ""
-    m = re.search(r"chunks-(\d+)\.safetensors\Z", where)
+    m = re.search(r"chunks-([0-9]+)\.safetensors\Z", where)
     i = int(m.group(1)) if m else -1
     name = files[i] if 0 <= i < len(files) and isinstance(files[i], str) else "?"
     return f"{reader.url}/{name}"
@@ -184,7 +184,7 @@ def _groups(reader: CheckpointReader, section: ChunkedSection, opt: str,
         return IntegrityError(f"{_origin(reader, section, key)}: the hyper-parameter {key!r} is "
                               f"{_show(v)}, not {want}")
 
-    pat = re.compile(rf"{re.escape(opt)}\.param_groups\.(\d+)\.params")
+    pat = re.compile(rf"{re.escape(opt)}\.param_groups\.([0-9]+)\.params")
     ids = sorted(int(m.group(1)) for k in section.blobs if (m := pat.fullmatch(k)))
     if ids:
         out, listed = [], set()

@@ -61,8 +61,8 @@ ALLOWED_GLOBALS: tuple[tuple[Any, str], ...] = (
     (DeepSpeedObject, "deepspeed.utils.tensor_fragment.fragment_address"),
 )
 
-_OPTIM = re.compile(r"(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
-_MODEL3 = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
+_OPTIM = re.compile(r"(bf16_|fp16_)?zero_pp_rank_([0-9]+)_mp_rank_00_optim_states\.pt")
+_MODEL3 = re.compile(r"zero_pp_rank_([0-9]+)_mp_rank_00_model_states\.pt")
 MODEL_FILE = "mp_rank_00_model_states.pt"
 _UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
