@@ -18,8 +18,7 @@ from shardckpt.cli.common import console, guarded
 from shardckpt.errors import ConfigError
 
 if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
-    from shardckpt.tools.estimate import Estimate, Precision
-    from shardckpt.tools.estimate_levers import OffloadSplit, ZeroPPTraffic
+    from shardckpt.tools.estimate import Estimate, OffloadSplit, Precision, ZeroPPTraffic
 
 _FLAG = {"params": "--params", "ranks": "--ranks", "replicate": "--replicate",
          "precision": "--precision", "largest_unit": "--largest-unit",
@@ -100,8 +99,8 @@ def estimate(
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
     from shardckpt.format.quantities import parse_count
-    from shardckpt.tools.estimate import GB, EstimateError, estimate_all, precision_preset
-    from shardckpt.tools.estimate_levers import offload_split, zeropp_traffic
+    from shardckpt.tools.estimate import (GB, EstimateError, estimate_all, offload_split,
+                                          precision_preset, zeropp_traffic)
 
     given = {"params": params, "ranks": ranks, "replicate": replicate, "precision": precision,
              "largest_unit": largest_unit, "ranks_per_node": ranks_per_node,

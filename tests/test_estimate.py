@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner, Result
 
 from shardckpt.errors import ConfigError
-from shardckpt.tools.estimate import GB, PRECISIONS, EstimateError, estimate, estimate_all, parse_count
-from shardckpt.tools.estimate_levers import offload_split, zeropp_traffic
+from shardckpt.tools.estimate import (GB, PRECISIONS, EstimateError, estimate, estimate_all, offload_split,
+                                      parse_count, zeropp_traffic)
 
 PSI = 7_500_000_000
 ZERO = ("ddp", "zero1", "zero2", "zero3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardckpt.errors import ConfigError
-from shardckpt.tools.estimate import PRECISIONS
+from shardckpt.format.footprint_math import PRECISIONS
 from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
 from shardckpt.runtime.footprint import precision_preset_for
 from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss

@@ -4,10 +4,10 @@ ZeRO++ (Wang et al. 2023; :func:`zeropp_traffic`): the bytes one rank moves per 
 cross-node and in-node, with quantized weight gathers (qwZ), an in-node secondary weight copy
 for the backward gather (hpZ, Ψ·p/K bytes per rank) and quantized hierarchical gradient
 reduction (qgZ), for nodes of K ranks. Optimizer offload (:func:`offload_split`): where a row
-of :func:`shardckpt.tools.estimate.estimate_all` keeps its model state with the optimizer in
+of :func:`shardckpt.format.footprint_math.estimate_all` keeps its model state with the optimizer in
 host memory or on disk.
 
-Pure arithmetic, in the conventions of :mod:`shardckpt.tools.estimate`.
+Pure arithmetic, in the conventions of :mod:`shardckpt.format.footprint_math`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shardckpt.tools.estimate import (
+from shardckpt.format.footprint_math import (
     Estimate, EstimateError, check_count, fields_dict, precision_preset,
 )
 

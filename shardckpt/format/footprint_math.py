@@ -23,7 +23,9 @@ So per step: DDP 2Ψ, ZeRO-1/2 2Ψ, ZeRO-3 3Ψ, HSDP 3Ψ + 2Ψ/S (the all-reduce
 shard over R; 0 when R = 1). :attr:`Estimate.comm_sent_per_rank` gives what one rank actually
 sends with ring algorithms: volume · (n − 1)/n for each collective over n ranks.
 
-ZeRO++ traffic and optimizer offload: :mod:`shardckpt.tools.estimate_levers`.
+ZeRO++ traffic and optimizer offload: :mod:`shardckpt.format.footprint_levers`. The offline tool
+(``shardckpt estimate``) is :mod:`shardckpt.tools.estimate`; the runtime compares an engine's
+measured figures with these (:mod:`shardckpt.runtime.footprint`). Both sit above this module.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardckpt.errors import ConfigError
-from shardckpt.format import quantities
 from shardckpt.format.layout import REPLICATE_AXIS, SHARD_AXIS
 
 GB = 1e9
@@ -186,15 +187,6 @@ def fields_dict(obj: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- validation
-
-
-def parse_count(text: str, option: str = "params") -> int:
-    """Parse a parameter count: ``7.5e9``, ``7.5B``, ``70B``, ``125M``, ``1.2T``, ``350k``,
-    ``1_000_000`` (:func:`shardckpt.format.quantities.parse_count`, the one count parser)."""
-    try:
-        return quantities.parse_count(text, option)
-    except quantities.QuantityError as e:
-        raise EstimateError(option, text, e.reason) from None
 
 
 def check_count(option: str, value: object, minimum: int = 1) -> int:

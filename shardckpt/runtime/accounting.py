@@ -1,4 +1,4 @@
-"""Per-rank accounting of the ZeRO runtime, in the units of :mod:`shardckpt.tools.estimate`.
+"""Per-rank accounting of the ZeRO runtime, in the units of :mod:`shardckpt.format.footprint_math`.
 
 The counters, each for this rank:
 
@@ -6,7 +6,7 @@ The counters, each for this rank:
   elements (and bytes): an all-gather or a reduce-scatter of an ``n``-element flat buffer counts
   ``n``, an all-reduce ``2n``, the deterministic mode's all-to-all exchange of ``n`` elements
   ``n``; a collective over a group of one rank is not issued and counts nothing. These are the
-  conventions of :attr:`shardckpt.tools.estimate.Estimate.comm_elements`, so a ZeRO-3 step counts 3Ψ
+  conventions of :attr:`shardckpt.format.footprint_math.Estimate.comm_elements`, so a ZeRO-3 step counts 3Ψ
   (forward all-gather, backward all-gather, reduce-scatter), where Ψ is the *padded* parameter
   count (each flat group is padded to a multiple of 16·S elements);
 * **in-node and cross-node bytes**: the same logical volume in bytes, split by whether the

@@ -45,8 +45,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardckpt.errors import ConfigError
+from shardckpt.format.footprint_math import Estimate
 from shardckpt.format.layout import Layout, build_layout
-from shardckpt.tools.estimate import Estimate
 from shardckpt.runtime import footprint, full_params
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.clipping import clip_grad_shards

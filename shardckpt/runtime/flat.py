@@ -31,7 +31,7 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   ``grad`` is updated when it is finished. With ``resident_grad`` (ZeRO-1: gradients are not
   partitioned) it is :attr:`grad_buffer`: allocated once, kept for the life of the group and
   zeroed at the start of each accumulation window, so every rank holds a whole-size gradient
-  buffer, as the ZeRO paper and :mod:`shardckpt.tools.estimate` count it.
+  buffer, as the ZeRO paper and :mod:`shardckpt.format.footprint_math` count it.
 * ``grad`` (trained groups only) is ``None`` or the fp32 shard of the mean gradient over ranks,
   the same bits at every stage. With ``resident_grad`` and an fp32 gradient dtype, once reduced
   it is the view of the buffer's own ``[shard_start, shard_end)`` (the rest of the buffer then

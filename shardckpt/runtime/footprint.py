@@ -8,7 +8,7 @@
   offloaded and a narrower compute dtype, the compute-dtype shards, the masters being off the
   device) and ``optim`` (the optimizer's per-element shards, unless offloaded). What the offload
   store holds (host memory or files) is not counted. Each storage counts once.
-* :func:`estimate_for` asks the estimator (:mod:`shardckpt.tools.estimate`) for the same model
+* :func:`estimate_for` asks the estimator (:mod:`shardckpt.format.footprint_math`) for the same model
   (padded Ψ, largest unit), strategy, mesh and precision policy, so the two can be compared
   figure by figure.
 
@@ -26,7 +26,7 @@ from shardckpt.format.layout import Layout
 from shardckpt.runtime.contracts import EngineOptimizer
 from shardckpt.runtime.flat import FlatParamGroup
 from shardckpt.runtime.mesh import ProcessMesh
-from shardckpt.tools.estimate import Estimate, estimate
+from shardckpt.format.footprint_math import Estimate, estimate
 
 KINDS = ("params", "grads", "master", "optim")
 
@@ -79,7 +79,7 @@ def precision_preset_for(groups: Mapping[str, FlatParamGroup]) -> str:
 
 def estimate_for(layout: Layout, pm: ProcessMesh, stage: int,
                  groups: Mapping[str, FlatParamGroup], precision: str | None = None) -> Estimate:
-    """:func:`shardckpt.tools.estimate.estimate` for an engine of ``layout`` at ``stage`` on
+    """:func:`shardckpt.format.footprint_math.estimate` for an engine of ``layout`` at ``stage`` on
     ``pm``: Ψ = the padded parameter count, the strategy of its stage and mesh (``hsdp`` when
     R > 1), ``largest_unit`` = the padded size of its largest unit, and the preset of
     :func:`precision_preset_for` (``groups``: the runtime groups) unless given."""
