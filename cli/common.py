@@ -71,6 +71,14 @@ def fail(message: str, code: int = EXIT_FAILED) -> None:
     raise typer.Exit(code)
 
 
+def one_line(message: str) -> str:
+    """A multi-line error (a parser's list of every offender) as one line: the first line, then
+    each further line stripped, joined by "; ", so no reason is cut."""
+    first, *rest = message.splitlines() or [""]
+    rest = [r.strip() for r in rest if r.strip()]
+    return f"{first.rstrip()} {'; '.join(rest)}" if rest else first
+
+
 def guarded(fn: F) -> F:
     """Turn shardckpt errors into one line on stderr and a non-zero exit."""
 
@@ -83,7 +91,7 @@ def guarded(fn: F) -> F:
         except ConfigError as e:
             fail(str(e), EXIT_USAGE)
         except ShardckptError as e:
-            fail(str(e).splitlines()[0] if str(e) else type(e).__name__, EXIT_FAILED)
+            fail(one_line(str(e)) or type(e).__name__, EXIT_FAILED)
         except KeyboardInterrupt:
             fail("interrupted", 130)
         except OSError as e:  # the last resort: an I/O failure that no layer below named

@@ -117,3 +117,15 @@ def test_file_entry_from_doc_refuses_by_name() -> None:
     short["chunk_crc32c"] = short["chunk_crc32c"][:-1]
     with pytest.raises(ManifestError, match=r"file\.chunk_crc32c: .*8 lowercase hex digits per chunk"):
         FileEntry.from_doc(short)
+
+
+def test_cli_prints_every_problem_on_one_line(manifest_doc: Doc, tmp_path) -> None:
+    """The command line shows the whole list, not only its first line ("N problems:")."""
+    from testing.cli import cli, one_line_error
+
+    manifest_doc["save_id"] = "../x"
+    manifest_doc["files"][0]["crc32c"] = "ABCDEF01"
+    (tmp_path / "manifest.json").write_bytes(seal(manifest_doc))
+    line = one_line_error(cli("inspect", str(tmp_path)), "2 problems:",
+                          "save_id: '../x' is not a plain name", "files[0].crc32c: expected 8 lowercase")
+    assert "; files[0].crc32c" in line, line
