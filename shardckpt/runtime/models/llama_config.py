@@ -1,6 +1,6 @@
 """The shape of the package's small Llama and its Hugging Face ``config.json``; no torch import.
 
-Kept apart from :mod:`shardckpt.runtime.llama` so that offline tools (which do not import torch)
+Kept apart from :mod:`shardckpt.runtime.models.llama` so that offline tools (which do not import torch)
 can write or read the ``config.json`` of a consolidated checkpoint.
 """
 
