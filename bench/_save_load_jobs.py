@@ -98,7 +98,7 @@ def _prepare(rank: int, cleanup: Callable[[], None], settle_s: float) -> bool:
 
 
 def _config(cfg: dict[str, Any]) -> Any:
-    from shardckpt.runtime.llama import LlamaConfig
+    from shardckpt.runtime.models.llama import LlamaConfig
 
     return LlamaConfig(**cfg)
 
@@ -113,7 +113,7 @@ def build_engine(cfg: Any, pm: Any, seed: int) -> tuple[Any, Any]:
     import torch
 
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -127,7 +127,7 @@ def build_fsdp(cfg: Any, world: int, rank: int, seed: int) -> tuple[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardckpt.runtime.llama import LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LlamaForCausalLM
 
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
@@ -153,7 +153,7 @@ def build_fsdp(cfg: Any, world: int, rank: int, seed: int) -> tuple[Any, Any]:
 
 
 def train_step(model: Any, opt: Any, cfg: Any, rank: int) -> None:
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     tokens = _tokens(cfg, rank)
     causal_lm_loss(model(tokens), tokens).backward()

@@ -70,7 +70,7 @@ def _engine(variant: str, args: argparse.Namespace, pm: Any) -> tuple[Any, Any]:
 
     from shardckpt.runtime import (MixedPrecisionPolicy, ShardedAdamW, ZeroEngine, ZeroPP,
                                    decay_param_groups)
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.intermediate, num_hidden_layers=args.layers,
@@ -95,7 +95,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> N
         import torch.distributed as dist
 
         from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-        from shardckpt.runtime.llama import causal_lm_loss
+        from shardckpt.runtime.models.llama import causal_lm_loss
         from shardckpt.runtime.mesh import ProcessMesh
 
         torch.set_num_threads(args.threads)

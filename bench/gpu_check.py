@@ -247,14 +247,14 @@ def default_workdir() -> str:
 
 
 def llama_config(shape: dict[str, Any], seq: int) -> Any:
-    from shardckpt.runtime.llama import LlamaConfig
+    from shardckpt.runtime.models.llama import LlamaConfig
 
     return LlamaConfig(**shape, max_position_embeddings=max(256, seq))
 
 
 def llama_params(shape: dict[str, Any]) -> int:
     """Parameters of a Llama shape (tied embedding), without importing torch."""
-    from shardckpt.runtime.llama_config import LlamaConfig
+    from shardckpt.runtime.models.llama_config import LlamaConfig
 
     return LlamaConfig(**shape).num_params()
 
@@ -273,7 +273,7 @@ def zero_engine(ctx: Ctx, cfg: Any, pm: Any = None, **kwargs: Any) -> tuple[Any,
     import torch
 
     from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -286,7 +286,7 @@ def zero_engine(ctx: Ctx, cfg: Any, pm: Any = None, **kwargs: Any) -> tuple[Any,
 
 def train_step(ctx: Ctx, forward: Any, opt: Any, tokens: Any) -> tuple[float, float]:
     """One step, timed between device synchronizations: (seconds, loss)."""
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     ctx.sync()
     t0 = time.perf_counter()
@@ -335,7 +335,7 @@ def _parity_reference(cfg: Any, device: Any, batches: list[list[Any]], micro: in
 
     import torch
 
-    from shardckpt.runtime.llama import LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LlamaForCausalLM, causal_lm_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device)
@@ -392,7 +392,7 @@ def _parity_engine(cfg: Any, pm: Any, stage: int, batches: list[list[Any]], micr
     import torch
 
     from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaForCausalLM, causal_lm_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
@@ -573,7 +573,7 @@ def fsdp2_model(ctx: Ctx, cfg: Any, full: dict[str, Any]) -> tuple[Any, Any, dic
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from shardckpt.runtime.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
     torch.manual_seed(0)
     with torch.device(ctx.device):

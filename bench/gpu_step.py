@@ -45,7 +45,7 @@ def main() -> int:
 
     from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
     from shardckpt.runtime import decay_param_groups
-    from shardckpt.runtime.llama import (LLAMA_POLICY, LlamaConfig, LlamaForCausalLM,
+    from shardckpt.runtime.models.llama import (LLAMA_POLICY, LlamaConfig, LlamaForCausalLM,
                                          causal_lm_loss)
     from shardckpt.runtime.mesh import ProcessMesh
 

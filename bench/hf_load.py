@@ -89,7 +89,7 @@ def _load(side: str, folder: str, world: int, phases: dict[str, Any]) -> Any:
     if side == "shardckpt":
         from shardckpt.runtime import ZeroEngine
         from shardckpt.runtime.hf_load import load_hf, skip_weight_init
-        from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+        from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig.from_hf_config(json.loads(Path(folder, "config.json").read_text()))
         with torch.device("meta"):
@@ -150,7 +150,7 @@ def rank_main(side: str, rank: int, world: int, folder: str, port: int, threads:
 
         import shardckpt.runtime.engine  # noqa: F401
         import shardckpt.runtime.hf_load  # noqa: F401
-        import shardckpt.runtime.llama  # noqa: F401
+        import shardckpt.runtime.models.llama  # noqa: F401
         import shardckpt.storage  # noqa: F401
 
         torch.set_num_threads(threads)

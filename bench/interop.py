@@ -54,7 +54,7 @@ def job_save(rank: int, world: int, out: str, stage: int, cfg: dict) -> None:
     import deepspeed
     import torch
 
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def job_save_dcp(rank: int, world: int, out: str, cfg: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg))

@@ -97,7 +97,7 @@ def build(side: str, args: argparse.Namespace, rank: int, world: int) -> tuple[A
     """(forward callable, optimizer, parameter count) of one side on this rank."""
     import torch
 
-    from shardckpt.runtime.llama import (LLAMA_POLICY, LlamaConfig, LlamaDecoderLayer,
+    from shardckpt.runtime.models.llama import (LLAMA_POLICY, LlamaConfig, LlamaDecoderLayer,
                                          LlamaForCausalLM)
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
@@ -196,7 +196,7 @@ def rank_main(side: str, rank: int, args: argparse.Namespace, port: int, baton_p
         import torch.distributed as dist
 
         from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-        from shardckpt.runtime.llama import causal_lm_loss
+        from shardckpt.runtime.models.llama import causal_lm_loss
 
         torch.set_num_threads(args.threads)
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)

@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
 from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
 
 def main() -> None:

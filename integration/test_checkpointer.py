@@ -101,7 +101,7 @@ def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int)
     start = ckpt.resume()
     out = {"start": start, "lr_at_start": sched.get_last_lr(), "samples_at_start": data.state_dict(),
            "user_at_start": user.state_dict(), "rand_after_resume": torch.rand(3).tolist()}
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     for step in range(start, start + steps):
         tokens = next(data)

@@ -32,7 +32,7 @@ def job_resume(rank: int, world: int, ckpt: str, doc: dict) -> list[float]:
     from shardckpt.runtime import (
         MixedPrecisionPolicy, ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed,
     )
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
     from shardckpt.training.save_load import load
 
     pm = init_distributed(timeout_s=60)

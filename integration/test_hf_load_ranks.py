@@ -89,7 +89,7 @@ def tokens(step: int, rank: int) -> Any:
 def _engine(pm: Any, path: str, stage: int = 3) -> Any:
     from shardckpt.runtime import ZeroEngine
     from shardckpt.runtime.hf_load import skip_weight_init
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig.from_hf_config(json.loads(Path(path, "config.json").read_text()))
     with torch.device("meta"):  # fp32 compute whatever the file's dtype
@@ -115,7 +115,7 @@ def _stages(pm: Any, folder: str) -> list[str]:
 
 def _reference(path: str, world: int) -> Any:
     """Plain PyTorch data parallelism on one process, from transformers' own load."""
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     named = list(ref.named_parameters())
@@ -139,7 +139,7 @@ def _variant(pm: Any, folder: str, name: str, out: str) -> dict[str, Any]:
     from shardckpt.tools.consolidate import consolidate
     from shardckpt.runtime import ShardedAdamW
     from shardckpt.runtime.hf_load import load_hf
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
     from shardckpt.training.save_load import save
 
     path, problems = f"{folder}/{name}", []
@@ -193,7 +193,7 @@ def _broken(pm: Any, folder: str) -> dict[str, str]:
 def _from_import(pm: Any, folder: str, imported: str) -> list[str]:
     """A run starts from an offline import made for another world size, fresh optimizer."""
     from shardckpt.runtime import ShardedAdamW
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
     from shardckpt.training.save_load import load
 
     engine = _engine(pm, f"{folder}/untied-bf16")

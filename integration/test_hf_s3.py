@@ -24,7 +24,7 @@ def test_load_and_import_from_s3(moto_server, s3_bucket, tmp_path: Path) -> None
     from shardckpt.interop.hf_import import import_hf
     from shardckpt.runtime import ZeroEngine
     from shardckpt.runtime.hf_load import load_hf
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
     from shardckpt.training.save_load import load
 
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,

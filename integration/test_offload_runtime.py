@@ -50,7 +50,7 @@ def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: b
            bf16: bool = False):
     from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
     from shardckpt.runtime import decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     kw: dict[str, Any] = {}
@@ -69,7 +69,7 @@ def _build(pm: Any, stage: int, mode: str | None, where: Path | None, overlap: b
 
 
 def _train(engine: Any, opt: Any, steps: range, rank: int) -> list[float]:
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     losses = []
     for s in steps:

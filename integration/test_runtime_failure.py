@@ -22,7 +22,7 @@ PG_TIMEOUT_S = 3.0
 
 def _job(rank: int, world_size: int, mode: str, timeout_s: float) -> None:
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, init_distributed
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
     pm = init_distributed(timeout_s=timeout_s)  # from RANK, WORLD_SIZE, MASTER_ADDR/PORT
     cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2)

@@ -47,7 +47,7 @@ def fsdp2_losses(pm, bf16: bool) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from shardckpt.runtime.llama import LlamaDecoderLayer
+    from shardckpt.runtime.models.llama import LlamaDecoderLayer
 
     mesh = init_device_mesh("cpu", (pm.world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -67,7 +67,7 @@ def fsdp2_losses(pm, bf16: bool) -> list[float]:
 def shardckpt_losses(pm, bf16: bool) -> list[float]:
     from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
     from shardckpt.runtime import decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY
+    from shardckpt.runtime.models.llama import LLAMA_POLICY
 
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
     engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY, process_mesh=pm, mixed_precision=mp)

@@ -35,7 +35,7 @@ def _llama_adamw(pm, deterministic: bool = True, exact: bool = True) -> list[str
 
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
     from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
     cfg, W = LlamaConfig(**LLAMA), pm.world_size
     data = TokenBatches(SyntheticCorpus(cfg.vocab_size, seed=1), seq_len=16, micro_batch=2,
@@ -180,7 +180,7 @@ def case_clip_toy(pm) -> list[str]:
 def case_meta_init(pm) -> list[str]:
     """A meta-device model initialized unit by unit equals the eager one with the same seed."""
     from shardckpt.runtime import ZeroEngine
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**LLAMA)
     torch.manual_seed(5)

@@ -92,7 +92,7 @@ def job_load(rank: int, world: int, root: str, replicate: int, policy: str, more
 
 def continue_reference(engine, reader, cfg, world: int) -> list[str]:
     """Plain PyTorch from the checkpoint's state, MORE_STEPS steps, compared bit for bit."""
-    from shardckpt.runtime.llama import LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LlamaForCausalLM, causal_lm_loss
 
     ref = LlamaForCausalLM(cfg)
     named = dict(ref.named_parameters())
@@ -172,7 +172,7 @@ def check_hf_round_trip(root: str) -> None:
     from safetensors.torch import load_file
 
     from shardckpt.tools.consolidate import consolidate
-    from shardckpt.runtime.llama_config import LlamaConfig
+    from shardckpt.runtime.models.llama_config import LlamaConfig
 
     out = f"{root}/hf"
     consolidate(f"{root}/final", out, dtype="float32")

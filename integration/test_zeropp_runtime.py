@@ -110,7 +110,7 @@ def tolerances(pm2, data) -> dict[str, Any]:
     step t, the loss with qwZ's weights (``dw``), and the loss at t + 1 after one step with
     qgZ's gradient (``dg``), each against the plain run's."""
     from shardckpt.runtime import collectives, quant
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     engine, opt = build(pm2, None)
     qw, _ = build(pm2, zeropp_configs()["qwz"])

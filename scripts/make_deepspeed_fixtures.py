@@ -53,7 +53,7 @@ def build_model():  # noqa: ANN201 - torch types stay out of the module's import
     """The fixture model: the small Llama with one frozen weight and one persistent buffer."""
     import torch
 
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config_dict()))
@@ -97,7 +97,7 @@ def _train(engine, data, rank: int, steps) -> list[float]:  # noqa: ANN001
     import torch
     import torch.distributed as dist
 
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     losses = []
     for step in steps:

@@ -43,7 +43,7 @@ def _model_and_data(world: int, rank: int):
 
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
     from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     pm = init_distributed(timeout_s=120)
     cfg = LlamaConfig(**DEMO_MODEL)
@@ -66,7 +66,7 @@ def _train_job(run: str, steps: int) -> dict[str, Any]:
     import torch
 
     from shardckpt.training.checkpointer import Checkpointer
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg, engine, opt, sched, data = _model_and_data(world, rank)
@@ -100,7 +100,7 @@ def _plain_loss(hf_dir: str) -> tuple[float, str]:
     from safetensors.torch import load_file
 
     from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
     torch.set_num_threads(1)
     with open(os.path.join(hf_dir, "model.safetensors.index.json")) as f:
@@ -181,7 +181,7 @@ def _run_phases(s: DemoSummary, say: Callable[[str], None]) -> None:
     from shardckpt.training.launch import launch
     from shardckpt.checkpoint.run_dir import step_dir
     from shardckpt.tools.reshard import reshard
-    from shardckpt.runtime.llama_config import LlamaConfig
+    from shardckpt.runtime.models.llama_config import LlamaConfig
 
     workdir, ranks, to, steps = s.workdir, s.ranks, s.to, s.steps
     run_n, run_m = os.path.join(workdir, f"run-{ranks}"), os.path.join(workdir, f"run-{to}")

@@ -66,7 +66,7 @@ def fsdp2_llama(world: int, seed: int, hsdp: bool = False, frozen: bool = False,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardckpt.runtime.llama import LlamaDecoderLayer
+    from shardckpt.runtime.models.llama import LlamaDecoderLayer
 
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
             if hsdp else init_device_mesh("cpu", (world,)))
@@ -85,7 +85,7 @@ def fsdp2_llama(world: int, seed: int, hsdp: bool = False, frozen: bool = False,
 def engine_llama(pm: Any, frozen: bool = False) -> tuple[Any, Any]:
     """ZeroEngine tiny Llama (other init, lr 1.0: all must come from a checkpoint)."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY
+    from shardckpt.runtime.models.llama import LLAMA_POLICY
 
     model = tiny_llama(seed=7)
     engine = ZeroEngine(freeze(model) if frozen else model, policy=LLAMA_POLICY, process_mesh=pm)
@@ -143,7 +143,7 @@ def engine_job(rank: int, world: int, ckpts: list[tuple[str, str]]) -> dict[str,
 def engine_save_job(rank: int, world: int, root: str) -> list[float]:
     """ZeroEngine, LLAMA_STEPS steps, saved as ``zero``; then NEXT_STEPS more."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, init_distributed
-    from shardckpt.runtime.llama import LLAMA_POLICY
+    from shardckpt.runtime.models.llama import LLAMA_POLICY
     from shardckpt.training.save_load import save
 
     engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY,

@@ -21,7 +21,7 @@ def train_tiny(pm, stage: int, micro: int = 1, mp: Any = None, accumulate: str =
                deterministic: bool = True) -> tuple[Any, list[float]]:
     """The engine's run of :func:`testing.reference.tiny_reference`'s configuration on this rank."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, checkpoint_units, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY
+    from shardckpt.runtime.models.llama import LLAMA_POLICY
 
     engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY, process_mesh=pm,
                         deterministic=deterministic, stage=stage, mixed_precision=mp)
@@ -47,7 +47,7 @@ def train_tiny(pm, stage: int, micro: int = 1, mp: Any = None, accumulate: str =
 def tiny_engine(pm, **kwargs: Any):
     """The tiny Llama in an engine with ``kwargs``, and its AdamW."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY
+    from shardckpt.runtime.models.llama import LLAMA_POLICY
 
     kwargs.setdefault("deterministic", True)
     engine = ZeroEngine(tiny_llama(), policy=LLAMA_POLICY, process_mesh=pm, **kwargs)
@@ -68,7 +68,7 @@ def llama_engine(pm, seed: int, policy: str = "layers"):
     """The small Llama (with a ``calibration`` buffer) seeded with ``seed`` in a deterministic
     engine (units: layers, or attention and MLP), and its AdamW: ``(config, engine, opt)``."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups, units_by_type
-    from shardckpt.runtime.llama import (LLAMA_POLICY, LlamaAttention, LlamaConfig, LlamaForCausalLM,
+    from shardckpt.runtime.models.llama import (LLAMA_POLICY, LlamaAttention, LlamaConfig, LlamaForCausalLM,
                                          LlamaMLP)
 
     cfg = LlamaConfig(**LLAMA)
@@ -89,7 +89,7 @@ def llama_batches(cfg, rank: int, world: int):
 
 
 def train_llama(engine, opt, data, steps: range) -> None:
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     for step in steps:
         tokens = data.batch(step)

@@ -85,13 +85,13 @@ def tiny_batch(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def tiny_llama(seed: int = 0):
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**TINY))
 
 
 def tiny_loss(logits: torch.Tensor, tokens: torch.Tensor, micro: int) -> torch.Tensor:
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     return causal_lm_loss(logits, tokens) / micro

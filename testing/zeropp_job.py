@@ -32,7 +32,7 @@ def zeropp_configs():
 
 def build(pm, zeropp, deterministic: bool = True, lr: float = LR, **kwargs: Any):
     from shardckpt.runtime import ShardedSGD, ZeroEngine
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     engine = ZeroEngine(LlamaForCausalLM(LlamaConfig(**TINY)), policy=LLAMA_POLICY,
@@ -49,7 +49,7 @@ def batches(rank: int, world: int):
 
 
 def forward_backward(engine, tokens) -> float:
-    from shardckpt.runtime.llama import causal_lm_loss
+    from shardckpt.runtime.models.llama import causal_lm_loss
 
     loss = causal_lm_loss(engine(tokens), tokens)
     loss.backward()

@@ -12,7 +12,7 @@ import torch
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.training.save_load import SaveJob
 

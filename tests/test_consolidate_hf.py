@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def save_llama(dst: str) -> tuple[Any, Any]:
     """The package's Llama, trained one step with ZeRO on one process, saved with its config."""
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-    from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
     from shardckpt.runtime.mesh import ProcessMesh
     from shardckpt.training.save_load import save
 

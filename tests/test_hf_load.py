@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from shardckpt.runtime import ShardedAdamW, ZeroEngine  # noqa: E402
 from shardckpt.runtime.hf_load import load_hf  # noqa: E402
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss  # noqa: E402
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss  # noqa: E402
 
 VOCAB = 96
 

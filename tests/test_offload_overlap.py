@@ -15,7 +15,7 @@ import torch
 
 from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import MixedPrecisionPolicy
 from testing.engines import shard_state

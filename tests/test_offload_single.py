@@ -17,7 +17,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ShardedSGD, ZeroEngine, decay_param_groups
 from shardckpt.runtime import offload as offload_module
 from shardckpt.runtime import offload_files
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import MixedPrecisionPolicy
 from shardckpt.runtime.zeropp import ZeroPP

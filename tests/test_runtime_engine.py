@@ -19,7 +19,7 @@ from shardckpt.runtime import (
     decay_param_groups,
 )
 from shardckpt.runtime.flat import FlatParamGroup
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 
 CFG = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2)

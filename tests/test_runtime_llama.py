@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardckpt.errors import ConfigError
-from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM, causal_lm_loss
 
 
 def test_parameter_names_follow_hugging_face_and_the_head_is_tied():

@@ -12,7 +12,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.format.footprint_math import PRECISIONS
 from shardckpt.runtime import MixedPrecisionPolicy, ShardedAdamW, ZeroEngine
 from shardckpt.runtime.footprint import precision_preset_for
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.prefetch import Prefetcher
 

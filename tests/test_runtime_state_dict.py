@@ -8,7 +8,7 @@ import torch
 
 from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 
 CFG = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2)

@@ -23,7 +23,7 @@ from shardckpt.runtime import (
     units_by_type,
 )
 from shardckpt.runtime import flat as flat_module
-from shardckpt.runtime.llama import (
+from shardckpt.runtime.models.llama import (
     LLAMA_POLICY,
     LlamaConfig,
     LlamaDecoderLayer,

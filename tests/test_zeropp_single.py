@@ -13,7 +13,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.format.layout import Mesh
 from shardckpt.runtime import MixedPrecisionPolicy, ShardedSGD, ZeroEngine, ZeroPP
 from shardckpt.runtime import quant
-from shardckpt.runtime.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
+from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh, _env_ranks_per_node
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,

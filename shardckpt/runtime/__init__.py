@@ -4,7 +4,7 @@ Typical use, on every rank (launched by ``torchrun``)::
 
     from shardckpt.runtime import (MixedPrecisionPolicy, ZeroEngine, ShardedAdamW,
                                    decay_param_groups, init_distributed)
-    from shardckpt.runtime.llama import LlamaConfig, LlamaForCausalLM, LLAMA_POLICY, causal_lm_loss
+    from shardckpt.runtime.models.llama import LlamaConfig, LlamaForCausalLM, LLAMA_POLICY, causal_lm_loss
 
     pm = init_distributed()                          # RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
     with torch.device("meta"):
