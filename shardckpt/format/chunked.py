@@ -15,7 +15,7 @@ import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
@@ -57,6 +57,18 @@ class ChunkedTensor:
     @property
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
+
+    def index(self, work: IndexWork | None = None) -> ChunkIndex:
+        """The :class:`ChunkIndex` of this tensor's chunks, built on first use (``work``, if
+        given, counts the building then) and kept on the record for every later query."""
+        idx = self.__dict__.get("_index")
+        if idx is None:
+            idx = ChunkIndex(self.chunks, work)
+            self.__dict__["_index"] = idx  # a cache: not a field, so equality and repr ignore it
+        return idx
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_index"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,9 +490,118 @@ def box_byte_span(c: ChunkRecord, elem: int, offsets: Sequence[int],
     return first * elem, (last + 1) * elem
 
 
-def chunks_for(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int]) -> Iterable[ChunkRecord]:
-    """The chunks of ``t`` that share elements with the box (``offsets``, ``sizes``)."""
-    return (c for c in t.chunks if overlap(c.offsets, c.sizes, offsets, sizes))
+def chunks_for(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int],
+               work: IndexWork | None = None) -> list[ChunkRecord]:
+    """The chunks of ``t`` that share elements with the box (``offsets``, ``sizes``), in the
+    order ``t`` lists them: a query of the tensor's :class:`ChunkIndex` (built once per tensor),
+    O(log n + m) steps (and a sort of m positions) for the m chunks that meet the box's rows
+    (dim 0): the chunks returned, for a band that spans the other dims as the readers' bands do.
+    ``work``, if given, counts the steps (and the building, if this query builds the index)."""
+    chunks = t.chunks
+    rows = t.index(work).query(offsets, sizes, work)
+    if len(sizes) < 2:
+        return [chunks[i] for i in rows]
+    if work is not None:
+        work.queried += len(rows)
+    return [c for c in (chunks[i] for i in rows) if overlap(c.offsets, c.sizes, offsets, sizes)]
+
+
+@dataclass
+class IndexWork:
+    """What a :class:`ChunkIndex` did, for whoever wants to see that it stays O(n log n): steps
+    spent building it (an entry partitioned at one level of the tree) and answering queries
+    (a tree node, an entry or a bisection step looked at)."""
+
+    built: int = 0
+    queried: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.built + self.queried
+
+
+class ChunkIndex:
+    """The chunks of one tensor indexed by their extent along dim 0, for the box queries of the
+    readers (a band of rows, a chunk of another tensor).
+
+    The chunks that meet rows ``[lo, hi)`` are those that start in ``(lo, hi)`` (one bisection in
+    the starts, sorted) and those that hold row ``lo`` (a stabbing query of a centered interval
+    tree: each node keeps the extents that hold its center, sorted by start and by end; a query
+    walks one root-to-leaf path, O(log n) nodes, and stops in each node's list at the first
+    extent that misses). Building is O(n log n): the tree's depth is at most log2(n) + 1, its
+    center at each node the median start. Chunks with no elements are left out; the other dims
+    are checked on the chunks found, and the answer is in the order the tensor lists them."""
+
+    __slots__ = ("starts", "start_pos", "nodes", "root", "log_n")
+
+    def __init__(self, chunks: Sequence[ChunkRecord], work: IndexWork | None = None) -> None:
+        work = work if work is not None else IndexWork()
+        items = sorted(((c.offsets[0], c.offsets[0] + c.sizes[0], i) if c.sizes else (0, 1, i)
+                        for i, c in enumerate(chunks) if c.numel), key=lambda x: x[0])
+        self.starts = [s for s, _, _ in items]
+        self.start_pos = [i for _, _, i in items]
+        self.log_n = max(1, len(items).bit_length())
+        # nodes[k] = [center, by_start [(start, pos)], by_end [(-end, pos)], left, right]
+        self.nodes: list[list[Any]] = []
+        self.root = self._build(items, work)
+
+    def _build(self, items: list[tuple[int, int, int]], work: IndexWork) -> int:
+        """The tree of ``items`` (sorted by start), built level by level; the root's number."""
+        if not items:
+            return -1
+        todo: list[tuple[list[tuple[int, int, int]], int, int]] = [(items, -1, 0)]
+        root = -1
+        while todo:
+            part, parent, side = todo.pop()
+            work.built += len(part)
+            center = part[len(part) // 2][0]
+            left, mid, right = [], [], []
+            for x in part:
+                (left if x[1] <= center else right if x[0] > center else mid).append(x)
+            k = len(self.nodes)
+            self.nodes.append([center, [(s, i) for s, _, i in mid],
+                               sorted(((-e, i) for _, e, i in mid), key=lambda y: y[0]), -1, -1])
+            if parent < 0:
+                root = k
+            else:
+                self.nodes[parent][3 + side] = k
+            for sub, sd in ((left, 0), (right, 1)):
+                if sub:
+                    todo.append((sub, k, sd))
+        return root
+
+    def query(self, offsets: Sequence[int], sizes: Sequence[int],
+              work: IndexWork | None = None) -> list[int]:
+        """Positions, ascending, of the chunks with elements that meet the box's rows (its
+        extent along dim 0; the other dims are not looked at). No rows, no chunks."""
+        work = work if work is not None else IndexWork()
+        if prod(sizes) == 0:
+            return []
+        lo, hi = (offsets[0], offsets[0] + sizes[0]) if sizes else (0, 1)
+        found: list[int] = []
+        k = self.root
+        while k >= 0:  # the extents that hold row lo
+            center, by_start, by_end, left, right = self.nodes[k]
+            work.queried += 1
+            if lo < center:
+                for s, i in by_start:
+                    work.queried += 1
+                    if s > lo:
+                        break
+                    found.append(i)
+                k = left
+            else:
+                for e, i in by_end:
+                    work.queried += 1
+                    if -e <= lo:
+                        break
+                    found.append(i)
+                k = right
+        a, b = bisect.bisect_right(self.starts, lo), bisect.bisect_left(self.starts, hi)
+        work.queried += 2 * self.log_n + max(0, b - a)
+        found += self.start_pos[a:b]  # the extents that start past lo, before hi
+        found.sort()
+        return found
 
 
 def intersection(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
