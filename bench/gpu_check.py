@@ -22,7 +22,7 @@ its own, so that a crash, a hang or a poisoned CUDA context costs only that sect
   against a plain copy of the same bytes into pinned memory, the step that overlaps the write,
   sync save and load GB/s against a plain write + fsync and read of the same byte count;
 * d: ``offload_optimizer="cpu"`` against the resident optimizer: step time and device memory;
-* e: qwZ / qgZ blockwise quantization and dequantization throughput (``runtime/quant.py``);
+* e: qwZ / qgZ blockwise quantization and dequantization throughput (``runtime/zeropp/quant.py``);
 * f: multi-rank NCCL (ZeRO-3 steps, a save and a load on every device) when
   ``torch.cuda.device_count() > 1``; otherwise a record saying why it did not run.
 
@@ -957,7 +957,7 @@ def section_d(ctx: Ctx, rec: dict[str, Any]) -> None:
 def section_e(ctx: Ctx, rec: dict[str, Any]) -> None:
     import torch
 
-    from shardckpt.runtime import quant
+    from shardckpt.runtime.zeropp import quant
 
     sz = ctx.size("e")
     rows, cols, block = sz["rows"], sz["cols"], sz["block"]

@@ -171,7 +171,7 @@ def case_async_save(pm: Any) -> list[str]:
     """An async Checkpointer save with nvme offload (snapshots on the offload disk) holds the
     bytes of a sync save; a snapshot failing on one rank fails the save on every rank, commits
     nothing and leaves no snapshot."""
-    from shardckpt.runtime import offload_files
+    from shardckpt.runtime.offload import files as offload_files
     from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.training.save_load import save
 

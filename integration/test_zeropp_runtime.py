@@ -12,7 +12,7 @@ from the quantization error, to first order (:func:`tolerances`)::
     tol_t = sum_{τ <= t} B_τ,    B_τ = sum_i |g_τ,i| · (e^w_τ,i + lr · e^g_τ,i)
 
 ``e^w`` (qwZ) is the per-element bound of the int8 weight quantization, ``absmax(block) / 254``
-(:func:`shardckpt.runtime.quant.error_bound`, of the masters the plain run holds at that step);
+(:func:`shardckpt.runtime.zeropp.quant.error_bound`, of the masters the plain run holds at that step);
 ``e^g`` (qgZ) the bound of the two-stage int4 gradient reduction: rank ``r``'s local gradient
 is quantized with error at most ``a_r / 14`` (``a_r``: the absmax of its block), the node sums
 (block absmax at most ``(1 + 1/14)`` times the sum of their ranks' ``a_r``) once more, and the
@@ -51,12 +51,13 @@ pytestmark = pytest.mark.slow
 
 def case_errors(pm) -> list[str]:
     """The quantized gather and the quantized reduction, measured against their bounds."""
-    from shardckpt.runtime import collectives, quant, zeropp
+    from shardckpt.runtime import collectives
+    from shardckpt.runtime.zeropp import comm, quant
 
     pm2, problems = node_mesh(), []
     data = batches(pm.rank, pm.world_size)
     engine, opt = build(pm2, zeropp_configs()["all"])
-    real = zeropp.start_qgz_mean
+    real = comm.start_qgz_mean
     measured: list[float] = []
 
     def checked(pm_, grad, bits, block, acct=None):
@@ -72,7 +73,7 @@ def case_errors(pm) -> list[str]:
             problems.append(f"qgZ gradient error {err:.3g} > bound {bound:.3g}")
         return collectives.PendingMean(lambda: got)
 
-    zeropp.start_qgz_mean = checked
+    comm.start_qgz_mean = checked
     try:
         for i in range(3):
             forward_backward(engine, data.batch(i))
@@ -90,7 +91,7 @@ def case_errors(pm) -> list[str]:
                                     f"above its bound")
                 g.free()
     finally:
-        zeropp.start_qgz_mean = real
+        comm.start_qgz_mean = real
     if not measured or max(measured) == 0:
         problems.append("no qgZ reduction was measured")
     return problems
@@ -109,7 +110,8 @@ def tolerances(pm2, data) -> dict[str, Any]:
     module docstring, and the same-state check of each bound: from the plain run's state at
     step t, the loss with qwZ's weights (``dw``), and the loss at t + 1 after one step with
     qgZ's gradient (``dg``), each against the plain run's."""
-    from shardckpt.runtime import collectives, quant
+    from shardckpt.runtime import collectives
+    from shardckpt.runtime.zeropp import quant
     from shardckpt.runtime.models.llama import causal_lm_loss
 
     engine, opt = build(pm2, None)

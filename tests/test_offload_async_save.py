@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from shardckpt.errors import ShardckptError
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
-from shardckpt.runtime import offload_files
+from shardckpt.runtime.offload import files as offload_files
 from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.training.checkpointer import Checkpointer

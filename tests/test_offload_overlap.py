@@ -143,7 +143,8 @@ def test_the_first_reduced_group_steps_before_backward_ends(tmp_path):
     opt = _adamw(engine)
     started = threading.Event()
     log: list[tuple[str, str, bool]] = []
-    real_update, real_reduced = opt._update_segments, engine._schedule.on_reduced
+    listener = engine._schedule.listener
+    real_update, real_reduced = listener.update, listener.grad_reduced
 
     def update(*args):
         log.append(("step", threading.current_thread().name, False))
@@ -156,8 +157,8 @@ def test_the_first_reduced_group_steps_before_backward_ends(tmp_path):
         log.append(("reduced", group.name, engine.in_backward))
         real_reduced(group)
 
-    opt._update_segments = update
-    engine._schedule.on_reduced = reduced
+    listener.update = update
+    listener.grad_reduced = reduced
     _backward(engine, 0)
     trained = [n for n, g in engine.groups.items() if g.trainable]
     kinds = [k for k, _, _ in log]

@@ -15,8 +15,7 @@ import torch
 from shardckpt.training.checkpointer import Checkpointer
 from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ShardedSGD, ZeroEngine, decay_param_groups
-from shardckpt.runtime import offload as offload_module
-from shardckpt.runtime import offload_files
+from shardckpt.runtime.offload import files as offload_files
 from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import MixedPrecisionPolicy
@@ -86,7 +85,7 @@ def test_an_unwritable_offload_directory_is_refused_at_construction(tmp_path):
 def test_a_full_disk_is_refused_when_the_optimizer_is_built(tmp_path, monkeypatch):
     engine = _engine(offload_optimizer="nvme", offload_dir=tmp_path)
     need = sum(g.shard_numel for g in engine.groups.values() if g.trainable) * 4 * 3
-    monkeypatch.setattr(offload_module.os, "statvfs",
+    monkeypatch.setattr(offload_files.os, "statvfs",
                         lambda path: SimpleNamespace(f_bavail=1, f_frsize=4096))
     with pytest.raises(ConfigError) as err:
         _adamw(engine)
@@ -243,17 +242,17 @@ def test_a_failed_write_back_is_one_error_and_no_checkpoint_is_taken_after_it(tm
     opt = _adamw(engine)
     _train(engine, opt, range(1))
     save(engine, str(tmp_path / "good"))
-    real = offload_module.os.pwrite
+    real = offload_files.os.pwrite
 
     def full(fd, data, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(offload_module.os, "pwrite", full)
+    monkeypatch.setattr(offload_files.os, "pwrite", full)
     with pytest.raises(Exception) as err:
         _train(engine, opt, range(1, 2))
     assert "offload file" in str(err.value) and "No space left" in str(err.value)
     assert str(tmp_path / "off") in str(err.value)
-    monkeypatch.setattr(offload_module.os, "pwrite", real)
+    monkeypatch.setattr(offload_files.os, "pwrite", real)
     with pytest.raises(Exception, match="inconsistent"):
         save(engine, str(tmp_path / "bad"))
     assert not (tmp_path / "bad").exists()

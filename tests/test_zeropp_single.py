@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import Mesh
 from shardckpt.runtime import MixedPrecisionPolicy, ShardedSGD, ZeroEngine, ZeroPP
-from shardckpt.runtime import quant
+from shardckpt.runtime.zeropp import quant
 from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh, _env_ranks_per_node
 

@@ -28,7 +28,8 @@ turns on activation checkpointing per unit. ``ZeroEngine(..., zeropp=ZeroPP(qwz=
 qgz=True))`` turns on ZeRO++ (:mod:`shardckpt.runtime.zeropp`), with nodes of
 ``init_distributed(ranks_per_node=K)`` ranks. ``ZeroEngine(..., offload_optimizer="cpu")`` (or
 ``"nvme"`` with ``offload_dir=``) keeps the fp32 masters, optimizer state and step in host memory
-or in files (:mod:`shardckpt.runtime.offload`); ``engine.close()`` removes the files.
+or in files (:mod:`shardckpt.runtime.offload`); ``engine.close()`` removes the files. The small
+Llama of the example is in :mod:`shardckpt.runtime.models`.
 """
 
 from __future__ import annotations
@@ -41,17 +42,18 @@ _EXPORTS = {
     "MixedPrecisionPolicy": "precision",
     "checkpoint_units": "activation",
     "ZeroEngine": "engine",
+    "skip_weight_init": "init",
     "shard_model": "engine",
     "ProcessMesh": "mesh",
     "TorchrunEnv": "mesh",
     "init_distributed": "mesh",
-    "ShardedAdamW": "optim",
+    "ShardedAdamW": "optim_rules",
     "ShardedOptimizer": "optim",
-    "ShardedSGD": "optim",
-    "build_optimizer": "optim",
+    "ShardedSGD": "optim_rules",
+    "build_optimizer": "optim_rules",
     "decay_param_groups": "optim",
     "units_by_type": "units",
-    "ZeroPP": "zeropp",
+    "ZeroPP": "zeropp.options",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -59,17 +61,13 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from shardckpt.runtime.activation import checkpoint_units  # noqa: F401
     from shardckpt.runtime.engine import ZeroEngine, shard_model  # noqa: F401
+    from shardckpt.runtime.init import skip_weight_init  # noqa: F401
     from shardckpt.runtime.mesh import ProcessMesh, TorchrunEnv, init_distributed  # noqa: F401
-    from shardckpt.runtime.optim import (  # noqa: F401
-        ShardedAdamW,
-        ShardedOptimizer,
-        ShardedSGD,
-        build_optimizer,
-        decay_param_groups,
-    )
+    from shardckpt.runtime.optim import ShardedOptimizer, decay_param_groups  # noqa: F401
+    from shardckpt.runtime.optim_rules import ShardedAdamW, ShardedSGD, build_optimizer  # noqa: F401
     from shardckpt.runtime.precision import MixedPrecisionPolicy  # noqa: F401
     from shardckpt.runtime.units import units_by_type  # noqa: F401
-    from shardckpt.runtime.zeropp import ZeroPP  # noqa: F401
+    from shardckpt.runtime.zeropp.options import ZeroPP  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -50,17 +50,17 @@ from shardckpt.format.layout import Layout, build_layout
 from shardckpt.runtime import footprint, full_params
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.clipping import clip_grad_shards
-from shardckpt.runtime.contracts import EngineOptimizer
+from shardckpt.runtime.contracts import EngineOptimizer, ReductionListener
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.init import InitFn, shard_unit_by_unit, swap_meta_params
-from shardckpt.runtime.offload import OffloadConfig, check_offload
+from shardckpt.runtime.offload.config import OffloadConfig, check_offload
 from shardckpt.runtime.mesh import ProcessMesh, current_process_mesh
 from shardckpt.runtime.precision import (MixedPrecisionPolicy, check_policy, input_cast_dtype,
                                          resolve_precision, torch_dtype)
 from shardckpt.runtime.prefetch import CommStream
 from shardckpt.runtime.stages import StageSchedule, Unit, build_units, check_stage
 from shardckpt.runtime.units import PolicyLike, plan_units
-from shardckpt.runtime.zeropp import ZeroPP, check_zeropp
+from shardckpt.runtime.zeropp.options import ZeroPP, check_zeropp
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +101,11 @@ class ZeroEngine:
             masters, optimizer state and step in host memory, pinned on CUDA) or ``"nvme"``
             (in files under ``offload_dir``, a writable local directory, streamed group by
             group); the weight shard the gathers read stays on the device (in the compute
-            dtype alone if narrower: :mod:`~shardckpt.runtime.offload_master`). Same bits,
-            same checkpoints (:mod:`shardckpt.runtime.offload`). :meth:`close` removes files.
+            dtype alone if narrower: :mod:`~shardckpt.runtime.offload.master`). Same bits,
+            same checkpoints (:mod:`shardckpt.runtime.offload.store`). :meth:`close` removes files.
             With ``offload_overlap_step`` each group's host step runs in backward, once its
             gradient is reduced: no clipping, ``no_sync`` to accumulate (the rule is in
-            :mod:`shardckpt.runtime.offload`); else in ``optimizer.step()``.
+            :mod:`shardckpt.runtime.offload.store`); else in ``optimizer.step()``.
 
     Public surface (what checkpointing and tools rely on):
 
@@ -181,8 +181,7 @@ class ZeroEngine:
             for g in self.groups.values():
                 g.set_precision(resolve_precision(mixed_precision, g.dtype))
         self._optimizer: EngineOptimizer | None = None
-        self._drain: Callable[[], None] = lambda: None  # offload: the host copies are done
-        self._scaled: Callable[[torch.Tensor], None] = lambda coef: None
+        self._listener: ReductionListener | None = None  # offload: the store's host copies
         # an OrderedDict: RemovableHandle keeps a weak reference to it
         self._update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self._schedule = StageSchedule(self.units, stage, deterministic,
@@ -256,7 +255,8 @@ class ZeroEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the reduced gradients, any unreduced accumulation, and any stray ``.grad``."""
-        self._drain()
+        if self._listener is not None:
+            self._listener.before_grads_change()
         for g in self.groups.values():
             g.zero_grad(set_to_none)
         self._schedule.pool.clear()
@@ -305,10 +305,12 @@ class ZeroEngine:
         call on every rank, between ``backward()`` and ``step()``.
         """
         self.check_grads_reduced()
-        self._drain()
+        if self._listener is not None:
+            self._listener.before_grads_change()
         norm, coef = clip_grad_shards(self.groups.values(), self.process_mesh, self.accounting,
                                       max_norm, eps)
-        self._scaled(coef)  # the offloaded step's host copies, alike (refused if stepped)
+        if self._listener is not None:  # the offloaded step's host copies, alike (refused if stepped)
+            self._listener.grads_scaled(coef)
         return float(norm)
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -384,12 +386,11 @@ class ZeroEngine:
             raise ConfigError("this engine already has an optimizer; create one per engine")
         self._optimizer = optimizer
 
-    def set_offload_hooks(self, on_reduced: Callable[[FlatParamGroup], None],
-                          drain: Callable[[], None], scaled: Callable[[Any], None]) -> None:
-        """An offloaded optimizer's: ``on_reduced(group)`` as a reduction finishes, ``drain()``
-        before reduced gradients change in place, ``scaled(coef)`` once clipping scaled them."""
-        self._schedule.on_reduced, self._schedule.on_backward = on_reduced, drain
-        self._drain, self._scaled = drain, scaled
+    def set_reduction_listener(self, listener: ReductionListener) -> None:
+        """Register the one :class:`~shardckpt.runtime.contracts.ReductionListener` (an
+        offloaded optimizer's store): told of each finished reduction in backward, before the
+        reduced gradients change in place, and once clipping scaled them."""
+        self._listener = self._schedule.listener = listener
 
     def close(self) -> None:
         """Release the optimizer's offloaded state (``offload_optimizer``: its files are

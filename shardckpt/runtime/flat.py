@@ -6,7 +6,7 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   frozen); ``master[i]`` is element ``r * s + i`` of the flat group. Padding elements are zero.
   ``shard`` is what gathers read: ``master``, or with the optimizer offloaded and a narrower
   compute dtype the compute shard alone, ``master`` being ``None``
-  (:mod:`shardckpt.runtime.offload_master`).
+  (:mod:`shardckpt.runtime.offload.master`).
 * the compute dtype (``precision.compute``: the declared dtype, or a mixed-precision policy's
   ``param_dtype``) is what all-gathers move: ``master`` itself when the dtypes agree, else a copy
   cast (round to nearest even) at gather time and dropped once the all-gather is done, so no
@@ -39,7 +39,8 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
   the buffer, the mean accumulated so far is kept in a copy of ``s`` elements and put back into
   the buffer at the next reduction. Otherwise (no resident buffer, or a gradient dtype other than
   fp32) ``grad`` is a tensor of its own.
-* ZeRO++ (:mod:`shardckpt.runtime.zeropp`, set by the engine): with qwZ a gather moves the int8
+* ZeRO++ (:mod:`shardckpt.runtime.zeropp`, set by the engine; its collectives are
+  :mod:`~shardckpt.runtime.zeropp.comm`): with qwZ a gather moves the int8
   master shard and fills ``full`` with the dequantized weights once waited for; with hpZ a
   forward's gather (gradients enabled) keeps this rank's ``1/K`` slice of ``full``
   (:attr:`secondary`) and every later gather runs inside the node from it, until the end of the
@@ -55,11 +56,12 @@ from torch import nn
 
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import FlatGroup, Layout, ParamSpec
-from shardckpt.runtime import collectives, zeropp
+from shardckpt.runtime import collectives
+from shardckpt.runtime.zeropp import comm as zeropp
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.gradpool import GradBufferPool
 from shardckpt.runtime.mesh import ProcessMesh
-from shardckpt.runtime.offload_master import (OffloadedMaster, master_tensor, set_shard,
+from shardckpt.runtime.offload.master import (OffloadedMaster, master_tensor, set_shard,
                                               store_master)
 from shardckpt.runtime.precision import GroupPrecision, resolve_precision, torch_dtype
 from shardckpt.runtime.prefetch import CommStream, InFlight

@@ -27,7 +27,7 @@ from shardckpt.format.layout import Layout
 from shardckpt.runtime import collectives
 from shardckpt.runtime.flat import FlatParamGroup, point_params
 from shardckpt.runtime.mesh import ProcessMesh
-from shardckpt.runtime.offload_master import master_tensor, store_master
+from shardckpt.runtime.offload.master import master_tensor, store_master
 from shardckpt.runtime.stages import StageSchedule, in_backward
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,19 @@ def default_init(module: nn.Module) -> None:
     reset()
 
 
+def skip_weight_init(module: nn.Module) -> None:
+    """``ZeroEngine(..., init_fn=skip_weight_init)`` for weights that come from a file next
+    (:func:`shardckpt.training.hf_load.load_hf`, a checkpoint load).
+
+    Parameters are left as they are allocated (no random numbers drawn, and the pages of a unit's
+    temporary whole buffer are never touched, so a rank's memory stays about its shards); only
+    modules that hold buffers are initialized (rotary tables). Load every parameter afterwards
+    (``load_hf`` with ``strict=True``): a parameter left out would hold arbitrary values.
+    """
+    if next(module.buffers(recurse=False), None) is not None:
+        default_init(module)
+
+
 def swap_meta_params(module: nn.Module, params: Iterable[tuple[str, nn.Parameter]],
                      device: torch.device) -> tuple[dict[str, nn.Parameter], set[str]]:
     """Replace every meta parameter by an empty real one, in every module that holds it.

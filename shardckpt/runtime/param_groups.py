@@ -1,5 +1,5 @@
 """Param groups for the sharded optimizers: weight decay by the layout's shapes, and the
-optimizers that cannot run on flat slices (:func:`shardckpt.runtime.optim.build_optimizer`)."""
+optimizers that cannot run on flat slices (:func:`shardckpt.runtime.optim_rules.build_optimizer`)."""
 
 from __future__ import annotations
 

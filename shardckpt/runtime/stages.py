@@ -31,8 +31,8 @@ A reduction is issued asynchronously and left in flight while backward computes 
 issuing the next one finishes the older ones (at most :data:`REDUCTIONS_IN_FLIGHT` wait on the
 wire), and the end of backward finishes them all, in the same order on every rank, so ``grad``
 holds the same bits as with synchronous reductions. Each finished reduction is reported
-(``on_reduced``): with the optimizer offloaded, that group's gradient goes to the host, and its
-host step may run, while backward goes on (:mod:`shardckpt.runtime.offload`).
+(to the :class:`~shardckpt.runtime.contracts.ReductionListener`, if any): with the optimizer offloaded, that group's gradient goes to the host, and its
+host step may run, while backward goes on (:mod:`shardckpt.runtime.offload.store`).
 
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) re-runs a unit's forward
 inside backward: the pre-hook gathers (idempotent) and the forward hook neither frees nor hooks
@@ -51,13 +51,14 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from shardckpt.errors import ConfigError
+from shardckpt.runtime.contracts import ReductionListener
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
 from shardckpt.runtime.prefetch import Prefetcher
 from shardckpt.runtime.units import ROOT
@@ -171,9 +172,9 @@ class StageSchedule:
         self.prefetcher = Prefetcher(prefetch)
         self._reducing: collections.deque[FlatParamGroup] = collections.deque()
         self.pool = pool  # emptied at the end of each backward
-        # optimizer offload: each group whose reduction finished, in order; a backward begins
-        self.on_reduced: Callable[[FlatParamGroup], None] | None = None
-        self.on_backward: Callable[[], None] | None = None
+        # optimizer offload: told of each group whose reduction finished, in order, and when a
+        # backward begins
+        self.listener: ReductionListener | None = None
         self.hooks: list[Any] = []
         if top is not None:  # a top-level forward starts and ends (before/after the units' hooks)
             self.hooks.append(top.register_forward_pre_hook(self._begin_forward, prepend=True))
@@ -251,8 +252,8 @@ class StageSchedule:
 
     def _enter_backward(self) -> None:
         if not self.in_backward:
-            if self.on_backward is not None:
-                self.on_backward()
+            if self.listener is not None:
+                self.listener.before_grads_change()
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
@@ -294,8 +295,8 @@ class StageSchedule:
     def _finish(self, group: FlatParamGroup) -> None:
         """Finish ``group``'s reduction: its ``grad`` is final for this backward."""
         group.finish_reduce()
-        if self.on_reduced is not None:
-            self.on_reduced(group)
+        if self.listener is not None:
+            self.listener.grad_reduced(group)
 
     def _maybe_free(self, unit: Unit) -> None:
         if unit.inputs_done and unit.done >= unit.trained:

@@ -1,19 +1,31 @@
-"""The files of ``offload_optimizer="nvme"``: raw reads and writes at offsets, and
+"""The files of ``offload_optimizer="nvme"``: creating them, raw reads and writes at offsets, and
 :class:`OffloadedShard`, one state kind of one flat group in its file, as checkpoints see it
-(streamed in bounded pieces, written in place). :mod:`shardckpt.runtime.offload` owns the files.
+(streamed in bounded pieces, written in place). The store
+(:class:`~shardckpt.runtime.offload.store.OffloadStore`) owns the files.
+
+One file per flat group and state kind, ``<group>.<kind>.bin`` (raw little-endian elements) in
+``<offload_dir>/shardckpt-offload-<run id>-rank<RRRRR>/``, the run id unique per run as the
+checkpoint format's save ids are; preallocated at construction (:func:`create_files`), so a full
+disk is one error then, naming the path and the bytes; removed by ``OffloadStore.close`` (and at
+exit). Checkpoints read and write them in place through :class:`OffloadedShard`; an async
+checkpoint copies them (and the master shards) into an :class:`OffloadSnapshot` in the run
+directory, ``copy_file_range`` on the same disk instead of memory, and streams from that.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from shardckpt.errors import ShardckptError
+from shardckpt.errors import ConfigError, ShardckptError
+
+log = logging.getLogger(__name__)
 
 #: Bytes per read or write call when streaming a file (checkpoints, zeroing).
 IO_CHUNK = 16 << 20
@@ -100,6 +112,44 @@ class OffloadedShard:
 
     def __repr__(self) -> str:
         return f"OffloadedShard({self.path}, numel={self.numel()}, dtype={self.dtype})"
+
+
+def create_files(base: Path, sizes: Mapping[str, int], kinds: Sequence[str], rank: int
+                 ) -> tuple[Path, dict[tuple[str, str], OffloadedShard]]:
+    """This rank's run directory under ``base`` and one preallocated fp32 file per group of
+    ``sizes`` (name -> shard numel) and state kind of ``kinds``; one :class:`ConfigError`
+    naming the directory and the bytes if the disk is short or a file cannot be made (nothing
+    is left behind then)."""
+    from shardckpt.checkpoint.writer import new_save_id
+
+    need = sum(sizes.values()) * 4 * len(kinds)
+    try:
+        st = os.statvfs(base)
+    except OSError as e:
+        raise ConfigError(f"offload directory {base}: cannot stat it: {e.strerror or e}") from e
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise ConfigError(
+            f"offload directory {base}: the optimizer state of this rank needs {need} bytes "
+            f"({_human(need)}) but only {free} bytes ({_human(free)}) are free")
+    run_dir = base / f"shardckpt-offload-{new_save_id()}-rank{rank:05d}"
+    files: dict[tuple[str, str], OffloadedShard] = {}
+    try:
+        run_dir.mkdir()
+        for name, n in sizes.items():
+            for kind in kinds:
+                path = run_dir / f"{name}.{kind}.bin"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                files[name, kind] = OffloadedShard(path, fd, n, torch.float32)
+                if n:  # reserve the blocks now: a full disk fails here, not mid-step
+                    _reserve(fd, n * 4)
+    except OSError as e:
+        _remove(run_dir, [s._fd for s in files.values()])
+        raise ConfigError(
+            f"offload directory {base}: creating the optimizer state files "
+            f"({need} bytes, {_human(need)}) failed: {e.strerror or e}") from e
+    log.info("optimizer state offloaded to %s: %d files, %s", run_dir, len(files), _human(need))
+    return run_dir, files
 
 
 def _reserve(fd: int, nbytes: int) -> None:

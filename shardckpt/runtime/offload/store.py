@@ -13,7 +13,7 @@ on the host, group by group, on one worker thread:
    gets the same bits;
 4. the updated master is copied to the device shard the all-gathers read (``group.shard``:
    the master itself, or with a narrower compute dtype its cast on the host, the device then
-   holding no fp32 copy: :mod:`shardckpt.runtime.offload_master`); with ``"nvme"`` the master
+   holding no fp32 copy: :mod:`shardckpt.runtime.offload.master`); with ``"nvme"`` the master
    and state are written back while the next group computes.
 
 When the step runs (DeepSpeed's rule): by default in ``optimizer.step()``, after backward, so
@@ -40,19 +40,11 @@ steps: whatever writes it (a checkpoint load, ``summon_full_params(writeback=Tru
 group changed (:meth:`FlatParamGroup.refresh`), and the next step copies it into the store
 first. A master held in the store alone is written there, and the device shard cast from it.
 
-Files: one per flat group and state kind, ``<group>.<kind>.bin`` (raw little-endian elements)
-in ``<offload_dir>/shardckpt-offload-<run id>-rank<RRRRR>/``, the run id unique per run as the
-checkpoint format's save ids are; preallocated at construction, so a full disk is one error
-then, naming the path and the bytes; removed by :meth:`OffloadStore.close` (and at exit).
-Checkpoints read and write them in place through :class:`OffloadedShard`; an async checkpoint
-copies them (and the master shards) into an :class:`OffloadSnapshot` in the run directory,
-``copy_file_range`` on the same disk instead of memory, and streams from that.
+Files (``"nvme"``): :mod:`shardckpt.runtime.offload.files`.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -61,14 +53,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from shardckpt.errors import ConfigError, ShardckptError
-from shardckpt.runtime.offload_config import MODES, OffloadConfig, check_offload
-from shardckpt.runtime.offload_files import (OffloadedShard, OffloadSnapshot, _as_bytes, _human,
-                                             _pread_into, _pwrite_from, _remove, _reserve)
+from shardckpt.runtime.offload.config import OffloadConfig
+from shardckpt.runtime.offload.files import (OffloadedShard, OffloadSnapshot, _as_bytes,
+                                             _pread_into, _pwrite_from, _remove, create_files)
 
-__all__ = ["MODES", "OffloadConfig", "OffloadSnapshot", "OffloadStore", "OffloadedShard",
-           "check_offload"]
-
-log = logging.getLogger(__name__)
+__all__ = ["OffloadStore", "UpdateFn"]
 
 #: The update of one flat group: (master, grad, state kinds, the group's work items).
 UpdateFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any], None]
@@ -103,7 +92,9 @@ class OffloadStore:
                                  for k in ("master", *self.kinds)}
                           for name, n in self.sizes.items()}
         else:
-            self._create_files(rank)
+            assert config.directory is not None
+            self.run_dir, self._files = create_files(config.directory, self.sizes,
+                                                     ("master", *self.kinds), rank)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, thread_name_prefix="shardckpt-offload")
         self._finalizer = weakref.finalize(self, _remove, self.run_dir,
@@ -113,39 +104,6 @@ class OffloadStore:
     def state_bytes(self) -> int:
         """Bytes of masters and state this store holds (host memory or disk)."""
         return sum(self.sizes.values()) * 4 * (1 + len(self.kinds))
-
-    def _create_files(self, rank: int) -> None:
-        from shardckpt.checkpoint.writer import new_save_id
-
-        assert self.config.directory is not None
-        base = self.config.directory
-        need = self.state_bytes
-        try:
-            st = os.statvfs(base)
-        except OSError as e:
-            raise ConfigError(f"offload directory {base}: cannot stat it: {e.strerror or e}") from e
-        free = st.f_bavail * st.f_frsize
-        if free < need:
-            raise ConfigError(
-                f"offload directory {base}: the optimizer state of this rank needs {need} bytes "
-                f"({_human(need)}) but only {free} bytes ({_human(free)}) are free")
-        self.run_dir = base / f"shardckpt-offload-{new_save_id()}-rank{rank:05d}"
-        try:
-            self.run_dir.mkdir()
-            for name, n in self.sizes.items():
-                for kind in ("master", *self.kinds):
-                    path = self.run_dir / f"{name}.{kind}.bin"
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                    self._files[name, kind] = OffloadedShard(path, fd, n, torch.float32)
-                    if n:  # reserve the blocks now: a full disk fails here, not mid-step
-                        _reserve(fd, n * 4)
-        except OSError as e:
-            _remove(self.run_dir, [s._fd for s in self._files.values()])
-            raise ConfigError(
-                f"offload directory {base}: creating the optimizer state files "
-                f"({need} bytes, {_human(need)}) failed: {e.strerror or e}") from e
-        log.info("optimizer state offloaded to %s: %d files, %s", self.run_dir,
-                 len(self._files), _human(need))
 
     # ----------------------------------------------------------------- checkpoint access
 

@@ -2,7 +2,7 @@
 the compute-dtype weight shard only (as DeepSpeed's ZeRO-Offload does).
 
 The fp32 master of such a trained group lives in the offload store alone
-(:class:`~shardckpt.runtime.offload.OffloadStore`: host memory or its file); the group's device
+(:class:`~shardckpt.runtime.offload.store.OffloadStore`: host memory or its file); the group's device
 tensor, :attr:`FlatParamGroup.shard`, is the compute-dtype shard the all-gathers read, and
 ``group.master`` is ``None``. Every change of the master goes through the store, and the device
 shard is then cast from it on the host with ``Tensor.to`` (round to nearest even), the cast the
@@ -15,18 +15,17 @@ would differ from a resident run's, so qwZ with such a group is refused (one Con
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from shardckpt.errors import ConfigError
-from shardckpt.runtime.offload import OffloadStore, UpdateFn
+from shardckpt.runtime.offload.store import OffloadStore
 
 #: A :class:`~shardckpt.runtime.flat.FlatParamGroup` (not imported: flat imports this module).
 Group = Any
 
-__all__ = ["OffloadedMaster", "master_tensor", "offload_master", "open_store", "store_master",
-           "store_state", "store_step"]
+__all__ = ["OffloadedMaster", "master_tensor", "narrower", "offload_master", "set_shard",
+           "store_master"]
 
 
 class OffloadedMaster:
@@ -90,43 +89,3 @@ def set_shard(group: Group, master: torch.Tensor) -> None:
     """Cast the fp32 ``master`` on the host into ``group``'s device compute shard."""
     with torch.no_grad():
         group.shard.copy_(master.to("cpu").to(group.dtype))
-
-
-def open_store(engine: Any, trained: Mapping[str, Group], kinds: Sequence[str],
-               on_reduced: Callable[[Group], None]) -> OffloadStore:
-    """The offload store of ``engine``'s ``trained`` groups, its hooks set and the masters of
-    the groups computing in a narrower dtype moved into it (:func:`offload_master`)."""
-    qwz = [n for n, g in trained.items() if narrower(g) and g.zeropp is not None and g.zeropp.qwz]
-    if qwz:
-        raise ConfigError(
-            f"ZeRO++ qwZ with offload_optimizer and a compute dtype narrower than the fp32 master "
-            f"(flat groups {qwz[:3]}): qwZ quantizes the master shard, which offload keeps off "
-            "the device, and quantizing the compute shard instead would not give a resident "
-            "run's bits; turn qwZ off, or compute in fp32")
-    pm = engine.process_mesh
-    store = OffloadStore(engine.offload, {n: g.shard_numel for n, g in trained.items()},
-                         kinds, pm.device, pm.rank)
-    engine.set_offload_hooks(on_reduced, store.drain, store.scale_grads)
-    for g in trained.values():
-        offload_master(g, store)
-    return store
-
-
-def store_state(store: OffloadStore, group: Group | None) -> dict[str, Any]:
-    """``group``'s kinds in ``store``, its ``master`` first when the store alone holds it."""
-    name = "" if group is None else group.name
-    master = {} if group is None or group.offloaded is None else {"master": group.offloaded.live()}
-    return {**master, **store.local_state(name)}
-
-
-def store_step(store: OffloadStore, groups: Mapping[str, Group],
-               work: Mapping[str, Any], update: UpdateFn) -> None:
-    """The offloaded step of ``work``'s groups: a device master changed since the last step (a
-    load, ...) goes into the store first; the updated masters come back into the shards."""
-    early = store.early_names
-    for name in work:
-        g = groups[name]
-        if g.master_changed and g.offloaded is None and name not in early:
-            store.pull_master(name, g.master)
-    store.step(work, {n: groups[n].shard for n in work}, {n: groups[n].grad for n in work},
-               update)

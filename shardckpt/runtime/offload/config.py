@@ -1,5 +1,5 @@
 """The offload settings of :class:`~shardckpt.runtime.engine.ZeroEngine`, validated
-(:mod:`shardckpt.runtime.offload` has what they mean)."""
+(:mod:`shardckpt.runtime.offload.store` has what they mean)."""
 
 from __future__ import annotations
 
