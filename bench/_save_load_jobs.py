@@ -13,7 +13,7 @@ exist. Then, for every repetition, in an order rotated by one each time, it time
   a file of its own, then fsyncs it: the disk's limit for the same bytes;
 * ``sync`` / ``async``: ``Checkpointer(...).save(step)`` without and with ``async_save``; the
   async one is timed until ``save`` returns (blocking) and until ``wait`` returns (total);
-* ``dcp_sc``: the same ``dcp.save`` of the FSDP2 model with ``shardckpt.interop.dcp_storage.ShardckptWriter``
+* ``dcp_sc``: the same ``dcp.save`` of the FSDP2 model with ``shardckpt.interop.dcp.storage.ShardckptWriter``
   (CRC32C of every byte, create-only manifest); ``dcp_async`` / ``dcp_sc_async``:
   ``dcp.async_save`` with ``FileSystemWriter`` / ``ShardckptWriter``, timed until it returns.
 
@@ -212,7 +212,7 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     from torch.distributed.checkpoint import FileSystemWriter
 
     from shardckpt.training.checkpointer import Checkpointer
-    from shardckpt.interop.dcp_storage import ShardckptWriter
+    from shardckpt.interop.dcp.storage import ShardckptWriter
     from shardckpt.runtime import init_distributed
     from shardckpt.training.save_load import save
 
@@ -296,7 +296,7 @@ def load_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptReader
     from shardckpt.runtime import init_distributed
     from shardckpt.training.save_load import load
 

@@ -56,7 +56,7 @@ def import_hf_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC's weights as a weights-only checkpoint for --ranks ranks; manifest last."""
-    from shardckpt.interop.hf_import import import_hf
+    from shardckpt.interop.hf.import_ import import_hf
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_import
 
@@ -92,7 +92,7 @@ def import_deepspeed_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."""
-    from shardckpt.interop.deepspeed_import import import_deepspeed
+    from shardckpt.interop.deepspeed.import_ import import_deepspeed
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_import
 
@@ -143,7 +143,7 @@ def import_dcp_command(
     one without, equal to a trained parameter, is tied to it; one a param group lists, or
     matching --frozen, is a frozen parameter (its own dtype); any other is a persistent buffer.
     """
-    from shardckpt.interop.dcp_import import import_dcp
+    from shardckpt.interop.dcp.import_ import import_dcp
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_import
 
@@ -159,7 +159,7 @@ def import_dcp_command(
             f"imported {src} -> {dst}: {s['tensors']} tensors, {s['values']} other values, "
             f"{human_bytes(s['bytes'])}"))
         return
-    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
     _check_mesh(ranks, replicate)
     with job_from_environment() as job:  # under torchrun: this process's share of the files
@@ -195,7 +195,7 @@ def export_dcp_command(
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC as a directory stock dcp.load reads (.metadata and __<n>_0.distcp); .metadata last."""
-    from shardckpt.interop.dcp_export import export_dcp
+    from shardckpt.interop.dcp.export import export_dcp
 
     opts = parse_storage_options(storage_option)
     summary = export_dcp(src, dst, opts, opts, model_key, optim_key,

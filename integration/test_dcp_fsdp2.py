@@ -76,7 +76,7 @@ def test_killed_rank_commits_nothing_and_previous_loads(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptReader
 
     results = run_ranks(kill_job, 2, args=(str(tmp_path),), timeout_s=300, pg_timeout_s=20)
     assert not results[1].ok and results[1].exitcode == -signal.SIGKILL
@@ -91,7 +91,7 @@ def test_killed_rank_commits_nothing_and_previous_loads(tmp_path: Path) -> None:
 
 def loop_job(rank: int, world: int, run: str, steps: int) -> dict[str, Any]:
     """A plain FSDP2 loop: resume from the newest good checkpoint, train, save every step."""
-    from shardckpt.interop.dcp_checkpointer import DcpCheckpointer
+    from shardckpt.interop.dcp.checkpointer import DcpCheckpointer
 
     model, opt, _ = build(world, 0)
     ckpt = DcpCheckpointer(run, keep_last=2)

@@ -1,7 +1,7 @@
 """One checkpoint across runtimes, under real FSDP2 on gloo.
 
 * A checkpoint DCP's own ``FileSystemWriter`` wrote from 2 ranks is imported (``shardckpt import
-  dcp``) and loads through :class:`shardckpt.interop.dcp_storage.ShardckptReader` into 3 ranks; exported back
+  dcp``) and loads through :class:`shardckpt.interop.dcp.storage.ShardckptReader` into 3 ranks; exported back
   (``shardckpt export dcp``), stock ``dcp.load`` + ``set_state_dict`` read it into 1, 2 and 3.
 * FSDP2 (stock DCP, 2 ranks) -> ``import dcp --ranks 3`` -> ``ZeroEngine`` on 3 ranks.
 * ``ZeroEngine`` (2 ranks) -> FSDP2 on 3 ranks, through ``ShardckptReader`` (no conversion) and
@@ -82,8 +82,8 @@ def three_ranks_job(rank: int, world: int, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
     """A stock DCP checkpoint from 2 FSDP2 ranks, imported, and exported back."""
-    from shardckpt.interop.dcp_export import export_dcp
-    from shardckpt.interop.dcp_import import import_dcp
+    from shardckpt.interop.dcp.export import export_dcp
+    from shardckpt.interop.dcp.import_ import import_dcp
 
     root = str(tmp_path_factory.mktemp("interop"))
     out = run_distributed(stock_save_job, 2, args=(root,), timeout_s=300)
@@ -185,7 +185,7 @@ def llama_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
 def engine_from_fsdp2(llama_fsdp2: tuple[str, dict[str, list[float]]]) -> dict[str, list[float]]:
     """ZeroEngine on 3 ranks loads ``llama`` imported for 3 ranks (``flat``) and, without a
     conversion, ``llama-chunked``; saves each again (``...-resaved``); next losses by way."""
-    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
     root, _ = llama_fsdp2
     m = import_dcp_flat(f"{root}/llama", f"{root}/flat", 3)
@@ -220,7 +220,7 @@ def test_zero_engine_loads_fsdp2_chunked_checkpoint_at_3_ranks(
 @pytest.fixture(scope="module")
 def zero_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
     """A ZeroEngine checkpoint from 2 ranks, its DCP export, and the engine's next losses."""
-    from shardckpt.interop.dcp_export import export_dcp
+    from shardckpt.interop.dcp.export import export_dcp
 
     root = str(tmp_path_factory.mktemp("zero"))
     theirs = run_distributed(engine_save_job, 2, args=(root,), timeout_s=300)[0]
@@ -259,7 +259,7 @@ def test_three_to_two_ranks_both_ways_and_frozen_parameters(
         zero_saved: tuple[str, list[float]], fsdp2_from_zero: dict[str, Any]) -> None:
     from safetensors.torch import load_file
 
-    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
     root, fsdp2 = llama_fsdp2
     zroot, _ = zero_saved

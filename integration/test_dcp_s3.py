@@ -34,7 +34,7 @@ def test_killed_rank_on_s3_commits_nothing(ceph_server, s3_bucket) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptReader
 
     b = s3_bucket(ceph_server)
     root = f"{b.url}/run"

@@ -62,7 +62,7 @@ def job_resume(rank: int, world: int, ckpt: str, doc: dict) -> list[float]:
 @pytest.mark.parametrize("name,world", [("zero1-fp32-2", 4), ("zero2-bf16-2", 1),
                                         ("zero3-fp32-3", 2), ("zero3-bf16-2", 4)])
 def test_resume_continues_like_deepspeed(tmp_path: Path, name: str, world: int) -> None:
-    from shardckpt.interop.deepspeed_import import import_deepspeed
+    from shardckpt.interop.deepspeed.import_ import import_deepspeed
 
     doc = json.loads((FIXTURES / name / "reference.json").read_text())
     dst = str(tmp_path / "imported")

@@ -185,15 +185,15 @@ def dcp_src(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _import_alone(kind: str, source: str, dst: str) -> None:
     if kind == "hf":
-        from shardckpt.interop.hf_import import import_hf
+        from shardckpt.interop.hf.import_ import import_hf
 
         import_hf(source, dst, 4)
     elif kind == "deepspeed":
-        from shardckpt.interop.deepspeed_import import import_deepspeed
+        from shardckpt.interop.deepspeed.import_ import import_deepspeed
 
         import_deepspeed(source, dst, 4)
     else:
-        from shardckpt.interop.dcp_to_flat import import_dcp_flat
+        from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
         import_dcp_flat(source, dst, 4)
 

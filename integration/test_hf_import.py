@@ -60,7 +60,7 @@ def test_import_of_two_gigabytes_stays_under_512_mb(tmp_path: Path) -> None:
     info = write_big(src, 2 * GB)
     code = (
         "import sys, json\n"
-        "from shardckpt.interop.hf_import import import_hf\n"
+        "from shardckpt.interop.hf.import_ import import_hf\n"
         f"import_hf({str(src)!r}, {str(dst)!r}, 4)\n"
         "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
         "print(json.dumps({'peak_kb': int(hwm.split()[1]), 'torch': 'torch' in sys.modules}))\n")

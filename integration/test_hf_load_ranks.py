@@ -226,7 +226,7 @@ def _job(rank: int, world: int, folder: str, out: str, hsdp: bool, imported: str
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from shardckpt.interop.hf_import import import_hf
+    from shardckpt.interop.hf.import_ import import_hf
 
     root = tmp_path_factory.mktemp("hf")
     for name, (tied, dtype) in VARIANTS.items():

@@ -36,9 +36,9 @@ _EXPORTS = {
     "diff": "tools.diff",
     "reshard": "tools.reshard",
     "synthesize": "tools.synth",
-    "ShardckptReader": "interop.dcp_storage",
-    "ShardckptWriter": "interop.dcp_storage",
-    "DcpCheckpointer": "interop.dcp_checkpointer",
+    "ShardckptReader": "interop.dcp.storage",
+    "ShardckptWriter": "interop.dcp.storage",
+    "DcpCheckpointer": "interop.dcp.checkpointer",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -46,8 +46,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.checkpoint.verify import verify  # noqa: F401
-    from shardckpt.interop.dcp_checkpointer import DcpCheckpointer  # noqa: F401
-    from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter  # noqa: F401
+    from shardckpt.interop.dcp.checkpointer import DcpCheckpointer  # noqa: F401
+    from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter  # noqa: F401
     from shardckpt.tools.consolidate import consolidate  # noqa: F401
     from shardckpt.tools.diff import diff  # noqa: F401
     from shardckpt.tools.reshard import reshard  # noqa: F401

@@ -99,7 +99,7 @@ def save_fsdp2(model: Any, opt: Any, root: str, name: str, rank: int, stock: boo
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from shardckpt.interop.dcp_storage import ShardckptWriter
+    from shardckpt.interop.dcp.storage import ShardckptWriter
 
     msd, osd = get_state_dict(model, opt)
     if stock:
@@ -164,7 +164,7 @@ def fsdp2_load(rank: int, world: int, src: str, out: str, via: str = "reader",
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptReader
 
     model, opt = fsdp2_llama(world, 3, hsdp, wd=0.3, lr=0.5)
     mean_loss(model, opt, 99, rank, world)  # optimizer state exists and differs

@@ -104,7 +104,7 @@ def save_job(rank: int, world: int, root: str, ref: str, opts: dict | None = Non
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from shardckpt.interop.dcp_storage import ShardckptWriter
+    from shardckpt.interop.dcp.storage import ShardckptWriter
 
     model, opt, _ = build(world, 0)
     for s in range(STEPS):
@@ -129,7 +129,7 @@ def load_job(rank: int, world: int, url: str, ref: str, hsdp: bool = False,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptReader
 
     model, opt, _ = build(world, 1, hsdp)
     train_step(model, opt, 99, rank)  # optimizer state exists and differs from the checkpoint's
@@ -137,7 +137,7 @@ def load_job(rank: int, world: int, url: str, ref: str, hsdp: bool = False,
     dcp.load(sd, storage_reader=ShardckptReader(url, opts))
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     if save_to is not None:
-        from shardckpt.interop.dcp_storage import ShardckptWriter
+        from shardckpt.interop.dcp.storage import ShardckptWriter
 
         dcp.save(state(model, opt, world, 1) | {"tp": sd["tp"]},
                  storage_writer=ShardckptWriter(save_to, opts))
@@ -164,7 +164,7 @@ def kill_job(rank: int, world: int, root: str, opts: dict | None = None) -> dict
     """Save a good checkpoint, then a second one during which rank 1 is SIGKILLed mid-write."""
     import torch.distributed.checkpoint as dcp
 
-    from shardckpt.interop.dcp_storage import ShardckptWriter
+    from shardckpt.interop.dcp.storage import ShardckptWriter
 
     model, opt, _ = build(world, 0)
     train_step(model, opt, 0, rank)

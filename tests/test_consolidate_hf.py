@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from testing.ckpts import make_ckpt  # noqa: E402
 from testing.cli import cli, ok, one_line_error  # noqa: E402
-from shardckpt.interop.hf_files import COPY_ALLOWED  # noqa: E402
+from shardckpt.interop.hf.files import COPY_ALLOWED  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

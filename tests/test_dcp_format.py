@@ -21,7 +21,7 @@ from shardckpt.format import manifest as manifest_mod
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.verify import verify
 from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, box_byte_span, tiling_problems
-from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter
+from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 from shardckpt.errors import ManifestError
 from shardckpt.format.manifest import to_json
 from shardckpt.format.manifest_parse import parse

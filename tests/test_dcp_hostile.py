@@ -25,8 +25,8 @@ from testing.cli import cli, ok, one_line_error
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.checkpoint")
 
-from shardckpt.interop.dcp_export import export_dcp  # noqa: E402
-from shardckpt.interop.dcp_import import import_dcp  # noqa: E402
+from shardckpt.interop.dcp.export import export_dcp  # noqa: E402
+from shardckpt.interop.dcp.import_ import import_dcp  # noqa: E402
 from testing.dcp_hostile import (  # noqa: E402
     blob_checkpoint, grid, one_payload_checkpoint, payload, tiled_checkpoint,
 )
@@ -297,7 +297,7 @@ def test_import_of_many_chunks_counts_no_pairs(tmp_path: Path) -> None:
         seen.append(chunked.TilingWork())
         return real(t, seen[-1])
 
-    import shardckpt.interop.dcp_import as dcp_import
+    import shardckpt.interop.dcp.import_ as dcp_import
     mp = pytest.MonkeyPatch()
     mp.setattr(dcp_import, "tiling_problems", counted)
     mp.setattr(chunked, "tiling_problems", counted)

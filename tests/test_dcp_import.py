@@ -20,8 +20,8 @@ from shardckpt.checkpoint.reader import CheckpointReader
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
-from shardckpt.interop.dcp_export import export_dcp
-from shardckpt.interop.dcp_import import import_dcp
+from shardckpt.interop.dcp.export import export_dcp
+from shardckpt.interop.dcp.import_ import import_dcp
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import MANIFEST_NAME
 
@@ -41,7 +41,7 @@ def src(source: Path, tmp_path: Path) -> Path:
 
 
 def test_import_keeps_chunks_and_loads_bit_for_bit(source: Path, tmp_path: Path) -> None:
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptReader
 
     m = import_dcp(str(source), str(tmp_path / "ck"))
     assert m.version == (1, 2) and m.chunked is not None and verify(str(tmp_path / "ck"))
@@ -59,7 +59,7 @@ def test_export_reads_back_with_stock_dcp(source: Path, tmp_path: Path) -> None:
     assert_same(dcp_load(tmp_path / "out"), dcp_load(source))
     # the exported metadata names only allow-listed globals, so it imports again
     import_dcp(str(tmp_path / "out"), str(tmp_path / "again"))
-    assert_same(dcp_load(reader=__import__("shardckpt.interop.dcp_storage").interop.dcp_storage.ShardckptReader(
+    assert_same(dcp_load(reader=__import__("shardckpt.interop.dcp.storage").interop.dcp.storage.ShardckptReader(
         str(tmp_path / "again"))), dcp_load(source))
 
 
@@ -258,7 +258,7 @@ def test_import_ranks_writes_flat_groups_bit_for_bit(tmp_path: Path) -> None:
 
 def test_import_ranks_refuses_state_it_cannot_map(source: Path, tmp_path: Path) -> None:
     """``opt.state_dict()`` keys state by integer ids, not FQNs: one clear error, nothing written."""
-    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
     with pytest.raises(IntegrityError, match="get_state_dict|no optimizer state"):
         import_dcp_flat(str(source), str(tmp_path / "flat"), 2, optim_key="optimizer")

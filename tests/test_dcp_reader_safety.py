@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardckpt import errors
 from shardckpt.checkpoint.verify import verify
-from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter
+from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -117,7 +117,7 @@ def test_default_planner_load_refuses_the_value_and_runs_nothing(tmp_path: Path)
 
 
 def test_dcp_checkpointer_raises_rather_than_skip_to_an_older_step(tmp_path: Path) -> None:
-    from shardckpt.interop.dcp_checkpointer import DcpCheckpointer
+    from shardckpt.interop.dcp.checkpointer import DcpCheckpointer
 
     run = tmp_path / "run"
     marker = tmp_path / "ran"
@@ -147,7 +147,7 @@ def test_benign_values_round_trip_with_the_default_planner(tmp_path: Path) -> No
 
 
 def test_benign_values_round_trip_through_dcp_checkpointer(tmp_path: Path) -> None:
-    from shardckpt.interop.dcp_checkpointer import DcpCheckpointer
+    from shardckpt.interop.dcp.checkpointer import DcpCheckpointer
 
     ckpt = DcpCheckpointer(str(tmp_path / "run"))
     ckpt.save(4, _benign())
@@ -195,7 +195,7 @@ def test_allow_pickle_is_what_it_says(tmp_path: Path) -> None:
 
 def test_weights_only_planner_refuses_even_an_unchecked_value(tmp_path: Path) -> None:
     """Defence in depth: ``WeightsOnlyLoadPlanner`` decodes with weights_only=True itself."""
-    from shardckpt.interop.dcp_storage import WeightsOnlyLoadPlanner
+    from shardckpt.interop.dcp.storage import WeightsOnlyLoadPlanner
 
     url, marker = _hostile(tmp_path)
     with pytest.raises(CheckpointException, match="posix.system"):

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.cli.main import app
 from shardckpt.format.manifest import MANIFEST_NAME
-from shardckpt.interop.dcp_export import export_dcp
-from shardckpt.interop.dcp_import import import_dcp
+from shardckpt.interop.dcp.export import export_dcp
+from shardckpt.interop.dcp.import_ import import_dcp
 
 from testing.ckpts import flat_state
 from testing.dcp_states import assert_same, dcp_load, dcp_save, metadata
@@ -103,7 +103,7 @@ def test_import_ranks_frozen_parameters_listed_or_named(tmp_path: Path) -> None:
             assert torch.equal(flat_state(str(tmp_path / f"flat-{run}"), fqn, "master"),
                                m.state_dict()[fqn])
     from shardckpt.errors import ConfigError
-    from shardckpt.interop.dcp_to_flat import import_dcp_flat
+    from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
     with pytest.raises(ConfigError, match=rf"^{tmp_path / 'trained'}: .*'nothing' matches no "
                                           r"model tensor.*1\.weight has optimizer state"):
@@ -118,8 +118,8 @@ def test_plain_payloads_import_without_torch_load_strided_ones_through_it(
     a strided one (a transposed tensor DCP saves as it is) goes through torch.load."""
     import io as io_
 
-    from shardckpt.interop import dcp_payload
-    from shardckpt.interop.dcp_storage import ShardckptReader
+    from shardckpt.interop.dcp import payload as dcp_payload
+    from shardckpt.interop.dcp.storage import ShardckptReader
 
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load called"))
     import_dcp(str(source), str(tmp_path / "ck"))
@@ -149,7 +149,7 @@ def test_import_ranks_and_runtime_load_of_sgd_momentum(tmp_path: Path) -> None:
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from shardckpt.interop.dcp_storage import ShardckptWriter
+    from shardckpt.interop.dcp.storage import ShardckptWriter
     from shardckpt.runtime import ShardedSGD, ZeroEngine
     from shardckpt.training.save_load import load, save
 

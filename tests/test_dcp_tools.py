@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from shardckpt.cli.main import app
-from shardckpt.interop.dcp_storage import ShardckptWriter
+from shardckpt.interop.dcp.storage import ShardckptWriter
 from shardckpt.tools.diff import diff
 from testing.cli import cli
 

@@ -19,8 +19,8 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.verify import verify
 from shardckpt.cli.main import app
 from shardckpt.tools.consolidate import consolidate
-from shardckpt.interop.deepspeed_files import segments_12
-from shardckpt.interop.deepspeed_import import import_deepspeed
+from shardckpt.interop.deepspeed.files import segments_12
+from shardckpt.interop.deepspeed.import_ import import_deepspeed
 from shardckpt.errors import IntegrityError
 from shardckpt.tools.diff import diff
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -165,7 +165,7 @@ def test_one_rank_file_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     import gc
     import weakref
 
-    import shardckpt.interop.deepspeed_import as di
+    import shardckpt.interop.deepspeed.import_ as di
 
     real, held, alive_at_load = di.load_pt, [], []
 
@@ -262,7 +262,7 @@ def test_truncated_file(tmp_path: Path) -> None:
 
 
 def test_sizes_that_do_not_add_up(tmp_path: Path) -> None:
-    from shardckpt.interop.deepspeed_files import load_pt
+    from shardckpt.interop.deepspeed.files import load_pt
     from shardckpt.storage import Storage
 
     src = copy("zero2-fp32-2", tmp_path)

@@ -136,7 +136,7 @@ def _hf_folder(path: Path) -> str:
 def test_an_import_as_a_job_of_one_writes_what_the_import_alone_does(tmp_path: Path) -> None:
     """The job's path of :func:`write_import` (agreement, rank 0's lease and commit) in one
     process without a process group: the same files and manifest as the import alone."""
-    from shardckpt.interop.hf_import import import_hf
+    from shardckpt.interop.hf.import_ import import_hf
     from shardckpt.tools.jobs import run_import
     from testing.torchrun import contents
 

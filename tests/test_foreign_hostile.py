@@ -181,7 +181,7 @@ def ds_copy(tmp_path: Path, name: str = "zero2-fp32-2") -> Path:
 def rewrite_rank0(src: Path, change: Callable[[dict[str, Any]], None]) -> None:
     """Load rank 0's optimizer file, ``change`` its ``optimizer_state_dict`` and save it back
     (without the DeepSpeed objects the import does not use, which plain torch cannot reload)."""
-    from shardckpt.interop.deepspeed_files import load_pt
+    from shardckpt.interop.deepspeed.files import load_pt
     from shardckpt.storage import Storage
 
     sd = load_pt(Storage(str(src)), RANK0)
@@ -193,7 +193,7 @@ def rewrite_rank0(src: Path, change: Callable[[dict[str, Any]], None]) -> None:
 
 
 def refused(src: Path, dst: Path, *needles: str) -> str:
-    from shardckpt.interop.deepspeed_import import import_deepspeed
+    from shardckpt.interop.deepspeed.import_ import import_deepspeed
 
     with pytest.raises(IntegrityError) as e:
         import_deepspeed(str(src), str(dst), 2)

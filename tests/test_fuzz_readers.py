@@ -81,7 +81,7 @@ def raw_text(case: Any) -> bytes:
 @pytest.fixture(scope="module")
 def dcp_import(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The stock DCP checkpoint imported (a 1.2 manifest with a chunked section)."""
-    from shardckpt.interop.dcp_import import import_dcp
+    from shardckpt.interop.dcp.import_ import import_dcp
 
     dst = tmp_path_factory.mktemp("fuzz-dcp") / "imported"
     import_dcp(str(source), str(dst))
@@ -175,7 +175,7 @@ def test_safetensors_header_bytes(tiny: Path) -> None:
 
 def test_hf_source_header(tiny: Path, tmp_path: Path) -> None:
     """The Hugging Face source's header read (length from storage, then the JSON)."""
-    from shardckpt.interop.hf_source import read_header
+    from shardckpt.interop.hf.source import read_header
     from shardckpt.storage import Storage
 
     path = shard_file(tiny)
@@ -250,7 +250,7 @@ def _hashable(k: Any) -> Any:
 
 def dcp_doc(v: Any) -> Any:
     """DCP metadata records as a document :func:`testing.fuzz.mutate` walks."""
-    from shardckpt.interop import dcp_records
+    from shardckpt.interop.dcp import records as dcp_records
 
     names = {cls: key for key, cls in dcp_records.RECORDS.items() if isinstance(cls, type)}
     if isinstance(v, dcp_records.Record):
@@ -327,7 +327,7 @@ def dcp_copy(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_dcp_metadata_structure(dcp_copy: Path) -> None:
-    from shardckpt.interop.dcp_import import read_dcp, read_dcp_metadata
+    from shardckpt.interop.dcp.import_ import read_dcp, read_dcp_metadata
     from shardckpt.storage import Storage
 
     storage = Storage(str(dcp_copy))
@@ -351,7 +351,7 @@ def test_dcp_metadata_structure(dcp_copy: Path) -> None:
 @pytest.mark.parametrize("records", [True, False], ids=["records", "torch"])
 def test_dcp_metadata_bytes(dcp_copy: Path, records: bool) -> None:
     """Damaged ``.metadata`` bytes: through the allow-listing unpickler, one ShardckptError."""
-    from shardckpt.interop.dcp_import import read_dcp, read_dcp_metadata
+    from shardckpt.interop.dcp.import_ import read_dcp, read_dcp_metadata
     from shardckpt.storage import Storage
 
     storage = Storage(str(dcp_copy))
@@ -437,7 +437,7 @@ def ds_files(name: str) -> list[Path]:
 
 
 def test_deepspeed_bytes(tmp_path: Path) -> None:
-    from shardckpt.interop.deepspeed_files import load_pt
+    from shardckpt.interop.deepspeed.files import load_pt
     from shardckpt.storage import Storage
 
     storage = Storage(str(tmp_path))
@@ -456,8 +456,8 @@ def test_deepspeed_bytes(tmp_path: Path) -> None:
 def test_deepspeed_structure(tmp_path: Path) -> None:
     """Mutated DeepSpeed states (one file of a checkpoint at a time), saved with ``torch.save``
     and read by the importer's reader, which stages their numbers."""
-    from shardckpt.interop.deepspeed_files import Staged
-    from shardckpt.interop.deepspeed_import import read_deepspeed
+    from shardckpt.interop.deepspeed.files import Staged
+    from shardckpt.interop.deepspeed.import_ import read_deepspeed
 
     staging = tmp_path / "staged"
     staging.mkdir()
@@ -568,7 +568,7 @@ def test_commands_on_fuzzed_manifests(base: str, tiny: Path, dcp_import: Path,
 
 
 def test_import_dcp_fuzzed(source: Path, tmp_path: Path) -> None:
-    from shardckpt.interop.dcp_import import read_dcp_metadata
+    from shardckpt.interop.dcp.import_ import read_dcp_metadata
     from shardckpt.storage import Storage
 
     original = (source / ".metadata").read_bytes()

@@ -161,7 +161,7 @@ def test_a_run_resumes_from_an_offline_import(tmp_path: Path, one_thread: None) 
     """``import hf`` into ``<run>/step-00000000``: ``Checkpointer.resume()`` starts from it, and
     the optimizer built afterwards starts fresh."""
     from shardckpt.training.checkpointer import Checkpointer
-    from shardckpt.interop.hf_import import import_hf
+    from shardckpt.interop.hf.import_ import import_hf
 
     path = save_tiny(tmp_path / "m", tied=False, dtype="bfloat16")
     import_hf(str(path), str(tmp_path / "run" / "step-00000000"), ranks=3)
@@ -186,7 +186,7 @@ def test_a_run_with_its_optimizer_built_first_resumes_from_an_import(tmp_path: P
     """The usual loop builds engine, optimizer and Checkpointer, then resumes: a weights-only
     checkpoint loads the weights and the optimizer state starts fresh, moments zero, step 0."""
     from shardckpt.training.checkpointer import Checkpointer
-    from shardckpt.interop.hf_import import import_hf
+    from shardckpt.interop.hf.import_ import import_hf
 
     path = save_tiny(tmp_path / "m", tied=True)
     import_hf(str(path), str(tmp_path / "run" / "step-00000000"), ranks=2)

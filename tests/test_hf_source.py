@@ -18,8 +18,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityError, ManifestError
-from shardckpt.interop.hf_import import fetch, import_hf, import_layout, match_tensors, plan_shard_reads
-from shardckpt.interop.hf_source import open_hf
+from shardckpt.interop.hf.import_ import fetch, import_hf, import_layout, match_tensors, plan_shard_reads
+from shardckpt.interop.hf.source import open_hf
 from shardckpt.format.layout import Mesh, ParamInfo, build_layout
 from testing.cli import cli_process
 
@@ -310,7 +310,7 @@ def test_cli_import_hf(tmp_path: Path) -> None:
 
 def test_import_does_not_import_torch(tmp_path: Path) -> None:
     folder = write_folder(tmp_path / "m", tensors())
-    code = ("import sys; from shardckpt.interop.hf_import import import_hf; "
+    code = ("import sys; from shardckpt.interop.hf.import_ import import_hf; "
             f"import_hf({str(folder)!r}, {str(tmp_path / 'ck')!r}, 2); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

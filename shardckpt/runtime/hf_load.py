@@ -9,7 +9,7 @@ Typical use, on every rank::
     opt = ShardedAdamW(engine, ...)
 
 Every rank opens the index and the file headers (small), matches the file's names to the model's
-FQNs, plans the element ranges of its own flat shards (:func:`shardckpt.interop.hf_import.plan_shard_reads`) and
+FQNs, plans the element ranges of its own flat shards (:func:`shardckpt.interop.hf.import_.plan_shard_reads`) and
 reads exactly those byte ranges, cast from the file's dtype to the masters' dtype as they arrive.
 No rank holds a whole tensor it does not own, let alone the model: memory is the rank's shards plus
 a few read buffers, whatever the stage, world size or HSDP mesh (replicas read the same ranges).
@@ -27,8 +27,8 @@ import torch
 
 from shardckpt.checkpoint.collective import agree
 from shardckpt.errors import IncompatibleLayoutError
-from shardckpt.interop.hf_import import NameMap, as_bytes, fetch, match_tensors, plan_shard_reads
-from shardckpt.interop.hf_source import HFSource, open_hf
+from shardckpt.interop.hf.import_ import NameMap, as_bytes, fetch, match_tensors, plan_shard_reads
+from shardckpt.interop.hf.source import HFSource, open_hf
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.checkpoint.pieces import cast_bytes
 from shardckpt.runtime.precision import dtype_name

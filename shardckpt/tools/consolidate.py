@@ -10,7 +10,7 @@ Output in ``DST`` (component ``model`` by default):
   **written last, it commits DST**; a failed or killed run leaves no new index.
 * ``config.json`` when the manifest carries ``extras["hf_config"]``, with ``torch_dtype`` and
   ``dtype`` set to the output dtype; tokenizer and generation files copied from a model folder
-  on request (:mod:`shardckpt.interop.hf_files`).
+  on request (:mod:`shardckpt.interop.hf.files`).
 * ``--optimizer``: ``optimizer-0000i-of-0000K.safetensors`` with ``"<fqn>.<kind>"`` in fp32, and
   ``optimizer.safetensors.index.json`` whose metadata adds the optimizer name and param groups
   (``params``, ``hparams``, ``step``).
@@ -54,7 +54,7 @@ from shardckpt.checkpoint.pieces import PieceReader, cast_bytes
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
-from shardckpt.interop.hf_files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy
+from shardckpt.interop.hf.files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy
 from shardckpt.storage import DEFAULT_BUFFER, Storage
 from shardckpt.tools.consolidate_plan import (
     DEFAULT_MAX_SHARD_SIZE, ConsolidationPlan, OutFile, plan_consolidation,

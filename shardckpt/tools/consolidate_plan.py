@@ -14,7 +14,7 @@ from shardckpt.format.dtypes import DTYPES, FLOATS, itemsize, output_dtype
 from shardckpt.format.layout import prod
 from shardckpt.format.manifest import Manifest, TensorSlot
 from shardckpt.format.safetensors_header import build_header
-from shardckpt.interop.hf_files import hf_config
+from shardckpt.interop.hf.files import hf_config
 
 
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000

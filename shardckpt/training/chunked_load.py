@@ -1,8 +1,8 @@
 """Load into ``ZeroEngine`` a checkpoint of chunked tensors, without a conversion step.
 
-FSDP2 saved it through :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or
+FSDP2 saved it through :class:`shardckpt.interop.dcp.storage.ShardckptWriter`, or
 ``shardckpt import dcp`` kept DCP's chunks; each rank reads only the elements of its own shard of
-every flat group from the chunks that hold them (:mod:`shardckpt.interop.dcp_to_flat` says which
+every flat group from the chunks that hold them (:mod:`shardckpt.interop.dcp.to_flat` says which
 tensor is what).
 """
 
@@ -15,7 +15,7 @@ from shardckpt.checkpoint.collective import agree, rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import Manifest
-from shardckpt.interop.dcp_to_flat import as_tensor, flat_producer, read_model
+from shardckpt.interop.dcp.to_flat import as_tensor, flat_producer, read_model
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.training.optim_info import load_optimizer_info
 
@@ -32,7 +32,7 @@ def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None
                  weights_only: bool = False, buffer_bytes: int = DEFAULT_BATCH,
                  group: Any = None) -> Manifest:
     """Load a checkpoint of chunked tensors (FSDP2 saved it through
-    :class:`shardckpt.interop.dcp_storage.ShardckptWriter`, or ``import dcp`` kept DCP's chunks) into
+    :class:`shardckpt.interop.dcp.storage.ShardckptWriter`, or ``import dcp`` kept DCP's chunks) into
     ``ZeroEngine`` ``model`` at any world size, without a conversion step: each rank reads the
     elements of its own shard of every flat group (masters, Adam moments; the model's frozen
     parameters from the tensors of their names) from the chunks that hold them, then buffers and

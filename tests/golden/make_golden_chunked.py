@@ -1,5 +1,5 @@
 """Write the golden checkpoint of chunked tensors (format 1.2) in ``tests/golden/v1_2_chunked/``:
-``torch.distributed.checkpoint.save`` from 2 gloo ranks through :class:`shardckpt.interop.dcp_storage.ShardckptWriter`
+``torch.distributed.checkpoint.save`` from 2 gloo ranks through :class:`shardckpt.interop.dcp.storage.ShardckptWriter`
 (run once; commit the files as-is; it refuses to overwrite them).
 
     python tests/golden/make_golden_chunked.py [DST]
@@ -45,7 +45,7 @@ def golden_state(world: int | None = None) -> dict[str, Any]:
 def _save(rank: int, world: int, dst: str) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from shardckpt.interop.dcp_storage import ShardckptWriter
+    from shardckpt.interop.dcp.storage import ShardckptWriter
 
     dcp.save(golden_state(world), storage_writer=ShardckptWriter(dst, chunk_size=CHUNK,
                                                                  extras={"step": 3}))

@@ -1,6 +1,6 @@
 """Hugging Face weights into flat groups: matched names, planned ranged reads, import.
 
-From a source opened with :func:`shardckpt.interop.hf_source.open_hf`, a target layout, a shard
+From a source opened with :func:`shardckpt.interop.hf.source.open_hf`, a target layout, a shard
 rank and a match of names, :func:`plan_shard_reads` says which element range of which source
 tensor lands at which offset of which flat group: exactly the rank's share, every byte of it
 once. :func:`fetch` reads those ranges with at most ``buffer_bytes`` per request and a few
@@ -29,7 +29,7 @@ from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityErro
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
-from shardckpt.interop.hf_source import HFSource, HFTensor, open_hf
+from shardckpt.interop.hf.source import HFSource, HFTensor, open_hf
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.importing import ImportJob, compile_units, unit_of, write_import
 from shardckpt.storage import Storage

@@ -3,7 +3,7 @@
 A DCP checkpoint of a model and its Adam-family optimizer (or SGD with momentum), in the layout
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives (``{"model": ..., "optim": ...}``
 or torchtitan's ``{<model keys>, "optimizer", "lr_scheduler", "dataloader", "train_state"}``), is
-first imported with its chunks (:func:`shardckpt.interop.dcp_import.import_dcp`, every check of that
+first imported with its chunks (:func:`shardckpt.interop.dcp.import_.import_dcp`, every check of that
 import) into a local staging folder, then streamed from there into flat groups for ``N`` ranks:
 fp32 masters, ``exp_avg``, ``exp_avg_sq`` (SGD: ``momentum_buffer``, when the optimizer state
 holds no ``exp_avg``), the step and the hyper-parameters of each param group.
@@ -366,7 +366,7 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
     the patterns of :func:`read_model`). Refuses a ``dst`` that
     holds a checkpoint; on any error nothing is committed. The source is staged, with its chunks,
     below ``tmp_dir`` (default: the system's temporary folder; about the source's size)."""
-    from shardckpt.interop.dcp_import import import_dcp
+    from shardckpt.interop.dcp.import_ import import_dcp
     from shardckpt.interop.importing import write_import
 
     out = as_storage(dst, dst_storage_options)

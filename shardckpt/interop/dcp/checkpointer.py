@@ -1,12 +1,12 @@
 """``latest``, retention and resume for a plain FSDP2 training loop that saves through DCP.
 
-:class:`DcpCheckpointer` saves each step with :class:`shardckpt.interop.dcp_storage.ShardckptWriter`
+:class:`DcpCheckpointer` saves each step with :class:`shardckpt.interop.dcp.storage.ShardckptWriter`
 into a run directory (:class:`shardckpt.checkpoint.run_dir.CheckpointManager`) and loads the newest
-good checkpoint with :class:`~shardckpt.interop.dcp_storage.ShardckptReader`.
+good checkpoint with :class:`~shardckpt.interop.dcp.storage.ShardckptReader`.
 
 Values that are not tensors load only if ``torch.load(weights_only=True)`` loads them: the reader
 checks each one and the load planner
-(:class:`~shardckpt.interop.dcp_storage.WeightsOnlyLoadPlanner`) decodes them with
+(:class:`~shardckpt.interop.dcp.storage.WeightsOnlyLoadPlanner`) decodes them with
 ``weights_only=True``. ``allow_pickle=True`` turns both off, for runs whose every
 checkpoint comes from a writer you trust: loading then runs whatever code a value names.
 """
@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from shardckpt.errors import ShardckptError, UnsafePickleError
-from shardckpt.interop.dcp_storage import ShardckptReader, ShardckptWriter, WeightsOnlyLoadPlanner
+from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter, WeightsOnlyLoadPlanner
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ def check_sources(src: Storage, names: list[str]) -> None:
     """Refuse, before anything is written, a file of ``names`` that is a symbolic link leading
     out of ``src`` (:func:`~shardckpt.interop.foreign.source_root`), or a ``config.json`` that is
     not strict JSON: one error naming the file."""
-    from shardckpt.interop.hf_source import read_config
+    from shardckpt.interop.hf.source import read_config
 
     root = source_root(src)
     for name in names:

@@ -1,6 +1,6 @@
 """A flat-group (``ZeroEngine``) checkpoint as DCP sees it: per-parameter tensors and values.
 
-:class:`shardckpt.interop.dcp_storage.ShardckptReader` uses this view for a checkpoint without chunked tensors,
+:class:`shardckpt.interop.dcp.storage.ShardckptReader` uses this view for a checkpoint without chunked tensors,
 so that ``dcp.load`` + ``set_state_dict`` load a ``ZeroEngine`` checkpoint into an FSDP2 model and
 optimizer at any world size, without a conversion step. The state dict it presents is the one
 ``get_state_dict(model, optimizer)`` gives, under ``{model_key: ..., optim_key: ...}``:

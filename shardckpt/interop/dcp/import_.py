@@ -9,16 +9,16 @@ DCP's planner serialized.
 How it is read (docs/FORMAT.md, "Foreign formats"): the metadata only through
 :class:`MetadataUnpickler`, whose ``find_class`` admits DCP's metadata classes, ``torch.Size``,
 dtypes and plain containers and refuses every other global by name (decoded as plain records,
-:mod:`shardckpt.interop.dcp_records`, so neither torch nor DCP is imported); a tensor payload, one
+:mod:`shardckpt.interop.dcp.records`, so neither torch nor DCP is imported); a tensor payload, one
 chunk at a time, as the bytes of its storage where it is a plain contiguous tensor of the stated
-dtype and shape (:mod:`shardckpt.interop.dcp_payload`, an allow-listing unpickler), else through
+dtype and shape (:mod:`shardckpt.interop.dcp.payload`, an allow-listing unpickler), else through
 ``torch.load(weights_only=True)`` on its byte range; non-tensor values are copied as opaque
 blobs, never deserialized. Everything the metadata says is checked before a byte
 is written (files present, ranges inside them, the chunks of every tensor tiling it); a payload
 that does not decode to the tensor the metadata describes stops the import with nothing committed.
 
 The output keeps DCP's chunks (format 1.2 chunked tensors): one ``chunks`` file per source file,
-loadable through :class:`shardckpt.interop.dcp_storage.ShardckptReader` and read by every offline tool.
+loadable through :class:`shardckpt.interop.dcp.storage.ShardckptReader` and read by every offline tool.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage
-from shardckpt.interop import dcp_records
-from shardckpt.interop.dcp_payload import distinct_elements, plain_bytes, stored_only
+from shardckpt.interop.dcp import records as dcp_records
+from shardckpt.interop.dcp.payload import distinct_elements, plain_bytes, stored_only
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.format.chunked import (
@@ -142,7 +142,7 @@ class DcpSource:
 
 def read_dcp_metadata(storage: Storage, records: bool = False) -> Any:
     """The ``Metadata`` in ``storage``'s ``.metadata``, through :class:`MetadataUnpickler`: DCP's
-    own classes, or with ``records`` the same fields as :mod:`shardckpt.interop.dcp_records`."""
+    own classes, or with ``records`` the same fields as :mod:`shardckpt.interop.dcp.records`."""
     if records:
         Metadata = dcp_records.Metadata
     else:
@@ -309,7 +309,7 @@ def load_chunk(storage: Storage, it: _Item, dtype: str, data: bytes | None = Non
 
 def chunk_bytes(storage: Storage, it: _Item, dtype: str) -> Any:
     """The tensor chunk ``it`` as row-major bytes: a view of its payload where that is a plain
-    contiguous tensor of the metadata's dtype and shape (:mod:`shardckpt.interop.dcp_payload`,
+    contiguous tensor of the metadata's dtype and shape (:mod:`shardckpt.interop.dcp.payload`,
     without torch), else decoded by :func:`load_chunk`."""
     data = _read_item(storage, it)
     view = plain_bytes(data, dtype, it.sizes)
@@ -353,7 +353,7 @@ def import_dcp(src: "str | Storage", dst: "str | Storage",
                dst_storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """Write the DCP checkpoint ``src`` as a chunked shardckpt checkpoint at ``dst``.
 
-    Keeps DCP's chunks and keys (``dcp.load`` through :class:`shardckpt.interop.dcp_storage.ShardckptReader`
+    Keeps DCP's chunks and keys (``dcp.load`` through :class:`shardckpt.interop.dcp.storage.ShardckptReader`
     gives back what ``dcp.load`` of the source gives). Memory: one source chunk at a time. Refuses
     a ``dst`` that holds a checkpoint; on any error nothing is committed.
     """

@@ -9,7 +9,7 @@ one error naming the class and the file; a truncated or damaged file is one erro
 file. Torch is imported lazily, inside the functions.
 
 :func:`segments_12` and :func:`segments_3` (no I/O) map every parameter's elements to positions in
-the ranks' saved partitions, for ZeRO-1/2 and ZeRO-3 (see :mod:`shardckpt.interop.deepspeed_import`), and
+the ranks' saved partitions, for ZeRO-1/2 and ZeRO-3 (see :mod:`shardckpt.interop.deepspeed.import_`), and
 check that the partitions add up to the parameters.
 """
 

@@ -3,10 +3,10 @@
 Reads what ``engine.save_checkpoint(dir)`` writes: ``latest``, ``<tag>/mp_rank_00_model_states.pt``
 (``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` for ZeRO-3) and
 ``<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, through the allow-listed loader of
-:mod:`shardckpt.interop.deepspeed_files`. Torch is needed (imported lazily) to read them; DeepSpeed is not.
+:mod:`shardckpt.interop.deepspeed.files`. Torch is needed (imported lazily) to read them; DeepSpeed is not.
 
-How DeepSpeed lays its fp32 state out (what :func:`~shardckpt.interop.deepspeed_files.segments_12` and
-:func:`~shardckpt.interop.deepspeed_files.segments_3` undo):
+How DeepSpeed lays its fp32 state out (what :func:`~shardckpt.interop.deepspeed.files.segments_12` and
+:func:`~shardckpt.interop.deepspeed.files.segments_3` undo):
 
 * ZeRO-1/2: per param group, the trained parameters (``param_shapes[j]`` order, with
   ``param_alignment_paddings`` after each) are flattened, padded to a multiple of 2 x world, and
@@ -20,7 +20,7 @@ How DeepSpeed lays its fp32 state out (what :func:`~shardckpt.interop.deepspeed_
   rank's ``frozen_param_fragments``.
 
 Memory: one DeepSpeed rank file at a time is loaded, checked before its values are read so
-that it holds no more than its tensors' own bytes (:func:`~shardckpt.interop.deepspeed_files.load_pt`);
+that it holds no more than its tensors' own bytes (:func:`~shardckpt.interop.deepspeed.files.load_pt`);
 its partitions are staged as raw fp32 in a local temporary folder, and each target shard is then
 streamed from there in pieces of at most ``buffer_bytes``. What is staged and held is bounded by
 twice the source files' bytes (bf16 widened to fp32): a tensor used under many names is refused.
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from shardckpt.checkpoint.reader import as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec
-from shardckpt.interop.deepspeed_files import (
+from shardckpt.interop.deepspeed.files import (
     MODEL_FILE, Segment, Staged, check_world, find_files, load_pt, segments_12, segments_3,
     shape_of,
 )

@@ -1,0 +1,7 @@
+"""DeepSpeed: ZeRO-1/2/3 checkpoints that ``engine.save_checkpoint`` wrote, in.
+
+- :mod:`.files` — finding and loading its files (allow-listed ``torch.load``), staging, and the
+  segments that undo its flat partitions.
+- :mod:`.import_` — the import: weights, Adam state, buffers, tied weights.
+- :mod:`.importer` — the ``deepspeed`` importer (:mod:`shardckpt.interop.importer`).
+"""
