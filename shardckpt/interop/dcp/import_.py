@@ -44,6 +44,7 @@ from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.storage.links import check_inside
+from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
 
 log = logging.getLogger(__name__)
 
@@ -355,10 +356,33 @@ def import_dcp(src: "str | Storage", dst: "str | Storage",
 
     Keeps DCP's chunks and keys (``dcp.load`` through :class:`shardckpt.interop.dcp.storage.ShardckptReader`
     gives back what ``dcp.load`` of the source gives). Memory: one source chunk at a time. Refuses
-    a ``dst`` that holds a checkpoint; on any error nothing is committed.
+    a ``dst`` that holds a checkpoint; on any error nothing is committed. The ``dcp`` importer
+    (:mod:`shardckpt.interop.dcp.importer`) without ``ranks``.
     """
-    store = as_storage(src, storage_options)
-    out = as_storage(dst, dst_storage_options)
+    from shardckpt.interop.dcp.importer import DCP, DcpConfig
+
+    options = ImportOptions(src, dst, storage_options=storage_options,
+                            dst_storage_options=dst_storage_options, config=DcpConfig())
+    return run_importer(DCP, options)
+
+
+@dataclass
+class _Chunks:
+    """What :func:`write_chunks` reads of a plan: the source, the save id the output files are
+    named by, their slots, the source item of each slot."""
+
+    store: Storage
+    save_id: str
+    files: list[list[TensorSlot]]
+    by_name: dict[str, _Item]
+    section: ChunkedSection
+
+
+def plan_chunks(options: ImportOptions) -> ImportPlan:
+    """The plan of :func:`import_dcp`: the destination checked, the source's metadata read and
+    checked against its files, one ``chunks`` file per source file under a new save id."""
+    store = as_storage(options.src, options.storage_options)
+    out = as_storage(options.dst, options.dst_storage_options)
     if out.exists(MANIFEST_NAME):
         raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
     source = read_dcp(store)
@@ -368,7 +392,17 @@ def import_dcp(src: "str | Storage", dst: "str | Storage",
                           extras={"source": store.url, "dcp": {"version": source.version,
                                                                 "files": sorted(source.items)}},
                           chunked=section)
-    writer = CheckpointWriter(out, spec, save_id)
+    return ImportPlan(options, out, spec, "import dcp",
+                      state=_Chunks(store, save_id, files, by_name, section))
+
+
+def write_chunks(plan: ImportPlan) -> Manifest:
+    """Write a plan of :func:`plan_chunks` (one process) and commit; on any error nothing is
+    committed and the attempt's files are removed."""
+    chunks, out, spec = plan.state, plan.out, plan.spec
+    assert isinstance(chunks, _Chunks) and spec.chunked is not None
+    store, files, by_name, section = chunks.store, chunks.files, chunks.by_name, chunks.section
+    writer = CheckpointWriter(out, spec, chunks.save_id)
     out.ensure_free_space("", sum(s[-1].end for s in files if s), "import dcp")
 
     def producer(i: int) -> Any:

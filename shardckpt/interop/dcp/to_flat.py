@@ -31,6 +31,7 @@ import math
 import re
 import tempfile
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
@@ -41,9 +42,9 @@ from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
 from shardckpt.checkpoint.chunked_read import iter_elements, read_blob
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.importing import (
-    ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of,
-)
+from shardckpt.interop.dcp.importer import DcpConfig
+from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
+from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import (
@@ -52,7 +53,7 @@ from shardckpt.format.manifest import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["import_dcp_flat", "read_model", "flat_producer", "as_tensor"]
+__all__ = ["import_dcp_flat", "plan_flat", "read_model", "flat_producer", "as_tensor"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: SGD (with momentum): its per-element state and the hyper-parameters an import keeps.
@@ -365,22 +366,39 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
     ``dst`` (masters, Adam moments, step, hyper-parameters, frozen parameters, buffers; ``frozen``:
     the patterns of :func:`read_model`). Refuses a ``dst`` that
     holds a checkpoint; on any error nothing is committed. The source is staged, with its chunks,
-    below ``tmp_dir`` (default: the system's temporary folder; about the source's size)."""
-    from shardckpt.interop.dcp.import_ import import_dcp
-    from shardckpt.interop.importing import write_import
+    below ``tmp_dir`` (default: the system's temporary folder; about the source's size). The
+    ``dcp`` importer (:mod:`shardckpt.interop.dcp.importer`) with ``ranks``."""
+    from shardckpt.interop.dcp.importer import DCP, DcpConfig
 
-    out = as_storage(dst, dst_storage_options)
+    options = ImportOptions(src, dst, ranks, replicate, None if units is None else tuple(units),
+                            buffer_bytes, storage_options, dst_storage_options,
+                            DcpConfig(model_key, optim_key, tuple(frozen), tmp_dir))
+    return run_importer(DCP, options, job)
+
+
+def plan_flat(options: ImportOptions) -> ImportPlan:
+    """The plan of :func:`import_dcp_flat`: the destination checked, the source imported with
+    its chunks into a staging folder below ``config.tmp_dir`` (the plan holds it until it is
+    closed) and read as a model (:func:`read_model`), the target spec; shard ``s`` and the
+    buffers stream from the staged chunks. ``state`` is the :class:`DcpModel`."""
+    from shardckpt.interop.dcp.import_ import import_dcp
+
+    cfg, src, buffer_bytes = options.config, options.src, options.buffer_bytes
+    assert isinstance(cfg, DcpConfig) and options.ranks is not None
+    out = as_storage(options.dst, options.dst_storage_options)
     if out.exists(MANIFEST_NAME):
         raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
-    mesh = Mesh.for_world(ranks, replicate)
-    with tempfile.TemporaryDirectory(prefix="shardckpt-dcp-", dir=tmp_dir) as folder:
-        import_dcp(src, f"{folder}/staged", storage_options)
+    mesh = Mesh.for_world(options.ranks, options.replicate)
+    with ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardckpt-dcp-",
+                                                                 dir=cfg.tmp_dir))
+        import_dcp(src, f"{folder}/staged", options.storage_options)
         reader = CheckpointReader(f"{folder}/staged")
         try:
-            model = read_model(reader, model_key, optim_key, frozen)
+            model = read_model(reader, cfg.model_key, cfg.optim_key, cfg.frozen)
         except (ConfigError, IntegrityError) as e:  # name the source, not the staging folder
             raise type(e)(str(e).replace(reader.url, str(src))) from None
-        pats = compile_units(units or BLOCK_UNITS)
+        pats = compile_units(options.units or BLOCK_UNITS)
         layout = build_layout([
             ParamInfo(f, t.shape, "float32" if f in model.params else t.dtype,
                       f in model.params, unit_of(f, pats))
@@ -394,10 +412,7 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
         spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
                               model.optimizer, extras,
                               {"world_size": mesh.world_size, "dropped_from_world_size": None})
-        # under torchrun (``job``) each process writes its share of the files
-        m = write_import(out, spec, "import dcp",
-                         lambda s: flat_producer(reader, model, layout, s, buffer_bytes),
-                         _buffers(reader, model), job)
-    log.info("imported %s -> %s (%d parameters, %d frozen, %d ranks)", src, out.url,
-             len(model.params), len(model.frozen), ranks)
-    return m
+        plan = ImportPlan(options, out, spec, "import dcp",
+                          lambda s: flat_producer(reader, model, layout, s, buffer_bytes),
+                          _buffers(reader, model), model, stack.pop_all())
+    return plan

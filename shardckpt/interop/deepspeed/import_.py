@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -47,9 +47,9 @@ from shardckpt.interop.deepspeed.files import (
 from shardckpt.interop.foreign import check_link, escaped, shown, source_root
 from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.importing import (
-    ADAM_HPARAMS, BLOCK_UNITS, ImportJob, compile_units, unit_of, write_import,
-)
+from shardckpt.interop.deepspeed.importer import DEEPSPEED, DeepSpeedConfig
+from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
+from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, ImportJob, compile_units, unit_of
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
 from shardckpt.storage import NotFoundError, Storage
@@ -357,19 +357,41 @@ def _producer(source: DeepSpeedSource, layout: Layout, shard: int,
     return produce
 
 
-def _write(source: DeepSpeedSource, out: Storage, mesh: Mesh, units: Sequence[str] | None,
-           buffer_bytes: int, job: "ImportJob | None") -> Manifest:
-    """Stream the target shards and buffers from the staged source; manifest last."""
+def _spec(source: DeepSpeedSource, mesh: Mesh, units: Sequence[str] | None
+          ) -> tuple[Layout, CheckpointSpec]:
+    """The target layout and checkpoint spec of a staged source."""
     layout = import_layout(source, mesh, units)
     states = {g.name: (("master", "float32"),) + ((("exp_avg", "float32"),
               ("exp_avg_sq", "float32")) if g.requires_grad else ()) for g in layout.groups}
     bufs = tuple(BufferSpec(k, tuple(v.shape), str(v.dtype)) for k, v in source.buffers.items())
     comp = Component("model", layout, states, source.aliases, bufs)
-    spec = CheckpointSpec(mesh, {"model": comp}, source.optimizer, source.extras,
-                          {"world_size": mesh.world_size, "dropped_from_world_size": None})
-    return write_import(out, spec, "import deepspeed",
-                        lambda s: _producer(source, layout, s, buffer_bytes),
-                        lambda slot: [source.buffers[slot.name].tobytes()], job)
+    return layout, CheckpointSpec(mesh, {"model": comp}, source.optimizer, source.extras,
+                                  {"world_size": mesh.world_size, "dropped_from_world_size": None})
+
+
+def plan_deepspeed(options: ImportOptions) -> ImportPlan:
+    """The plan of :func:`import_deepspeed`: the destination checked, the source read one file
+    at a time and staged below ``config.tmp_dir`` (the plan holds the staging folder until it is
+    closed), the target spec; shard ``s`` and the buffers stream from the staged source."""
+    cfg = options.config
+    assert isinstance(cfg, DeepSpeedConfig) and options.ranks is not None
+    out = as_storage(options.dst, options.dst_storage_options)
+    if out.exists(MANIFEST_NAME):
+        raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
+    mesh = Mesh.for_world(options.ranks, options.replicate)
+    buffer_bytes = options.buffer_bytes
+    with ExitStack() as stack:
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardckpt-ds-",
+                                                                 dir=cfg.tmp_dir))
+        staged = Staged(folder)
+        stack.callback(staged.close)
+        source = read_deepspeed(options.src, staged, cfg.tag, options.storage_options)
+        layout, spec = _spec(source, mesh, options.units)
+        plan = ImportPlan(options, out, spec, "import deepspeed",
+                          lambda s: _producer(source, layout, s, buffer_bytes),
+                          lambda slot: [source.buffers[slot.name].tobytes()], source,
+                          stack.pop_all())
+    return plan
 
 
 def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, replicate: int = 1,
@@ -387,18 +409,9 @@ def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, rep
     the source's optimizer files), removed when done. In a ``torchrun`` job (``job``) every
     process stages the source (each target shard takes a piece of every DeepSpeed partition) and
     writes its share of the target files (:func:`shardckpt.interop.importing.write_import`).
+    The ``deepspeed`` importer (:mod:`shardckpt.interop.deepspeed.importer`) with these options.
     """
-    out = as_storage(dst, dst_storage_options)
-    if out.exists(MANIFEST_NAME):
-        raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
-    mesh = Mesh.for_world(ranks, replicate)
-    with tempfile.TemporaryDirectory(prefix="shardckpt-ds-", dir=tmp_dir) as folder:
-        staged = Staged(folder)
-        try:
-            source = read_deepspeed(src, staged, tag, storage_options)
-            m = _write(source, out, mesh, units, buffer_bytes, job)
-        finally:
-            staged.close()
-    log.info("imported %s (ZeRO-%d, %d ranks) -> %s (%d ranks)", source.url, source.stage,
-             source.world_size, out.url, ranks)
-    return m
+    options = ImportOptions(src, dst, ranks, replicate, None if units is None else tuple(units),
+                            buffer_bytes, storage_options, dst_storage_options,
+                            DeepSpeedConfig(tag, tmp_dir))
+    return run_importer(DEEPSPEED, options, job)

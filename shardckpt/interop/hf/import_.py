@@ -6,9 +6,9 @@ tensor lands at which offset of which flat group: exactly the rank's share, ever
 once. :func:`fetch` reads those ranges with at most ``buffer_bytes`` per request and a few
 requests in flight, so memory stays about the caller's own shard plus the buffers.
 
-:func:`import_hf` writes a weights-only shardckpt checkpoint (``master`` state only, fp32 for
-floating tensors) from such a folder, one shard file at a time, streaming. The source's
-``config.json`` is kept under ``extras["hf_config"]``.
+:func:`import_hf` (the ``hf`` importer, whose plan is :func:`plan_hf`) writes a weights-only
+shardckpt checkpoint (``master`` state only, fp32 for floating tensors) from such a folder, one
+shard file at a time, streaming. The source's ``config.json`` is kept under ``extras["hf_config"]``.
 
 Does not import torch.
 """
@@ -29,15 +29,14 @@ from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityErro
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
+from shardckpt.interop.hf.importer import DEFAULT_UNITS, HF, HFConfig
 from shardckpt.interop.hf.source import HFSource, HFTensor, open_hf
+from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.importing import ImportJob, compile_units, unit_of, write_import
+from shardckpt.interop.importing import ImportJob, compile_units, unit_of
 from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
-
-#: Unit pattern of Hugging Face decoder models: one unit per block, the rest in the root.
-DEFAULT_UNITS = (r"model\.layers\.\d+",)
 #: The output head Hugging Face ties to the input embedding (``tie_word_embeddings``).
 TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 
@@ -273,24 +272,35 @@ def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int,
     memory about ``workers x buffer_bytes``; ``manifest.json`` is created last, so a failed run
     leaves no checkpoint. Refuses a ``dst`` that already holds one. In a ``torchrun`` job
     (``job``) each process writes its share of the shard files, reading only their ranges
-    (:func:`shardckpt.interop.importing.write_import`).
+    (:func:`shardckpt.interop.importing.write_import`). The ``hf`` importer
+    (:mod:`shardckpt.interop.hf.importer`) with these options.
     """
-    source = src if isinstance(src, HFSource) else open_hf(src, storage_options)
-    out = as_storage(dst, dst_storage_options)
+    options = ImportOptions(src, dst, ranks, replicate, None if units is None else tuple(units),
+                            buffer_bytes, storage_options, dst_storage_options, HFConfig(workers))
+    return run_importer(HF, options, job)
+
+
+def plan_hf(options: ImportOptions) -> ImportPlan:
+    """The plan of :func:`import_hf`: the source opened (headers only), the destination checked,
+    the layout and spec; shard ``s`` streams its ranges from the source."""
+    assert isinstance(options.config, HFConfig) and options.ranks is not None
+    src, workers, buffer_bytes = options.src, options.config.workers, options.buffer_bytes
+    source = src if isinstance(src, HFSource) else open_hf(src, options.storage_options)
+    out = as_storage(options.dst, options.dst_storage_options)
     if out.exists(MANIFEST_NAME):
         raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
-    mesh = Mesh.for_world(ranks, replicate)
-    layout, aliases = import_layout(source, mesh, units)
+    mesh = Mesh.for_world(options.ranks, options.replicate)
+    layout, aliases = import_layout(source, mesh, options.units)
     states = {g.name: (("master", g.master_dtype),) for g in layout.groups}
     extras: dict[str, Any] = {"step": 0, "source": source.url}
     if source.config is not None:
         extras["hf_config"] = dict(source.config)
     spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, aliases)},
-                          extras=extras, per_rank_state={"world_size": ranks,
+                          extras=extras, per_rank_state={"world_size": options.ranks,
                                                          "dropped_from_world_size": None})
-    return write_import(out, spec, "import hf",
-                        lambda s: _shard_producer(source, layout, s, buffer_bytes, workers), None,
-                        job)
+    return ImportPlan(options, out, spec, "import hf",
+                      lambda s: _shard_producer(source, layout, s, buffer_bytes, workers),
+                      None, source)
 
 
 def _shard_producer(source: HFSource, layout: Layout, shard: int, buffer_bytes: int,

@@ -1,0 +1,126 @@
+"""The ``dcp`` importer: a directory DCP's ``FileSystemWriter`` wrote, as a checkpoint that keeps
+its chunks (:mod:`shardckpt.interop.dcp.import_`) or, with ``ranks``, as ``ZeroEngine`` flat
+groups (:mod:`shardckpt.interop.dcp.to_flat`). Light: nothing of the format's reading code is
+imported until a source is read."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from shardckpt.errors import ConfigError
+from shardckpt.interop.importer import (
+    ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
+)
+from shardckpt.interop.importing import BLOCK_UNITS
+
+if TYPE_CHECKING:
+    from shardckpt.format.manifest import Manifest
+    from shardckpt.interop.importing import ImportJob
+
+log = logging.getLogger("shardckpt.interop.dcp.to_flat")
+
+
+@dataclass(frozen=True, slots=True)
+class DcpConfig(ImporterConfig):
+    """What only an import into flat groups (``ranks`` given) reads: the state-dict keys of the
+    model (``""``: torchtitan's top-level model keys) and of the optimizer (None: ``optim`` or
+    ``optimizer``), the patterns naming frozen parameters (each matching whole FQNs), and the
+    local folder the source is staged below (None: the system's temporary folder)."""
+
+    model_key: str = field(default="model", metadata={
+        "help": "With --ranks: the state-dict key of the model ('' for torchtitan's top-level "
+                "model keys)."})
+    optim_key: str | None = field(default=None, metadata={
+        "help": "With --ranks: the key of the optimizer (default: optim or optimizer)."})
+    frozen: tuple[str, ...] = field(default=(), metadata={
+        "help": "With --ranks: regular expression matching (whole) the FQN of frozen parameters "
+                "(requires_grad=False; repeatable). A model tensor without optimizer state is a "
+                "frozen parameter when a param group lists it or it matches --frozen, else a "
+                "buffer."})
+    tmp_dir: str | None = field(default=None, metadata={
+        "help": "With --ranks: local folder for the staged source (about its size)."})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.frozen, tuple):
+            object.__setattr__(self, "frozen", tuple(self.frozen))
+        for pat in self.frozen:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise OptionError(f"{{frozen}} pattern {pat!r} is not a regular expression: {e}",
+                                  "frozen") from None
+
+    def check(self, options: ImportOptions) -> None:
+        if options.ranks is None and self.frozen:
+            raise OptionError("{frozen} needs {ranks} (chunks keep every tensor as it is)",
+                              "frozen", "ranks")
+
+
+class DcpImporter:
+    name = "dcp"
+    Config = DcpConfig
+    help = """Write a DCP checkpoint as a shardckpt checkpoint (its chunks, or flat groups for --ranks).
+
+    With --ranks, a model tensor with optimizer state (Adam's exp_avg and exp_avg_sq, or SGD's
+    momentum_buffer) is a trained parameter;
+    one without, equal to a trained parameter, is tied to it; one a param group lists, or
+    matching --frozen, is a frozen parameter (its own dtype); any other is a persistent buffer.
+    """
+    source_help = ("Folder DCP's FileSystemWriter wrote (holds .metadata and __*_*.distcp; path "
+                   "or fsspec URL).")
+    ranks_help = "Write ZeroEngine flat groups for this world size (default: keep DCP's chunks)."
+    default_units = BLOCK_UNITS
+
+    def splits(self, options: ImportOptions) -> bool:
+        # flat groups: each process writes its share of the files; chunks: one process imports
+        return options.ranks is not None
+
+    def describe_source(self, src: Any, storage_options: Mapping[str, Any] | None = None,
+                        config: ImporterConfig | None = None) -> SourceInfo:
+        from shardckpt.checkpoint.reader import as_storage
+        from shardckpt.interop.dcp.import_ import METADATA_NAME, read_dcp
+
+        storage = as_storage(src, storage_options)
+        source = read_dcp(storage)
+        files = (METADATA_NAME, *source.items)
+        values = sum(1 for its in source.items.values() for it in its if it.offsets is None)
+        return SourceInfo(self.name, storage.url, files, file_bytes(storage, files),
+                          len(source.tensors), {"values": values, "version": source.version})
+
+    def plan(self, options: ImportOptions) -> ImportPlan:
+        if options.ranks is None:
+            from shardckpt.interop.dcp.import_ import plan_chunks
+
+            return plan_chunks(options)
+        from shardckpt.interop.dcp.to_flat import plan_flat
+
+        return plan_flat(options)
+
+    def write(self, plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+        if plan.shard is None:  # DCP's chunks, kept: one process writes them
+            from shardckpt.interop.dcp.import_ import write_chunks
+
+            if job is not None:
+                raise ConfigError("import dcp keeps DCP's chunks from one process; run it "
+                                  "without a job (splits() is False)")
+            return write_chunks(plan)
+        m = write_flat(plan, job)  # under torchrun (``job``) each process writes its share
+        model = plan.state
+        log.info("imported %s -> %s (%d parameters, %d frozen, %d ranks)", plan.options.src,
+                 plan.out.url, len(model.params), len(model.frozen), plan.spec.mesh.world_size)
+        return m
+
+    def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
+                     size: Callable[[int], str]) -> str:
+        s, src, dst = summary, options.src, options.dst
+        if options.ranks is None:
+            return (f"imported {src} -> {dst}: {s['tensors']} tensors, {s['values']} other "
+                    f"values, {size(s['bytes'])}")
+        return (f"imported {src} -> {dst}: {s['params']} parameters, {s['units']} units, "
+                f"{options.ranks} ranks, {size(s['bytes'])}")
+
+
+DCP = DcpImporter()

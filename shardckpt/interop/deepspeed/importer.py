@@ -1,0 +1,85 @@
+"""The ``deepspeed`` importer: a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers)
+as flat groups (:mod:`shardckpt.interop.deepspeed.import_` reads and writes it). Light: nothing
+of the format's reading code (nor torch) is imported until a source is read."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from shardckpt.interop.importer import (
+    ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
+)
+from shardckpt.interop.importing import BLOCK_UNITS
+
+if TYPE_CHECKING:
+    from shardckpt.format.manifest import Manifest
+    from shardckpt.interop.importing import ImportJob
+
+log = logging.getLogger("shardckpt.interop.deepspeed.import_")
+
+
+@dataclass(frozen=True, slots=True)
+class DeepSpeedConfig(ImporterConfig):
+    """``tag``: the tag folder to import (None: the one ``latest`` names). ``tmp_dir``: the local
+    folder the source's fp32 state is staged below (None: the system's temporary folder)."""
+
+    tag: str | None = field(default=None, metadata={
+        "help": "Tag folder to import (default: the one 'latest' names)."})
+    tmp_dir: str | None = field(default=None, metadata={
+        "help": "Local folder for the staged fp32 state (about the size of the optimizer files)."})
+
+    def check(self, options: ImportOptions) -> None:
+        if options.ranks is None:
+            raise OptionError("import deepspeed needs {ranks}: the world size the checkpoint is "
+                              "laid out for", "ranks")
+
+
+class DeepSpeedImporter:
+    name = "deepspeed"
+    Config = DeepSpeedConfig
+    help = "Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."
+    source_help = ("Folder DeepSpeed's engine.save_checkpoint wrote (holds 'latest' and the tag "
+                   "folders; path or fsspec URL).")
+    ranks_help = None
+    default_units = BLOCK_UNITS
+
+    def splits(self, options: ImportOptions) -> bool:
+        # every process stages the source (each target shard takes a piece of every DeepSpeed
+        # partition) and writes its share of the target files
+        return True
+
+    def describe_source(self, src: Any, storage_options: Mapping[str, Any] | None = None,
+                        config: ImporterConfig | None = None) -> SourceInfo:
+        from shardckpt.checkpoint.reader import as_storage
+        from shardckpt.interop.deepspeed.files import find_files
+
+        tag = config.tag if isinstance(config, DeepSpeedConfig) else None
+        storage = as_storage(src, storage_options)
+        tag, optim, models = find_files(storage, tag)
+        files = tuple(models) + tuple(optim)
+        return SourceInfo(self.name, storage.url, files, file_bytes(storage, files), None,
+                          {"tag": tag, "world_size": len(optim)})
+
+    def plan(self, options: ImportOptions) -> ImportPlan:
+        from shardckpt.interop.deepspeed.import_ import plan_deepspeed
+
+        return plan_deepspeed(options)
+
+    def write(self, plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+        m = write_flat(plan, job)
+        source = plan.state
+        log.info("imported %s (ZeRO-%d, %d ranks) -> %s (%d ranks)", source.url, source.stage,
+                 source.world_size, plan.out.url, plan.spec.mesh.world_size)
+        return m
+
+    def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
+                     size: Callable[[int], str]) -> str:
+        s = summary
+        return (f"imported {options.src} (ZeRO-{s['zero_stage']}, {s['source_world_size']} "
+                f"ranks, step {s['step']}) -> {options.dst}: {s['params']} parameters, "
+                f"{options.ranks} ranks, {size(s['bytes'])}")
+
+
+DEEPSPEED = DeepSpeedImporter()
