@@ -2,11 +2,16 @@
 ``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``).
 
 Thin: parse options, call the importer or exporter, print one line or JSON of what it wrote.
-Errors become one line on stderr and a non-zero exit (``guarded``).
+Errors become one line on stderr and a non-zero exit (``guarded``). The ``import`` commands are
+one body (:func:`_run_import`) for every importer of :data:`shardckpt.interop.importer.IMPORTERS`:
+each command's arguments and help come from its importer and the fields of its config.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from typing import Any, Callable, Optional
 
 import typer
@@ -17,9 +22,14 @@ from shardckpt.cli.common import (
 )
 
 
-def _check_mesh(ranks: int, replicate: int) -> None:
-    if ranks < 1 or replicate < 1 or ranks % replicate:
-        fail(f"--ranks {ranks} must be a positive multiple of --replicate {replicate}", EXIT_USAGE)
+#: Common options of :class:`shardckpt.interop.importer.ImportOptions` -> their flags.
+_FLAGS = {"ranks": "--ranks", "replicate": "--replicate", "units": "--unit",
+          "buffer_bytes": "--buffer", "storage_options": "--storage-option"}
+
+
+def _flag(field: str) -> str:
+    """The command-line spelling of an import option (common, or of an importer's config)."""
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def _report(m: Any, dst: str, source_format: str, json_out: bool,
@@ -40,136 +50,105 @@ import_app = typer.Typer(help="Import a foreign checkpoint as a shardckpt checkp
 app.add_typer(import_app, name="import")
 
 
-@import_app.command("hf")
-@guarded
-def import_hf_command(
-    src: str = typer.Argument(..., help="Hugging Face model folder, index or .safetensors file "
-                                        "(path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Checkpoint to create (path or fsspec URL)."),
-    ranks: int = typer.Option(..., "--ranks", help="World size the checkpoint is laid out for."),
-    replicate: int = typer.Option(1, "--replicate", help="HSDP replicate degree (divides --ranks)."),
-    unit: Optional[list[str]] = typer.Option(
-        None, "--unit", help="Regular expression whose match (whole name components) is one unit "
-                             "(repeatable). Default: model\\.layers\\.\\d+ (one unit per block)."),
-    buffer: str = typer.Option("32MB", "--buffer", help="Bytes per read (bounds memory)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write SRC's weights as a weights-only checkpoint for --ranks ranks; manifest last."""
-    from shardckpt.interop.hf.import_ import import_hf
+def _config_fields(importer: Any) -> list[dataclasses.Field[Any]]:
+    """The fields of the importer's config that the command line sets (those with a help)."""
+    return [f for f in dataclasses.fields(importer.Config) if "help" in f.metadata]
+
+
+def _config_option(f: "dataclasses.Field[Any]") -> inspect.Parameter:
+    """A typer option for config field ``f``: a tuple is a repeatable option, None an optional
+    value, anything else a value with that default."""
+    default = f.default
+    if isinstance(default, tuple):
+        annotation: Any = Optional[list[str]]
+        default = None
+    elif default is None:
+        annotation = Optional[str]
+    else:
+        annotation = type(default)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, _flag(f.name), help=f.metadata["help"]))
+
+
+def _import_parameters(importer: Any) -> list[inspect.Parameter]:
+    """The arguments and options of ``shardckpt import <importer.name>``."""
+    def param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                 default=default)
+
+    needs_ranks = importer.ranks_help is None
+    ranks = (param("ranks", int, typer.Option(..., "--ranks", help="World size the checkpoint is "
+                                                                   "laid out for."))
+             if needs_ranks else
+             param("ranks", Optional[int], typer.Option(None, "--ranks", help=importer.ranks_help)))
+    unit_help = (("R" if needs_ranks else "With --ranks: r") + "egular expression whose match "
+                 "(whole name components) is one unit (repeatable). Default: "
+                 + " ".join(importer.default_units) + " (one unit per block).")
+    return [
+        param("src", str, typer.Argument(..., help=importer.source_help)),
+        param("dst", str, typer.Argument(..., help="Checkpoint to create (path or fsspec URL).")),
+        ranks,
+        param("replicate", int, typer.Option(1, "--replicate", help="HSDP replicate degree "
+                                                                     "(divides --ranks).")),
+        param("unit", Optional[list[str]], typer.Option(None, "--unit", help=unit_help)),
+        *(_config_option(f) for f in _config_fields(importer)),
+        param("buffer", str, typer.Option("32MB", "--buffer", help="Bytes per read (bounds "
+                                                                    "memory).")),
+        param("storage_option", Optional[list[str]], StorageOptionArg),
+        param("json_out", bool, typer.Option(False, "--json", help="Print a JSON summary.")),
+    ]
+
+
+def _run_import(importer: Any, args: dict[str, Any]) -> None:
+    """``shardckpt import <importer.name>``: options checked (a bad one is exit code 2), the
+    import run alone or as this process's part of a ``torchrun`` job, one line or JSON."""
+    from shardckpt.interop.importer import ImportOptions, OptionError, run_importer
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_import
 
-    _check_mesh(ranks, replicate)
-    opts = parse_storage_options(storage_option)
-    with job_from_environment() as job:  # under torchrun: this process's share of the files
-        m = run_import(import_hf, src, dst, ranks, replicate, unit, opts, opts,
-                       parse_bytes(buffer, "--buffer"), job=job)
+    opts = parse_storage_options(args["storage_option"])
+    config = {}
+    for f in _config_fields(importer):
+        value = args[f.name]
+        config[f.name] = tuple(value or ()) if isinstance(f.default, tuple) else value
+    try:
+        options = ImportOptions(args["src"], args["dst"], args["ranks"], args["replicate"],
+                                tuple(args["unit"]) if args["unit"] else None,
+                                parse_bytes(args["buffer"], "--buffer"), opts, opts,
+                                importer.Config(**config))
+    except OptionError as e:
+        fail(e.spelled(_flag), EXIT_USAGE)
+    # under torchrun: each process writes its share of the files, or rank 0 imports while the
+    # others wait (``importer.splits``)
+    with job_from_environment() as job:
+        m = run_import(functools.partial(run_importer, importer), options, job=job,
+                       split=importer.splits(options))
     if m is None:  # another process of the job reports
         return
-    _report(m, dst, "hf", json_out, lambda s: (
-        f"imported {src} -> {dst}: {s['params']} tensors, {s['units']} units, {ranks} ranks, "
-        f"{human_bytes(s['bytes'])}"))
+    _report(m, options.dst, importer.name, args["json_out"],
+            lambda s: importer.summary_line(s, options, human_bytes))
 
 
-@import_app.command("deepspeed")
-@guarded
-def import_deepspeed_command(
-    src: str = typer.Argument(..., help="Folder DeepSpeed's engine.save_checkpoint wrote (holds "
-                                        "'latest' and the tag folders; path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Checkpoint to create (path or fsspec URL)."),
-    ranks: int = typer.Option(..., "--ranks", help="World size the checkpoint is laid out for."),
-    replicate: int = typer.Option(1, "--replicate", help="HSDP replicate degree (divides --ranks)."),
-    unit: Optional[list[str]] = typer.Option(
-        None, "--unit", help="Regular expression whose match (whole name components) is one unit "
-                             "(repeatable). Default: (?:.*\\.)?layers\\.\\d+ (one unit per block)."),
-    tag: Optional[str] = typer.Option(None, "--tag", help="Tag folder to import (default: the "
-                                                          "one 'latest' names)."),
-    buffer: str = typer.Option("32MB", "--buffer", help="Bytes per read (bounds memory)."),
-    tmp_dir: Optional[str] = typer.Option(None, "--tmp-dir", help="Local folder for the staged "
-                                          "fp32 state (about the size of the optimizer files)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."""
-    from shardckpt.interop.deepspeed.import_ import import_deepspeed
-    from shardckpt.tools.distributed import job_from_environment
-    from shardckpt.tools.jobs import run_import
+def _import_command(importer: Any) -> Callable[..., None]:
+    """The command of one importer: its parameters (:func:`_import_parameters`), its help, and
+    :func:`_run_import` as the body."""
+    def command(**args: Any) -> None:
+        _run_import(importer, args)
 
-    _check_mesh(ranks, replicate)
-    opts = parse_storage_options(storage_option)
-    with job_from_environment() as job:  # under torchrun: this process's share of the files
-        m = run_import(import_deepspeed, src, dst, ranks, replicate, unit, tag, opts, opts,
-                       parse_bytes(buffer, "--buffer"), tmp_dir, job=job)
-    if m is None:  # another process of the job reports
-        return
-    _report(m, dst, "deepspeed", json_out, lambda s: (
-        f"imported {src} (ZeRO-{s['zero_stage']}, {s['source_world_size']} ranks, step "
-        f"{s['step']}) -> {dst}: {s['params']} parameters, {ranks} ranks, "
-        f"{human_bytes(s['bytes'])}"))
+    command.__name__ = command.__qualname__ = f"import_{importer.name}_command"
+    command.__doc__ = importer.help
+    command.__signature__ = inspect.Signature(_import_parameters(importer))  # type: ignore[attr-defined]
+    return command
 
 
-@import_app.command("dcp")
-@guarded
-def import_dcp_command(
-    src: str = typer.Argument(..., help="Folder DCP's FileSystemWriter wrote (holds .metadata and "
-                                        "__*_*.distcp; path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Checkpoint to create (path or fsspec URL)."),
-    ranks: Optional[int] = typer.Option(None, "--ranks", help="Write ZeroEngine flat groups for "
-                                        "this world size (default: keep DCP's chunks)."),
-    replicate: int = typer.Option(1, "--replicate", help="HSDP replicate degree (divides --ranks)."),
-    unit: Optional[list[str]] = typer.Option(
-        None, "--unit", help="With --ranks: regular expression whose match (whole name "
-                             "components) is one unit (repeatable). Default: (?:.*\\.)?layers\\.\\d+."),
-    model_key: str = typer.Option("model", "--model-key", help="With --ranks: the state-dict key "
-                                  "of the model ('' for torchtitan's top-level model keys)."),
-    optim_key: Optional[str] = typer.Option(None, "--optim-key", help="With --ranks: the key of "
-                                            "the optimizer (default: optim or optimizer)."),
-    frozen: Optional[list[str]] = typer.Option(
-        None, "--frozen", help="With --ranks: regular expression matching (whole) the FQN of "
-                               "frozen parameters (requires_grad=False; repeatable). A model "
-                               "tensor without optimizer state is a frozen parameter when a param "
-                               "group lists it or it matches --frozen, else a buffer."),
-    buffer: str = typer.Option("32MB", "--buffer", help="Bytes per read (bounds memory)."),
-    tmp_dir: Optional[str] = typer.Option(None, "--tmp-dir", help="With --ranks: local folder "
-                                          "for the staged source (about its size)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write a DCP checkpoint as a shardckpt checkpoint (its chunks, or flat groups for --ranks).
+def _register_importers() -> None:
+    from shardckpt.interop.importer import IMPORTERS, get_importer
 
-    With --ranks, a model tensor with optimizer state (Adam's exp_avg and exp_avg_sq, or SGD's
-    momentum_buffer) is a trained parameter;
-    one without, equal to a trained parameter, is tied to it; one a param group lists, or
-    matching --frozen, is a frozen parameter (its own dtype); any other is a persistent buffer.
-    """
-    from shardckpt.interop.dcp.import_ import import_dcp
-    from shardckpt.tools.distributed import job_from_environment
-    from shardckpt.tools.jobs import run_import
+    for name in IMPORTERS:
+        import_app.command(name)(guarded(_import_command(get_importer(name))))
 
-    opts = parse_storage_options(storage_option)
-    if ranks is None:
-        if frozen:
-            fail("--frozen needs --ranks (chunks keep every tensor as it is)", EXIT_USAGE)
-        with job_from_environment() as job:  # under torchrun: rank 0 imports, the others wait
-            m = run_import(import_dcp, src, dst, opts, opts, job=job, split=False)
-        if m is None:
-            return
-        _report(m, dst, "dcp", json_out, lambda s: (
-            f"imported {src} -> {dst}: {s['tensors']} tensors, {s['values']} other values, "
-            f"{human_bytes(s['bytes'])}"))
-        return
-    from shardckpt.interop.dcp.to_flat import import_dcp_flat
 
-    _check_mesh(ranks, replicate)
-    with job_from_environment() as job:  # under torchrun: this process's share of the files
-        m = run_import(import_dcp_flat, src, dst, ranks, replicate, unit, model_key, optim_key,
-                       opts, opts, parse_bytes(buffer, "--buffer"), tmp_dir, frozen or (), job=job)
-    if m is None:
-        return
-    _report(m, dst, "dcp", json_out, lambda s: (
-        f"imported {src} -> {dst}: {s['params']} parameters, {s['units']} units, {ranks} ranks, "
-        f"{human_bytes(s['bytes'])}"))
+_register_importers()
 
 
 export_app = typer.Typer(help="Export a shardckpt checkpoint to a foreign format.",
