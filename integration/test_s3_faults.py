@@ -22,8 +22,9 @@ import botocore.exceptions
 import pytest
 
 from shardckpt.errors import ConfigError
-from shardckpt.storage import DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, split_options
-from shardckpt.storage.retry import _is_precondition_failed, _is_retryable, _map_error
+from shardckpt.storage import DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, Storage, split_options
+from shardckpt.storage.retry import _map_error
+from shardckpt.storage.s3 import _is_precondition_failed
 from shardckpt.tools.synth import synthesize
 
 from testing.cli import cli, ok, one_line_error
@@ -237,8 +238,9 @@ def test_retryable_classification_and_mapping() -> None:
         translated("PreconditionFailed", 412, OSError(errno.EINVAL, "precondition")),
         translated("InvalidArgument", 400, OSError(errno.EINVAL, "bad")), ValueError("bug"),
     ]
-    assert [e for e in transient if not _is_retryable(e)] == []
-    assert [e for e in permanent if _is_retryable(e)] == []
+    classify = Storage("s3://b", {"key": "k", "secret": "s"}).backend.classify
+    assert [e for e in transient if classify(e) != "retry"] == []
+    assert [e for e in permanent if classify(e) != "permanent"] == []
     assert _is_precondition_failed(permanent[3]) and _is_precondition_failed(FileExistsError())
     assert not _is_precondition_failed(permanent[4])
     e = _map_error(transient[5], "upload of part 3", "s3://b/k", attempts=6, elapsed=4.2, deadline=4)

@@ -227,10 +227,10 @@ def count_manifest_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     real = storage_backends.retry_call
 
-    def counted(policy: Any, what: str, url: str, fn: Any, deadline: Any = None) -> Any:
+    def counted(policy: Any, what: str, url: str, fn: Any, deadline: Any = None, **kw: Any) -> Any:
         if url.endswith("manifest.json"):
             calls.append(what)
-        return real(policy, what, url, fn, deadline)
+        return real(policy, what, url, fn, deadline, **kw)
 
     monkeypatch.setattr(storage_backends, "retry_call", counted)
     return calls

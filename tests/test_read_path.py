@@ -18,6 +18,7 @@ from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import RangeReader, Storage, read_ahead
 from shardckpt.storage.backends import Backend
 from shardckpt.storage.local import LocalBackend
+from shardckpt.storage.memory import MemoryBackend
 
 CHUNK = 4096
 HEADER = 2  # the entries' header size: data starts at byte 10
@@ -70,7 +71,7 @@ RANGES = [(10, 20), (CHUNK - 3, CHUNK + 3), (CHUNK + 3, 3 * CHUNK + 1), (2 * CHU
 def test_the_backend_is_chosen_once_per_location(tmp_path: Path) -> None:
     local, mem = Storage(str(tmp_path)), Storage(f"memory://b-{uuid.uuid4().hex}")
     assert type(local.backend) is LocalBackend and local.backend.can_map == (os.name == "posix")
-    assert type(mem.backend) is Backend and not mem.backend.can_map
+    assert type(mem.backend) is MemoryBackend and not mem.backend.can_map
     child = local.child("a/b")
     assert child.backend is local.backend and child.url == f"{tmp_path}/a/b"
     assert child.full("x") == f"{tmp_path}/a/b/x"

@@ -28,14 +28,20 @@ Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
   Ceph with 412 PreconditionFailed (OSError(EINVAL)); both become
   :class:`~shardckpt.errors.CommitConflictError`. If a retried commit meets a conflict, the object
   is read back: our own bytes (a first try that landed but whose answer was lost) are success.
+  ``--overwrite`` replaces a manifest with a PUT carrying ``If-Match: <etag>`` of the object a GET
+  found holding the expected bytes (Ceph RGW matches the ETag only without its quotes; that
+  spelling is tried when the quoted one is refused while the object is unchanged).
 
-Modules: :mod:`.core` (the :class:`Storage` handle), :mod:`.backends` (what differs between
-places: any fsspec filesystem), :mod:`.local` (the local disk), :mod:`.s3` (S3: multipart uploads,
-the create-only commit, open uploads), :mod:`.writer` (streaming, checksummed writes),
-:mod:`.checked` and :mod:`.reads` (the checked read path: one range, many ranges, read-ahead),
-:mod:`.retry` (deadline, retryable errors, error mapping), :mod:`.options` (``storage_options``),
-:mod:`.places` (comparable locations, free space), :mod:`.confined` (local removals that never
-follow a symbolic link out of the directory they were asked for).
+Modules: :mod:`.core` (the :class:`Storage` handle), :mod:`.backend` (the backend interface and
+the table that picks a backend class by URL scheme: :data:`BACKENDS`), :mod:`.backends` (the
+generic fsspec backend every other one extends), :mod:`.local` (the local disk), :mod:`.memory`
+(``memory://``), :mod:`.s3` (S3: options, error codes, the conditional writes) and
+:mod:`.s3upload` (its multipart uploads, open uploads), :mod:`.writer` (streaming, checksummed
+writes), :mod:`.checked` and :mod:`.reads` (the checked read path: one range, many ranges,
+read-ahead), :mod:`.retry` (deadline, the shared error vocabulary, error mapping),
+:mod:`.options` (``storage_options``), :mod:`.places` (comparable locations, free space),
+:mod:`.confined` (local removals that never follow a symbolic link out of the directory they were
+asked for).
 Import from this package; the split is not part of the API. :mod:`.s3` is loaded when an ``s3://``
 location is opened or one of its names is asked for here, so that local work never loads it.
 """
@@ -48,9 +54,10 @@ from typing import Any
 from shardckpt.storage.core import (
     Storage, abort_upload, iter_file_chunks, list_open_uploads, open_storage,
 )
+from shardckpt.storage.backend import BACKENDS, StorageBackend, backend_class
 from shardckpt.storage.options import (
-    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, S3_CONFIG_DEFAULTS, S3FS_RETRIES, MiB, Tuning,
-    split_options, storage_options_from_env,
+    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, BackendOptions, MiB, Tuning, split_options,
+    storage_options_from_env,
 )
 from shardckpt.storage.reads import DEFAULT_BATCH, DEFAULT_BUFFER, RangeReader, read_ahead
 from shardckpt.storage.retry import (
@@ -58,7 +65,7 @@ from shardckpt.storage.retry import (
 )
 from shardckpt.storage.writer import StreamWriter, crc32c
 
-_S3_NAMES = frozenset({"OpenUpload"})
+_S3_NAMES = frozenset({"OpenUpload", "S3_CONFIG_DEFAULTS", "S3FS_RETRIES"})
 
 
 def __getattr__(name: str) -> Any:
@@ -68,9 +75,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE",
+    "BACKENDS", "BackendOptions", "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE",
     "DeadlineExceededError", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "RetryPolicy",
-    "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage", "StreamWriter", "Tuning", "abort_upload",
-    "crc32c", "iter_file_chunks", "list_open_uploads", "mapped_errors", "open_storage",
+    "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage", "StorageBackend", "StreamWriter", "Tuning",
+    "abort_upload", "backend_class", "crc32c", "iter_file_chunks", "list_open_uploads", "mapped_errors", "open_storage",
     "read_ahead", "split_options", "storage_options_from_env",
 ]

@@ -1,12 +1,14 @@
 """What differs between the places a :class:`~shardckpt.storage.core.Storage` can point to.
 
-A backend is chosen once per location, when a :class:`~shardckpt.storage.core.Storage` is built
-(:func:`~shardckpt.storage.core.open_backend`): a local disk
+A backend is chosen once per location, when a :class:`~shardckpt.storage.core.Storage` is built,
+from the table of :mod:`.backend` (which also states the interface): a local disk
 (:class:`~shardckpt.storage.local.LocalBackend`), S3 (:class:`~shardckpt.storage.s3.S3Backend`),
-or any other fsspec filesystem (:class:`Backend`, this module). It owns the filesystem, the retry
-policy and the transfer sizes, and does every operation on full paths; ``url`` arguments name the
-object in messages. Above the storage layer nothing asks which backend it has: the storage offers
-the verbs (stage and install a write, map a range or read it) and the backend answers them.
+process memory (:class:`~shardckpt.storage.memory.MemoryBackend`), or any other fsspec filesystem
+(:class:`Backend`, this module, which the others extend). It parses its options, owns the
+filesystem, the retry policy, the transfer sizes and its error vocabulary, and does every
+operation on full paths; ``url`` arguments name the object in messages. Above the storage layer
+nothing asks which backend it has: the storage offers the verbs (stage and install a write, map
+a range or read it, create or replace conditionally) and the backend answers them.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from __future__ import annotations
 import logging
 import posixpath
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, ClassVar, Collection, Iterator, Mapping, TypeVar
 
 from shardckpt.errors import CommitConflictError, StorageError
-from shardckpt.storage.options import Tuning
+from shardckpt.storage.options import BackendOptions, Tuning, own_settings, refuse_unknown
 from shardckpt.storage.reads import read_ahead
 from shardckpt.storage.retry import (
-    NotFoundError, RetryPolicy, _describe, _is_retryable, _map_error, retry_call,
+    NotFoundError, RetryPolicy, Verdict, _describe, _map_error, classify, retry_call,
 )
 from shardckpt.storage.writer import Sink, _FsspecSink
 
@@ -34,24 +36,79 @@ def conflict_error(url: str) -> CommitConflictError:
                                "nothing was overwritten", url)
 
 
+def changed_error(url: str) -> CommitConflictError:
+    """What a conditional replace raises when the object is not the one expected."""
+    return CommitConflictError(f"{url} no longer holds what this write was to replace (another "
+                               "writer changed or removed it); nothing was replaced", url)
+
+
 class Backend:
-    """Any fsspec filesystem (``memory://``, ``gs://``, ...): fsspec's own calls, each retried.
+    """Any fsspec filesystem (``gs://``, ``az://``, ...): fsspec's own calls, each retried; the
+    fallback of :data:`~shardckpt.storage.backend.BACKENDS` and the base of every backend there.
 
     Subclasses override what their kind does better or must do differently.
     """
 
+    #: The URL schemes this class serves (the fallback serves what the table does not name).
+    schemes: ClassVar[tuple[str, ...]] = ()
     #: Ranges of files here can be memory-mapped (:meth:`map_range`).
-    can_map = False
+    can_map: ClassVar[bool] = False
+
+    # ------------------------------------------------------------- options, opening, errors
+
+    @classmethod
+    def known_options(cls) -> Collection[str] | None:
+        """The filesystem options this backend takes; None: any (fsspec judges them)."""
+        return None
+
+    @classmethod
+    def parse_options(cls, raw: Mapping[str, Any]) -> BackendOptions:
+        """shardckpt's own keys checked and popped, the rest checked against
+        :meth:`known_options` (:class:`~shardckpt.errors.ConfigError` naming each unknown one)."""
+        fs, retry, tuning = own_settings(raw)
+        known = cls.known_options() if fs else None
+        if known is not None:
+            refuse_unknown(fs, known, f"{cls.schemes[0]}:// locations" if cls.schemes else cls.__name__)
+        return BackendOptions(fs, retry, tuning)
+
+    @classmethod
+    def options_from_env(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """``raw`` plus what the environment says for this kind of place: nothing here."""
+        return dict(raw)
+
+    @classmethod
+    def fresh_listings(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """``raw`` for a caller that polls listings: as it is here."""
+        return dict(raw)
+
+    @classmethod
+    def open(cls, url: str, options: BackendOptions) -> tuple["Backend", str]:
+        """The fsspec filesystem for ``url`` (created with ``options.fs``) and the root on it."""
+        import fsspec
+
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **options.fs)
+        except (ImportError, ValueError, TypeError) as e:
+            raise StorageError(f"{url}: cannot open this location: {e}", url) from e
+        except OSError as e:  # filesystems that connect or open an archive when created (ftp, zip)
+            raise StorageError(f"{url}: cannot open this location: {_describe(e)}", url) from e
+        root = root.rstrip("/") if root not in ("/", "") else root
+        return cls(fs, options.retry, options.tuning), root
 
     def __init__(self, fs: Any, retry: RetryPolicy, tuning: Tuning) -> None:
         self.fs, self.retry, self.tuning = fs, retry, tuning
         protocol = fs.protocol
         self.protocol: str = protocol if isinstance(protocol, str) else protocol[0]
 
+    def classify(self, error: BaseException) -> Verdict:
+        """``"retry"`` or ``"permanent"``, in the vocabulary fsspec filesystems share
+        (:func:`~shardckpt.storage.retry.classify`)."""
+        return classify(error)
+
     def call(self, what: str, url: str, fn: Callable[[], T], deadline: float | None = None) -> T:
-        """Run ``fn`` with retries on transient errors until the deadline; map errors (see
-        :func:`~shardckpt.storage.retry.retry_call`)."""
-        return retry_call(self.retry, what, url, fn, deadline)
+        """Run ``fn`` with retries on what :meth:`classify` calls transient until the deadline;
+        map errors (see :func:`~shardckpt.storage.retry.retry_call`)."""
+        return retry_call(self.retry, what, url, fn, deadline, classify=self.classify)
 
     # ------------------------------------------------------------------------------ reads
 
@@ -116,7 +173,7 @@ class Backend:
             out[i:i + step] = got
         for i, ((a, b), data) in enumerate(zip(bounds, out)):
             if isinstance(data, BaseException):
-                if not _is_retryable(data):
+                if self.classify(data) != "retry":
                     raise _map_error(data, "read", url) from data
                 log.info("read of %s [%d, %d) failed (%s); retrying", url, a, b, _describe(data))
                 out[i] = self.call("read", url, lambda a=a, b=b: self.fs.cat_file(path, start=a, end=b),
@@ -158,6 +215,21 @@ class Backend:
         if self.exists(path, url):
             raise conflict_error(url)
         self.call("write", url, lambda: self.fs.pipe_file(path, data))
+
+    def replace_if(self, path: str, url: str, data: bytes, expected: bytes) -> None:
+        """Check, then replace (:meth:`put`): where the store has no conditional write, the
+        writer's lease keeps other saves of its own away and the caller reads back."""
+        if not self.holds(path, url, expected):
+            raise changed_error(url)
+        self.put(path, url, data)
+
+    def holds(self, path: str, url: str, data: bytes) -> bool:
+        """Whether ``path`` holds exactly ``data`` (False if it is gone); reads at most one byte
+        more than ``data``."""
+        try:
+            return self.read_prefix(path, url, len(data) + 1) == data
+        except NotFoundError:
+            return False
 
     def put(self, path: str, url: str, data: bytes) -> None:
         self.call("write", url, lambda: self.fs.pipe_file(path, data))

@@ -1,17 +1,19 @@
-"""The :class:`Storage` handle: a root URL and the backend chosen for it, with paths relative to
-the root. Every operation is the backend's (:mod:`.backends`, :mod:`.local`, :mod:`.s3`)."""
+"""The :class:`Storage` handle: a root URL and the backend chosen for it (:mod:`.backend`'s
+table), with paths relative to the root. Every operation is the backend's (:mod:`.backends`,
+:mod:`.local`, :mod:`.memory`, :mod:`.s3`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from shardckpt.errors import StorageError
 from shardckpt.format.manifest import FileEntry
+from shardckpt.storage import options as _options
 from shardckpt.storage.backends import Backend
 from shardckpt.storage.checked import read_checked
-from shardckpt.storage.local import LocalBackend, local_path
-from shardckpt.storage.options import Tuning, split_options
-from shardckpt.storage.retry import RetryPolicy, _describe
+from shardckpt.storage.options import Tuning
+from shardckpt.storage.retry import RetryPolicy
 from shardckpt.storage.writer import StreamWriter
 
 T = TypeVar("T")
@@ -19,32 +21,13 @@ T = TypeVar("T")
 
 def open_backend(url: str, storage_options: Mapping[str, Any] | None,
                  retry: RetryPolicy | None) -> tuple[Backend, str]:
-    """The backend for ``url`` and the root path on its filesystem: local, S3, or any other
-    fsspec filesystem. A local path without fsspec options is served without importing fsspec."""
-    fs_options, policy, tuning, s3fs_retries = split_options(url, storage_options)
-    path = None if fs_options else local_path(url)
-    if path is not None:
-        return LocalBackend(None, retry or policy, tuning), path.rstrip("/") or "/"
-    import fsspec
-
-    try:
-        fs, root = fsspec.core.url_to_fs(url, **fs_options)
-    except (ImportError, ValueError, TypeError) as e:
-        raise StorageError(f"{url}: cannot open this location: {e}", url) from e
-    except OSError as e:  # filesystems that connect or open an archive when created (ftp, zip)
-        raise StorageError(f"{url}: cannot open this location: {_describe(e)}", url) from e
-    if s3fs_retries is not None:
-        fs.retries = s3fs_retries
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    kind: type[Backend] = Backend
-    if protocol in ("file", "local"):
-        kind = LocalBackend
-    elif protocol in ("s3", "s3a"):
-        from shardckpt.storage.s3 import S3Backend  # loaded only where S3 is used
-
-        kind = S3Backend
-    root = root.rstrip("/") if root not in ("/", "") else root
-    return kind(fs, retry or policy, tuning), root
+    """The backend for ``url`` (the class :data:`~shardckpt.storage.backend.BACKENDS` names for
+    its scheme, parsing its own options) and the root path on its filesystem. A local path
+    without options is served without importing fsspec."""
+    kind, options = _options.parse_for(url, storage_options)
+    if retry is not None:
+        options = dataclasses.replace(options, retry=retry)
+    return kind.open(url, options)
 
 
 class Storage:
@@ -188,6 +171,16 @@ class Storage:
         exists.
         """
         self.backend.create_only(self.full(rel), self.url_of(rel), data)
+
+    def replace_if(self, rel: str, data: bytes, expected: bytes) -> None:
+        """Replace ``rel`` with ``data`` only if it holds exactly ``expected``; else
+        :class:`CommitConflictError` and nothing is replaced.
+
+        S3: one PUT with ``If-Match: <etag>`` of the object found holding ``expected``. Local:
+        check, then a complete temporary file renamed into place (the writer's lease keeps
+        other saves of its own away). Other filesystems: check, then write.
+        """
+        self.backend.replace_if(self.full(rel), self.url_of(rel), data, expected)
 
     def put(self, rel: str, data: bytes) -> None:
         """Replace ``rel`` with ``data`` atomically where the filesystem allows (local: rename)."""

@@ -8,12 +8,12 @@ import os
 import shutil
 import stat
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Collection, Iterator
 
 from shardckpt.errors import IntegrityError, StorageError
 from shardckpt.storage import confined, places
 from shardckpt.storage.backends import Backend, conflict_error
-from shardckpt.storage.options import Tuning
+from shardckpt.storage.options import BackendOptions, Tuning, fsspec_option_names
 from shardckpt.storage.retry import NotFoundError, RetryPolicy, _map_error, mapped_errors
 from shardckpt.storage.writer import Sink, _LocalSink
 
@@ -40,13 +40,31 @@ def local_path(url: str) -> str | None:
 
 class LocalBackend(Backend):
     """A local file system (``file://`` or a plain path), through ``os`` calls: fsspec's
-    ``LocalFileSystem`` is created only if something asks for :attr:`fs`."""
+    ``LocalFileSystem`` is created only if something asks for :attr:`fs` or options are given
+    (they are its options: ``auto_mkdir`` and the like). ``create_only`` links a complete
+    temporary file into place; ``replace_if`` checks, then renames one, under the writer's
+    lease."""
 
-    can_map = os.name == "posix"
+    schemes: ClassVar[tuple[str, ...]] = ("file", "local")
+    can_map: ClassVar[bool] = os.name == "posix"
 
     def __init__(self, fs: Any, retry: RetryPolicy, tuning: Tuning) -> None:
         self._fs, self.retry, self.tuning = fs, retry, tuning
         self.protocol = "file"
+
+    @classmethod
+    def known_options(cls) -> Collection[str]:
+        from fsspec.implementations.local import LocalFileSystem
+
+        return fsspec_option_names(LocalFileSystem)
+
+    @classmethod
+    def open(cls, url: str, options: BackendOptions) -> tuple[Backend, str]:
+        """Without options, ``os`` serves the path and fsspec is not imported."""
+        path = None if options.fs else local_path(url)
+        if path is None:
+            return super().open(url, options)
+        return cls(None, options.retry, options.tuning), path.rstrip("/") or "/"
 
     @property
     def fs(self) -> Any:

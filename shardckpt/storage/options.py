@@ -1,17 +1,20 @@
-"""A user's ``storage_options`` split into fsspec's options and shardckpt's own settings.
+"""A user's ``storage_options`` split into the filesystem's options and shardckpt's own settings.
 
-shardckpt's keys (``shardckpt_deadline_s``, ``shardckpt_part_size``, ``shardckpt_concurrency``)
-never reach fsspec; the deadline falls back to ``SHARDCKPT_DEADLINE_S``, then to 120 s. For s3
-the client defaults below (:data:`S3_CONFIG_DEFAULTS`) are filled in, the user's own keys winning.
+Each backend parses its options (:meth:`~shardckpt.storage.backend.StorageBackend.parse_options`)
+with the helpers here: shardckpt's keys (``shardckpt_deadline_s``, ``shardckpt_part_size``,
+``shardckpt_concurrency``) never reach the filesystem, and the deadline falls back to
+``SHARDCKPT_DEADLINE_S``, then to 120 s; the backend fills in its own defaults (S3's client
+settings: :data:`~shardckpt.storage.s3.S3_CONFIG_DEFAULTS`) and refuses options it does not know.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Mapping, TypeVar
 
 from shardckpt.errors import ConfigError
+from shardckpt.storage.backend import backend_class
 from shardckpt.storage.retry import DEADLINE_ENV, RetryPolicy
 
 T = TypeVar("T")
@@ -30,25 +33,6 @@ class Tuning:
     range_piece: int = DEFAULT_PART_SIZE    # ranged reads larger than this are split
 
 
-#: botocore settings for s3 unless the user gives their own (merged key by key).
-S3_CONFIG_DEFAULTS: dict[str, Any] = {
-    "retries": {"mode": "standard", "total_max_attempts": 2},
-    "connect_timeout": 10,
-    "read_timeout": 30,
-    "max_pool_connections": 32,
-}
-S3FS_RETRIES = 1  # s3fs's own retry loop (its default is 5)
-
-
-def fill_s3_defaults(opts: dict[str, Any]) -> int:
-    """Fill the s3 defaults into fsspec options ``opts`` (in place); return s3fs's retry count."""
-    config = dict(S3_CONFIG_DEFAULTS)
-    config.update(opts.get("config_kwargs") or {})
-    opts["config_kwargs"] = config
-    opts.setdefault("use_listings_cache", False)  # other processes write here too
-    return int(opts.pop("retries", S3FS_RETRIES))  # not an S3FileSystem argument
-
-
 _OWN = ("shardckpt_deadline_s", "shardckpt_part_size", "shardckpt_concurrency")
 
 
@@ -64,13 +48,14 @@ def _positive(options: Mapping[str, Any], key: str, cast: Callable[[Any], T]) ->
     raise ConfigError(f"storage option {key}={options[key]!r}: expected a positive number")
 
 
-def split_options(url: str, options: Mapping[str, Any] | None,
-                  ) -> tuple[dict[str, Any], RetryPolicy, Tuning, int | None]:
-    """(fsspec options, retry policy, tuning, s3fs retries) from a user's ``storage_options``.
-
-    shardckpt's own keys (``shardckpt_*``) are popped; for s3 the defaults are filled in.
-    """
-    opts = storage_options_from_env(url, options)
+def own_settings(raw: Mapping[str, Any]) -> tuple[dict[str, Any], RetryPolicy, Tuning]:
+    """(the options left for the filesystem, retry policy, tuning) from ``raw``: shardckpt's own
+    keys popped and checked; a ``shardckpt_`` key that is none of them is refused, named."""
+    opts = dict(raw)
+    stray = sorted(k for k in opts if isinstance(k, str) and k.startswith("shardckpt_") and k not in _OWN)
+    if stray:
+        raise ConfigError(f"storage option {', '.join(stray)}: not a shardckpt option (known: "
+                          f"{', '.join(_OWN)})")
     own = {k: opts.pop(k) for k in _OWN if k in opts}
     deadline = _positive(own, "shardckpt_deadline_s", float)
     if deadline is None and os.environ.get(DEADLINE_ENV, "").strip():
@@ -81,24 +66,62 @@ def split_options(url: str, options: Mapping[str, Any] | None,
         raise ConfigError(f"storage option shardckpt_part_size={part}: S3 parts must be >= 5 MiB")
     tuning = Tuning(part or DEFAULT_PART_SIZE,
                     _positive(own, "shardckpt_concurrency", int) or DEFAULT_CONCURRENCY)
-    s3fs_retries = None
-    if url.startswith(("s3://", "s3a://")):
-        s3fs_retries = fill_s3_defaults(opts)
-    return opts, retry, tuning, s3fs_retries
+    return opts, retry, tuning
+
+
+def refuse_unknown(opts: Mapping[str, Any], known: Collection[str], where: str) -> None:
+    """:class:`ConfigError` naming every key of ``opts`` not in ``known`` (``where``: the kind of
+    place, for the message)."""
+    unknown = sorted(str(k) for k in opts if k not in known)
+    if unknown:
+        raise ConfigError(f"storage option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+                          f"not known for {where} (known: {', '.join(sorted(known))})")
+
+
+def fsspec_option_names(fs_class: type) -> frozenset[str]:
+    """The keyword options an fsspec filesystem class takes: its and its bases' named
+    ``__init__`` parameters, the listing cache's, and ``skip_instance_cache``."""
+    import inspect
+
+    from fsspec.dircache import DirCache
+
+    names = {"skip_instance_cache"}
+    for cls in (*fs_class.__mro__, DirCache):
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                names.add(p.name)
+    return frozenset(names)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """A backend's parsed options (:meth:`~shardckpt.storage.backend.StorageBackend.parse_options`)."""
+
+    fs: dict[str, Any] = field(default_factory=dict)  # for the filesystem
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    tuning: Tuning = field(default_factory=Tuning)
+    extra: dict[str, Any] = field(default_factory=dict)  # the backend's own (s3fs's retry count)
+
+
+def parse_for(url: str, options: Mapping[str, Any] | None) -> tuple[type, BackendOptions]:
+    """The backend class for ``url`` and its parse of ``options`` (environment included)."""
+    cls = backend_class(url)
+    return cls, cls.parse_options(storage_options_from_env(url, options))
+
+
+def split_options(url: str, options: Mapping[str, Any] | None,
+                  ) -> tuple[dict[str, Any], RetryPolicy, Tuning, int | None]:
+    """(fsspec options, retry policy, tuning, s3fs retries) from a user's ``storage_options``,
+    as the backend for ``url`` parses them (:func:`parse_for`)."""
+    parsed = parse_for(url, options)[1]
+    return parsed.fs, parsed.retry, parsed.tuning, parsed.extra.get("s3fs_retries")
 
 
 def storage_options_from_env(url: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """fsspec options for ``url``: the user's, plus an S3 endpoint from ``AWS_ENDPOINT_URL(_S3)``.
-
-    Credentials (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``) are read by
-    botocore itself.
-    """
-    opts = dict(options or {})
-    if url.startswith(("s3://", "s3a://")):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        ck = dict(opts.get("client_kwargs") or {})
-        if endpoint and "endpoint_url" not in ck and "endpoint_url" not in opts:
-            ck["endpoint_url"] = endpoint
-        if ck:
-            opts["client_kwargs"] = ck
-    return opts
+    """fsspec options for ``url``: the user's, plus what the environment says for its kind of
+    place (for S3 an endpoint from ``AWS_ENDPOINT_URL(_S3)``; credentials such as
+    ``AWS_ACCESS_KEY_ID`` are read by botocore itself)."""
+    return backend_class(url).options_from_env(dict(options or {}))

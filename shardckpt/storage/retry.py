@@ -3,8 +3,10 @@
 Every failure leaves this layer as a :class:`~shardckpt.errors.StorageError` whose one-line
 message names the object, with the original exception as ``__cause__``. Transient failures (5xx,
 throttling, resets, timeouts, truncated bodies) are retried with capped, jittered backoff until
-one deadline per operation; everything else fails at once. botocore and aiohttp errors are
-recognised by class name, so neither is imported here.
+one deadline per operation; everything else fails at once. Which is which is the backend's call
+(its :meth:`classify`, each backend with its own error vocabulary); :func:`classify` here is the
+vocabulary every fsspec filesystem shares. Transport errors are recognised by class name, so no
+HTTP stack is imported here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator, Literal, TypeVar
 
 from shardckpt.errors import DeadlineExceededError, NotFoundError, ShardckptError, StorageError
 
@@ -34,24 +36,26 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
 
 
-_RETRYABLE_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EREMOTEIO,
-                    errno.ECONNREFUSED, errno.EPIPE, errno.ECONNABORTED}
-_RETRYABLE_NAMES = {
-    # botocore / aiohttp / asyncio transport errors, matched by name so neither is imported here
-    "HTTPClientError", "ConnectionClosedError", "EndpointConnectionError", "ReadTimeoutError",
-    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError", "ResponseParserError",
-    "FlexibleChecksumError", "ClientPayloadError", "ClientConnectionError", "ServerDisconnectedError",
-    "ClientConnectorError", "ClientOSError", "ServerTimeoutError", "TimeoutError", "ProtocolError",
-    "ContentLengthError",
-}
-_NEVER_RETRY = {"FileExpired", "NoCredentialsError", "ParamValidationError", "PartialCredentialsError"}
-_RETRYABLE_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-                    "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
-                    "ConditionalRequestConflict", "OperationAborted"}
+#: What a backend's :meth:`classify` answers: retry the call, or fail at once.
+Verdict = Literal["retry", "permanent"]
+
+_RETRYABLE_ERRNO = frozenset({errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
+                              errno.EREMOTEIO, errno.ECONNREFUSED, errno.EPIPE, errno.ECONNABORTED})
+#: Transport errors of the HTTP stacks fsspec filesystems use (aiohttp, asyncio, urllib3),
+#: matched by class name so none is imported here.
+TRANSIENT_NAMES = frozenset({
+    "ClientPayloadError", "ClientConnectionError", "ServerDisconnectedError", "ClientConnectorError",
+    "ClientOSError", "ServerTimeoutError", "TimeoutError", "ProtocolError", "ContentLengthError",
+})
+#: fsspec's "the object changed under an open file": reading on would mix two versions.
+PERMANENT_NAMES = frozenset({"FileExpired"})
+_PERMANENT_TYPES = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError,
+                    NotADirectoryError)
 
 
 def _response(e: BaseException) -> tuple[str, int]:
-    """(S3 error code, HTTP status) of a botocore ClientError, or of the one s3fs translated."""
+    """(service error code, HTTP status) of an error that carries a boto-style ``response``
+    (or whose cause does); ("", 0) otherwise. Used for messages and HTTP statuses only."""
     for x in (e, e.__cause__):
         resp = getattr(x, "response", None)
         if isinstance(resp, dict):
@@ -61,29 +65,26 @@ def _response(e: BaseException) -> tuple[str, int]:
     return "", 0
 
 
-def _is_retryable(e: BaseException) -> bool:
+def classify(e: BaseException, transient: frozenset[str] = TRANSIENT_NAMES,
+             permanent: frozenset[str] = PERMANENT_NAMES,
+             transient_codes: frozenset[str] = frozenset()) -> Verdict:
+    """The verdict for ``e`` in the vocabulary every fsspec filesystem shares: missing, denied
+    and existing objects and the errors named in ``permanent`` are permanent; connection resets,
+    timeouts, the transport errors named in ``transient``, the service error codes in
+    ``transient_codes``, HTTP 5xx and 429, and the errnos of a busy or broken connection are
+    transient; anything else is permanent. A backend with its own vocabulary passes its names
+    and codes here (:meth:`~shardckpt.storage.s3.S3Backend.classify`)."""
     names = {cls.__name__ for cls in type(e).__mro__}
-    if names & _NEVER_RETRY or isinstance(e, (FileNotFoundError, PermissionError, FileExistsError,
-                                              IsADirectoryError, NotADirectoryError)):
-        return False
-    if names & _RETRYABLE_NAMES or isinstance(e, (ConnectionError, TimeoutError)):
-        return True
+    if names & permanent or isinstance(e, _PERMANENT_TYPES):
+        return "permanent"
+    if names & transient or isinstance(e, (ConnectionError, TimeoutError)):
+        return "retry"
     code, status = _response(e)
-    if code in _RETRYABLE_CODES or status >= 500 or status == 429:
-        return True
-    if isinstance(e, OSError):
-        return e.errno in _RETRYABLE_ERRNO
-    return False
-
-
-def _is_precondition_failed(e: BaseException | None) -> bool:
-    """A create-only write found the object: FileExistsError (moto), 412 (Ceph, AWS)."""
-    if e is None:
-        return False
-    if isinstance(e, FileExistsError):
-        return True
-    code, status = _response(e)
-    return code in ("PreconditionFailed", "412") or status == 412
+    if code in transient_codes or status >= 500 or status == 429:
+        return "retry"
+    if isinstance(e, OSError) and e.errno in _RETRYABLE_ERRNO:
+        return "retry"
+    return "permanent"
 
 
 def _describe(e: BaseException) -> str:
@@ -118,8 +119,10 @@ def mapped_errors(what: str, url: str) -> Iterator[None]:
 
 
 def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
-               deadline: float | None = None) -> T:
-    """Run ``fn`` with retries on transient errors until the deadline; map errors.
+               deadline: float | None = None,
+               classify: Callable[[BaseException], Verdict] = classify) -> T:
+    """Run ``fn`` with retries on what ``classify`` (the backend's) calls transient until the
+    deadline; map errors.
 
     ``deadline`` (``time.monotonic()`` seconds) lets several calls share one; by default it is
     the policy's ``deadline_s`` from now. Backoff is capped, exponential and jittered.
@@ -136,10 +139,11 @@ def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
             raise
         except Exception as e:  # noqa: BLE001 - mapped below, never swallowed
             pause = backoff * (0.5 + random.random() / 2)
-            if _is_retryable(e) and time.monotonic() + pause < end:
+            transient = classify(e) == "retry"
+            if transient and time.monotonic() + pause < end:
                 log.info("%s of %s failed (%s); retry %d in %.2fs", what, url, _describe(e), attempt, pause)
                 time.sleep(pause)
                 backoff = min(backoff * 2, policy.max_backoff_s)
                 continue
             raise _map_error(e, what, url, attempt, time.monotonic() - t0,
-                             policy.deadline_s if _is_retryable(e) else None) from e
+                             policy.deadline_s if transient else None) from e

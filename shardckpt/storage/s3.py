@@ -1,32 +1,121 @@
-"""S3: the backend of ``s3://`` locations, multipart uploads shardckpt drives itself, the
-create-only commit, and the uploads left open.
+"""S3: the backend of ``s3://`` locations: its options and client defaults, its error codes,
+multipart uploads shardckpt drives itself (:mod:`.s3upload`), the conditional writes (``If-None-Match: *`` to
+create, ``If-Match: <etag>`` to replace), and the uploads left open.
 
 Every call goes through the backend's retried :meth:`~shardckpt.storage.backends.Backend.call`, so
-each request (a part, a commit, a listing page) is retried alone under the deadline and its errors
-are mapped like any other. The client defaults are in :mod:`shardckpt.storage.options`.
+each request (a part, a commit, a listing page) is retried alone under the deadline, as
+:meth:`S3Backend.classify` judges its errors, and its errors are mapped like any other.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
-import threading
-import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from typing import Any
+import os
+from typing import Any, ClassVar, Collection, Mapping
 
 from shardckpt.errors import StorageError
-from shardckpt.storage.backends import Backend, conflict_error
-from shardckpt.storage.retry import NotFoundError, _is_precondition_failed
+from shardckpt.storage.backends import Backend, changed_error, conflict_error
+from shardckpt.storage.options import BackendOptions, fsspec_option_names
+from shardckpt.storage.retry import (
+    PERMANENT_NAMES, TRANSIENT_NAMES, NotFoundError, Verdict, _response, classify,
+)
+from shardckpt.storage.s3upload import OpenUpload, S3Upload
 from shardckpt.storage.writer import Sink
 
 log = logging.getLogger(__name__)
 
+#: botocore settings for s3 unless the user gives their own (merged key by key).
+S3_CONFIG_DEFAULTS: dict[str, Any] = {
+    "retries": {"mode": "standard", "total_max_attempts": 2},
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "max_pool_connections": 32,
+}
+S3FS_RETRIES = 1  # s3fs's own retry loop (its default is 5)
+
+#: botocore's transport errors, on top of the HTTP stack's (retried).
+_TRANSIENT = TRANSIENT_NAMES | {
+    "HTTPClientError", "ConnectionClosedError", "EndpointConnectionError", "ReadTimeoutError",
+    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError", "ResponseParserError",
+    "FlexibleChecksumError",
+}
+#: botocore's errors of a client that no retry mends.
+_PERMANENT = PERMANENT_NAMES | {"NoCredentialsError", "ParamValidationError", "PartialCredentialsError"}
+#: S3 error codes of a busy or briefly failing service (retried).
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+    "ThrottlingException", "TooManyRequests", "RequestLimitExceeded", "ConditionalRequestConflict",
+    "OperationAborted",
+})
+
+
+def fill_s3_defaults(opts: dict[str, Any]) -> int:
+    """Fill the s3 defaults into fsspec options ``opts`` (in place); return s3fs's retry count."""
+    config = dict(S3_CONFIG_DEFAULTS)
+    config.update(opts.get("config_kwargs") or {})
+    opts["config_kwargs"] = config
+    opts.setdefault("use_listings_cache", False)  # other processes write here too
+    return int(opts.pop("retries", S3FS_RETRIES))  # not an S3FileSystem argument
+
+
+def _is_precondition_failed(e: BaseException | None) -> bool:
+    """A conditional write found another object: FileExistsError (moto's create-only), 412
+    PreconditionFailed (Ceph, AWS; s3fs raises OSError(EINVAL) with the ClientError as cause)."""
+    if e is None:
+        return False
+    if isinstance(e, FileExistsError):
+        return True
+    code, status = _response(e)
+    return code in ("PreconditionFailed", "412") or status == 412
+
 
 class S3Backend(Backend):
     """An S3 (or S3-compatible) bucket through s3fs."""
+
+    schemes: ClassVar[tuple[str, ...]] = ("s3", "s3a")
+    #: The server matched If-Match only without the ETag's quotes (Ceph RGW 16).
+    _unquoted_if_match = False
+
+    @classmethod
+    def known_options(cls) -> Collection[str]:
+        import s3fs
+
+        return fsspec_option_names(s3fs.S3FileSystem) | {"retries"}
+
+    @classmethod
+    def parse_options(cls, raw: Mapping[str, Any]) -> BackendOptions:
+        """Also fills :data:`S3_CONFIG_DEFAULTS` (the user's keys win) and takes ``retries``
+        (s3fs's own count, :data:`S3FS_RETRIES` by default)."""
+        parsed = super().parse_options(raw)
+        retries = fill_s3_defaults(parsed.fs)
+        return dataclasses.replace(parsed, extra={"s3fs_retries": retries})
+
+    @classmethod
+    def options_from_env(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """An endpoint from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` unless one is given."""
+        opts = dict(raw)
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        ck = dict(opts.get("client_kwargs") or {})
+        if endpoint and "endpoint_url" not in ck and "endpoint_url" not in opts:
+            ck["endpoint_url"] = endpoint
+        if ck:
+            opts["client_kwargs"] = ck
+        return opts
+
+    @classmethod
+    def fresh_listings(cls, raw: Mapping[str, Any]) -> dict[str, Any]:
+        return {"use_listings_cache": False, **raw}
+
+    @classmethod
+    def open(cls, url: str, options: BackendOptions) -> tuple[Backend, str]:
+        backend, root = super().open(url, options)
+        backend.fs.retries = options.extra.get("s3fs_retries", S3FS_RETRIES)
+        return backend, root
+
+    def classify(self, error: BaseException) -> Verdict:
+        """botocore's transport errors and S3's throttling and 5xx codes are transient."""
+        return classify(error, _TRANSIENT, _PERMANENT, _TRANSIENT_CODES)
 
     def location(self, path: str) -> tuple[str, str]:
         return ("s3", super().location(path)[1])
@@ -36,7 +125,7 @@ class S3Backend(Backend):
         return bucket, key
 
     def sink(self, path: str, url: str) -> Sink:
-        return _S3Upload(self, path, url)
+        return S3Upload(self, path, url)
 
     def put(self, path: str, url: str, data: bytes) -> None:
         bucket, key = self.bucket_key(path)
@@ -57,6 +146,69 @@ class S3Backend(Backend):
             if self._holds(path, url, data):
                 return
             raise conflict_error(url) from e.__cause__
+
+    def replace_if(self, path: str, url: str, data: bytes, expected: bytes) -> None:
+        """One PUT with ``If-Match: <etag>``, the ETag of the very GET that found ``expected``
+        there: a writer that replaced the object in between makes it fail (412), and nothing is
+        replaced. A retry that meets our own object (a first try landed, its answer lost) is
+        success. Ceph RGW compares the ETag without its quotes: a 412 while the object is
+        unchanged makes the next try send it unquoted (and remembers that). A server that refuses
+        every spelling while the object is unchanged gets a plain PUT after the check."""
+        bucket, key = self.bucket_key(path)
+        etag = self._etag_if_holds(bucket, key, url, expected)
+        if etag is None:
+            raise changed_error(url)
+        spellings = [etag, etag.strip('"')] if etag.startswith('"') else [etag]
+        if self._unquoted_if_match:
+            spellings.reverse()
+        for tag in spellings:
+            try:
+                self.call("commit", url, lambda tag=tag: self.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=key, Body=data, IfMatch=tag))
+                self._unquoted_if_match = not tag.startswith('"')
+                return
+            except StorageError as e:
+                if not (isinstance(e, NotFoundError) or _is_precondition_failed(e.__cause__)):
+                    raise
+                if self._holds(path, url, data):
+                    return
+                if self._etag(bucket, key, url) != etag:
+                    raise changed_error(url) from e.__cause__
+        log.warning("%s: the server refused If-Match with the object's own ETag; replacing it "
+                    "after checking its bytes instead", url)
+        self.put(path, url, data)
+
+    def _etag_if_holds(self, bucket: str, key: str, url: str, expected: bytes) -> str | None:
+        """The ETag of the object if it holds exactly ``expected`` (one GET of at most one byte
+        more, the ETag from the same response), else None."""
+        from fsspec.asyn import sync
+
+        async def get() -> tuple[str, bytes]:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                          Range=f"bytes=0-{len(expected)}")
+            body = resp["Body"]
+            try:
+                return resp["ETag"], await body.read()
+            finally:
+                body.close()
+        if not expected:
+            info = self._head(bucket, key, url)
+            return info.get("ETag") if info is not None and info.get("ContentLength") == 0 else None
+        try:
+            etag, got = self.call("read", url, lambda: sync(self.fs.loop, get))
+        except NotFoundError:
+            return None
+        return etag if got == expected else None
+
+    def _head(self, bucket: str, key: str, url: str) -> dict[str, Any] | None:
+        try:
+            return self.call("stat", url, lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=key))
+        except NotFoundError:
+            return None
+
+    def _etag(self, bucket: str, key: str, url: str) -> str | None:
+        info = self._head(bucket, key, url)
+        return None if info is None else info.get("ETag")
 
     def _holds(self, path: str, url: str, data: bytes) -> bool:
         try:
@@ -94,161 +246,4 @@ class S3Backend(Backend):
             pass  # already gone
 
 
-class _S3Upload:
-    """A multipart upload driven by shardckpt: parts retried alone, concurrent, abortable.
-
-    The upload starts with the first full part; a file smaller than one part is a single PUT at
-    close. Parts are uploaded on a small thread pool, at most ``concurrency`` in flight; a failed
-    part fails the next ``write``/``close``, and the caller's abort aborts the upload.
-    """
-
-    def __init__(self, backend: S3Backend, path: str, url: str) -> None:
-        self.backend, self.url = backend, url
-        self.bucket, self.key = backend.bucket_key(path)
-        if not self.key:
-            raise StorageError(f"{self.url}: not an object path")
-        self.base_part = backend.tuning.part_size
-        self.concurrency = max(1, backend.tuning.concurrency)
-        self.buf = bytearray()  # the part being filled: its first ``fill`` bytes
-        self.fill = 0
-        self.upload_id: str | None = None
-        self.create_tries = 0
-        self.started = time.time()
-        self.submitted = 0
-        self.parts: dict[int, dict[str, Any]] = {}
-        self.pending: deque[Future] = deque()
-        self.pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    def _part_size(self) -> int:
-        # S3 allows 10,000 parts: grow the part size as the upload grows (all parts >= 5 MiB)
-        return min(self.base_part << (self.submitted // 1000), 5 << 30)
-
-    def write(self, view: memoryview) -> None:
-        self._raise_failed()
-        pos, n = 0, len(view)
-        while pos < n:
-            if not self.buf:  # one allocation per part, filled in place (no regrowth)
-                self.buf = bytearray(self._part_size())
-            take = min(n - pos, len(self.buf) - self.fill)
-            self.buf[self.fill:self.fill + take] = view[pos:pos + take]
-            self.fill += take
-            pos += take
-            if self.fill == len(self.buf):
-                self._submit(self.buf)
-                self.buf, self.fill = bytearray(), 0
-
-    def _create(self) -> None:
-        def create() -> str:
-            self.create_tries += 1
-            out = self.backend.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
-            self.create_tries += out.get("ResponseMetadata", {}).get("RetryAttempts", 0)  # botocore's
-            return out["UploadId"]
-        self.upload_id = self.backend.call("start upload", self.url, create)
-        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardckpt-upload")
-
-    def _submit(self, data: bytearray) -> None:
-        if self.upload_id is None:
-            self._create()
-        self.submitted += 1
-        number = self.submitted
-        assert self.pool is not None
-        self.pending.append(self.pool.submit(self._upload_part, number, data))
-        while len(self.pending) >= self.concurrency:  # bound memory: wait for the oldest
-            self.pending.popleft().result()
-        self._raise_failed()
-
-    def _upload_part(self, number: int, data: bytearray) -> None:
-        out = self.backend.call(f"upload of part {number}", self.url, lambda: self.backend.fs.call_s3(
-            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
-            PartNumber=number, Body=data))
-        part = {"PartNumber": number, "ETag": out["ETag"]}
-        if "ChecksumSHA256" in out:
-            part["ChecksumSHA256"] = out["ChecksumSHA256"]
-        with self._lock:
-            self.parts[number] = part
-
-    def _raise_failed(self) -> None:
-        for f in self.pending:
-            if f.done() and f.exception() is not None:
-                f.result()
-
-    def close(self, size: int) -> None:
-        fs = self.backend.fs
-        tail = self.buf[:self.fill] if self.fill < len(self.buf) else self.buf
-        self.buf, self.fill = bytearray(), 0
-        if self.upload_id is None:
-            self.backend.call("write", self.url, lambda: fs.call_s3(
-                "put_object", Bucket=self.bucket, Key=self.key, Body=tail))
-            return
-        if tail:
-            self._submit(tail)
-        while self.pending:
-            self.pending.popleft().result()
-        parts = [self.parts[i] for i in range(1, self.submitted + 1)]
-        try:
-            self.backend.call("complete upload", self.url, lambda: fs.call_s3(
-                "complete_multipart_upload", Bucket=self.bucket, Key=self.key,
-                UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
-        except NotFoundError:
-            # NoSuchUpload on a retry (ours or botocore's): did a first try complete it, its
-            # answer lost? Then the object's multipart ETag is the one our parts make.
-            if not self._completed_as(parts, size):
-                raise
-        self.upload_id = None
-        self._shutdown()
-        if self.create_tries > 1:
-            try:
-                self._abort_orphans()
-            except StorageError as e:  # the file is complete; `shardckpt clean` sweeps the rest
-                log.warning("%s: could not abort a stray upload: %s", self.url, e)
-
-    def _completed_as(self, parts: list[dict[str, Any]], size: int) -> bool:
-        try:
-            info = self.backend.call("stat", self.url, lambda: self.backend.fs.call_s3(
-                "head_object", Bucket=self.bucket, Key=self.key))
-        except StorageError:
-            return False
-        digest = hashlib.md5(b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts))
-        etag = f'"{digest.hexdigest()}-{len(parts)}"'
-        return info.get("ContentLength") == size and info.get("ETag") == etag
-
-    def abort(self) -> None:
-        for f in self.pending:
-            f.cancel()
-        wait(list(self.pending))  # running parts end (bounded by the deadline) before the abort
-        self.pending.clear()
-        self._shutdown()
-        self.buf, self.fill = bytearray(), 0
-        if self.upload_id is not None:
-            upload_id, self.upload_id = self.upload_id, None
-            try:
-                self.backend.call("abort upload", self.url, lambda: self.backend.fs.call_s3(
-                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id))
-            except NotFoundError:
-                pass
-            log.info("aborted the multipart upload of %s", self.url)
-        if self.create_tries > 1:  # a lost answer may have left an upload we never heard of
-            self._abort_orphans()
-
-    def _abort_orphans(self) -> None:
-        path, url = f"{self.bucket}/{self.key}", f"s3://{self.bucket}/{self.key}"
-        for u in self.backend.open_uploads(self.bucket, path, url, exact=True):
-            if u.initiated >= self.started - 60:
-                self.backend.abort_upload(f"{self.bucket}/{u.key}", f"s3://{self.bucket}/{u.key}",
-                                          u.upload_id)
-
-    def _shutdown(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
-
-
-# ------------------------------------------------------------------------ multipart uploads
-
-
-@dataclass(frozen=True, slots=True)
-class OpenUpload:
-    key: str          # object path relative to the storage root
-    upload_id: str
-    initiated: float  # POSIX seconds
+__all__ = ["OpenUpload", "S3Backend", "S3_CONFIG_DEFAULTS", "S3FS_RETRIES", "S3Upload"]

@@ -2,7 +2,7 @@
 
 A :class:`StreamWriter` computes the per-chunk CRC32C (and from them the whole-file one) and hands
 the bytes to a sink its backend chose: a local file (fsync on close), an S3 multipart upload
-(:class:`~shardckpt.storage.s3._S3Upload`), or any other fsspec file. A sink is built from its
+(:class:`~shardckpt.storage.s3upload.S3Upload`), or any other fsspec file. A sink is built from its
 backend, the object's full path and its URL (for messages).
 """
 

@@ -1,0 +1,178 @@
+"""S3 multipart uploads that shardckpt drives itself (:class:`S3Upload`), and the uploads left
+open (:class:`OpenUpload`); used by :class:`~shardckpt.storage.s3.S3Backend`."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shardckpt.errors import StorageError
+from shardckpt.storage.retry import NotFoundError
+
+if TYPE_CHECKING:
+    from shardckpt.storage.s3 import S3Backend
+
+log = logging.getLogger(__name__)
+
+
+class S3Upload:
+    """A multipart upload driven by shardckpt: parts retried alone, concurrent, abortable.
+
+    The upload starts with the first full part; a file smaller than one part is a single PUT at
+    close. Parts are uploaded on a small thread pool, at most ``concurrency`` in flight; a failed
+    part fails the next ``write``/``close``, and the caller's abort aborts the upload.
+    """
+
+    def __init__(self, backend: S3Backend, path: str, url: str) -> None:
+        self.backend, self.url = backend, url
+        self.bucket, self.key = backend.bucket_key(path)
+        if not self.key:
+            raise StorageError(f"{self.url}: not an object path")
+        self.base_part = backend.tuning.part_size
+        self.concurrency = max(1, backend.tuning.concurrency)
+        self.buf = bytearray()  # the part being filled: its first ``fill`` bytes
+        self.fill = 0
+        self.upload_id: str | None = None
+        self.create_tries = 0
+        self.started = time.time()
+        self.submitted = 0
+        self.parts: dict[int, dict[str, Any]] = {}
+        self.pending: deque[Future] = deque()
+        self.pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _part_size(self) -> int:
+        # S3 allows 10,000 parts: grow the part size as the upload grows (all parts >= 5 MiB)
+        return min(self.base_part << (self.submitted // 1000), 5 << 30)
+
+    def write(self, view: memoryview) -> None:
+        self._raise_failed()
+        pos, n = 0, len(view)
+        while pos < n:
+            if not self.buf:  # one allocation per part, filled in place (no regrowth)
+                self.buf = bytearray(self._part_size())
+            take = min(n - pos, len(self.buf) - self.fill)
+            self.buf[self.fill:self.fill + take] = view[pos:pos + take]
+            self.fill += take
+            pos += take
+            if self.fill == len(self.buf):
+                self._submit(self.buf)
+                self.buf, self.fill = bytearray(), 0
+
+    def _create(self) -> None:
+        def create() -> str:
+            self.create_tries += 1
+            out = self.backend.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            self.create_tries += out.get("ResponseMetadata", {}).get("RetryAttempts", 0)  # botocore's
+            return out["UploadId"]
+        self.upload_id = self.backend.call("start upload", self.url, create)
+        self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardckpt-upload")
+
+    def _submit(self, data: bytearray) -> None:
+        if self.upload_id is None:
+            self._create()
+        self.submitted += 1
+        number = self.submitted
+        assert self.pool is not None
+        self.pending.append(self.pool.submit(self._upload_part, number, data))
+        while len(self.pending) >= self.concurrency:  # bound memory: wait for the oldest
+            self.pending.popleft().result()
+        self._raise_failed()
+
+    def _upload_part(self, number: int, data: bytearray) -> None:
+        out = self.backend.call(f"upload of part {number}", self.url, lambda: self.backend.fs.call_s3(
+            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
+            PartNumber=number, Body=data))
+        part = {"PartNumber": number, "ETag": out["ETag"]}
+        if "ChecksumSHA256" in out:
+            part["ChecksumSHA256"] = out["ChecksumSHA256"]
+        with self._lock:
+            self.parts[number] = part
+
+    def _raise_failed(self) -> None:
+        for f in self.pending:
+            if f.done() and f.exception() is not None:
+                f.result()
+
+    def close(self, size: int) -> None:
+        fs = self.backend.fs
+        tail = self.buf[:self.fill] if self.fill < len(self.buf) else self.buf
+        self.buf, self.fill = bytearray(), 0
+        if self.upload_id is None:
+            self.backend.call("write", self.url, lambda: fs.call_s3(
+                "put_object", Bucket=self.bucket, Key=self.key, Body=tail))
+            return
+        if tail:
+            self._submit(tail)
+        while self.pending:
+            self.pending.popleft().result()
+        parts = [self.parts[i] for i in range(1, self.submitted + 1)]
+        try:
+            self.backend.call("complete upload", self.url, lambda: fs.call_s3(
+                "complete_multipart_upload", Bucket=self.bucket, Key=self.key,
+                UploadId=self.upload_id, MultipartUpload={"Parts": parts}))
+        except NotFoundError:
+            # NoSuchUpload on a retry (ours or botocore's): did a first try complete it, its
+            # answer lost? Then the object's multipart ETag is the one our parts make.
+            if not self._completed_as(parts, size):
+                raise
+        self.upload_id = None
+        self._shutdown()
+        if self.create_tries > 1:
+            try:
+                self._abort_orphans()
+            except StorageError as e:  # the file is complete; `shardckpt clean` sweeps the rest
+                log.warning("%s: could not abort a stray upload: %s", self.url, e)
+
+    def _completed_as(self, parts: list[dict[str, Any]], size: int) -> bool:
+        try:
+            info = self.backend.call("stat", self.url, lambda: self.backend.fs.call_s3(
+                "head_object", Bucket=self.bucket, Key=self.key))
+        except StorageError:
+            return False
+        digest = hashlib.md5(b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in parts))
+        etag = f'"{digest.hexdigest()}-{len(parts)}"'
+        return info.get("ContentLength") == size and info.get("ETag") == etag
+
+    def abort(self) -> None:
+        for f in self.pending:
+            f.cancel()
+        wait(list(self.pending))  # running parts end (bounded by the deadline) before the abort
+        self.pending.clear()
+        self._shutdown()
+        self.buf, self.fill = bytearray(), 0
+        if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
+            try:
+                self.backend.call("abort upload", self.url, lambda: self.backend.fs.call_s3(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id))
+            except NotFoundError:
+                pass
+            log.info("aborted the multipart upload of %s", self.url)
+        if self.create_tries > 1:  # a lost answer may have left an upload we never heard of
+            self._abort_orphans()
+
+    def _abort_orphans(self) -> None:
+        path, url = f"{self.bucket}/{self.key}", f"s3://{self.bucket}/{self.key}"
+        for u in self.backend.open_uploads(self.bucket, path, url, exact=True):
+            if u.initiated >= self.started - 60:
+                self.backend.abort_upload(f"{self.bucket}/{u.key}", f"s3://{self.bucket}/{u.key}",
+                                          u.upload_id)
+
+    def _shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenUpload:
+    key: str          # object path relative to the storage root
+    upload_id: str
+    initiated: float  # POSIX seconds
