@@ -88,7 +88,8 @@ def _load(side: str, folder: str, world: int, phases: dict[str, Any]) -> Any:
     t0 = time.perf_counter()
     if side == "shardckpt":
         from shardckpt.runtime import ZeroEngine
-        from shardckpt.runtime.hf_load import load_hf, skip_weight_init
+        from shardckpt.runtime.init import skip_weight_init
+        from shardckpt.training.hf_load import load_hf
         from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig.from_hf_config(json.loads(Path(folder, "config.json").read_text()))
@@ -149,9 +150,10 @@ def rank_main(side: str, rank: int, world: int, folder: str, port: int, threads:
         import transformers.models.llama.modeling_llama  # noqa: F401
 
         import shardckpt.runtime.engine  # noqa: F401
-        import shardckpt.runtime.hf_load  # noqa: F401
+        import shardckpt.runtime.init  # noqa: F401
         import shardckpt.runtime.models.llama  # noqa: F401
         import shardckpt.storage  # noqa: F401
+        import shardckpt.training.hf_load  # noqa: F401
 
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

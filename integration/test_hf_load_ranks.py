@@ -88,7 +88,7 @@ def tokens(step: int, rank: int) -> Any:
 
 def _engine(pm: Any, path: str, stage: int = 3) -> Any:
     from shardckpt.runtime import ZeroEngine
-    from shardckpt.runtime.hf_load import skip_weight_init
+    from shardckpt.runtime.init import skip_weight_init
     from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig.from_hf_config(json.loads(Path(path, "config.json").read_text()))
@@ -100,7 +100,7 @@ def _engine(pm: Any, path: str, stage: int = 3) -> Any:
 
 def _stages(pm: Any, folder: str) -> list[str]:
     """Stages 1 and 2 (parameters whole on every rank between steps) load the same weights."""
-    from shardckpt.runtime.hf_load import load_hf
+    from shardckpt.training.hf_load import load_hf
 
     path, problems = f"{folder}/untied-bf16", []
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -138,7 +138,7 @@ def _reference(path: str, world: int) -> Any:
 def _variant(pm: Any, folder: str, name: str, out: str) -> dict[str, Any]:
     from shardckpt.tools.consolidate import consolidate
     from shardckpt.runtime import ShardedAdamW
-    from shardckpt.runtime.hf_load import load_hf
+    from shardckpt.training.hf_load import load_hf
     from shardckpt.runtime.models.llama import causal_lm_loss
     from shardckpt.training.save_load import save
 
@@ -177,7 +177,7 @@ def _variant(pm: Any, folder: str, name: str, out: str) -> dict[str, Any]:
 
 
 def _broken(pm: Any, folder: str) -> dict[str, str]:
-    from shardckpt.runtime.hf_load import load_hf
+    from shardckpt.training.hf_load import load_hf
 
     engine = _engine(pm, f"{folder}/tied-fp32")
     out = {}

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.s3]
 def test_load_and_import_from_s3(moto_server, s3_bucket, tmp_path: Path) -> None:  # noqa: ANN001
     from shardckpt.interop.hf.import_ import import_hf
     from shardckpt.runtime import ZeroEngine
-    from shardckpt.runtime.hf_load import load_hf
+    from shardckpt.training.hf_load import load_hf
     from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
     from shardckpt.training.save_load import load
 

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from shardckpt.runtime import ShardedAdamW, ZeroEngine  # noqa: E402
-from shardckpt.runtime.hf_load import load_hf  # noqa: E402
+from shardckpt.training.hf_load import load_hf  # noqa: E402
 from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss  # noqa: E402
 
 VOCAB = 96
