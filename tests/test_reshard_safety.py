@@ -23,7 +23,7 @@ from shardckpt.errors import CommitConflictError, ConfigError, IntegrityError
 from shardckpt.storage.lease import LEASE_PREFIX
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.tools.reshard import MIN_BUFFER, reshard
-from shardckpt.storage import Storage
+from shardckpt.storage.local import LocalBackend
 from shardckpt.tools.synth import synthesize
 
 PARAMS = 20_000
@@ -206,21 +206,21 @@ def test_race_both_replace_and_the_one_replaced_fails(tmp_path, src, monkeypatch
     reshard(str(src), str(dst), to=2)
     both = threading.Barrier(2, timeout=60)
     a_put, b_put = threading.Event(), threading.Event()
-    real = Storage.put
+    real = LocalBackend.put  # what the local replace_if calls once it has checked
 
-    def put(self, rel, data):
-        if rel != MANIFEST_NAME:
-            return real(self, rel, data)
+    def put(self, path, url, data):
+        if not path.endswith(f"/{MANIFEST_NAME}"):
+            return real(self, path, url, data)
         both.wait()  # both checked that the manifest is the one they began with
         if threading.current_thread().name == "A":
-            real(self, rel, data)
+            real(self, path, url, data)
             a_put.set()
             assert b_put.wait(60)  # A reads back after B replaced it
         else:
             assert a_put.wait(60)
-            real(self, rel, data)
+            real(self, path, url, data)
             b_put.set()
-    monkeypatch.setattr(Storage, "put", put)
+    monkeypatch.setattr(LocalBackend, "put", put)
     out = race(src, dst)
     a, b = out["A"], out["B"]
     assert not isinstance(b, BaseException), b

@@ -66,19 +66,21 @@ def save_id_of(data: bytes | None) -> str:
 
 
 def replace(storage: Storage, data: bytes, expected: bytes, save_id: str) -> None:
-    """Replace ``manifest.json`` with ``data`` if it still holds ``expected``, then read it back.
+    """Replace ``manifest.json`` with ``data`` if it still holds ``expected``
+    (:meth:`Storage.replace_if`: on S3 a PUT with ``If-Match``), then read it back.
 
     Before: if another save replaced or removed the manifest meanwhile, nothing is replaced (its
     checkpoint stays). After: if a concurrent writer replaced it in between, this save lost:
     :class:`CommitConflictError` says which save holds the checkpoint.
     """
     url = storage.url_of(MANIFEST_NAME)
-    now = current_manifest(storage)
-    if now != expected:
+    try:
+        storage.replace_if(MANIFEST_NAME, data, expected)
+    except CommitConflictError as e:
+        now = current_manifest(storage)
         raise CommitConflictError(
             f"{url} changed while save {save_id} was written (it now holds {save_id_of(now)}); "
-            "nothing was replaced", url)
-    storage.put(MANIFEST_NAME, data)
+            "nothing was replaced", url) from e
     after = current_manifest(storage)
     if after != data:
         raise CommitConflictError(
