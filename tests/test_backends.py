@@ -271,6 +271,10 @@ class ToyBackend(Backend):
         fs = MemoryFileSystem(skip_instance_cache=True)
         return cls(fs, options.retry, options.tuning), "/toy/" + url.split("://", 1)[1]
 
+    @classmethod
+    def fresh_listings(cls, raw: Any) -> dict[str, Any]:
+        return {"colour": "fresh", **raw}
+
     def classify(self, error: BaseException) -> Any:
         return "retry" if isinstance(error, LookupError) else super().classify(error)
 
@@ -312,3 +316,13 @@ def test_schemes_outside_the_table_get_the_generic_backend(tmp_path: Path) -> No
     assert st.read("m.json") == b"2"
     with pytest.raises(CommitConflictError):
         st.replace_if("m.json", b"3", b"1")
+
+
+def test_the_watcher_asks_the_backend_for_fresh_listings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardckpt.watch.service import _fresh_listings
+
+    assert _fresh_listings("s3://b/run", {"key": "k"}) == {"use_listings_cache": False, "key": "k"}
+    assert _fresh_listings("s3a://b/run", {"use_listings_cache": True}) == {"use_listings_cache": True}
+    assert _fresh_listings("/tmp/run", {}) == {} and _fresh_listings("memory://run", {}) == {}
+    monkeypatch.setitem(BACKENDS, "toy", ToyBackend)
+    assert _fresh_listings("toy://run", {"a": 1}) == {"colour": "fresh", "a": 1}

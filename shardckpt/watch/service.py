@@ -53,7 +53,7 @@ from shardckpt.watch import steps as watch_steps
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.errors import ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
-from shardckpt.storage import Storage
+from shardckpt.storage import Storage, backend_class
 from shardckpt.watch.config import Pipeline, StepSpec
 from shardckpt.watch.records import checkpoint_step, printable
 
@@ -313,7 +313,5 @@ def _one_line(e: BaseException) -> str:
 
 
 def _fresh_listings(url: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """A watcher polls: object-store listings must not come from fsspec's listing cache."""
-    if url.startswith(("s3://", "s3a://")):
-        return {"use_listings_cache": False, **opts}
-    return opts
+    """A watcher polls: listings must not come from a cache (the backend says how to ask)."""
+    return backend_class(url).fresh_listings(opts)
