@@ -40,9 +40,12 @@ class CheckpointReader:
     every tool, not only by ``verify``.
     """
 
-    def __init__(self, location: "str | Storage", storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
+                 manifest: Manifest | None = None) -> None:
+        """``manifest``: the checkpoint's manifest, already read and parsed (by another process
+        of the same work, which passes it on), so that it is not read again."""
         self.storage = as_storage(location, storage_options)
-        self.manifest = read_manifest(self.storage)
+        self.manifest = manifest if manifest is not None else read_manifest(self.storage)
         m = self.manifest
         self.slots = {s.name: s for s in shard_slots(m.components, m.mesh, m.version)}
         self.buffer_slots = {s.name: s for s in buffer_slots(m.components)}

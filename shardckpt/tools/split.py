@@ -1,18 +1,19 @@
 """How the processes of a job split the output files: by bytes, the same way on every process.
 
-Pure: no I/O. Every process of a ``torchrun`` job (and every ``--workers`` process) computes the
-same split from the same manifest, so no process has to send the plan to the others.
+Pure: no I/O. Every process of a ``torchrun`` job computes the same split from the same manifest,
+so no process has to send the plan to the others.
 """
 
 from __future__ import annotations
 
-import heapq
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
+from shardckpt.checkpoint.job import balance
 from shardckpt.format.dtypes import itemsize
-
-from shardckpt.format.reshard_plan import ReshardPlan
 from shardckpt.format.manifest import shard_slots
+from shardckpt.format.reshard_plan import ReshardPlan
+
+__all__ = ["balance", "contiguous_split", "shard_bytes"]
 
 if TYPE_CHECKING:
     from shardckpt.checkpoint.writer import CheckpointSpec
@@ -31,20 +32,6 @@ def shard_bytes(spec: "CheckpointSpec", plans: Mapping[str, ReshardPlan]) -> lis
         for c in plan.copies:
             read[c.dst_shard] += c.numel * per_elem.get(c.dst_group, 0)
     return [(r, written) for r in read]
-
-
-def balance(costs: Sequence[int], k: int) -> list[list[int]]:
-    """Split items ``0..len(costs)-1`` into ``k`` lists of about equal total cost: the largest
-    item first, each to the least loaded list (ties: the lower index); each list sorted. Pure."""
-    loads = [(0, 0, w) for w in range(k)]  # (load, items, list index), a heap
-    heapq.heapify(loads)
-    out: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, n, w = heapq.heappop(loads)
-        out[w].append(i)
-        heapq.heappush(loads, (load + costs[i], n + 1, w))
-    return [sorted(x) for x in out]
-
 
 
 def contiguous_split(costs: list[int], k: int) -> list[range]:
