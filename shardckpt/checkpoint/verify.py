@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from shardckpt.errors import (
     ShardckptError, StorageError,
@@ -14,6 +14,7 @@ from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
 from shardckpt.format.manifest import (
     FileEntry, Manifest, buffer_slots, chunked_slots, shard_slots,
 )
+from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage, check_header, read_manifest
 from shardckpt.storage import NotFoundError, Storage, crc32c, iter_file_chunks
 
@@ -26,6 +27,14 @@ class FileReport:
     size: int
     ok: bool
     problems: tuple[str, ...]
+
+    def to_doc(self) -> list[Any]:
+        return [self.path, self.size, self.ok, list(self.problems)]
+
+    @classmethod
+    def from_doc(cls, doc: Sequence[Any]) -> "FileReport":
+        path, size, ok, problems = doc
+        return cls(path, size, ok, tuple(problems))
 
 
 @dataclass(frozen=True)
@@ -49,27 +58,47 @@ class VerifyResult:
         return self.ok
 
 
+def manifest_or_error(storage: Storage) -> "Manifest | ShardckptError":
+    """:func:`read_manifest` of ``storage``, or the error that gave (a finding of ``verify``)."""
+    try:
+        return read_manifest(storage)
+    except ShardckptError as e:
+        return e
+
+
 def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
            workers: int = 4, progress: Callable[[int], None] | None = None,
            manifest: "Manifest | ShardckptError | None" = None,
-           paths: "Collection[str] | None" = None) -> VerifyResult:
+           job: Job | None = None) -> VerifyResult:
     """Check every file against the manifest: presence, size, whole and per-chunk CRC32C, header.
 
     Never stops at the first problem. ``progress(nbytes)`` is called as bytes are checked.
     Memory is bounded by the chunk size times ``workers``. ``manifest``: the manifest already
-    read by the caller with :func:`read_manifest` (or the error that gave), so that it is not
-    read twice. ``paths``: check only these of the manifest's files (a ``torchrun`` job's share:
-    :func:`shardckpt.tools.distributed.verify_job` splits the files over the job's processes).
+    read by the caller (:func:`manifest_or_error`: or the error that gave), so that it is not
+    read twice.
+
+    Every process of ``job`` (one process alone: a job of one) calls it and checks its share of
+    the files (balanced by bytes); the processes must have read the same manifest, and every
+    process gets every file's report, in manifest order.
     """
+    job = job or Job.single()
     storage = as_storage(location, storage_options)
-    if manifest is None:
-        try:
-            manifest = read_manifest(storage)
-        except ShardckptError as e:
-            manifest = e
-    if isinstance(manifest, ShardckptError):
-        return VerifyResult(storage.url, None, (), (str(manifest),))
-    m = manifest
+    m = job.open(lambda: manifest if manifest is not None else manifest_or_error(storage),
+                 lambda m: "" if isinstance(m, ShardckptError) else m.save_id, storage.url,
+                 "verify: reading the manifest")
+    if isinstance(m, ShardckptError):
+        return VerifyResult(storage.url, None, (), (str(m),))
+    mine = [m.files[i] for i in job.share([f.size for f in m.files])]
+    _, parts = job.gather(lambda: _check_files(storage, m, mine, workers, progress),
+                          lambda reports: [r.to_doc() for r in reports], "verify: checking the files")
+    found = {r.path: r for part in parts for r in map(FileReport.from_doc, part)}
+    reports = tuple(found[f.path] for f in m.files)
+    return VerifyResult(storage.url, m, reports, tuple(p for r in reports for p in r.problems))
+
+
+def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], workers: int,
+                 progress: Callable[[int], None] | None) -> list[FileReport]:
+    """The report of each of ``files``, checked over ``workers`` threads."""
     expected = {"shard": shard_slots(m.components, m.mesh, m.version), "buffers": buffer_slots(m.components)}
     expected.update({f.path: chunked_slots(m, f.path) for f in m.files if f.role == CHUNKS_ROLE})
 
@@ -112,5 +141,4 @@ def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None 
         return FileReport(entry.path, entry.size, not problems, tuple(problems))
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        reports = tuple(pool.map(check, [f for f in m.files if paths is None or f.path in paths]))
-    return VerifyResult(storage.url, m, reports, tuple(p for r in reports for p in r.problems))
+        return list(pool.map(check, files))

@@ -50,9 +50,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.chunked_read import ChunkedPieces
+from shardckpt.checkpoint.job import Job, open_readers
 from shardckpt.checkpoint.pieces import PieceReader, cast_bytes
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 from shardckpt.errors import ConfigError, ShardckptError
+from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.interop.hf.files import CONFIG, WEIGHT_NAME, config_bytes, copy_files, files_to_copy
 from shardckpt.storage import DEFAULT_BUFFER, Storage
@@ -61,8 +63,9 @@ from shardckpt.tools.consolidate_plan import (
 )
 
 __all__ = [
-    "MODEL_INDEX", "OPTIMIZER_INDEX", "PROVENANCE", "ConsolidateResult", "Target", "commit_target",
-    "consolidate", "piece_reader", "prepare_target", "result_of", "write_consolidation",
+    "MODEL_INDEX", "OPTIMIZER_INDEX", "PROVENANCE", "ConsolidateResult", "Installed", "OutputNames",
+    "Target", "commit_target", "consolidate", "piece_reader", "prepare_target", "result_of",
+    "write_consolidation",
 ]
 
 log = logging.getLogger(__name__)
@@ -204,11 +207,52 @@ def piece_reader(reader: CheckpointReader, buffer_bytes: int) -> Any:
     return PieceReader([reader], buffer_bytes)
 
 
+@dataclass(frozen=True)
+class OutputNames:
+    """The names rank 0 chose for the output files (what every process writes under)."""
+
+    token: str
+    model: tuple[str, ...]
+    optimizer: tuple[str, ...]
+
+    @classmethod
+    def of(cls, target: Target) -> "OutputNames":
+        return cls(target.token, tuple(f.name for f in target.model_files),
+                   tuple(f.name for f in target.opt_files))
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"token": self.token, "model": list(self.model), "opt": list(self.optimizer)}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> "OutputNames":
+        return cls(doc["token"], tuple(doc["model"]), tuple(doc["opt"]))
+
+    def target(self, storage: Storage, plan: ConsolidationPlan) -> Target:
+        """The target of a process other than rank 0: the names alone (rank 0 commits)."""
+        def named(files: Sequence[OutFile], names: Sequence[str]) -> tuple[OutFile, ...]:
+            return tuple(dataclasses.replace(f, name=n) for f, n in zip(files, names))
+
+        return Target(storage, [], self.token, named(plan.files, self.model),
+                      named(plan.optimizer_files, self.optimizer), None, [])
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What one process wrote: weight-file bytes written, source bytes read."""
+
+    written: int
+    read: int
+
+    def to_doc(self) -> dict[str, int]:
+        return {"written": self.written, "read": self.read}
+
+
 def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
                         overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                         buffer_bytes: int = DEFAULT_BUFFER,
                         progress: Callable[[int], None] | None = None,
-                        copy_from: "str | Storage | None" = None) -> ConsolidateResult:
+                        copy_from: "str | Storage | None" = None,
+                        job: Job | None = None) -> ConsolidateResult:
     """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
 
     Refuses a DST holding weights or an index unless ``overwrite``; other files (a README,
@@ -217,17 +261,41 @@ def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: 
     removed: a kill at any point leaves the old consolidation loadable or the new one complete.
     ``config.json`` is written from the manifest's ``hf_config``; ``copy_from`` names a model
     folder whose tokenizer and generation files (and ``config.json``, if the checkpoint has
-    none) are copied. On failure, every weight file this run wrote is removed. Under
-    ``torchrun``, :func:`shardckpt.tools.distributed.consolidate_job` splits the weight files over
-    the job's processes.
+    none) are copied. On failure, every weight file this run wrote is removed.
+
+    Every process of ``job`` (one process alone: a job of one) calls it: rank 0 guards DST and
+    names the files; each process writes its share of the weight files (balanced by bytes read
+    and written); rank 0 writes the index, which commits DST, once every file is written.
     """
+    job = job or Job.single()
     t0 = time.perf_counter()
-    target = prepare_target(reader, plan, dst, overwrite, storage_options, copy_from)
+    storage = as_storage(dst, storage_options)
+    prepared, said = job.gather(
+        lambda: prepare_target(reader, plan, storage, overwrite, storage_options, copy_from),
+        lambda t: OutputNames.of(t).to_doc(), "consolidate: preparing the destination",
+        root_only=True)
+    target = prepared or OutputNames.from_doc(said[0]).target(storage, plan)
+    files = target.model_files + target.opt_files
+    costs = [f.size + sum(t.numel * itemsize(t.source.dtype) for t in f.tensors) for f in files]
+    mine = [files[i] for i in job.share(costs)]
     engine = piece_reader(reader, buffer_bytes)
-    written = _install(target.storage, target.model_files + target.opt_files, engine, target.token,
-                       progress)
-    commit_target(reader, plan, target)
-    return result_of(reader, plan, target, engine.bytes_read, written, t0)
+    installed: list[OutFile] = []
+
+    def write() -> Installed:
+        written = _install(storage, mine, engine, target.token, progress)
+        installed.extend(mine)
+        return Installed(written, engine.bytes_read)
+
+    try:
+        _, reports = job.gather(write, Installed.to_doc, "consolidate: writing the weight files")
+    except BaseException:
+        # written here, not committed (another process failed); a failed install removed its own
+        _remove_quietly(storage, [f.name for f in installed])
+        raise
+    job.on_root(lambda: commit_target(reader, plan, target), "consolidate: committing")
+    done = [Installed(**r) for r in reports]
+    return result_of(reader, plan, target, sum(d.read for d in done),
+                     sum(d.written for d in done), t0)
 
 
 def commit_target(reader: CheckpointReader, plan: ConsolidationPlan, target: Target) -> None:
@@ -278,10 +346,14 @@ def consolidate(src: "str | CheckpointReader", dst: "str | Storage", dtype: str 
                 optimizer: bool = False, storage_options: Mapping[str, Any] | None = None,
                 buffer_bytes: int = DEFAULT_BUFFER, progress: Callable[[int], None] | None = None,
                 overwrite: bool = False, copy_from: "str | Storage | None" = None,
-                prefix: str = "model.") -> ConsolidateResult:
-    """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module doc)."""
-    reader = src if isinstance(src, CheckpointReader) else CheckpointReader(src, storage_options)
+                prefix: str = "model.", job: Job | None = None) -> ConsolidateResult:
+    """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module
+    doc): the source opened once (unless ``src`` is a reader already), planned, then
+    :func:`write_consolidation`."""
+    job = job or Job.single()
+    reader = src if isinstance(src, CheckpointReader) else open_readers(
+        job, [src], storage_options, "consolidate: opening the source")[0]
     plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, reader.url,
                               prefix)
     return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes, progress,
-                               copy_from)
+                               copy_from, job)

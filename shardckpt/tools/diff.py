@@ -25,10 +25,11 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from shardckpt.checkpoint.job import Job, open_readers
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.format.chunked import iter_pairs
 from shardckpt.checkpoint.chunked_read import read_blob, read_box
@@ -36,6 +37,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import Component, Manifest
 from shardckpt.checkpoint.pieces import PieceReader, Source, decode
 from shardckpt.storage import DEFAULT_BUFFER
+from shardckpt.tools.split import contiguous_split
 
 ONLY_A, ONLY_B, MISMATCH, DIFFERENT = "only_a", "only_b", "mismatch", "different"
 
@@ -205,23 +207,68 @@ def compare_bytes(a: bytes, b: bytes, dtype_a: str, dtype_b: str) -> tuple[int, 
     return n, float(d.max())
 
 
+@dataclass(frozen=True)
+class DiffPart:
+    """What one process compared: its pairs (or the chunked tensors and blobs)."""
+
+    compared: int
+    identical: int
+    elements: int
+    bytes_read: int
+    differences: tuple[TensorDiff, ...]
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"compared": self.compared, "identical": self.identical, "elements": self.elements,
+                "read": self.bytes_read, "diffs": [d.to_dict() for d in self.differences]}
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> "DiffPart":
+        diffs = tuple(TensorDiff(**{**d, "max_abs_diff": float(d["max_abs_diff"])})
+                      for d in doc["diffs"])
+        return cls(doc["compared"], doc["identical"], doc["elements"], doc["read"], diffs)
+
+
 def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None = None,
              buffer_bytes: int = DEFAULT_BUFFER,
              progress: Callable[[int], None] | None = None,
-             chunked: bool = True) -> DiffResult:
-    """Compare every planned pair in aligned pieces; ``progress(nbytes)`` as pieces are compared.
+             job: Job | None = None) -> DiffResult:
+    """Compare every planned pair in aligned pieces, then the chunked tensors and blobs;
+    ``progress(nbytes)`` as pieces are compared.
 
-    ``chunked``: also compare the chunked tensors and blobs. Under ``torchrun``,
-    :func:`shardckpt.tools.distributed.diff_job` splits the pairs over the job's processes."""
+    Every process of ``job`` (one process alone: a job of one) calls it and compares a run of
+    the planned pairs (balanced by bytes); rank 0 compares the chunked tensors too. Every
+    process gets the whole result."""
+    job = job or Job.single()
     t0 = time.perf_counter()
     plan = plan or plan_diff(ra.manifest, rb.manifest)
+    costs = [c.numel * (itemsize(c.a.dtype) + itemsize(c.b.dtype)) for c in plan.comparisons]
+    mine = [plan.comparisons[i] for i in contiguous_split(costs, job.world_size)[job.rank]]
+    chunked = ra.manifest.chunked is not None or rb.manifest.chunked is not None
+
+    def compare() -> list[dict[str, Any]]:
+        parts = [_compare_pairs(ra, rb, mine, buffer_bytes, progress)]
+        if job.is_root and chunked:
+            parts.append(_chunked_diff(ra, rb, buffer_bytes, progress))
+        return [p.to_doc() for p in parts]
+
+    parts = [DiffPart.from_doc(d) for r in job.agree(compare, "diff: comparing") for d in r]
+    differences = tuple(d for p in parts for d in p.differences) + plan.one_sided
+    return DiffResult(ra.url, rb.url, not differences and not plan.metadata,
+                      sum(p.compared for p in parts), sum(p.identical for p in parts),
+                      differences, plan.metadata, sum(p.bytes_read for p in parts),
+                      time.perf_counter() - t0, sum(p.elements for p in parts))
+
+
+def _compare_pairs(ra: CheckpointReader, rb: CheckpointReader, comparisons: Sequence[Comparison],
+                   buffer_bytes: int, progress: Callable[[int], None] | None) -> DiffPart:
+    """Compare ``comparisons`` in aligned pieces read from both sides."""
     engine = PieceReader([ra, rb], buffer_bytes)
-    stats = [[0, 0.0] for _ in plan.comparisons]
-    items = [(c.numel, (c.a, c.b)) for c in plan.comparisons]
+    stats = [[0, 0.0] for _ in comparisons]
+    items = [(c.numel, (c.a, c.b)) for c in comparisons]
     pieces = engine.pieces(items)
     try:
         for p in pieces:
-            c = plan.comparisons[p.index]
+            c = comparisons[p.index]
             n, mx = compare_bytes(p.data[0], p.data[1], c.a.dtype, c.b.dtype)
             s = stats[p.index]
             s[0] += n
@@ -231,27 +278,18 @@ def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None =
     finally:
         pieces.close()  # type: ignore[attr-defined]
     diffs: list[TensorDiff] = []
-    for c, (n, mx) in zip(plan.comparisons, stats):
+    for c, (n, mx) in zip(comparisons, stats):
         if n or c.a.dtype != c.b.dtype:
             detail = f"dtype {c.a.dtype} vs {c.b.dtype}" if c.a.dtype != c.b.dtype else ""
             diffs.append(TensorDiff(c.component, c.name, c.kind, DIFFERENT, c.numel, int(n), float(mx), detail))
-    compared, elements, nbytes = len(plan.comparisons), sum(c.numel for c in plan.comparisons), 0
-    identical = compared - len(diffs)
-    if chunked and (ra.manifest.chunked is not None or rb.manifest.chunked is not None):
-        more, n_cmp, n_same, n_el, nbytes = _chunked_diff(ra, rb, buffer_bytes, progress)
-        diffs += more
-        compared, identical, elements = compared + n_cmp, identical + n_same, elements + n_el
-    differences = tuple(diffs) + plan.one_sided
-    return DiffResult(ra.url, rb.url, not differences and not plan.metadata, compared, identical,
-                      differences, plan.metadata, engine.bytes_read + nbytes,
-                      time.perf_counter() - t0, elements)
+    return DiffPart(len(comparisons), len(comparisons) - len(diffs),
+                    sum(c.numel for c in comparisons), engine.bytes_read, tuple(diffs))
 
 
 def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
-                  progress: Callable[[int], None] | None) -> tuple[list[TensorDiff], int, int, int, int]:
+                  progress: Callable[[int], None] | None) -> DiffPart:
     """Chunked tensors matched by FQN, compared on the boxes both sides' chunks share (in bands
-    of at most half the buffer per side), and blobs matched by key, compared as opaque bytes.
-    Returns (differences, compared, identical, elements, bytes)."""
+    of at most half the buffer per side), and blobs matched by key, compared as opaque bytes."""
     sa, sb = ra.manifest.chunked, rb.manifest.chunked
     ta, tb = (dict(sa.tensors) if sa else {}), (dict(sb.tensors) if sb else {})
     diffs: list[TensorDiff] = []
@@ -283,13 +321,19 @@ def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
         nbytes += len(xa) + len(xb)
         if xa != xb:
             diffs.append(TensorDiff("chunked", key, "blob", DIFFERENT, detail="opaque bytes differ"))
-    return diffs, compared, compared - len([d for d in diffs if d.status == DIFFERENT]), elements, nbytes
+    return DiffPart(compared, compared - len([d for d in diffs if d.status == DIFFERENT]), elements,
+                    nbytes, tuple(diffs))
 
 
 def diff(a: "str | CheckpointReader", b: "str | CheckpointReader",
          storage_options: Mapping[str, Any] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
-         progress: Callable[[int], None] | None = None) -> DiffResult:
-    """Compare checkpoints ``a`` and ``b`` by content (see the module doc)."""
-    ra = a if isinstance(a, CheckpointReader) else CheckpointReader(a, storage_options)
-    rb = b if isinstance(b, CheckpointReader) else CheckpointReader(b, storage_options)
-    return run_diff(ra, rb, plan_diff(ra.manifest, rb.manifest), buffer_bytes, progress)
+         progress: Callable[[int], None] | None = None, job: Job | None = None) -> DiffResult:
+    """Compare checkpoints ``a`` and ``b`` by content (see the module doc): each opened once
+    (unless it is a reader already), planned, then :func:`run_diff`."""
+    job = job or Job.single()
+    urls = [x for x in (a, b) if not isinstance(x, CheckpointReader)]
+    opened = iter(open_readers(job, urls, storage_options, "diff: opening the checkpoints")
+                  if urls else [])
+    ra = a if isinstance(a, CheckpointReader) else next(opened)
+    rb = b if isinstance(b, CheckpointReader) else next(opened)
+    return run_diff(ra, rb, plan_diff(ra.manifest, rb.manifest), buffer_bytes, progress, job)

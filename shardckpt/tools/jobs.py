@@ -1,11 +1,13 @@
 """The offline commands as one call each: open the inputs, plan, run alone or as a ``torchrun`` job.
 
-Each ``run_*`` function opens what its command reads once, learns from the plan how many bytes
-the work moves, and opens the caller's progress display with that total (``progress(total)``, a
-context manager that yields the per-byte callback) where one process does all the work. Under
-``torchrun`` (``job`` from :func:`shardckpt.tools.distributed.job_from_environment`) every process
-calls the same function and does its share; no progress is shown there. Errors are raised as the
-tools raise them.
+Each ``run_*`` function opens what its command reads once (the source's reader and plan, the
+destination's storage) and passes them down to the tool's one flow, a job of one process alone or
+the processes of a ``torchrun`` job (``job`` from
+:func:`shardckpt.tools.distributed.job_from_environment`: every process calls the same function,
+opens its inputs and does its share). It learns from the plan how many bytes the work moves and
+opens the caller's progress display with that total (``progress(total)``, a context manager that
+yields the per-byte callback) where one process does all the work; no progress is shown in a
+job. Errors are raised as the tools raise them.
 
 Heavy modules (numpy for consolidate and diff, torch for a job) are imported by the functions
 that need them, so that a command loads only what it uses.
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
     from shardckpt.tools.consolidate import ConsolidateResult
     from shardckpt.tools.diff import DiffResult
-    from shardckpt.tools.distributed import Job
+    from shardckpt.checkpoint.job import Job
     from shardckpt.tools.reshard import ReshardResult
 
 Tick = Callable[[int], None]
@@ -44,42 +46,40 @@ def describe(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, A
 def run_reshard(src: str, dst: str, to: int, from_: int | None, replicate: int, workers: int,
                 overwrite: bool, storage_options: Mapping[str, Any] | None, buffer_bytes: int,
                 job: "Job | None", progress: OpenProgress) -> "ReshardResult":
-    """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst``; its total is the bytes of
-    the source, shown where one process reshards alone (``workers`` 1, no job)."""
-    from shardckpt.tools import reshard as rs
+    """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst``: the source opened and
+    planned once, the destination opened once; its total is the bytes of the source, shown
+    where one process reshards alone (``workers`` 1, no job). Under ``torchrun`` the job's
+    processes split the target files, and ``workers`` is not used."""
+    from shardckpt.checkpoint.job import Job
+    from shardckpt.checkpoint.reader import as_storage
+    from shardckpt.errors import ConfigError
+    from shardckpt.tools.reshard import open_source, write_reshard
 
-    if job is not None:
-        from shardckpt.tools.distributed import reshard_job
-
-        return reshard_job(job, src, dst, to, from_, replicate, overwrite, storage_options, None,
-                           buffer_bytes, _ignore)
-    if workers != 1:  # worker processes report no progress; reshard refuses workers < 1
-        return rs.reshard(src, dst, to, from_, replicate, workers, overwrite, storage_options,
-                          buffer_bytes=buffer_bytes, progress=_ignore)
-    reader, _ = rs.open_source(src, to, from_, replicate, storage_options, buffer_bytes)
-    with progress(reader.manifest.total_bytes) as tick:
-        return rs.reshard(src, dst, to, from_, replicate, workers, overwrite, storage_options,
-                          buffer_bytes=buffer_bytes, progress=tick)
+    if job is None and workers < 1:
+        raise ConfigError(f"--workers {workers}: must be >= 1")
+    alone = job is None
+    job = job or Job.single()
+    source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job)
+    out = as_storage(dst, storage_options)
+    if not alone or workers != 1:  # worker processes and a job's processes report no progress
+        return write_reshard(source, out, overwrite, workers if alone else 1, buffer_bytes,
+                             _ignore, job)
+    with progress(source.reader.manifest.total_bytes) as tick:
+        return write_reshard(source, out, overwrite, 1, buffer_bytes, tick, job)
 
 
 def run_verify(url: str, storage_options: Mapping[str, Any] | None, workers: int,
                job: "Job | None", progress: OpenProgress) -> "VerifyResult":
     """:func:`shardckpt.checkpoint.verify.verify` of the checkpoint at ``url``, its manifest read
     once; a manifest that cannot be read is the result's problem, not an exception."""
-    from shardckpt.checkpoint.reader import as_storage, read_manifest
-    from shardckpt.checkpoint.verify import verify
+    from shardckpt.checkpoint.reader import as_storage
+    from shardckpt.checkpoint.verify import manifest_or_error, verify
     from shardckpt.errors import ShardckptError
 
     storage = as_storage(url, storage_options)
-    m: Any
-    try:
-        m = read_manifest(storage)
-    except ShardckptError as e:
-        m = e
+    m = manifest_or_error(storage)
     if job is not None:
-        from shardckpt.tools.distributed import verify_job
-
-        return verify_job(job, storage, workers, _ignore, m)
+        return verify(storage, workers=workers, progress=_ignore, manifest=m, job=job)
     with progress(0 if isinstance(m, ShardckptError) else m.total_bytes) as tick:
         return verify(storage, workers=workers, progress=tick, manifest=m)
 
@@ -88,40 +88,40 @@ def run_consolidate(src: str, dst: str, dtype: str, max_shard_size: int, compone
                     prefix: str, optimizer: bool, overwrite: bool, copy_from: str | None,
                     storage_options: Mapping[str, Any] | None, buffer_bytes: int,
                     job: "Job | None", progress: OpenProgress) -> "ConsolidateResult":
-    """:func:`shardckpt.tools.consolidate.write_consolidation` of ``src`` into ``dst``; its total
-    is the bytes the plan reads."""
-    from shardckpt.checkpoint.reader import CheckpointReader
+    """:func:`shardckpt.tools.consolidate.write_consolidation` of ``src`` into ``dst``, the source
+    opened and planned once; its total is the bytes the plan reads."""
+    from shardckpt.checkpoint.job import Job, open_readers
     from shardckpt.tools.consolidate import write_consolidation
     from shardckpt.tools.consolidate_plan import plan_consolidation
 
-    reader = CheckpointReader(src, storage_options)
+    alone = job is None
+    job = job or Job.single()
+    reader, = open_readers(job, [src], storage_options, "consolidate: opening the source")
     plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, src,
                               prefix)
-    if job is not None:
-        from shardckpt.tools.distributed import consolidate_job
-
-        return consolidate_job(job, reader, plan, dst, overwrite, storage_options, buffer_bytes,
-                               _ignore, copy_from)
+    if not alone:
+        return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes,
+                                   _ignore, copy_from, job)
     with progress(plan.source_bytes) as tick:
         return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes,
-                                   tick, copy_from)
+                                   tick, copy_from, job)
 
 
 def run_diff(a: str, b: str, storage_options: Mapping[str, Any] | None, buffer_bytes: int,
              job: "Job | None", progress: OpenProgress) -> "DiffResult":
-    """:func:`shardckpt.tools.diff.run_diff` of ``a`` and ``b``; its total is the bytes the plan
-    compares."""
-    from shardckpt.checkpoint.reader import CheckpointReader
+    """:func:`shardckpt.tools.diff.run_diff` of ``a`` and ``b``, each opened once; its total is
+    the bytes the plan compares."""
+    from shardckpt.checkpoint.job import Job, open_readers
     from shardckpt.tools import diff as df
 
-    ra, rb = CheckpointReader(a, storage_options), CheckpointReader(b, storage_options)
+    alone = job is None
+    job = job or Job.single()
+    ra, rb = open_readers(job, [a, b], storage_options, "diff: opening the checkpoints")
     plan = df.plan_diff(ra.manifest, rb.manifest)
-    if job is not None:
-        from shardckpt.tools.distributed import diff_job
-
-        return diff_job(job, ra, rb, plan, buffer_bytes, _ignore)
+    if not alone:
+        return df.run_diff(ra, rb, plan, buffer_bytes, _ignore, job)
     with progress(plan.total_bytes) as tick:
-        return df.run_diff(ra, rb, plan, buffer_bytes, tick)
+        return df.run_diff(ra, rb, plan, buffer_bytes, tick, job)
 
 
 def run_import(importer: Callable[..., "Manifest"], *args: Any, job: "Job | None",
