@@ -376,8 +376,10 @@ class Checkpointer:
                       and not per_rank.get("dropped_from_world_size"))
 
         def rank_state() -> tuple[dict[str, Any] | None]:  # a tuple: not sent to the peers
-            return (None if not same_world else read_rank_state(
-                CheckpointReader(url, self.storage_options), self.rank),)
+            if not same_world:
+                return (None,)
+            reader = res.reader or CheckpointReader(url, self.storage_options)  # chunked: reopen
+            return (read_rank_state(reader, self.rank),)
 
         # every rank reads its own file: agree, so that a damaged one fails all ranks alike
         held, _ = agree(rank_state, f"load of per-rank state from {url}")

@@ -11,7 +11,7 @@ are re-derived. Every rank raises the same error if any rank fails.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Protocol
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
@@ -270,11 +270,16 @@ class LoadResult:
     mismatched: tuple[str, ...]
     manifest: Manifest
     bytes_read: int
+    #: The reader the load read through (this rank's), for what the caller reads next (per-rank
+    #: state) without opening the checkpoint again; None for chunked tensors.
+    reader: CheckpointReader | None = field(default=None, compare=False, repr=False)
 
 
-def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = False,
-         storage_options: Mapping[str, Any] | None = None, group: Any = None) -> LoadResult:
-    """Load ``url`` into ``model`` on every rank, whatever world size, mesh or unit policy wrote it.
+def load(model: Sharded, url: "str | CheckpointReader", strict: bool = True,
+         weights_only: bool = False, storage_options: Mapping[str, Any] | None = None,
+         group: Any = None) -> LoadResult:
+    """Load ``url`` (or an open reader of it) into ``model`` on every rank, whatever world size,
+    mesh or unit policy wrote it; each rank opens it once.
 
     ``strict`` (default) refuses missing, unexpected or reshaped parameters, listing all of them
     in one error; otherwise what matches is loaded and the lists are returned. ``weights_only``
@@ -286,7 +291,8 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
     counter: dict[str, Any] = {"bytes": 0}
 
     def work() -> dict[str, Any]:
-        reader = CheckpointReader(url, storage_options)
+        reader = counter["reader"] = (url if isinstance(url, CheckpointReader)
+                                      else CheckpointReader(url, storage_options))
         m = counter["manifest"] = reader.manifest
         if "model" not in m.components and m.chunked is not None:
             return {"chunked": True}  # saved through DCP: load_chunked, below, on every rank
@@ -342,16 +348,17 @@ def load(model: Sharded, url: str, strict: bool = True, weights_only: bool = Fal
         return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
                 "mismatched": list(plan.mismatched), "save_id": m.save_id}
 
-    out, _ = agree(work, f"load of {url}", group)
+    where = url.url if isinstance(url, CheckpointReader) else url
+    out, _ = agree(work, f"load of {where}", group)
     assert out is not None
     if out.get("chunked"):
         from shardckpt.training.chunked_load import load_chunked
 
-        m = load_chunked(model, url, storage_options, strict=strict, weights_only=weights_only,
+        m = load_chunked(model, where, storage_options, strict=strict, weights_only=weights_only,
                          group=group)
         return LoadResult((), (), (), m, 0)
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
-                      counter["manifest"], counter["bytes"])
+                      counter["manifest"], counter["bytes"], counter["reader"])
 
 
 def fresh_optimizer_state(model: Sharded) -> None:

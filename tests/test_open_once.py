@@ -1,0 +1,185 @@
+"""Open once, pass down: a plain offline command reads each source manifest once and opens one
+storage handle per location; ``Checkpointer.load`` opens one reader per rank.
+
+Counted from outside the code under test: every ``Storage`` constructed and every read of a
+``manifest.json`` through it, every ``CheckpointReader`` constructed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from typer.testing import CliRunner
+
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.cli.main import app
+from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.storage import Storage
+from shardckpt.tools.synth import synthesize
+
+runner = CliRunner()
+
+
+class Counts:
+    """Storage handles by URL, manifest reads by checkpoint URL, readers by checkpoint URL."""
+
+    def __init__(self) -> None:
+        self.storages: Counter[str] = Counter()
+        self.manifest_reads: Counter[str] = Counter()
+        self.readers: Counter[str] = Counter()
+
+
+@pytest.fixture
+def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
+    c = Counts()
+    init = Storage.__init__
+
+    def counted_init(self: Storage, url: str, *args: Any, **kwargs: Any) -> None:
+        init(self, url, *args, **kwargs)
+        c.storages[self.url] += 1
+
+    monkeypatch.setattr(Storage, "__init__", counted_init)
+    for name in ("read", "read_prefix", "read_limited"):
+        real = getattr(Storage, name)
+
+        def reading(self: Storage, rel: str, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            if rel == MANIFEST_NAME:
+                c.manifest_reads[self.url] += 1
+            return _real(self, rel, *args, **kwargs)
+
+        monkeypatch.setattr(Storage, name, reading)
+    reader_init = CheckpointReader.__init__
+
+    def counted_reader(self: CheckpointReader, *args: Any, **kwargs: Any) -> None:
+        reader_init(self, *args, **kwargs)
+        c.readers[self.url] += 1
+
+    monkeypatch.setattr(CheckpointReader, "__init__", counted_reader)
+    return c
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("once")
+    a, b = str(root / "a"), str(root / "b")
+    synthesize(a, 20_000, ranks=4, units=2, seed=0)
+    synthesize(b, 20_000, ranks=2, units=2, seed=1)
+    return a, b
+
+
+def _run(*args: str) -> None:
+    r = runner.invoke(app, list(args))
+    assert r.exit_code in (0, 1), r.output  # diff exits 1 when the checkpoints differ
+
+
+@contextlib.contextmanager
+def _entry(counts: Counts) -> Iterator[Counts]:
+    """Counts of the library call alone (what the command calls once its arguments are read)."""
+    for c in (counts.storages, counts.manifest_reads, counts.readers):
+        c.clear()
+    yield counts
+
+
+def _no_progress(total: int) -> Any:
+    return contextlib.nullcontext(lambda n: None)
+
+
+def test_reshard_reads_the_source_manifest_once(counts: Counts, ckpts: tuple[str, str],
+                                                tmp_path: Path) -> None:
+    from shardckpt.tools.jobs import run_reshard
+
+    src, _ = ckpts
+    dst = str(tmp_path / "dst")
+    with _entry(counts):
+        run_reshard(src, dst, 3, None, 1, 1, False, None, 1 << 20, None, _no_progress)
+    assert counts.manifest_reads[src] == 1
+    assert counts.readers == Counter({src: 1})
+    assert counts.storages[src] == 1 and counts.storages[dst] == 1
+    with _entry(counts):
+        _run("reshard", src, str(tmp_path / "cli"), "--to", "3")
+    assert counts.manifest_reads[src] == 1 and counts.readers == Counter({src: 1})
+    assert counts.storages[str(tmp_path / "cli")] == 1
+
+
+def test_reshard_with_workers_hands_them_the_parsed_manifest(counts: Counts,
+                                                             ckpts: tuple[str, str],
+                                                             tmp_path: Path) -> None:
+    """The worker processes open storage again (another process) but read no manifest: the
+    parent's is passed to them. Counted here: the parent's reads."""
+    from shardckpt.tools.reshard import reshard
+
+    src, _ = ckpts
+    with _entry(counts):
+        r = reshard(src, str(tmp_path / "w"), 3, workers=2)
+    assert counts.manifest_reads[src] == 1 and counts.readers == Counter({src: 1})
+    assert r.bytes_read > 0
+
+
+def test_consolidate_reads_the_source_manifest_once(counts: Counts, ckpts: tuple[str, str],
+                                                    tmp_path: Path) -> None:
+    from shardckpt.tools.jobs import run_consolidate
+
+    src, _ = ckpts
+    dst = str(tmp_path / "hf")
+    with _entry(counts):
+        run_consolidate(src, dst, "bf16", 1 << 30, "model", "model.", False, False, None, None,
+                        1 << 20, None, _no_progress)
+    assert counts.manifest_reads[src] == 1
+    assert counts.readers == Counter({src: 1})
+    assert counts.storages[src] == 1 and counts.storages[dst] == 1
+    with _entry(counts):
+        _run("consolidate", src, str(tmp_path / "cli"))
+    assert counts.manifest_reads[src] == 1 and counts.readers == Counter({src: 1})
+    assert counts.storages[str(tmp_path / "cli")] == 1
+
+
+def test_diff_reads_each_manifest_once(counts: Counts, ckpts: tuple[str, str]) -> None:
+    from shardckpt.tools.jobs import run_diff
+
+    a, b = ckpts
+    for call in (lambda: run_diff(a, b, None, 1 << 20, None, _no_progress),
+                 lambda: _run("diff", a, b)):
+        with _entry(counts):
+            call()
+        assert counts.manifest_reads == Counter({a: 1, b: 1})
+        assert counts.readers == Counter({a: 1, b: 1})
+        assert counts.storages == Counter({a: 1, b: 1})
+
+
+def test_verify_reads_the_manifest_once(counts: Counts, ckpts: tuple[str, str]) -> None:
+    from shardckpt.tools.jobs import run_verify
+
+    a, _ = ckpts
+    with _entry(counts):
+        assert run_verify(a, None, 2, None, _no_progress).ok
+    assert counts.manifest_reads == Counter({a: 1})
+    assert counts.storages == Counter({a: 1})
+    with _entry(counts):
+        _run("verify", a)
+    assert counts.manifest_reads == Counter({a: 1})
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_checkpointer_load_opens_one_reader(counts: Counts, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from shardckpt.runtime import ZeroEngine
+    from shardckpt.runtime.mesh import ProcessMesh
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.training.checkpointer import Checkpointer
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    engine = ZeroEngine(LlamaForCausalLM(cfg), policy=LLAMA_POLICY,
+                        process_mesh=ProcessMesh.single())
+    ckpt = Checkpointer(str(tmp_path / "run"), engine)
+    ckpt.save(1)
+    url = ckpt.manager.url_for(1)
+    with _entry(counts):
+        ckpt.load(url)
+    assert counts.readers == Counter({url: 1})
+    assert counts.manifest_reads == Counter({url: 1})
