@@ -147,7 +147,7 @@ def scheme_of(url: str) -> str:
     return head.lower() if sep else "file"
 
 
-def resolve(ref: BackendRef) -> type:
+def resolve(ref: BackendRef) -> type[StorageBackend]:
     """The class a table entry names."""
     if isinstance(ref, str):
         module, _, name = ref.partition(":")
@@ -155,6 +155,6 @@ def resolve(ref: BackendRef) -> type:
     return ref
 
 
-def backend_class(url: str) -> type:
+def backend_class(url: str) -> type[StorageBackend]:
     """The backend class that serves ``url`` (:data:`BACKENDS`, else :data:`FALLBACK`)."""
     return resolve(BACKENDS.get(scheme_of(url), FALLBACK))

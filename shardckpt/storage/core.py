@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 from shardckpt.errors import StorageError
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import options as _options
-from shardckpt.storage.backends import Backend
+from shardckpt.storage.backend import StorageBackend
 from shardckpt.storage.checked import read_checked
 from shardckpt.storage.options import Tuning
 from shardckpt.storage.retry import RetryPolicy
@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 
 def open_backend(url: str, storage_options: Mapping[str, Any] | None,
-                 retry: RetryPolicy | None) -> tuple[Backend, str]:
+                 retry: RetryPolicy | None) -> tuple[StorageBackend, str]:
     """The backend for ``url`` (the class :data:`~shardckpt.storage.backend.BACKENDS` names for
     its scheme, parsing its own options) and the root path on its filesystem. A local path
     without options is served without importing fsspec."""
@@ -39,7 +39,7 @@ class Storage:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
                  retry: RetryPolicy | None = None,
-                 backend: tuple[Backend, str] | None = None) -> None:
+                 backend: tuple[StorageBackend, str] | None = None) -> None:
         self.url = url.rstrip("/") or url
         self.storage_options = dict(storage_options or {})
         self.backend, self.root = backend or open_backend(url, storage_options, retry)

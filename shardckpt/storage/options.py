@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, TypeVar
 
 from shardckpt.errors import ConfigError
-from shardckpt.storage.backend import backend_class
+from shardckpt.storage.backend import StorageBackend, backend_class
 from shardckpt.storage.retry import DEADLINE_ENV, RetryPolicy
 
 T = TypeVar("T")
@@ -106,7 +106,8 @@ class BackendOptions:
     extra: dict[str, Any] = field(default_factory=dict)  # the backend's own (s3fs's retry count)
 
 
-def parse_for(url: str, options: Mapping[str, Any] | None) -> tuple[type, BackendOptions]:
+def parse_for(url: str, options: Mapping[str, Any] | None,
+              ) -> tuple[type[StorageBackend], BackendOptions]:
     """The backend class for ``url`` and its parse of ``options`` (environment included)."""
     cls = backend_class(url)
     return cls, cls.parse_options(storage_options_from_env(url, options))

@@ -162,9 +162,10 @@ class S3Backend(Backend):
         if self._unquoted_if_match:
             spellings.reverse()
         for tag in spellings:
+            def put(tag: str = tag) -> Any:
+                return self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=tag)
             try:
-                self.call("commit", url, lambda tag=tag: self.fs.call_s3(
-                    "put_object", Bucket=bucket, Key=key, Body=data, IfMatch=tag))
+                self.call("commit", url, put)
                 self._unquoted_if_match = not tag.startswith('"')
                 return
             except StorageError as e:
