@@ -49,13 +49,14 @@ def test_the_registry_names_every_importer() -> None:
     for name in IMPORTERS:
         imp = get_importer(name)
         assert isinstance(imp, Importer) and imp.name == name
-        assert dataclasses.is_dataclass(imp.Config) and imp.Config.__dataclass_params__.frozen
+        assert dataclasses.is_dataclass(imp.Config)
+        assert getattr(imp.Config, "__dataclass_params__").frozen
     with pytest.raises(ConfigError, match="no importer 'zip'"):
         get_importer("zip")
 
 
 def test_options_are_frozen_slotted_and_checked_by_field() -> None:
-    o = ImportOptions("a", "b", 4, 2, ["x", "y"])
+    o = ImportOptions("a", "b", 4, 2, ["x", "y"])  # type: ignore[arg-type]  # a list is kept as a tuple
     assert o.units == ("x", "y") and not hasattr(o, "__dict__")
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.ranks = 8  # type: ignore[misc]
@@ -70,8 +71,9 @@ def test_options_are_frozen_slotted_and_checked_by_field() -> None:
 
 def test_each_config_checks_its_own_fields_and_its_combinations() -> None:
     with pytest.raises(OptionError, match=r"frozen needs ranks"):
-        ImportOptions("a", "b", config=DcpConfig(frozen=["w"]))
-    assert ImportOptions("a", "b", 2, config=DcpConfig(frozen=["w"])).config.frozen == ("w",)
+        ImportOptions("a", "b", config=DcpConfig(frozen=("w",)))
+    config = ImportOptions("a", "b", 2, config=DcpConfig(frozen=["w"])).config  # type: ignore[arg-type]
+    assert isinstance(config, DcpConfig) and config.frozen == ("w",)
     with pytest.raises(OptionError, match=r"frozen pattern '\(' is not a regular expression"):
         DcpConfig(frozen=("(",))
     with pytest.raises(OptionError, match="import hf needs ranks"):

@@ -1,1 +1,8 @@
-"""Other formats in and out: Hugging Face, torch.distributed.checkpoint (DCP), DeepSpeed."""
+"""Other formats in and out: Hugging Face, torch.distributed.checkpoint (DCP), DeepSpeed.
+
+One package per format (:mod:`.hf`, :mod:`.dcp`, :mod:`.deepspeed`); the importers share one
+interface (:mod:`.importer`: ``Importer``, ``ImportOptions``, the registry ``IMPORTERS``) and the
+writing and commit of what they import (:mod:`.importing`). What every format's reader needs:
+:mod:`.foreign` (untrusted folders and text), :mod:`.pt_archive` (``torch.save`` archives
+without torch), :mod:`.safe_unpickle` (allow-listed unpickling).
+"""

@@ -160,18 +160,35 @@ class Importer(Protocol):
     """A foreign format in. Presentation (``help``, ``source_help``, ``ranks_help``,
     :meth:`summary_line`) is what ``shardckpt import <name>`` shows."""
 
-    #: ``shardckpt import <name>``; the ``source_format`` of
-    #: :func:`shardckpt.interop.importing.import_summary`.
-    name: str
-    #: The importer's own options (an :class:`ImporterConfig` subclass).
-    Config: type[ImporterConfig]
-    #: The command's help: one line, then paragraphs.
-    help: str
-    source_help: str
-    #: Help of ``--ranks`` where it is optional; None where the importer needs it.
-    ranks_help: str | None
-    #: Unit patterns when ``units`` is None.
-    default_units: tuple[str, ...]
+    @property
+    def name(self) -> str:
+        """``shardckpt import <name>``; the ``source_format`` of
+        :func:`shardckpt.interop.importing.import_summary`."""
+        ...
+
+    @property
+    def Config(self) -> type[ImporterConfig]:  # noqa: N802 - the nested config class
+        """The importer's own options (an :class:`ImporterConfig` subclass)."""
+        ...
+
+    @property
+    def help(self) -> str:
+        """The command's help: one line, then paragraphs."""
+        ...
+
+    @property
+    def source_help(self) -> str:
+        ...
+
+    @property
+    def ranks_help(self) -> str | None:
+        """Help of ``--ranks`` where it is optional; None where the importer needs it."""
+        ...
+
+    @property
+    def default_units(self) -> tuple[str, ...]:
+        """Unit patterns when ``units`` is None."""
+        ...
 
     def splits(self, options: ImportOptions) -> bool:
         """Whether the processes of a job share the writing (each plans and writes its share of
