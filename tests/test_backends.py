@@ -244,6 +244,22 @@ class TestS3(Contract):
             site.replace_if("m.json", b"version 3", b"version 2")
         assert site.read("m.json") == b"version 2, rewritten"
 
+    def test_overwrite_replaces_a_checkpoint_through_if_match(
+            self, site: Storage, caplog: pytest.LogCaptureFixture) -> None:
+        """``reshard --overwrite`` on S3: the manifest is replaced by the conditional PUT."""
+        from shardckpt.checkpoint.reader import read_manifest
+        from shardckpt.tools.reshard import reshard
+        from shardckpt.tools.synth import synthesize
+
+        opts = site.storage_options
+        synthesize(site.url_of("src"), 3000, 2, storage_options=opts)
+        first = reshard(site.url_of("src"), site.url_of("dst"), to=2, storage_options=opts)
+        again = reshard(site.url_of("src"), site.url_of("dst"), to=1, overwrite=True,
+                        storage_options=opts)
+        now = read_manifest(site.child("dst"))
+        assert now.save_id == again.manifest.save_id != first.manifest.save_id
+        assert "refused If-Match" not in caplog.text
+
     def test_the_local_vocabulary_is_not_s3s(self, site: Storage, tmp_path: Path) -> None:
         """An S3 error code is S3's to judge: another backend does not retry it."""
         slow = self.transient[5]()
