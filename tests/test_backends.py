@@ -223,7 +223,7 @@ class TestS3(Contract):
     @pytest.fixture(autouse=True)
     def _samples(self, request: pytest.FixtureRequest) -> None:
         self.transient, self.permanent = _s3_samples()  # type: ignore[misc]
-        self.options = {"anon": False, "retries": 2}  # type: ignore[misc]
+        self.options = {"anon": False, "retries": 2, "profile": None}  # type: ignore[misc]
 
     def test_a_replace_between_the_check_and_the_put_is_refused(
             self, site: Storage, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

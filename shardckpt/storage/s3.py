@@ -79,9 +79,16 @@ class S3Backend(Backend):
 
     @classmethod
     def known_options(cls) -> Collection[str]:
-        import s3fs
+        """s3fs's, those its leftover keywords go to (aiobotocore's session: ``profile``), and
+        ``retries``."""
+        import inspect
 
-        return fsspec_option_names(s3fs.S3FileSystem) | {"retries"}
+        import s3fs
+        from aiobotocore.session import AioSession
+
+        session = [p.name for p in inspect.signature(AioSession.__init__).parameters.values()
+                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        return fsspec_option_names(s3fs.S3FileSystem) | {"retries", *session}
 
     @classmethod
     def parse_options(cls, raw: Mapping[str, Any]) -> BackendOptions:
