@@ -62,18 +62,19 @@ class Job:
     def is_root(self) -> bool:
         return self.rank == 0
 
-    def gather(self, fn: Callable[[], T], tell: Callable[[T], Any], what: str,
+    def gather(self, fn: Callable[[], T], tell: Callable[[Any], Any], what: str,
                root_only: bool = False) -> tuple[T | None, list[Any]]:
         """Run ``fn`` here (on rank 0 only with ``root_only``; None elsewhere) and keep its
         result; every process learns each process's ``tell(result)`` (JSON), in rank order. If
         ``fn`` failed anywhere, every process raises the lowest failing rank's error."""
-        here: list[T | None] = [None]
+        here: list[T] = []
 
         def run() -> Any:
             if root_only and not self.is_root:
                 return None
-            here[0] = fn()
-            return tell(here[0])
+            result = fn()
+            here.append(result)
+            return tell(result)
 
         if self.world_size == 1:
             told = run()
@@ -84,7 +85,7 @@ class Job:
             _, reports = agree(run, what, self.group)
         except CollectiveError as e:
             raise same_error(e, what) from e
-        return here[0], [r["payload"] for r in reports]
+        return (here[0] if here else None), [r["payload"] for r in reports]
 
     def agree(self, fn: Callable[[], Any], what: str) -> list[Any]:
         """Run ``fn`` here (its result JSON), then every process's result, in rank order; if ``fn``
@@ -95,7 +96,7 @@ class Job:
         """Run ``fn`` on rank 0 only; its JSON result (or its error) on every process."""
         return self.gather(fn, lambda r: r, what, root_only=True)[1][0]
 
-    def open(self, fn: Callable[[], T], save_ids: Callable[[T], Any], where: str, what: str) -> T:
+    def open(self, fn: Callable[[], T], save_ids: Callable[[Any], Any], where: str, what: str) -> T:
         """``fn()`` on every process: it opens what the work reads (each process reads the
         manifests once) and ``save_ids`` names what it read. Every process must have read the
         same: where a checkpoint was replaced while they opened it, every process raises."""
