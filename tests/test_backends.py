@@ -145,6 +145,13 @@ class TestLocal(Contract):
         st = Storage(str(tmp_path), {"auto_mkdir": True})
         assert type(st.backend).__name__ == "LocalBackend" and st.backend._fs is not None
 
+    def test_another_kind_of_places_options_are_left_out(self, tmp_path: Path) -> None:
+        """One ``-o`` set serves a command's S3 source and local destination."""
+        st = Storage(str(tmp_path), {"key": "k", "client_kwargs": {}, "shardckpt_deadline_s": 5})
+        assert st.backend._fs is None and st.retry.deadline_s == 5
+        assert "auto_mkdir" not in type(Storage("memory://x").backend).parse_options(
+            {"auto_mkdir": True}).fs
+
 
 class TestMemory(Contract):
     options: ClassVar[dict[str, Any]] = {"skip_instance_cache": False}

@@ -158,3 +158,18 @@ def resolve(ref: BackendRef) -> type[StorageBackend]:
 def backend_class(url: str) -> type[StorageBackend]:
     """The backend class that serves ``url`` (:data:`BACKENDS`, else :data:`FALLBACK`)."""
     return resolve(BACKENDS.get(scheme_of(url), FALLBACK))
+
+
+def known_elsewhere(kind: type) -> set[str]:
+    """The filesystem options the other classes of the table know (a class whose client is not
+    installed, or that takes any option, adds nothing): one set of options often serves a
+    command's source and destination, which may be different kinds of place."""
+    out: set[str] = set()
+    for other in {resolve(ref) for ref in BACKENDS.values()} - {kind}:
+        try:
+            known = other.known_options()  # type: ignore[attr-defined]
+        except ImportError:
+            continue
+        if known is not None:
+            out.update(known)
+    return out

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, ClassVar, Collection, Iterator, Mapping, TypeVar
 
 from shardckpt.errors import CommitConflictError, StorageError
+from shardckpt.storage.backend import known_elsewhere
 from shardckpt.storage.options import BackendOptions, Tuning, own_settings, refuse_unknown
 from shardckpt.storage.reads import read_ahead
 from shardckpt.storage.retry import (
@@ -64,11 +65,20 @@ class Backend:
     @classmethod
     def parse_options(cls, raw: Mapping[str, Any]) -> BackendOptions:
         """shardckpt's own keys checked and popped, the rest checked against
-        :meth:`known_options` (:class:`~shardckpt.errors.ConfigError` naming each unknown one)."""
+        :meth:`known_options`: an option another backend of the table knows is left out (one
+        set of options serves a command's source and destination: ``-o key=...`` for S3 does not
+        reach a local destination); one no backend knows is a
+        :class:`~shardckpt.errors.ConfigError` naming it."""
         fs, retry, tuning = own_settings(raw)
         known = cls.known_options() if fs else None
         if known is not None:
-            refuse_unknown(fs, known, f"{cls.schemes[0]}:// locations" if cls.schemes else cls.__name__)
+            foreign = [k for k in fs if k not in known]
+            if foreign:
+                elsewhere = known_elsewhere(cls)
+                refuse_unknown({k: fs[k] for k in foreign if k not in elsewhere}, known,
+                               f"{cls.schemes[0]}:// locations" if cls.schemes else cls.__name__)
+                for k in foreign:
+                    del fs[k]
         return BackendOptions(fs, retry, tuning)
 
     @classmethod

@@ -75,7 +75,8 @@ def refuse_unknown(opts: Mapping[str, Any], known: Collection[str], where: str) 
     unknown = sorted(str(k) for k in opts if k not in known)
     if unknown:
         raise ConfigError(f"storage option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
-                          f"not known for {where} (known: {', '.join(sorted(known))})")
+                          f"not known for {where} nor any other kind of place (known here: "
+                          f"{', '.join(sorted(known))})")
 
 
 def fsspec_option_names(fs_class: type) -> frozenset[str]:
