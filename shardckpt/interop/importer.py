@@ -35,7 +35,7 @@ from shardckpt.storage import DEFAULT_BATCH
 if TYPE_CHECKING:
     from shardckpt.checkpoint.writer import CheckpointSpec, Producer
     from shardckpt.format.manifest import Manifest
-    from shardckpt.interop.importing import ImportJob
+    from shardckpt.checkpoint.job import Job
     from shardckpt.storage import Storage
 
 #: Bytes per read when an import is not told (``--buffer``).
@@ -204,9 +204,10 @@ class Importer(Protocol):
         what to write. The caller closes the plan."""
         ...
 
-    def write(self, plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
         """Write ``plan``'s files and commit the manifest last; on any error nothing is
-        committed. In a job every process calls this with the same plan."""
+        committed. Every process of ``job`` calls this with the same plan (None: one process
+        alone, :meth:`~shardckpt.checkpoint.job.Job.single`)."""
         ...
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
@@ -237,14 +238,17 @@ def with_config(importer: Importer, options: ImportOptions) -> ImportOptions:
 
 
 def run_importer(importer: Importer, options: ImportOptions,
-                 job: "ImportJob | None" = None) -> "Manifest":
-    """Plan, write and close: the whole import. Returns the committed manifest."""
+                 job: "Job | None" = None) -> "Manifest":
+    """Plan, write and close: the whole import, by this process of ``job`` (None: one process
+    alone, :meth:`~shardckpt.checkpoint.job.Job.single`). Returns the committed manifest."""
+    from shardckpt.checkpoint.job import Job
+
     options = with_config(importer, options)
     with importer.plan(options) as plan:
-        return importer.write(plan, job)
+        return importer.write(plan, job or Job.single())
 
 
-def write_flat(plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+def write_flat(plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
     """Write a plan of flat groups (its shard files and buffers file) through
     :func:`shardckpt.interop.importing.write_import`."""
     from shardckpt.interop.importing import write_import

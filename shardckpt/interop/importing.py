@@ -1,17 +1,21 @@
 """What the importers (Hugging Face, DeepSpeed, DCP) share: the unit patterns that group
-parameters into units, the writing and commit of the imported files (alone, or as the processes
-of a ``torchrun`` job), and the summary of what an import wrote."""
+parameters into units, the writing and commit of the imported files (one flow over a
+:class:`~shardckpt.checkpoint.job.Job`: one process alone, or the processes of a ``torchrun``
+job), and the summary of what an import wrote."""
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from shardckpt.errors import ConfigError
 
 if TYPE_CHECKING:
-    from shardckpt.checkpoint.writer import CheckpointSpec, Producer
+    from shardckpt.checkpoint.job import Job
+    from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, Producer
     from shardckpt.format.manifest import FileEntry, Manifest
     from shardckpt.storage import Storage
 
@@ -72,54 +76,92 @@ def import_summary(m: "Manifest", dst: str, source_format: str) -> dict[str, Any
 # ------------------------------------------------------------------------- writing and commit
 
 
-class ImportJob(Protocol):
-    """The processes of a ``torchrun`` job (:class:`shardckpt.tools.distributed.Job`): every
-    process calls the same methods in the same order."""
+@dataclass
+class _Attempt:
+    """Rank 0's side of the attempt: the writer it prepared (from then on a failure removes the
+    attempt's directory) and, once committed, the manifest."""
 
-    rank: int
-    world_size: int
-
-    @property
-    def is_root(self) -> bool: ...
-
-    def agree(self, fn: Callable[[], Any], what: str) -> list[Any]: ...
-
-    def on_root(self, fn: Callable[[], Any], what: str) -> Any: ...
-
-    def share(self, costs: Sequence[int]) -> list[int]: ...
+    writer: "CheckpointWriter | None" = None
+    manifest: "Manifest | None" = None
 
 
 def write_import(out: "Storage", spec: "CheckpointSpec", what: str,
                  shard: Callable[[int], "Producer"], buffers: "Producer | None" = None,
-                 job: ImportJob | None = None) -> "Manifest":
+                 job: "Job | None" = None) -> "Manifest":
     """Write the shard files of ``spec`` (``shard(s)`` produces shard ``s``'s bytes) and its
     buffers file, then commit ``manifest.json`` at ``out``; on any error nothing is committed and
     the attempt's files are removed. Returns the committed manifest.
 
-    Alone (``job`` None) one process writes every file, in order. In a job every process calls
-    this with the same ``spec``: rank 0 checks the destination, picks the save id and holds the
-    attempt's lease; each process writes its byte-balanced share of the files; rank 0 commits
-    once every process has reported its files written. Any process's failure fails every
+    One flow for one process (``job`` None: :meth:`Job.single`, which writes every file, in
+    order) and for the processes of a ``torchrun`` job, which all call this with the same
+    ``spec``: rank 0 checks the destination, picks the save id and holds the attempt's lease
+    until the outcome is known; each process writes its byte-balanced share of the files; rank 0
+    commits once every process has reported its files written. Any process's failure fails every
     process with the same error (the lowest failing rank's).
     """
+    from shardckpt.checkpoint.job import Job
     from shardckpt.checkpoint.writer import CheckpointWriter
+    from shardckpt.format.manifest import MANIFEST_NAME, FileEntry
 
-    if job is None:
-        writer = CheckpointWriter(out, spec)
-        out.ensure_free_space("", writer.data_bytes(), what)
-        try:
-            with writer.lease():  # `shardckpt clean` leaves the attempt alone while it runs
-                entries = _write_files(writer, range(spec.mesh.shard_degree + 1), shard, buffers,
-                                       what)
-                return writer.commit(entries)
-        except BaseException:
-            writer.discard()  # a failed import leaves no debris where it can remove it
+    job = job or Job.single()
+    if len(set(job.agree(lambda: _spec_digest(out, spec), f"{what}: reading the source"))) != 1:
+        raise ConfigError(f"{what}: the processes of the job read different sources (the source "
+                          "changed while they read it, or their options differ); run again")
+    attempt = _Attempt()
+    try:
+        with ExitStack() as held:  # the lease, released before a failed attempt is removed
+
+            def prepare() -> CheckpointWriter:
+                if out.exists(MANIFEST_NAME):
+                    raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an "
+                                      "empty location")
+                w = attempt.writer = CheckpointWriter(out, spec)
+                out.ensure_free_space("", w.data_bytes(), what)
+                held.enter_context(w.lease())  # `shardckpt clean` leaves the attempt alone
+                return w
+
+            mine, said = job.gather(prepare, lambda w: w.save_id,
+                                    f"{what}: preparing the destination", root_only=True)
+            writer = mine or CheckpointWriter(out, spec, said[0])
+            shard_bytes = writer.slots[-1].end if writer.slots else 0  # every shard file alike
+            costs = [shard_bytes] * spec.mesh.shard_degree + [writer.buffer_slots[-1].end
+                                                              if writer.buffer_slots else 0]
+            share = job.share(costs)
+            reports = job.agree(lambda: [e.to_doc() for e in _write_files(writer, share, shard,
+                                                                           buffers, what)],
+                                f"{what}: writing the files")
+            entries = [FileEntry.from_doc(d) for part in reports for d in part]
+
+            def commit() -> None:
+                attempt.manifest = writer.commit(entries)
+
+            job.on_root(commit, f"{what}: committing")
+    except BaseException as e:
+        if attempt.manifest is None:
+            if attempt.writer is not None:
+                attempt.writer.discard()  # a failed import leaves no debris where it can
             raise
-    return _write_as_job(job, out, spec, what, shard, buffers)
+        # committed: only telling the others failed (one of them is gone)
+        log.warning("%s: committed save %s, but could not tell every process (%s)", out.url,
+                    attempt.manifest.save_id, e)
+    return attempt.manifest or writer.manifest(entries)
 
 
-def _write_files(writer: Any, items: Sequence[int], shard: Callable[[int], "Producer"],
-                 buffers: "Producer | None", what: str) -> list["FileEntry"]:
+def _spec_digest(out: "Storage", spec: "CheckpointSpec") -> str:
+    """What every process of a job must agree on: the manifest-to-be, files and time apart."""
+    import dataclasses
+    import hashlib
+
+    from shardckpt.checkpoint.writer import CheckpointWriter
+    from shardckpt.format.manifest import to_json
+
+    plain = dataclasses.replace(CheckpointWriter(out, spec, "-").manifest(()), created_at="")
+    return hashlib.sha256(to_json(plain)).hexdigest()
+
+
+def _write_files(writer: "CheckpointWriter", items: Sequence[int],
+                 shard: Callable[[int], "Producer"], buffers: "Producer | None",
+                 what: str) -> list["FileEntry"]:
     """Write files ``items``: shard ``s`` for ``s`` below the shard degree, the buffers file
     (where there is one) for the shard degree."""
     S = writer.spec.mesh.shard_degree
@@ -133,61 +175,3 @@ def _write_files(writer: Any, items: Sequence[int], shard: Callable[[int], "Prod
             if b is not None:
                 entries.append(b)
     return entries
-
-
-def _write_as_job(job: ImportJob, out: "Storage", spec: "CheckpointSpec", what: str,
-                  shard: Callable[[int], "Producer"], buffers: "Producer | None") -> "Manifest":
-    import dataclasses
-    import hashlib
-
-    from shardckpt.checkpoint.writer import CheckpointWriter
-    from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, to_json
-
-    # what every process must agree on: the manifest, files and time apart
-    plain = dataclasses.replace(CheckpointWriter(out, spec, "-").manifest(()), created_at="")
-    digest = hashlib.sha256(to_json(plain)).hexdigest()
-    if len(set(job.agree(lambda: digest, f"{what}: reading the source"))) != 1:
-        raise ConfigError(f"{what}: the processes of the job read different sources (the source "
-                          "changed while they read it, or their options differ); run again")
-    root: dict[str, Any] = {}
-
-    def prepare() -> str:
-        if out.exists(MANIFEST_NAME):
-            raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
-        w = root["writer"] = CheckpointWriter(out, spec)
-        out.ensure_free_space("", w.data_bytes(), what)
-        root["lease"] = w.lease()
-        root["lease"].__enter__()  # held until the job's outcome is known
-        return w.save_id
-
-    def commit() -> None:
-        root["manifest"] = root["writer"].commit(entries)
-
-    try:
-        writer = CheckpointWriter(out, spec, job.on_root(prepare, f"{what}: preparing the "
-                                                                   "destination"))
-        shard_bytes = writer.slots[-1].end if writer.slots else 0  # every shard file alike
-        costs = [shard_bytes] * spec.mesh.shard_degree + [writer.buffer_slots[-1].end
-                                                          if writer.buffer_slots else 0]
-        mine = job.share(costs)
-        reports = job.agree(lambda: [e.to_doc() for e in _write_files(writer, mine, shard,
-                                                                       buffers, what)],
-                            f"{what}: writing the files")
-        entries = [FileEntry.from_doc(d) for part in reports for d in part]
-        job.on_root(commit, f"{what}: committing")
-    except BaseException as e:
-        if "manifest" not in root:
-            _release(root)
-            if "writer" in root:
-                root["writer"].discard()
-            raise
-        # committed: only telling the others failed (one of them is gone)
-        log.warning("%s: committed save %s, but could not tell every process (%s)", out.url,
-                    root["writer"].save_id, e)
-    _release(root)
-    return root.get("manifest") or writer.manifest(entries)
-
-
-def _release(root: dict[str, Any]) -> None:
-    if "lease" in root:
-        root.pop("lease").__exit__(None, None, None)

@@ -126,12 +126,15 @@ def run_diff(a: str, b: str, storage_options: Mapping[str, Any] | None, buffer_b
 
 def run_import(importer: Callable[..., "Manifest"], *args: Any, job: "Job | None",
                split: bool = True, **kwargs: Any) -> "Manifest | None":
-    """``importer(*args, **kwargs)`` (an importer of :mod:`shardckpt.interop`), alone or as the
-    processes of ``job``: with ``split`` every process calls it with ``job=job`` and writes its
-    share of the files; without, rank 0 imports alone while the others wait for its outcome.
-    The manifest it committed, on the process that reports it (None on the job's others)."""
-    if job is None:
-        return importer(*args, **kwargs)
+    """``importer(*args, **kwargs)`` (an importer of :mod:`shardckpt.interop`) as the processes
+    of ``job`` (None: one process alone, a job of one): with ``split`` every process calls it
+    with ``job=job`` and writes its share of the files; without, rank 0 imports alone while the
+    others wait for its outcome. The manifest it committed, on the process that reports it (None
+    on the job's others)."""
+    from shardckpt.checkpoint.job import Job
+
+    job = job or Job.single()
+    m: "Manifest | None"
     if split:
         m = importer(*args, job=job, **kwargs)
     else:

@@ -18,7 +18,7 @@ from shardckpt.interop.importing import BLOCK_UNITS
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
-    from shardckpt.interop.importing import ImportJob
+    from shardckpt.checkpoint.job import Job
 
 log = logging.getLogger("shardckpt.interop.dcp.to_flat")
 
@@ -99,11 +99,11 @@ class DcpImporter:
 
         return plan_flat(options)
 
-    def write(self, plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
         if plan.shard is None:  # DCP's chunks, kept: one process writes them
             from shardckpt.interop.dcp.import_ import write_chunks
 
-            if job is not None:
+            if job is not None and job.world_size > 1:
                 raise ConfigError("import dcp keeps DCP's chunks from one process; run it "
                                   "without a job (splits() is False)")
             return write_chunks(plan)

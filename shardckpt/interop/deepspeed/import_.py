@@ -37,6 +37,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec
@@ -49,7 +50,7 @@ from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.deepspeed.importer import DEEPSPEED, DeepSpeedConfig
 from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
-from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, ImportJob, compile_units, unit_of
+from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
 from shardckpt.storage import NotFoundError, Storage
@@ -399,7 +400,7 @@ def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, rep
                      storage_options: Mapping[str, Any] | None = None,
                      dst_storage_options: Mapping[str, Any] | None = None,
                      buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None,
-                     job: "ImportJob | None" = None) -> Manifest:
+                     job: "Job | None" = None) -> Manifest:
     """Write DeepSpeed checkpoint ``src`` as a shardckpt checkpoint at ``dst`` for ``ranks`` ranks.
 
     fp32 masters, ``exp_avg`` and ``exp_avg_sq`` of every trained parameter, frozen parameters

@@ -15,7 +15,7 @@ from shardckpt.interop.importing import BLOCK_UNITS
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
-    from shardckpt.interop.importing import ImportJob
+    from shardckpt.checkpoint.job import Job
 
 log = logging.getLogger("shardckpt.interop.deepspeed.import_")
 
@@ -67,7 +67,7 @@ class DeepSpeedImporter:
 
         return plan_deepspeed(options)
 
-    def write(self, plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
         m = write_flat(plan, job)
         source = plan.state
         log.info("imported %s (ZeRO-%d, %d ranks) -> %s (%d ranks)", source.url, source.stage,

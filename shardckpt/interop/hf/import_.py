@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.pieces import cast_bytes
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec
@@ -33,7 +34,7 @@ from shardckpt.interop.hf.importer import DEFAULT_UNITS, HF, HFConfig
 from shardckpt.interop.hf.source import HFSource, HFTensor, open_hf
 from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.importing import ImportJob, compile_units, unit_of
+from shardckpt.interop.importing import compile_units, unit_of
 from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int,
               units: Sequence[str] | None = None, storage_options: Mapping[str, Any] | None = None,
               dst_storage_options: Mapping[str, Any] | None = None,
               buffer_bytes: int = DEFAULT_BATCH, workers: int = 4,
-              job: "ImportJob | None" = None) -> Manifest:
+              job: "Job | None" = None) -> Manifest:
     """Write a weights-only checkpoint at ``dst`` for ``ranks`` ranks (``replicate`` x shards).
 
     Each flat group's ``master`` state holds the tensor values (floats widened to fp32; exact

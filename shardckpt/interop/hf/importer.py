@@ -13,7 +13,7 @@ from shardckpt.interop.importer import (
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
-    from shardckpt.interop.importing import ImportJob
+    from shardckpt.checkpoint.job import Job
 
 #: Unit pattern of Hugging Face decoder models: one unit per block, the rest in the root.
 DEFAULT_UNITS = (r"model\.layers\.\d+",)
@@ -60,7 +60,7 @@ class HFImporter:
 
         return plan_hf(options)
 
-    def write(self, plan: ImportPlan, job: "ImportJob | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
         return write_flat(plan, job)
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
