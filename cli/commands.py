@@ -58,7 +58,7 @@ def inspect(
     from shardckpt.tools.jobs import describe
 
     opts = parse_storage_options(storage_option)
-    s = describe(checkpoint_location(ckpt, opts), opts)
+    s = describe(checkpoint_location(ckpt, opts).storage, opts)
     if json_out:
         echo_json(s)
         return
@@ -157,9 +157,11 @@ def verify(
     from shardckpt.tools.jobs import run_verify
 
     opts = parse_storage_options(storage_option)
-    ckpt = checkpoint_location(ckpt, opts)  # a run directory: the checkpoint its latest names
+    where = checkpoint_location(ckpt, opts)  # a run directory: the checkpoint its latest names
+    ckpt = where.url
     with job_from_environment() as job:  # under torchrun: this process checks its share
-        result = run_verify(ckpt, opts, workers, job, functools.partial(progress, description="verify"))
+        result = run_verify(where.storage, opts, workers, job,
+                            functools.partial(progress, description="verify"))
     if job is not None and not job.is_root:
         if not result:
             raise typer.Exit(EXIT_FAILED)

@@ -170,12 +170,13 @@ def console(stderr: bool = False) -> Any:
     return Console(stderr=stderr, markup=False, emoji=False, highlight=False, width=wide)
 
 
-def checkpoint_location(url: str, storage_options: dict[str, Any]) -> str:
-    """The checkpoint ``url`` names: a run directory resolves to the checkpoint its ``latest``
-    names, and stderr says so."""
+def checkpoint_location(url: str, storage_options: dict[str, Any]) -> Any:
+    """The checkpoint ``url`` names (a :class:`shardckpt.checkpoint.run_dir.Resolved`: its URL
+    and the storage open on it, which the command reads through): a run directory resolves to
+    the checkpoint its ``latest`` names, and stderr says so."""
     from shardckpt.checkpoint.run_dir import resolve_checkpoint
 
-    resolved, note = resolve_checkpoint(url, storage_options)
-    if note:
-        echo(note, err=True)
+    resolved = resolve_checkpoint(url, storage_options)
+    if resolved.note:
+        echo(resolved.note, err=True)
     return resolved

@@ -44,9 +44,10 @@ def consolidate(
     size = parse_bytes(max_shard_size, "--max-shard-size")
     buffer_bytes = parse_bytes(buffer, "--buffer")
     opts = parse_storage_options(storage_option)
-    src = checkpoint_location(src, opts)
+    where = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
+    src = where.url
     with job_from_environment() as job:  # under torchrun: this process's share of the files
-        r = run_consolidate(src, dst, dtype, size, component, prefix, optimizer, overwrite, copy_from,
+        r = run_consolidate(where.storage, dst, dtype, size, component, prefix, optimizer, overwrite, copy_from,
                             opts, buffer_bytes, job,
                             functools.partial(progress, description="consolidate"))
     if job is not None and not job.is_root:

@@ -41,11 +41,12 @@ def reshard(
     from shardckpt.tools.jobs import run_reshard
 
     opts = parse_storage_options(storage_option)
-    src = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
+    where = checkpoint_location(src, opts)  # a run directory: the checkpoint its latest names
+    src = where.url
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process's share of the job
-        r = run_reshard(src, dst, to, from_, replicate, workers, overwrite, opts, buffer_bytes, job,
-                        functools.partial(progress, description="reshard"))
+        r = run_reshard(where.storage, dst, to, from_, replicate, workers, overwrite, opts,
+                        buffer_bytes, job, functools.partial(progress, description="reshard"))
     if job is not None and not job.is_root:
         return
     m = r.manifest

@@ -72,10 +72,12 @@ def test_resolve_checkpoint_in_the_library() -> None:
     try:
         synthesize(f"{url}/run/step-00000007", TINY_PARAMS, 1, step=7)
         Storage(url).put("run/latest", b"step-00000007\n")
-        assert resolve_checkpoint(f"{url}/run") == (f"{url}/run/step-00000007",
-                                                   "run directory: using latest -> step-00000007")
-        assert resolve_checkpoint(f"{url}/run/step-00000007") == (f"{url}/run/step-00000007", None)
-        assert resolve_checkpoint(f"{url}/nothing") == (f"{url}/nothing", None)  # the reader says why
+        for where, url_, note in [
+                ("run", f"{url}/run/step-00000007", "run directory: using latest -> step-00000007"),
+                ("run/step-00000007", f"{url}/run/step-00000007", None),
+                ("nothing", f"{url}/nothing", None)]:  # nothing: the reader says why
+            r = resolve_checkpoint(f"{url}/{where}")
+            assert (r.url, r.storage.url, r.note) == (url_, url_, note)
         Storage(url).rm("run/latest")
         with pytest.raises(IncompleteCheckpointError, match="run directory"):
             resolve_checkpoint(f"{url}/run")

@@ -1,5 +1,6 @@
 """Open once, pass down: a plain offline command reads each source manifest once and opens one
-storage handle per location; ``Checkpointer.load`` opens one reader per rank.
+storage handle per location (the command line's run-directory check included);
+``Checkpointer.load`` opens one reader per rank.
 
 Counted from outside the code under test: every ``Storage`` constructed and every read of a
 ``manifest.json`` through it, every ``CheckpointReader`` constructed.
@@ -13,15 +14,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from typer.testing import CliRunner
 
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.cli.main import app
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import Storage
 from shardckpt.tools.synth import synthesize
-
-runner = CliRunner()
+from testing.cli import cli
 
 
 class Counts:
@@ -72,7 +70,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 
 def _run(*args: str) -> None:
-    r = runner.invoke(app, list(args))
+    r = cli(*args)
     assert r.exit_code in (0, 1), r.output  # diff exits 1 when the checkpoints differ
 
 
@@ -161,6 +159,40 @@ def test_verify_reads_the_manifest_once(counts: Counts, ckpts: tuple[str, str]) 
     with _entry(counts):
         _run("verify", a)
     assert counts.manifest_reads == Counter({a: 1})
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A run directory whose ``latest`` names its one checkpoint."""
+    run = tmp_path_factory.mktemp("once-run") / "run"
+    synthesize(str(run / "step-00000007"), 20_000, ranks=2, units=2, seed=2, step=7)
+    (run / "latest").write_text("step-00000007\n")
+    return str(run)
+
+
+@pytest.mark.parametrize("command", ["reshard", "consolidate", "verify", "inspect", "diff"])
+@pytest.mark.parametrize("through_run_dir", [False, True], ids=["checkpoint", "run-dir"])
+def test_a_command_opens_each_location_once(counts: Counts, ckpts: tuple[str, str], run_dir: str,
+                                            tmp_path: Path, command: str,
+                                            through_run_dir: bool) -> None:
+    """One ``Storage`` per location a command names, counted at the command line: the
+    run-directory check opens the source, and the command reads through that handle. A run
+    directory is one location and the checkpoint its ``latest`` names another."""
+    if through_run_dir and command == "diff":
+        pytest.skip("diff compares the checkpoints it is given (no run directories)")
+    a, b = ckpts
+    src = run_dir if through_run_dir else a
+    ckpt = f"{run_dir}/step-00000007" if through_run_dir else a  # the checkpoint src names
+    dst = str(tmp_path / "out")
+    args, read = {"reshard": (["reshard", src, dst, "--to", "3"], [ckpt]),
+                  "consolidate": (["consolidate", src, dst], [ckpt]),
+                  "verify": (["verify", src], [ckpt]), "inspect": (["inspect", src], [ckpt]),
+                  "diff": (["diff", src, b], [ckpt, b])}[command]
+    opened = {src, *read} | ({dst} if command in ("reshard", "consolidate") else set())
+    with _entry(counts):
+        _run(*args)
+    assert counts.storages == Counter(opened)
+    assert counts.manifest_reads == Counter(read)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -126,4 +126,4 @@ def open_readers(job: Job, locations: Sequence["str | Storage"],
 
     return job.open(lambda: [CheckpointReader(loc, storage_options) for loc in locations],
                     lambda rs: [r.manifest.save_id for r in rs],
-                    ", ".join(str(loc) for loc in locations), what)
+                    ", ".join(loc if isinstance(loc, str) else loc.url for loc in locations), what)

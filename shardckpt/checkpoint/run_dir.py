@@ -18,8 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from shardckpt.checkpoint.reader import read_manifest
-
+from shardckpt.checkpoint.reader import as_storage, read_manifest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -43,13 +42,14 @@ class Found:
 
 
 class CheckpointManager:
-    """The step directories below ``run_url``. Safe to call from one process (rank 0)."""
+    """The step directories below ``run_url`` (a URL, or a :class:`Storage` already open on it).
+    Safe to call from one process (rank 0)."""
 
-    def __init__(self, run_url: str, keep_last: int | None = None,
+    def __init__(self, run_url: "str | Storage", keep_last: int | None = None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ShardckptError(f"keep_last must be >= 1 (or None to keep all); got {keep_last}")
-        self.storage = Storage(run_url, storage_options)
+        self.storage = as_storage(run_url, storage_options)
         self.keep_last = keep_last
 
     @property
@@ -151,8 +151,20 @@ class CheckpointManager:
         return removed
 
 
-def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str | None]:
-    """The checkpoint ``url`` names, and a note for the user when that is not ``url`` itself.
+@dataclass(frozen=True)
+class Resolved:
+    """The checkpoint a location names: its ``url``, the :class:`Storage` open on it (what the
+    work that follows reads through, so that the location is opened once), and ``note``, for the
+    user, where the checkpoint is not the location itself (None where it is)."""
+
+    url: str
+    storage: Storage
+    note: str | None = None
+
+
+def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> Resolved:
+    """The checkpoint ``url`` names, with its storage open, and a note for the user when that is
+    not ``url`` itself.
 
     A ``url`` with its own ``manifest.json``, or one that is no run directory, comes back as it is
     (its reader reports whatever is wrong with it). A run directory (``latest`` or
@@ -164,15 +176,16 @@ def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = Non
     manager = CheckpointManager(url, storage_options=storage_options)
     storage = manager.storage
     if storage.exists(MANIFEST_NAME):
-        return url, None
+        return Resolved(url, storage)
     has_latest = storage.exists(LATEST)
     steps = manager.step_dirs()
     if not has_latest and not steps:
-        return url, None
+        return Resolved(url, storage)
     committed = manager.committed()
     latest = manager.read_latest()
     if latest is not None and any(f.name == latest for f in committed):
-        return storage.url_of(latest), f"run directory: using latest -> {latest}"
+        return Resolved(storage.url_of(latest), storage.child(latest),
+                        f"run directory: using latest -> {latest}")
     if not committed:
         raise IncompleteCheckpointError(
             f"{storage.url} is a run directory with no committed checkpoint: none of its "

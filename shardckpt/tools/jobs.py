@@ -1,8 +1,9 @@
 """The offline commands as one call each: open the inputs, plan, run alone or as a ``torchrun`` job.
 
 Each ``run_*`` function opens what its command reads once (the source's reader and plan, the
-destination's storage) and passes them down to the tool's one flow, a job of one process alone or
-the processes of a ``torchrun`` job (``job`` from
+destination's storage; a source may come as a :class:`~shardckpt.storage.Storage` already
+open, as the command line's run-directory check leaves it) and passes them down to the tool's one
+flow, a job of one process alone or the processes of a ``torchrun`` job (``job`` from
 :func:`shardckpt.tools.distributed.job_from_environment`: every process calls the same function,
 opens its inputs and does its share). It learns from the plan how many bytes the work moves and
 opens the caller's progress display with that total (``progress(total)``, a context manager that
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from shardckpt.tools.diff import DiffResult
     from shardckpt.checkpoint.job import Job
     from shardckpt.tools.reshard import ReshardResult
+    from shardckpt.storage import Storage
 
 Tick = Callable[[int], None]
 #: Opens a progress display for work of ``total`` bytes and yields the callback counting bytes.
@@ -35,17 +37,18 @@ def _ignore(nbytes: int) -> None:
     """The progress callback of a process that shows none (a ``torchrun`` job's)."""
 
 
-def describe(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+def describe(url: "str | Storage", storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """:func:`shardckpt.tools.summary.summarize` of the checkpoint at ``url``: its manifest only."""
     from shardckpt.checkpoint.reader import as_storage, read_manifest
     from shardckpt.tools.summary import summarize
 
-    return summarize(read_manifest(as_storage(url, storage_options)), url)
+    storage = as_storage(url, storage_options)
+    return summarize(read_manifest(storage), url if isinstance(url, str) else storage.url)
 
 
-def run_reshard(src: str, dst: str, to: int, from_: int | None, replicate: int, workers: int,
-                overwrite: bool, storage_options: Mapping[str, Any] | None, buffer_bytes: int,
-                job: "Job | None", progress: OpenProgress) -> "ReshardResult":
+def run_reshard(src: "str | Storage", dst: str, to: int, from_: int | None, replicate: int,
+                workers: int, overwrite: bool, storage_options: Mapping[str, Any] | None,
+                buffer_bytes: int, job: "Job | None", progress: OpenProgress) -> "ReshardResult":
     """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst``: the source opened and
     planned once, the destination opened once; its total is the bytes of the source, shown
     where one process reshards alone (``workers`` 1, no job). Under ``torchrun`` the job's
@@ -68,7 +71,7 @@ def run_reshard(src: str, dst: str, to: int, from_: int | None, replicate: int, 
         return write_reshard(source, out, overwrite, 1, buffer_bytes, tick, job)
 
 
-def run_verify(url: str, storage_options: Mapping[str, Any] | None, workers: int,
+def run_verify(url: "str | Storage", storage_options: Mapping[str, Any] | None, workers: int,
                job: "Job | None", progress: OpenProgress) -> "VerifyResult":
     """:func:`shardckpt.checkpoint.verify.verify` of the checkpoint at ``url``, its manifest read
     once; a manifest that cannot be read is the result's problem, not an exception."""
@@ -84,10 +87,11 @@ def run_verify(url: str, storage_options: Mapping[str, Any] | None, workers: int
         return verify(storage, workers=workers, progress=tick, manifest=m)
 
 
-def run_consolidate(src: str, dst: str, dtype: str, max_shard_size: int, component: str,
-                    prefix: str, optimizer: bool, overwrite: bool, copy_from: str | None,
-                    storage_options: Mapping[str, Any] | None, buffer_bytes: int,
-                    job: "Job | None", progress: OpenProgress) -> "ConsolidateResult":
+def run_consolidate(src: "str | Storage", dst: str, dtype: str, max_shard_size: int,
+                    component: str, prefix: str, optimizer: bool, overwrite: bool,
+                    copy_from: str | None, storage_options: Mapping[str, Any] | None,
+                    buffer_bytes: int, job: "Job | None",
+                    progress: OpenProgress) -> "ConsolidateResult":
     """:func:`shardckpt.tools.consolidate.write_consolidation` of ``src`` into ``dst``, the source
     opened and planned once; its total is the bytes the plan reads."""
     from shardckpt.checkpoint.job import Job, open_readers
@@ -97,8 +101,8 @@ def run_consolidate(src: str, dst: str, dtype: str, max_shard_size: int, compone
     alone = job is None
     job = job or Job.single()
     reader, = open_readers(job, [src], storage_options, "consolidate: opening the source")
-    plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, src,
-                              prefix)
+    plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer,
+                              src if isinstance(src, str) else reader.url, prefix)
     if not alone:
         return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes,
                                    _ignore, copy_from, job)
@@ -107,8 +111,8 @@ def run_consolidate(src: str, dst: str, dtype: str, max_shard_size: int, compone
                                    tick, copy_from, job)
 
 
-def run_diff(a: str, b: str, storage_options: Mapping[str, Any] | None, buffer_bytes: int,
-             job: "Job | None", progress: OpenProgress) -> "DiffResult":
+def run_diff(a: "str | Storage", b: "str | Storage", storage_options: Mapping[str, Any] | None,
+             buffer_bytes: int, job: "Job | None", progress: OpenProgress) -> "DiffResult":
     """:func:`shardckpt.tools.diff.run_diff` of ``a`` and ``b``, each opened once; its total is
     the bytes the plan compares."""
     from shardckpt.checkpoint.job import Job, open_readers
