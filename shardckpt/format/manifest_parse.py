@@ -28,6 +28,7 @@ from shardckpt.format.manifest import (
     SAFE_NAME, VERSION, Component, FileEntry, Manifest, OptimizerInfo, buffer_slots,
     shard_slots,
 )
+from shardckpt.format.records import ParamGroupRecord
 from shardckpt.format.parse_context import (
     ParseContext, Problem, finite_float, listed, no_duplicate_keys, reject_constant,
 )
@@ -169,7 +170,7 @@ def _parse_optimizer(ctx: ParseContext, v: Any,
 def _parse_param_group(ctx: ParseContext, w: str, v: Any, known: set[str] | None,
                        claimed: set[str]) -> dict[str, Any]:
     pg = ctx.obj(v, w)
-    params = [ctx.str_(p, f"{w}.params") for p in ctx.lst(ctx.key(pg, "params", w), f"{w}.params")]
+    params = ParamGroupRecord.from_doc(pg, w, ctx=ctx).params  # types and bounds of every field
     bad = [] if known is None else [p for p in params if p not in known]
     if bad:
         raise ctx.fail(f"{w}.params", f"unknown parameters: {', '.join(bad[:10])}")
@@ -177,11 +178,6 @@ def _parse_param_group(ctx: ParseContext, w: str, v: Any, known: set[str] | None
     if dup:
         raise ctx.fail(f"{w}.params", f"parameters in two param groups: {', '.join(dup[:10])}")
     claimed.update(params)
-    ctx.obj(pg.get("hparams", {}), f"{w}.hparams")
-    problem = free_text_problem(pg, w)  # hparams and any field kept for a later rewrite
-    if problem is not None:
-        raise ctx.fail(*problem)
-    ctx.int_(pg.get("step", 0), f"{w}.step")
     return pg
 
 
