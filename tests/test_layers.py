@@ -75,11 +75,8 @@ def test_lower_layers_import_torch_only_inside_functions() -> None:
 
 
 #: Modules that still reach into another module's private names (importer, imported module):
-#: helpers the storage backends and the runtime's offload and ZeRO++ code share, to be made
-#: public where they live. No other module may join this list.
+#: helpers the storage backends share, to be made public where they live. No other module may join this list.
 PRIVATE_IMPORTS_LEFT = {
-    ("shardckpt.runtime.offload.store", "shardckpt.runtime.offload.files"),
-    ("shardckpt.runtime.zeropp.comm", "shardckpt.runtime.collectives"),
     ("shardckpt.storage.backends", "shardckpt.storage.retry"),
     ("shardckpt.storage.backends", "shardckpt.storage.writer"),
     ("shardckpt.storage.core", "shardckpt.storage.retry"),

@@ -60,8 +60,8 @@ def test_async_save_copies_on_the_offload_disk_and_equals_a_sync_save(tmp_path, 
     ckpt = Checkpointer(str(tmp_path / "run"), engine, async_save=True)
     monkeypatch.setattr(offload_files, "IO_CHUNK", 256)
     reads: list[int] = []
-    real_read = offload_files._pread_into
-    monkeypatch.setattr(offload_files, "_pread_into",
+    real_read = offload_files.pread_into
+    monkeypatch.setattr(offload_files, "pread_into",
                         lambda fd, buf, off, path: (reads.append(len(buf)),
                                                     real_read(fd, buf, off, path)))
     gate, real_write = threading.Event(), SaveJob.write_files

@@ -169,8 +169,8 @@ def test_save_streams_from_the_offload_files_in_bounded_pieces(tmp_path, monkeyp
     _train(engine, _adamw(engine), range(2))
     monkeypatch.setattr(offload_files, "IO_CHUNK", 256)
     reads: list[int] = []
-    real = offload_files._pread_into
-    monkeypatch.setattr(offload_files, "_pread_into",
+    real = offload_files.pread_into
+    monkeypatch.setattr(offload_files, "pread_into",
                         lambda fd, buf, off, path: (reads.append(len(buf)), real(fd, buf, off,
                                                                                  path)))
     save(engine, str(tmp_path / "ck"))

@@ -62,19 +62,22 @@ def collective_guard(op: str, pm: ProcessMesh) -> Iterator[None]:
         ) from exc
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous tensor as raw bytes (so any dtype travels through any backend)."""
     return t.view(torch.uint8)
 
 
-def _record(acct: Accounting | None, op: str, t: torch.Tensor, factor: int = 1,
-            cross_node: bool = False, elements: int | None = None) -> None:
+def record(acct: Accounting | None, op: str, t: torch.Tensor, factor: int = 1,
+           cross_node: bool = False, elements: int | None = None) -> None:
+    """Count collective ``op`` moving ``t`` (``factor`` times) in ``acct``, where there is one."""
     if acct is not None:
         acct.record(op, t, factor, cross_node=cross_node, elements=elements)
 
 
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object,
-                       async_op: bool = False) -> Any:
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: object,
+                      async_op: bool = False) -> Any:
+    """Gather every rank's ``inp`` of ``group`` into ``out`` (rank order), through the
+    single-tensor all-gather this torch has."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
@@ -96,9 +99,9 @@ def all_gather_shard(pm: ProcessMesh, full: torch.Tensor, shard: torch.Tensor, *
     if pm.shard_degree == 1:
         full.copy_(shard)
         return None
-    _record(acct, "all_gather", full, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
+    record(acct, "all_gather", full, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
     with collective_guard("all-gather of a flat group", pm):
-        return _all_gather_single(_bytes(full), _bytes(shard), pm.shard_group, async_op)
+        return all_gather_single(byte_view(full), byte_view(shard), pm.shard_group, async_op)
 
 
 class PendingMean:
@@ -166,7 +169,7 @@ def start_reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic
     work = None
     with collective_guard("reduce-scatter of a gradient", pm):
         if S > 1:
-            _record(acct, "reduce_scatter", red, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
+            record(acct, "reduce_scatter", red, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
             work = _reduce_scatter_single(out, red, pm.shard_group, async_op=True)
         else:
             out.copy_(red)
@@ -174,8 +177,8 @@ def start_reduce_scatter_mean(pm: ProcessMesh, grad: torch.Tensor, deterministic
     def finish() -> torch.Tensor:
         if pm.replicate_group is not None:
             with collective_guard("all-reduce of a gradient over replicas", pm):
-                _record(acct, "all_reduce", out, 2,
-                        cross_node=pm.axis_spans_nodes(REPLICATE_AXIS))
+                record(acct, "all_reduce", out, 2,
+                       cross_node=pm.axis_spans_nodes(REPLICATE_AXIS))
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=pm.replicate_group)
         return out.to(FP32).div_(W) if out.dtype != FP32 else out.div_(W)
 
@@ -193,9 +196,9 @@ def _start_ordered_mean(pm: ProcessMesh, grad: torch.Tensor, s: int,
         send = torch.cat([grad[mesh.shard_rank(j) * s:(mesh.shard_rank(j) + 1) * s]
                           for j in range(W)])
     recv = torch.empty(W * s, dtype=grad.dtype, device=grad.device)
-    _record(acct, "all_to_all", send, cross_node=pm.world_spans_nodes)
+    record(acct, "all_to_all", send, cross_node=pm.world_spans_nodes)
     with collective_guard("ordered gradient exchange (all-to-all)", pm):
-        work = dist.all_to_all_single(_bytes(recv), _bytes(send), group=pm.world_group,
+        work = dist.all_to_all_single(byte_view(recv), byte_view(send), group=pm.world_group,
                                       async_op=True)
     def finish() -> torch.Tensor:
         acc = recv[:s].to(sum_dtype, copy=True)
@@ -219,7 +222,7 @@ def all_reduce_shard_sum(pm: ProcessMesh, t: torch.Tensor,
                          acct: Accounting | None = None) -> torch.Tensor:
     """Sum ``t`` over the shard group, in place (replicas hold the same shards, so not over them)."""
     if pm.shard_degree > 1:
-        _record(acct, "all_reduce", t, 2, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
+        record(acct, "all_reduce", t, 2, cross_node=pm.axis_spans_nodes(SHARD_AXIS))
         with collective_guard("all-reduce over the shard group", pm):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pm.shard_group)
     return t

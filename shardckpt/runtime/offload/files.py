@@ -39,11 +39,14 @@ def _human(n: int) -> str:
     raise AssertionError
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of CPU tensor ``t`` (contiguous), as a writable view of its memory."""
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill ``buf`` from file ``fd`` at ``offset``; a file that ends first is an error naming
+    ``path``."""
     done = 0
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)
@@ -53,7 +56,8 @@ def _pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def _pwrite_from(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+def pwrite_from(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Write all of ``buf`` to file ``fd`` at ``offset``; a failure is an error naming ``path``."""
     done = 0
     try:
         while done < len(buf):
@@ -66,10 +70,11 @@ def _pwrite_from(fd: int, buf: memoryview, offset: int, path: Path) -> None:
 class OffloadedShard:
     """One state kind of one flat group, living in its offload file: what ``local_shards()``
     gives for it. Checkpoints stream from it (:meth:`iter_bytes`) and into it
-    (:meth:`write_bytes`) without holding it whole."""
+    (:meth:`write_bytes`) without holding it whole. ``fd`` is the descriptor open on its file
+    ``path`` (the store reads and writes whole files through it)."""
 
     def __init__(self, path: Path, fd: int, numel: int, dtype: torch.dtype) -> None:
-        self.path, self._fd, self.dtype = path, fd, dtype
+        self.path, self.fd, self.dtype = path, fd, dtype
         self.shape = torch.Size([numel])
         self.nbytes = numel * dtype.itemsize
 
@@ -82,26 +87,26 @@ class OffloadedShard:
         chunk = chunk or IO_CHUNK
         for lo in range(0, self.nbytes, chunk):
             t = torch.empty(min(chunk, self.nbytes - lo), dtype=torch.uint8)
-            _pread_into(self._fd, _as_bytes(t), lo, self.path)
+            pread_into(self.fd, as_bytes(t), lo, self.path)
             yield t.numpy()
 
     def read_into(self, out: torch.Tensor) -> None:
         """Copy the whole shard into ``out`` (same numel and dtype; any device)."""
         if out.device.type == "cpu" and out.is_contiguous():
-            _pread_into(self._fd, _as_bytes(out.reshape(-1)), 0, self.path)
+            pread_into(self.fd, as_bytes(out.reshape(-1)), 0, self.path)
             return
         host = torch.empty(self.shape, dtype=self.dtype)
-        _pread_into(self._fd, _as_bytes(host), 0, self.path)
+        pread_into(self.fd, as_bytes(host), 0, self.path)
         out.copy_(host)
 
     def write_bytes(self, offset: int, data: Any) -> None:
         """Write ``data`` (bytes-like) at byte ``offset``."""
-        _pwrite_from(self._fd, memoryview(data).cast("B"), offset, self.path)
+        pwrite_from(self.fd, memoryview(data).cast("B"), offset, self.path)
 
     def read_bytes(self, offset: int, nbytes: int) -> bytes:
         """``nbytes`` bytes from byte ``offset``."""
         t = torch.empty(nbytes, dtype=torch.uint8)
-        _pread_into(self._fd, _as_bytes(t), offset, self.path)
+        pread_into(self.fd, as_bytes(t), offset, self.path)
         return t.numpy().tobytes()
 
     def zero_(self) -> "OffloadedShard":
@@ -144,7 +149,7 @@ def create_files(base: Path, sizes: Mapping[str, int], kinds: Sequence[str], ran
                 if n:  # reserve the blocks now: a full disk fails here, not mid-step
                     _reserve(fd, n * 4)
     except OSError as e:
-        _remove(run_dir, [s._fd for s in files.values()])
+        remove_files(run_dir, [s.fd for s in files.values()])
         raise ConfigError(
             f"offload directory {base}: creating the optimizer state files "
             f"({need} bytes, {_human(need)}) failed: {e.strerror or e}") from e
@@ -163,7 +168,9 @@ def _reserve(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)
 
 
-def _remove(run_dir: Path | None, fds: list[int]) -> None:
+def remove_files(run_dir: Path | None, fds: list[int]) -> None:
+    """Close ``fds`` and remove ``run_dir`` (where there is one), quietly: cleanup that must not
+    fail."""
     for fd in fds:
         try:
             os.close(fd)
@@ -191,9 +198,9 @@ def _copy_range(src: int, dst: int, nbytes: int, path: Path) -> None:
                                  f"{e.strerror or e}") from e
     buf = torch.empty(min(IO_CHUNK, max(nbytes - done, 0)), dtype=torch.uint8)
     for lo in range(done, nbytes, IO_CHUNK):
-        view = _as_bytes(buf)[:min(IO_CHUNK, nbytes - lo)]
-        _pread_into(src, view, lo, path)
-        _pwrite_from(dst, view, lo, path)
+        view = as_bytes(buf)[:min(IO_CHUNK, nbytes - lo)]
+        pread_into(src, view, lo, path)
+        pwrite_from(dst, view, lo, path)
 
 
 class OffloadSnapshot:
@@ -215,15 +222,15 @@ class OffloadSnapshot:
         copy = OffloadedShard(path, fd, t.numel(), t.dtype)
         self._files.append(copy)
         if isinstance(t, OffloadedShard):
-            _copy_range(t._fd, fd, t.nbytes, path)
+            _copy_range(t.fd, fd, t.nbytes, path)
             return copy
         flat = t.detach().reshape(-1)
         step = max(1, IO_CHUNK // flat.element_size())
         for lo in range(0, flat.numel(), step):  # a device shard: a piece at a time
             piece = flat[lo:lo + step].to("cpu").contiguous()
-            _pwrite_from(fd, _as_bytes(piece), lo * flat.element_size(), path)
+            pwrite_from(fd, as_bytes(piece), lo * flat.element_size(), path)
         return copy
 
     def remove(self) -> None:
-        _remove(self.directory, [f._fd for f in self._files])
+        remove_files(self.directory, [f.fd for f in self._files])
         self._files = []

@@ -54,8 +54,8 @@ import torch
 
 from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.runtime.offload.config import OffloadConfig
-from shardckpt.runtime.offload.files import (OffloadedShard, OffloadSnapshot, _as_bytes,
-                                             _pread_into, _pwrite_from, _remove, create_files)
+from shardckpt.runtime.offload.files import (OffloadedShard, OffloadSnapshot, as_bytes,
+                                             create_files, pread_into, pwrite_from, remove_files)
 
 __all__ = ["OffloadStore", "UpdateFn"]
 
@@ -97,8 +97,8 @@ class OffloadStore:
                                                      ("master", *self.kinds), rank)
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             1, thread_name_prefix="shardckpt-offload")
-        self._finalizer = weakref.finalize(self, _remove, self.run_dir,
-                                           [s._fd for s in self._files.values()])
+        self._finalizer = weakref.finalize(self, remove_files, self.run_dir,
+                                           [s.fd for s in self._files.values()])
 
     @property
     def state_bytes(self) -> int:
@@ -150,7 +150,7 @@ class OffloadStore:
             self._host[name]["master"].copy_(master)
             return
         host = master.detach().to("cpu", copy=True)
-        self._files[name, "master"].write_bytes(0, _as_bytes(host))
+        self._files[name, "master"].write_bytes(0, as_bytes(host))
 
     # ------------------------------------------------------------- gradients from backward
 
@@ -271,14 +271,14 @@ class OffloadStore:
         for kind in ("master", *self.kinds):
             t = torch.empty(self.sizes[name], dtype=torch.float32, pin_memory=self.pin)
             f = self._files[name, kind]
-            _pread_into(f._fd, _as_bytes(t), 0, f.path)
+            pread_into(f.fd, as_bytes(t), 0, f.path)
             out[kind] = t
         return out
 
     def _write(self, name: str, window: dict[str, torch.Tensor]) -> None:
         for kind, t in window.items():
             f = self._files[name, kind]
-            _pwrite_from(f._fd, _as_bytes(t), 0, f.path)
+            pwrite_from(f.fd, as_bytes(t), 0, f.path)
 
     def windows(self, names: Sequence[str]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
         """Each group's master and state kinds, in order; with ``"nvme"`` read one group ahead

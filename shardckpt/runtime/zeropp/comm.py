@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from shardckpt.format.layout import SHARD_AXIS
 from shardckpt.runtime.accounting import Accounting
-from shardckpt.runtime.collectives import (FP32, PendingMean, _all_gather_single, _bytes,
-                                           _record, collective_guard)
+from shardckpt.runtime.collectives import (FP32, PendingMean, all_gather_single, byte_view,
+                                           collective_guard, record)
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.zeropp import quant
 
@@ -42,10 +42,10 @@ def start_quantized_gather(pm: ProcessMesh, full: torch.Tensor, shard: torch.Ten
         wire, work = packed, None
     else:
         wire = torch.empty(S * packed.numel(), dtype=torch.uint8, device=shard.device)
-        _record(acct, "all_gather", wire, cross_node=pm.axis_spans_nodes(SHARD_AXIS),
-                elements=full.numel())
+        record(acct, "all_gather", wire, cross_node=pm.axis_spans_nodes(SHARD_AXIS),
+               elements=full.numel())
         with collective_guard("quantized all-gather of a flat group (qwZ)", pm):
-            work = _all_gather_single(wire, packed, pm.shard_group, async_op=True)
+            work = all_gather_single(wire, packed, pm.shard_group, async_op=True)
 
     def finish() -> None:
         full.view(S, s).copy_(quant.dequantize(wire.view(S, -1), s, WEIGHT_BITS, block,
@@ -68,9 +68,9 @@ def start_node_gather(pm: ProcessMesh, full: torch.Tensor, secondary: torch.Tens
     if node_group is None:
         full.copy_(secondary)
         return None
-    _record(acct, "all_gather", full, cross_node=False)
+    record(acct, "all_gather", full, cross_node=False)
     with collective_guard("in-node all-gather of a flat group (hpZ)", pm):
-        return _all_gather_single(_bytes(full), _bytes(secondary), node_group, async_op=True)
+        return all_gather_single(byte_view(full), byte_view(secondary), node_group, async_op=True)
 
 
 # ------------------------------------------------------------------------------------ qgZ
@@ -95,7 +95,7 @@ def start_qgz_mean(pm: ProcessMesh, grad: torch.Tensor, bits: int, block: int,
         order = [n * K + k for k in range(K) for n in range(N)]
         send = quant.quantize(rows[order], bits, block).view(-1)
         recv = torch.empty_like(send)
-        _record(acct, "all_to_all", send, cross_node=False, elements=W * s)
+        record(acct, "all_to_all", send, cross_node=False, elements=W * s)
         with collective_guard(what, pm):
             work = dist.all_to_all_single(recv, send, group=node_group, async_op=True)
         keep: tuple[torch.Tensor, ...] = (grad, send, recv)
@@ -114,7 +114,7 @@ def start_qgz_mean(pm: ProcessMesh, grad: torch.Tensor, bits: int, block: int,
             return acc[0].div_(W)
         send2 = quant.quantize(acc, bits, block).view(-1)
         recv2 = torch.empty_like(send2)
-        _record(acct, "all_to_all", send2, cross_node=True, elements=N * s)
+        record(acct, "all_to_all", send2, cross_node=True, elements=N * s)
         with collective_guard("quantized gradient exchange across nodes (qgZ)", pm):
             dist.all_to_all_single(recv2, send2, group=cross_group)
         parts2 = quant.dequantize(recv2.view(N, -1), s, bits, block)
