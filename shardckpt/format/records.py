@@ -65,7 +65,7 @@ def json_value(ctx: ParseContext, v: Any, where: str) -> Any:
         elif isinstance(x, (list, tuple)):
             stack.extend((y, f"{w}[{i}]") for i, y in enumerate(x))
         elif not (x is None or isinstance(x, (bool, int))):
-            raise ctx.fail(w, f"a {type(x).__name__} is not a JSON value")
+            raise ctx.fail(w, f"a value of type {type(x).__name__} is not JSON")
     return v
 
 
