@@ -5,7 +5,7 @@ where, with each file's header built up front. Pure; :mod:`shardckpt.tools.conso
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from shardckpt.checkpoint.pieces import Source
@@ -13,6 +13,7 @@ from shardckpt.errors import ConfigError, ManifestError
 from shardckpt.format.dtypes import DTYPES, FLOATS, itemsize, output_dtype
 from shardckpt.format.layout import prod
 from shardckpt.format.manifest import Manifest, TensorSlot
+from shardckpt.format.records import param_groups, run_extras
 from shardckpt.format.safetensors_header import build_header
 from shardckpt.interop.hf.files import hf_config
 
@@ -165,11 +166,12 @@ def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int
         if m.optimizer is not None:
             own = {p.fqn for p in comp.layout.params}
             meta = {"optimizer": m.optimizer.name, "param_groups": [
-                {**pg, "params": [p for p in pg["params"] if p in own]} for pg in m.optimizer.param_groups]}
-    step = m.extras.get("step")
-    if not isinstance(step, int) and m.optimizer is not None:
-        step = max((pg.get("step", 0) for pg in m.optimizer.param_groups), default=None)
-    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, component, out,
+                replace(pg, params=tuple(p for p in pg.params if p in own)).to_doc()
+                for pg in param_groups(m.optimizer, source or 'the manifest')]}
+    step = run_extras(m, source or 'the manifest').step
+    if step is None:
+        step = max((pg.step for pg in param_groups(m.optimizer, source or 'the manifest')), default=None)
+    return ConsolidationPlan(source, m.save_id, step, component, out,
                              pack_files(tensors, max_shard_size, "model"), opt_files, meta,
                              dict(comp.aliases), hf_config(m, out, source))
 
@@ -188,7 +190,6 @@ def _plan_chunked(m: Manifest, out: str, max_shard_size: int, prefix: str, optim
         raise ConfigError(f"{source or 'the checkpoint'}: no tensor name starts with {prefix!r} "
                           f"(it holds {some or 'none'}{', ...' if len(m.chunked.tensors) > 3 else ''}); "
                           "choose another --prefix")
-    step = m.extras.get("step")
-    return ConsolidationPlan(source, m.save_id, step if isinstance(step, int) else None, prefix, out,
+    return ConsolidationPlan(source, m.save_id, run_extras(m, source or 'the manifest').step, prefix, out,
                              pack_files(tensors, max_shard_size, "model"),
                              hf_config=hf_config(m, out, source))

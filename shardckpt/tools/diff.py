@@ -35,6 +35,7 @@ from shardckpt.format.chunked import iter_pairs
 from shardckpt.checkpoint.chunked_read import read_blob, read_box
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import Component, Manifest
+from shardckpt.format.records import param_groups
 from shardckpt.checkpoint.pieces import PieceReader, Source, decode
 from shardckpt.storage import DEFAULT_BUFFER
 from shardckpt.tools.split import contiguous_split
@@ -125,9 +126,9 @@ def _entries(c: Component) -> dict[tuple[str, str], tuple[tuple[int, ...], Sourc
 def _optimizer_settings(m: Manifest) -> dict[str, str]:
     out: dict[str, str] = {}
     if m.optimizer is not None:
-        for pg in m.optimizer.param_groups:
-            setting = json.dumps({"hparams": pg.get("hparams", {}), "step": pg.get("step", 0)}, sort_keys=True)
-            for fqn in pg["params"]:
+        for pg in param_groups(m.optimizer):
+            setting = json.dumps({"hparams": dict(pg.hparams), "step": pg.step}, sort_keys=True)
+            for fqn in pg.params:
                 out[fqn] = setting
     return out
 

@@ -6,11 +6,14 @@ from typing import Any
 
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import Manifest
+from shardckpt.format.records import param_groups, run_extras
 
 
 def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
     """Format version, mesh, step, components (groups, every parameter with its shape, dtype, unit and
     group, bytes per state kind), files."""
+    source = url or "manifest.json"
+    extras = run_extras(m, source)
     components: dict[str, Any] = {}
     for name, c in m.components.items():
         kinds: dict[str, dict[str, int]] = {}
@@ -45,12 +48,12 @@ def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
         "created_at": m.created_at,
         "mesh": {name: size for name, size in m.mesh.axes},
         "world_size": m.mesh.world_size,
-        "step": m.extras.get("step"),
+        "step": extras.step,
         "extras": dict(m.extras),
         "optimizer": None if m.optimizer is None else {
             "name": m.optimizer.name,
-            "param_groups": [{"params": len(pg["params"]), "hparams": pg.get("hparams", {}),
-                              "step": pg.get("step", 0)} for pg in m.optimizer.param_groups],
+            "param_groups": [{"params": len(pg.params), "hparams": dict(pg.hparams), "step": pg.step}
+                             for pg in param_groups(m.optimizer, source)],
         },
         "per_rank_state": dict(m.per_rank_state),
         "components": components,

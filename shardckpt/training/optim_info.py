@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardckpt.format.manifest import OptimizerInfo
+from shardckpt.format.records import param_groups
 
 __all__ = ["load_optimizer_info"]
 
@@ -17,8 +18,8 @@ def load_optimizer_info(model: Any, info: OptimizerInfo, strict: bool = True) ->
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return
-    saved = [{"params": list(g["params"]), "hparams": dict(g.get("hparams", {})),
-              "step": int(g.get("step", 0))} for g in info.param_groups]
+    saved = [{"params": list(g.params), "hparams": dict(g.hparams), "step": g.step}
+             for g in param_groups(info)]
     if not strict:
         current = opt.optimizer_metadata()["param_groups"]
         known_saved = {f for g in saved for f in g["params"]}

@@ -32,6 +32,7 @@ from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
+from shardckpt.format.records import run_extras
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.watch.config import StepSpec
 
@@ -168,7 +169,8 @@ def adopt(ctx: StepContext) -> dict[str, Any] | None:
             return None
         if kind == "reshard" and (m.mesh.world_size != ctx.spec.to
                                   or m.mesh.replicate_degree != ctx.spec.replicate
-                                  or m.extras.get("step") != ctx.manifest.extras.get("step")):
+                                  or run_extras(m, dst.url).step
+                                  != run_extras(ctx.manifest, ctx.src.url).step):
             return None
         if not verify(dst, manifest=m):
             return None
