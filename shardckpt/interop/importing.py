@@ -62,14 +62,16 @@ def import_summary(m: "Manifest", dst: str, source_format: str) -> dict[str, Any
     out: dict[str, Any] = {"destination": dst, "save_id": m.save_id, "ranks": m.mesh.world_size,
                            "replicate": m.mesh.replicate_degree, "params": len(layout.params),
                            "units": len({g.unit for g in layout.groups}), "bytes": m.total_bytes}
+    from shardckpt.format.records import DeepSpeedOrigin, run_extras
+
+    extras = run_extras(m, dst)
     if source_format == "hf":
-        out["hf_config"] = "hf_config" in m.extras
+        out["hf_config"] = extras.hf_config is not None
     elif source_format == "deepspeed":
-        ds = m.extras.get("deepspeed", {})
-        out.update(step=m.extras.get("step"), zero_stage=ds.get("stage"),
-                   source_world_size=ds.get("world_size"))
+        ds = extras.deepspeed or DeepSpeedOrigin()
+        out.update(step=extras.step, zero_stage=ds.stage, source_world_size=ds.world_size)
     else:
-        out["step"] = m.extras.get("step")
+        out["step"] = extras.step
     return out
 
 

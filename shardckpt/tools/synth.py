@@ -25,6 +25,7 @@ from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import (
     BufferSpec, Component, Manifest, OptimizerInfo, TensorSlot, default_states, shard_slots,
 )
+from shardckpt.format.records import ParamGroupRecord, PerRankState, RunExtras
 from shardckpt.storage import crc32c
 
 ADAMW_KINDS = ("exp_avg", "exp_avg_sq")
@@ -119,13 +120,13 @@ def synth_spec(params: int, ranks: int, replicate: int = 1, units: int = 2, step
     no_decay = [i.fqn for i in trained if len(i.shape) < 2]
     base = {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "amsgrad": False}
     optim = OptimizerInfo("adamw", (
-        {"params": decay, "hparams": {**base, "weight_decay": 0.1}, "step": step},
-        {"params": no_decay, "hparams": {**base, "weight_decay": 0.0}, "step": step},
+        ParamGroupRecord(tuple(decay), {**base, "weight_decay": 0.1}, step).to_doc(),
+        ParamGroupRecord(tuple(no_decay), {**base, "weight_decay": 0.0}, step).to_doc(),
     ))
-    extras = {"step": step, "samples_seen": step * 8 * ranks // replicate,
-              "user": {"synthetic": True, "seed": seed}}
-    return CheckpointSpec(mesh, {"model": comp}, optim, extras,
-                          {"world_size": ranks, "dropped_from_world_size": None})
+    extras = RunExtras(step=step, samples_seen=step * 8 * ranks // replicate,
+                       other={"user": {"synthetic": True, "seed": seed}})
+    return CheckpointSpec(mesh, {"model": comp}, optim, extras.to_doc(),
+                          PerRankState(world_size=ranks).to_doc())
 
 
 def synth_bytes(params: int, ranks: int, replicate: int = 1, units: int = 2) -> int:

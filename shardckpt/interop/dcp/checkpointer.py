@@ -20,6 +20,7 @@ import torch
 
 from shardckpt.errors import ShardckptError, UnsafePickleError
 from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter, WeightsOnlyLoadPlanner
+from shardckpt.format.records import RunExtras
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class DcpCheckpointer:
 
         self.wait()
         writer = ShardckptWriter(self.manager.url_for(step), self.storage_options,
-                                 extras={"step": step}, replace_existing=True)
+                                 extras=RunExtras(step=step).to_doc(), replace_existing=True)
         if self.async_save:
             self._pending = (step, dcp.async_save(state_dict, storage_writer=writer))
             return

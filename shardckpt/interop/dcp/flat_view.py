@@ -28,6 +28,7 @@ from typing import Any
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import ManifestError
 from shardckpt.format.layout import prod
+from shardckpt.format.records import param_groups
 
 __all__ = ["FlatView"]
 
@@ -77,8 +78,8 @@ class FlatView:
         self.tensors[key], self.paths[key] = e, path
 
     def _optimizer(self, opt: Any, key: str) -> None:
-        for i, g in enumerate(opt.param_groups):
-            for fqn in g["params"]:
+        for i, g in enumerate(param_groups(opt)):
+            for fqn in g.params:
                 p = self.params[fqn]
                 kinds = [k for k, _ in self.comp.states.get(p.group, ()) if k != "master"]
                 for kind in kinds:
@@ -86,11 +87,11 @@ class FlatView:
                                                                    fqn, kind))
                 if kinds:
                     self._tensor((key, "state", fqn, "step"), _Entry((), "float32", "scalar",
-                                                                     value=float(g["step"])))
-            hp = {k: (tuple(v) if k == "betas" else v) for k, v in g["hparams"].items()}
+                                                                     value=float(g.step)))
+            hp = {k: (tuple(v) if k == "betas" else v) for k, v in g.hparams.items()}
             if opt.name in ("adamw", "adam"):
                 hp = {**ADAMW_FLAGS, "decoupled_weight_decay": opt.name == "adamw", **hp}
-            for name, v in {**hp, "params": list(g["params"])}.items():
+            for name, v in {**hp, "params": list(g.params)}.items():
                 self.values[f"{key}.param_groups.{i}.{name}"] = v
                 self.paths[f"{key}.param_groups.{i}.{name}"] = (key, "param_groups", i, name)
 

@@ -42,6 +42,7 @@ from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.dtypes import DTYPES, itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
+from shardckpt.format.records import DcpOrigin, RunExtras
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.storage.links import check_inside
 from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
@@ -389,8 +390,8 @@ def plan_chunks(options: ImportOptions) -> ImportPlan:
     save_id = new_save_id()
     files, section, by_name = _plan(source, save_id)
     spec = CheckpointSpec(Mesh.for_world(max(1, len(files))), {},
-                          extras={"source": store.url, "dcp": {"version": source.version,
-                                                                "files": sorted(source.items)}},
+                          extras=RunExtras(source=store.url, dcp=DcpOrigin(
+                              source.version, tuple(sorted(source.items)))).to_doc(),
                           chunked=section)
     return ImportPlan(options, out, spec, "import dcp",
                       state=_Chunks(store, save_id, files, by_name, section))

@@ -54,6 +54,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.storage.lease import DEFAULT_TTL_S
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, FileEntry, TensorSlot
+from shardckpt.format.records import RunExtras
 from shardckpt.interop.dcp.metadata import chunked_section, dtype_name, section_metadata
 from shardckpt.interop.safe_unpickle import check_value
 from shardckpt.storage import Storage
@@ -106,7 +107,9 @@ class ShardckptWriter(StorageWriter):
         super().__init__()
         self.replace_existing, self._replacing = replace_existing, None
         self.storage_options = dict(storage_options or {})
-        self.chunk_size, self.extras, self.lease_ttl_s = chunk_size, dict(extras or {}), lease_ttl_s
+        # checked now: the keys shardckpt reads must have their types (docs/FORMAT.md 3.9)
+        checked = RunExtras.from_doc(dict(extras or {}), "extras", f"ShardckptWriter of {url}").to_doc()
+        self.chunk_size, self.extras, self.lease_ttl_s = chunk_size, checked, lease_ttl_s
         self.checkpoint_id = str(url)
         self.is_coordinator, self.rank = True, 0
         self._lease: Any = None

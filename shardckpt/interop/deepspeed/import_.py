@@ -53,6 +53,7 @@ from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
 from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
+from shardckpt.format.records import DeepSpeedOrigin, ParamGroupRecord, PerRankState, RunExtras
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -219,8 +220,8 @@ def _optimizer(ranks: list[RankInfo], trained: Mapping[str, int],
         hp = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in ADAM_HPARAMS if k in g}
         hp = {k: (float(v) if hasattr(v, "item") else v) for k, v in hp.items()}
         step = ranks[0].steps[_first_flat(ranks[0], g, j)] if ranks[0].steps else 0
-        out.append({"params": [f for f, gj in trained.items() if gj == j], "hparams": hp,
-                    "step": int(step)})
+        out.append(ParamGroupRecord(tuple(f for f, gj in trained.items() if gj == j), hp,
+                                    int(step)).to_doc())
     return OptimizerInfo(name, tuple(out))
 
 
@@ -321,10 +322,9 @@ def read_deepspeed(location: "str | Storage", staged: Staged, tag: str | None = 
     order = [f for f in info.module_order if f in shapes] + [f for f in shapes if f not in known]
     aliases = {a: c for a, c in info.shared.items() if c in shapes and a not in shapes}
     prec = "bf16" if any(os.path.basename(f).startswith("bf16_") for f in optim) else "fp32"
-    extras = {"step": info.extras["step"], "samples_seen": info.extras["samples_seen"],
-              "source": storage.url,
-              "deepspeed": {"version": info.extras["version"], "stage": stage,
-                            "world_size": world, "tag": tag, "precision": prec}}
+    extras = RunExtras(step=info.extras["step"], samples_seen=info.extras["samples_seen"],
+                       source=storage.url,
+                       deepspeed=DeepSpeedOrigin(info.extras["version"], stage, world, tag, prec)).to_doc()
     return DeepSpeedSource(storage.url, tag, stage, world, order, shapes, trained, segments,
                            aliases, info.buffers, _optimizer(ranks, trained, info.optimizer_config),
                            extras, staged)
@@ -367,7 +367,7 @@ def _spec(source: DeepSpeedSource, mesh: Mesh, units: Sequence[str] | None
     bufs = tuple(BufferSpec(k, tuple(v.shape), str(v.dtype)) for k, v in source.buffers.items())
     comp = Component("model", layout, states, source.aliases, bufs)
     return layout, CheckpointSpec(mesh, {"model": comp}, source.optimizer, source.extras,
-                                  {"world_size": mesh.world_size, "dropped_from_world_size": None})
+                                  PerRankState(world_size=mesh.world_size).to_doc())
 
 
 def plan_deepspeed(options: ImportOptions) -> ImportPlan:

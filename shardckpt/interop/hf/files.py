@@ -19,12 +19,12 @@ import json
 import re
 from typing import Any, Mapping
 
-from shardckpt.errors import ConfigError, ManifestError
+from shardckpt.errors import ConfigError
 from shardckpt.format.manifest import Manifest
+from shardckpt.format.records import run_extras
 from shardckpt.interop.foreign import check_link, source_root
 from shardckpt.storage import Storage
 
-HF_CONFIG_KEY = "hf_config"
 CONFIG = "config.json"
 
 #: What a copy takes from a model folder: tokenizers of the common families, chat templates and
@@ -43,12 +43,9 @@ WEIGHT_NAME = re.compile(r"\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack)(\.ind
 
 def hf_config(m: Manifest, dtype: str, source: str = "") -> dict[str, Any] | None:
     """The ``config.json`` of ``m``'s weights cast to ``dtype``; None if ``m`` records no config."""
-    cfg = m.extras.get(HF_CONFIG_KEY)
+    cfg = run_extras(m, source or "the manifest").hf_config
     if cfg is None:
         return None
-    if not isinstance(cfg, dict):
-        raise ManifestError(f"{source or 'the manifest'}: extras.{HF_CONFIG_KEY}: expected an "
-                            f"object (a Hugging Face config), found {type(cfg).__name__}")
     return {**cfg, "torch_dtype": dtype, "dtype": dtype}
 
 

@@ -30,6 +30,7 @@ from shardckpt.errors import ConfigError, IncompatibleLayoutError, IntegrityErro
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
+from shardckpt.format.records import PerRankState, RunExtras
 from shardckpt.interop.hf.importer import DEFAULT_UNITS, HF, HFConfig
 from shardckpt.interop.hf.source import HFSource, HFTensor, open_hf
 from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
@@ -293,12 +294,10 @@ def plan_hf(options: ImportOptions) -> ImportPlan:
     mesh = Mesh.for_world(options.ranks, options.replicate)
     layout, aliases = import_layout(source, mesh, options.units)
     states = {g.name: (("master", g.master_dtype),) for g in layout.groups}
-    extras: dict[str, Any] = {"step": 0, "source": source.url}
-    if source.config is not None:
-        extras["hf_config"] = dict(source.config)
+    config = None if source.config is None else dict(source.config)
+    extras = RunExtras(step=0, source=source.url, hf_config=config).to_doc()
     spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, aliases)},
-                          extras=extras, per_rank_state={"world_size": options.ranks,
-                                                         "dropped_from_world_size": None})
+                          extras=extras, per_rank_state=PerRankState(world_size=options.ranks).to_doc())
     return ImportPlan(options, out, spec, "import hf",
                       lambda s: _shard_producer(source, layout, s, buffer_bytes, workers),
                       None, source)
