@@ -23,9 +23,9 @@ from shardckpt.storage.backend import known_elsewhere
 from shardckpt.storage.options import BackendOptions, Tuning, own_settings, refuse_unknown
 from shardckpt.storage.reads import read_ahead
 from shardckpt.storage.retry import (
-    NotFoundError, RetryPolicy, Verdict, _describe, _map_error, classify, retry_call,
+    NotFoundError, RetryPolicy, Verdict, classify, describe_error, map_error, retry_call,
 )
-from shardckpt.storage.writer import Sink, _FsspecSink
+from shardckpt.storage.writer import FsspecSink, Sink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,7 +101,7 @@ class Backend:
         except (ImportError, ValueError, TypeError) as e:
             raise StorageError(f"{url}: cannot open this location: {e}", url) from e
         except OSError as e:  # filesystems that connect or open an archive when created (ftp, zip)
-            raise StorageError(f"{url}: cannot open this location: {_describe(e)}", url) from e
+            raise StorageError(f"{url}: cannot open this location: {describe_error(e)}", url) from e
         root = root.rstrip("/") if root not in ("/", "") else root
         return cls(fs, options.retry, options.tuning), root
 
@@ -184,8 +184,9 @@ class Backend:
         for i, ((a, b), data) in enumerate(zip(bounds, out)):
             if isinstance(data, BaseException):
                 if self.classify(data) != "retry":
-                    raise _map_error(data, "read", url) from data
-                log.info("read of %s [%d, %d) failed (%s); retrying", url, a, b, _describe(data))
+                    raise map_error(data, "read", url) from data
+                log.info("read of %s [%d, %d) failed (%s); retrying", url, a, b,
+                         describe_error(data))
                 out[i] = self.call("read", url, lambda a=a, b=b: self.fs.cat_file(path, start=a, end=b),
                                    deadline=deadline)
         return b"".join(out)
@@ -218,7 +219,7 @@ class Backend:
 
     def sink(self, path: str, url: str) -> Sink:
         """Where a streaming write goes: an fsspec file that commits on close."""
-        return _FsspecSink(self, path, url)
+        return FsspecSink(self, path, url)
 
     def create_only(self, path: str, url: str, data: bytes) -> None:
         """Best effort here (check, then write); see the local and S3 backends."""

@@ -14,8 +14,8 @@ from shardckpt.errors import IntegrityError, StorageError
 from shardckpt.storage import confined, places
 from shardckpt.storage.backends import Backend, conflict_error
 from shardckpt.storage.options import BackendOptions, Tuning, fsspec_option_names
-from shardckpt.storage.retry import NotFoundError, RetryPolicy, _map_error, mapped_errors
-from shardckpt.storage.writer import Sink, _LocalSink
+from shardckpt.storage.retry import NotFoundError, RetryPolicy, map_error, mapped_errors
+from shardckpt.storage.writer import LocalSink, Sink
 
 
 #: URL prefixes of the local file system.
@@ -161,7 +161,7 @@ class LocalBackend(Backend):
         try:
             f = open_regular(path, url)
         except OSError as e:
-            raise _map_error(e, "open", url) from e
+            raise map_error(e, "open", url) from e
         with f:
             remaining = limit
             while remaining is None or remaining > 0:
@@ -194,7 +194,7 @@ class LocalBackend(Backend):
         return self.call("read", url, open_map)
 
     def sink(self, path: str, url: str) -> Sink:
-        return _LocalSink(self, path, url)
+        return LocalSink(self, path, url)
 
     def create_only(self, path: str, url: str, data: bytes) -> None:
         """Write a temporary file, fsync, then ``link`` it into place (fails if the target
@@ -207,7 +207,7 @@ class LocalBackend(Backend):
             except FileExistsError as e:
                 raise conflict from e
             except OSError as e:
-                raise _map_error(e, "commit", url) from e
+                raise map_error(e, "commit", url) from e
         with mapped_errors("commit", url):
             _write_local(path, data, link)
 

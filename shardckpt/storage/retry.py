@@ -53,7 +53,7 @@ _PERMANENT_TYPES = (FileNotFoundError, PermissionError, FileExistsError, IsADire
                     NotADirectoryError)
 
 
-def _response(e: BaseException) -> tuple[str, int]:
+def error_response(e: BaseException) -> tuple[str, int]:
     """(service error code, HTTP status) of an error that carries a boto-style ``response``
     (or whose cause does); ("", 0) otherwise. Used for messages and HTTP statuses only."""
     for x in (e, e.__cause__):
@@ -79,7 +79,7 @@ def classify(e: BaseException, transient: frozenset[str] = TRANSIENT_NAMES,
         return "permanent"
     if names & transient or isinstance(e, (ConnectionError, TimeoutError)):
         return "retry"
-    code, status = _response(e)
+    code, status = error_response(e)
     if code in transient_codes or status >= 500 or status == 429:
         return "retry"
     if isinstance(e, OSError) and e.errno in _RETRYABLE_ERRNO:
@@ -87,25 +87,29 @@ def classify(e: BaseException, transient: frozenset[str] = TRANSIENT_NAMES,
     return "permanent"
 
 
-def _describe(e: BaseException) -> str:
+def describe_error(e: BaseException) -> str:
     """One line: exception type, message, and the S3 error code when there is one."""
     text = " ".join(str(e).split())[:300] or repr(e)
-    code, status = _response(e)
+    code, status = error_response(e)
     extra = f" ({code}, HTTP {status})" if code and code not in text else ""
     return f"{type(e).__name__}: {text}{extra}"
 
 
-def _map_error(e: BaseException, what: str, url: str, attempts: int = 1, elapsed: float = 0.0,
-               deadline: float | None = None) -> StorageError:
+def map_error(e: BaseException, what: str, url: str, attempts: int = 1, elapsed: float = 0.0,
+              deadline: float | None = None) -> StorageError:
+    """The :class:`StorageError` that ``e`` (raised by ``what`` on ``url``) becomes: not found,
+    permission denied, a deadline passed after ``attempts`` (where ``deadline`` is given), or
+    a failure described by :func:`describe_error`."""
     if isinstance(e, FileNotFoundError):
         return NotFoundError(f"{url}: not found ({what})", url)
     if isinstance(e, PermissionError):
-        return StorageError(f"{url}: permission denied ({what}): {_describe(e)}", url)
+        return StorageError(f"{url}: permission denied ({what}): {describe_error(e)}", url)
     if attempts > 1 and deadline is not None:
         return DeadlineExceededError(
             f"{url}: {what} failed after {attempts} attempts in {elapsed:.1f} s (deadline "
-            f"{deadline:g} s; set shardckpt_deadline_s or {DEADLINE_ENV}): {_describe(e)}", url)
-    return StorageError(f"{url}: {what} failed: {_describe(e)}", url)
+            f"{deadline:g} s; set shardckpt_deadline_s or {DEADLINE_ENV}): {describe_error(e)}",
+            url)
+    return StorageError(f"{url}: {what} failed: {describe_error(e)}", url)
 
 
 @contextmanager
@@ -115,7 +119,7 @@ def mapped_errors(what: str, url: str) -> Iterator[None]:
     except ShardckptError:
         raise
     except OSError as e:
-        raise _map_error(e, what, url) from e
+        raise map_error(e, what, url) from e
 
 
 def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
@@ -141,9 +145,10 @@ def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
             pause = backoff * (0.5 + random.random() / 2)
             transient = classify(e) == "retry"
             if transient and time.monotonic() + pause < end:
-                log.info("%s of %s failed (%s); retry %d in %.2fs", what, url, _describe(e), attempt, pause)
+                log.info("%s of %s failed (%s); retry %d in %.2fs", what, url, describe_error(e),
+                         attempt, pause)
                 time.sleep(pause)
                 backoff = min(backoff * 2, policy.max_backoff_s)
                 continue
-            raise _map_error(e, what, url, attempt, time.monotonic() - t0,
-                             policy.deadline_s if transient else None) from e
+            raise map_error(e, what, url, attempt, time.monotonic() - t0,
+                            policy.deadline_s if transient else None) from e

@@ -18,7 +18,7 @@ from shardckpt.errors import StorageError
 from shardckpt.storage.backends import Backend, changed_error, conflict_error
 from shardckpt.storage.options import BackendOptions, fsspec_option_names
 from shardckpt.storage.retry import (
-    PERMANENT_NAMES, TRANSIENT_NAMES, NotFoundError, Verdict, _response, classify,
+    PERMANENT_NAMES, TRANSIENT_NAMES, NotFoundError, Verdict, classify, error_response,
 )
 from shardckpt.storage.s3upload import OpenUpload, S3Upload
 from shardckpt.storage.writer import Sink
@@ -66,7 +66,7 @@ def _is_precondition_failed(e: BaseException | None) -> bool:
         return False
     if isinstance(e, FileExistsError):
         return True
-    code, status = _response(e)
+    code, status = error_response(e)
     return code in ("PreconditionFailed", "412") or status == 412
 
 

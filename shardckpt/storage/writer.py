@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 from shardckpt.errors import StorageError
 from shardckpt.format.integrity import crc32c
-from shardckpt.storage.retry import _describe, _map_error, mapped_errors
+from shardckpt.storage.retry import describe_error, map_error, mapped_errors
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class StreamWriter:
             self._sink.abort()
         except Exception as e:  # noqa: BLE001 - cleanup is best effort; the original error propagates
             log.warning("could not clean up partial %s (%s); `shardckpt clean` on its prefix removes it",
-                        self.url, _describe(e))
+                        self.url, describe_error(e))
 
     def __enter__(self) -> "StreamWriter":
         return self
@@ -238,7 +238,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 WRITEBACK_BYTES = 8 << 20
 
 
-class _LocalSink:
+class LocalSink:
     """A local file, made durable by ``fsync`` on close.
 
     Every :data:`WRITEBACK_BYTES` written, writeback of what was written so far is started
@@ -280,7 +280,7 @@ class _LocalSink:
             os.unlink(self.path)
 
 
-class _FsspecSink:
+class FsspecSink:
     """Any other fsspec filesystem (``memory://``, ...) through ``fs.open("wb")``.
 
     fsspec files commit on ``close()`` and on ``__del__``; abort discards, then marks the file
@@ -295,13 +295,13 @@ class _FsspecSink:
         try:
             self.f.write(view)
         except Exception as e:  # noqa: BLE001
-            raise _map_error(e, "write", self.url) from e
+            raise map_error(e, "write", self.url) from e
 
     def close(self, size: int) -> None:
         try:
             self.f.close()
         except Exception as e:  # noqa: BLE001
-            raise _map_error(e, "close", self.url) from e
+            raise map_error(e, "close", self.url) from e
 
     def abort(self) -> None:
         f = self.f
