@@ -215,3 +215,45 @@ def test_checkpointer_load_opens_one_reader(counts: Counts, tmp_path: Path) -> N
         ckpt.load(url)
     assert counts.readers == Counter({url: 1})
     assert counts.manifest_reads == Counter({url: 1})
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_checkpointer_load_of_chunked_tensors_opens_one_reader(counts: Counts,
+                                                               tmp_path: Path) -> None:
+    """A checkpoint of chunked tensors (what a module and its optimizer saved through DCP) loads
+    through ``load_chunked``, which reads through the reader the load opened; nothing opens the
+    checkpoint again (per-rank state included)."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from shardckpt.interop.dcp.storage import ShardckptWriter
+    from shardckpt.runtime import ShardedAdamW, ZeroEngine
+    from shardckpt.training.checkpointer import Checkpointer
+
+    def net(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3))
+
+    m = net(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(2, 4)).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(m, opt)
+    url = str(tmp_path / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, storage_writer=ShardckptWriter(url))
+    engine = ZeroEngine(net(1), policy=(nn.Linear,))
+    ShardedAdamW(engine, [p for _, p in engine.named_parameters()], lr=1.0)
+    with _entry(counts):
+        res = Checkpointer(str(tmp_path / "run"), engine).load(url)
+    assert res.manifest.chunked is not None  # the chunked path was taken
+    assert counts.readers == Counter({url: 1})
+    assert counts.manifest_reads == Counter({url: 1})
+    full = engine.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in m.state_dict().items())
+    engine.close()

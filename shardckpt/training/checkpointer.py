@@ -46,11 +46,11 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Mapping
 
-from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.format.manifest import Manifest
+from shardckpt.format.records import RunExtras, per_rank_state, run_extras
 from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
 
 log = logging.getLogger(__name__)
@@ -220,8 +220,10 @@ class Checkpointer:
         """Save ``step`` on every rank: synchronously, or async (see the module docstring)."""
         self.wait()  # at most one in flight; raises the previous save's error here
         url = self.manager.url_for(step)
-        ext = {**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
-               **dict(extras or {}), "step": step, "seed": self.seed, "app": self._app_json()}
+        # the caller's keys sit between hf_config and the Checkpointer's own, which win
+        ext = RunExtras.from_doc({**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
+                                  **dict(extras or {}), "step": step, "seed": self.seed,
+                                  "app": self._app_json()}, "extras", f"save of {url}").to_doc()
         staging, snapshot = None, None
         if self.async_save:
             self._hook_optimizer()
@@ -366,35 +368,35 @@ class Checkpointer:
         self.wait()  # a save in flight reads the state a load would overwrite
         res = load(self.engine, url, strict=strict, weights_only=weights_only,
                    storage_options=self.storage_options)
-        extras = res.manifest.extras
-        absent = [name for name in self.app_state if name not in extras.get("app", {})]
+        extras = run_extras(res.manifest, url)
+        app = extras.app or {}
+        absent = [name for name in self.app_state if name not in app]
         if absent and strict:
             raise ShardckptError(f"{url}: no application state {absent} in the checkpoint; "
                                  "load with strict=False to keep the current state of those")
-        per_rank = res.manifest.per_rank_state
-        same_world = (per_rank.get("world_size") == self.world_size
-                      and not per_rank.get("dropped_from_world_size"))
+        per_rank = per_rank_state(res.manifest, url)
+        same_world = per_rank.restorable_on(self.world_size)
 
         def rank_state() -> tuple[dict[str, Any] | None]:  # a tuple: not sent to the peers
             if not same_world:
                 return (None,)
-            reader = res.reader or CheckpointReader(url, self.storage_options)  # chunked: reopen
-            return (read_rank_state(reader, self.rank),)
+            assert res.reader is not None  # the load's reader, flat groups and chunks alike
+            return (read_rank_state(res.reader, self.rank),)
 
         # every rank reads its own file: agree, so that a damaged one fails all ranks alike
         held, _ = agree(rank_state, f"load of per-rank state from {url}")
         state = held[0] if held else None
         for name, obj in self.app_state.items():
             if name not in absent:
-                obj.load_state_dict(extras["app"][name])
+                obj.load_state_dict(app[name])
         if state is not None:
             set_rng_state(state)
         else:
             import torch
 
-            seed = int(extras.get("seed", self.seed))
+            seed = self.seed if extras.seed is None else extras.seed
             torch.manual_seed(seed + self.rank)
             if self.rank == 0:
                 log.info("per-rank state not restorable (world %s -> %s); RNG re-seeded with "
-                         "%d + rank", per_rank.get("world_size"), self.world_size, seed)
+                         "%d + rank", per_rank.world_size, self.world_size, seed)
         return res

@@ -27,7 +27,8 @@ class _Slot:
         self.name = name
 
 
-def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None = None, *,
+def load_chunked(model: Any, url: "str | CheckpointReader",
+                 storage_options: Mapping[str, Any] | None = None, *,
                  model_key: str = "model", optim_key: str | None = None, strict: bool = True,
                  weights_only: bool = False, buffer_bytes: int = DEFAULT_BATCH,
                  group: Any = None) -> Manifest:
@@ -37,15 +38,19 @@ def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None
     elements of its own shard of every flat group (masters, Adam moments; the model's frozen
     parameters from the tensors of their names) from the chunks that hold them, then buffers and
     the optimizer's hyper-parameters and step (``weights_only``: masters and buffers alone).
-    ``shardckpt.training.save_load.load`` calls this for such a checkpoint. Collective."""
+    ``url`` may be this rank's reader of the checkpoint, already open (its manifest read):
+    ``shardckpt.training.save_load.load`` passes the one it opened, so that a rank opens the
+    checkpoint once. Collective."""
     import torch
 
     rank, _ = rank_and_world(group)
     lay = model.layout
     my_shard = lay.mesh.shard_rank(rank)
+    opened: list[CheckpointReader] = []
 
     def work() -> str:
-        reader = CheckpointReader(url, storage_options)
+        reader = url if isinstance(url, CheckpointReader) else CheckpointReader(url, storage_options)
+        opened.append(reader)
         frozen = [p.fqn for g in lay.groups if not g.requires_grad for p in lay.group_params(g)]
         src = read_model(reader, model_key, optim_key, frozen_names=frozen)
         found = {g.name: (src.params if g.requires_grad else {**src.params, **src.frozen})
@@ -90,5 +95,5 @@ def load_chunked(model: Any, url: str, storage_options: Mapping[str, Any] | None
         model.refresh_params()
         return reader.manifest.save_id
 
-    agree(work, f"load of {url}", group)
-    return CheckpointReader(url, storage_options).manifest
+    agree(work, f"load of {url.url if isinstance(url, CheckpointReader) else url}", group)
+    return opened[0].manifest  # every rank opened it, or agree raised

@@ -25,6 +25,7 @@ from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
     MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
 )
+from shardckpt.format.records import ParamGroupRecord, PerRankState
 from shardckpt.training.optim_info import load_optimizer_info
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def optimizer_info(model: Sharded) -> OptimizerInfo | None:
         return None
     meta = opt.optimizer_metadata()
     return OptimizerInfo(meta["name"], tuple(
-        {"params": list(g["params"]), "hparams": dict(g["hparams"]), "step": int(g["step"])}
+        ParamGroupRecord(tuple(g["params"]), dict(g["hparams"]), int(g["step"])).to_doc()
         for g in meta["param_groups"]))
 
 
@@ -78,7 +79,7 @@ def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
     comp = Component("model", layout, states, dict(aliases or getattr(model, "tied_aliases", {}) or {}),
                      buffers)
     optim = optimizer_info(model)
-    per_rank = {"world_size": layout.mesh.world_size, "dropped_from_world_size": None}
+    per_rank = PerRankState(world_size=layout.mesh.world_size).to_doc()
     spec = CheckpointSpec(layout.mesh, {"model": comp}, optim, dict(extras or {}), per_rank)
     if chunk_size:
         spec.chunk_size = chunk_size
@@ -222,7 +223,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
     spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
     if rank_state:
-        spec.per_rank_state = dict(spec.per_rank_state, files=True)
+        spec.per_rank_state = PerRankState(world_size=mesh.world_size, files=True).to_doc()
     writes = replica == shard % mesh.replicate_degree
     shards = model.local_shards() if writes else {}
     buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
@@ -270,8 +271,8 @@ class LoadResult:
     mismatched: tuple[str, ...]
     manifest: Manifest
     bytes_read: int
-    #: The reader the load read through (this rank's), for what the caller reads next (per-rank
-    #: state) without opening the checkpoint again; None for chunked tensors.
+    #: The reader the load read through (this rank's; for chunked tensors too), for what the
+    #: caller reads next (per-rank state) without opening the checkpoint again.
     reader: CheckpointReader | None = field(default=None, compare=False, repr=False)
 
 
@@ -285,7 +286,8 @@ def load(model: Sharded, url: "str | CheckpointReader", strict: bool = True,
     in one error; otherwise what matches is loaded and the lists are returned. ``weights_only``
     loads the masters and buffers and leaves optimizer state and step alone. A checkpoint of
     chunked tensors (FSDP2 saved it through DCP) is loaded by
-    :func:`shardckpt.training.chunked_load.load_chunked` (the lists are then empty).
+    :func:`shardckpt.training.chunked_load.load_chunked` through the same reader (the lists are
+    then empty).
     """
     rank, _ = rank_and_world(group)
     counter: dict[str, Any] = {"bytes": 0}
@@ -354,9 +356,9 @@ def load(model: Sharded, url: "str | CheckpointReader", strict: bool = True,
     if out.get("chunked"):
         from shardckpt.training.chunked_load import load_chunked
 
-        m = load_chunked(model, where, storage_options, strict=strict, weights_only=weights_only,
-                         group=group)
-        return LoadResult((), (), (), m, 0)
+        m = load_chunked(model, counter["reader"], storage_options, strict=strict,
+                         weights_only=weights_only, group=group)
+        return LoadResult((), (), (), m, 0, counter["reader"])
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       counter["manifest"], counter["bytes"], counter["reader"])
 
