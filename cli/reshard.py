@@ -30,10 +30,17 @@ def reshard(
     buffer: str = typer.Option("32MB", "--buffer",
                                help="Bytes held per read batch (bounds memory; at least 64KiB): "
                                     "B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB."),
+    format_: Optional[str] = typer.Option(
+        None, "--format", help="chunked: the chunks FSDP2 would save at M ranks (the default for "
+                               "a checkpoint saved through DCP); flat: ZeroEngine flat groups "
+                               "(the default for flat groups)."),
     storage_option: Optional[list[str]] = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last.
+
+    A checkpoint saved through DCP (FSDP2) becomes the chunks FSDP2 saves at M ranks (each
+    tensor split along its first dim), or with --format flat ZeroEngine flat groups.
 
     Under torchrun (`torchrun --nproc_per_node K -m shardckpt reshard ...`) the job's processes
     split the target files by bytes and rank 0 commits once all are written."""
@@ -46,13 +53,15 @@ def reshard(
     buffer_bytes = parse_bytes(buffer, "--buffer")
     with job_from_environment() as job:  # under torchrun: this process's share of the job
         r = run_reshard(where.storage, dst, to, from_, replicate, workers, overwrite, opts,
-                        buffer_bytes, job, functools.partial(progress, description="reshard"))
+                        buffer_bytes, job, functools.partial(progress, description="reshard"),
+                        fmt=format_)
     if job is not None and not job.is_root:
         return
     m = r.manifest
     if json_out:
         echo_json({"src": src, "dst": dst, "from": r.source_world_size, "to": m.mesh.world_size,
                    "mesh": {a: s for a, s in m.mesh.axes}, "save_id": m.save_id,
+                   "format": "flat" if m.chunked is None else "chunked",
                    "bytes_written": r.bytes_written, "bytes_read": r.bytes_read,
                    "seconds": round(r.seconds, 3),
                    "gb_per_s": round(r.bytes_written / 1e9 / max(r.seconds, 1e-9), 3)})

@@ -48,11 +48,13 @@ def describe(url: "str | Storage", storage_options: Mapping[str, Any] | None) ->
 
 def run_reshard(src: "str | Storage", dst: str, to: int, from_: int | None, replicate: int,
                 workers: int, overwrite: bool, storage_options: Mapping[str, Any] | None,
-                buffer_bytes: int, job: "Job | None", progress: OpenProgress) -> "ReshardResult":
+                buffer_bytes: int, job: "Job | None", progress: OpenProgress,
+                fmt: str | None = None) -> "ReshardResult":
     """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst``: the source opened and
     planned once, the destination opened once; its total is the bytes of the source, shown
     where one process reshards alone (``workers`` 1, no job). Under ``torchrun`` the job's
-    processes split the target files, and ``workers`` is not used."""
+    processes split the target files, and ``workers`` is not used. ``fmt``: the target's kind
+    (``"chunked"``, ``"flat"``; None: the source's)."""
     from shardckpt.checkpoint.job import Job
     from shardckpt.checkpoint.reader import as_storage
     from shardckpt.errors import ConfigError
@@ -62,7 +64,7 @@ def run_reshard(src: "str | Storage", dst: str, to: int, from_: int | None, repl
         raise ConfigError(f"--workers {workers}: must be >= 1")
     alone = job is None
     job = job or Job.single()
-    source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job)
+    source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job, fmt)
     out = as_storage(dst, storage_options)
     if not alone or workers != 1:  # worker processes and a job's processes report no progress
         return write_reshard(source, out, overwrite, workers if alone else 1, buffer_bytes,

@@ -7,6 +7,11 @@ at most ``buffer_bytes`` (:mod:`shardckpt.tools.reshard_stream`); memory is boun
 so an interrupted or failed reshard leaves nothing a reader takes for whole. Per-rank state (RNG)
 cannot follow a change of world size: it is dropped, and the manifest says so.
 
+A checkpoint of chunked tensors (saved through DCP) is resharded into the chunks FSDP2 would save
+at M ranks, or into flat groups (``fmt="flat"``): :mod:`shardckpt.tools.reshard_chunked`. Every
+kind of target is a *target* object (:class:`FlatTarget` here) that says what each target file
+holds and writes a share of them; the flow below is the same for all.
+
 One flow for one process and for the processes of a ``torchrun`` job (a
 :class:`~shardckpt.checkpoint.job.Job`; one process is a job of one): :func:`open_source` opens
 the source once per process (the processes agree on the manifest they read), and
@@ -21,7 +26,7 @@ import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.job import Job, balance
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
@@ -31,6 +36,7 @@ from shardckpt.format.layout import Mesh
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
 from shardckpt.format.reshard_plan import ReshardPlan, plan_reshard
 from shardckpt.storage import DEFAULT_BATCH, Storage
+from shardckpt.format.manifest import FileEntry
 from shardckpt.tools.reshard_stream import Written, write_shards
 from shardckpt.tools.reshard_target import discard_attempt, prepare_dst, remove_replaced
 from shardckpt.tools.split import shard_bytes
@@ -66,13 +72,48 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
 
 
 @dataclass(frozen=True)
-class ReshardSource:
-    """The opened source and what follows from it alone: the target's spec and plans."""
+class FlatTarget:
+    """Flat groups from flat groups: the target's spec and one plan per component. A target
+    (this, or those of :mod:`shardckpt.tools.reshard_chunked`) names its files by index (here the
+    shard ranks), says what each costs, and writes a share of them; it travels to ``--workers``
+    processes pickled."""
 
-    reader: CheckpointReader
     spec: CheckpointSpec
     plans: Mapping[str, ReshardPlan]
+
+    def writer(self, dst: Storage, save_id: str | None = None) -> CheckpointWriter:
+        return CheckpointWriter(dst, self.spec, save_id)
+
+    def data_bytes(self, writer: CheckpointWriter) -> int:
+        return writer.data_bytes()
+
+    def costs(self) -> list[int]:
+        """Bytes read plus bytes written, per target file."""
+        return [r + w for r, w in shard_bytes(self.spec, self.plans)]
+
+    def write(self, reader: CheckpointReader, writer: CheckpointWriter, files: Sequence[int],
+              buffer_bytes: int, on_bytes: Callable[[int], None] | None) -> Written:
+        return write_shards(reader, self.plans, writer, files, buffer_bytes, on_bytes)
+
+    def has_buffers(self, reader: CheckpointReader) -> bool:
+        return reader.manifest.buffers_file() is not None
+
+    def write_buffers(self, reader: CheckpointReader, writer: CheckpointWriter,
+                      buffer_bytes: int) -> FileEntry | None:
+        return writer.write_buffers(lambda slot: iter([reader.read_buffer(slot.name)[1]]))
+
+
+@dataclass(frozen=True)
+class ReshardSource:
+    """The opened source and what follows from it alone: the target (its spec and plan)."""
+
+    reader: CheckpointReader
+    target: Any  # FlatTarget, or a target of shardckpt.tools.reshard_chunked
     started: float  # time.perf_counter() when the work began (the result's seconds count from it)
+
+    @property
+    def spec(self) -> CheckpointSpec:
+        return self.target.spec
 
 
 @dataclass
@@ -92,10 +133,6 @@ def _check_work(m: Manifest, mesh: Mesh, to: int, buffer_bytes: int) -> None:
     if buffer_bytes < MIN_BUFFER:
         raise ConfigError(f"--buffer {buffer_bytes} bytes: below the minimum of {MIN_BUFFER} bytes "
                           f"({MIN_BUFFER >> 10} KiB)")
-    if m.chunked is not None:  # reshard would drop them: it rewrites flat groups only
-        raise ConfigError("the checkpoint holds chunked tensors (saved through torch.distributed."
-                          "checkpoint); they load on any world size as they are, with "
-                          "ShardckptReader; reshard applies to flat groups only")
     groups = [g for c in m.components.values() for g in c.layout.groups]
     if not groups:
         return
@@ -110,9 +147,13 @@ def _check_work(m: Manifest, mesh: Mesh, to: int, buffer_bytes: int) -> None:
 
 def open_source(src: "str | Storage", to: int, from_: int | None = None, replicate: int = 1,
                 storage_options: Mapping[str, Any] | None = None,
-                buffer_bytes: int = DEFAULT_BATCH, job: Job | None = None) -> ReshardSource:
+                buffer_bytes: int = DEFAULT_BATCH, job: Job | None = None,
+                fmt: str | None = None) -> ReshardSource:
     """Check the options and open the source (its manifest read once per process) and plan the
-    target. In a job every process opens it, and they must have read the same manifest."""
+    target. In a job every process opens it, and they must have read the same manifest.
+
+    ``fmt``: ``"chunked"`` (the chunks FSDP2 would save), ``"flat"`` (flat groups), or None for
+    the source's own kind."""
     job = job or Job.single()
     t0 = time.perf_counter()
 
@@ -129,8 +170,11 @@ def open_source(src: "str | Storage", to: int, from_: int | None = None, replica
                 f"checkpoint's world size {m.mesh.world_size} (mesh {m.mesh.describe()})")
         mesh = Mesh.for_world(to, replicate)
         _check_work(m, mesh, to, buffer_bytes)
-        spec, plans = target_spec(m, mesh)
-        return ReshardSource(reader, spec, plans, t0)
+        if m.chunked is not None or fmt not in (None, "flat"):
+            from shardckpt.tools.reshard_chunked import chunked_target
+
+            return ReshardSource(reader, chunked_target(reader, mesh, fmt), t0)
+        return ReshardSource(reader, FlatTarget(*target_spec(m, mesh)), t0)
 
     return job.open(open_, lambda s: s.reader.manifest.save_id, str(src),
                     "reshard: opening the source")
@@ -156,15 +200,15 @@ def write_reshard(source: ReshardSource, dst: Storage, overwrite: bool = False, 
 
             def prepare() -> CheckpointWriter:
                 attempt.replacing = prepare_dst(dst, source.reader.storage, overwrite)
-                w = CheckpointWriter(dst, source.spec)
-                dst.ensure_free_space("", w.data_bytes(), "reshard")
+                w = source.target.writer(dst)
+                dst.ensure_free_space("", source.target.data_bytes(w), "reshard")
                 attempt.writer = w  # from here on, a failure removes the attempt's directory
                 held.enter_context(w.lease())
                 return w
 
             mine, said = job.gather(prepare, lambda w: w.save_id,
                                     "reshard: preparing the destination", root_only=True)
-            writer = mine or CheckpointWriter(dst, source.spec, said[0])
+            writer = mine or source.target.writer(dst, said[0])
             done = _write_share(job, source, writer, workers, buffer_bytes, progress)
 
             def commit() -> None:
@@ -191,24 +235,24 @@ def _write_share(job: Job, source: ReshardSource, writer: CheckpointWriter, work
                  buffer_bytes: int, progress: Callable[[int], None] | None) -> Written:
     """Write this process's share of the target files; every process's entries, and the bytes
     the whole job read. The buffers file (small) goes to the last process, after its shards."""
-    costs = [r + w for r, w in shard_bytes(writer.spec, source.plans)]
+    target, reader = source.target, source.reader
+    costs = target.costs()
     parts = balance(costs, job.world_size)
     mine = parts[job.rank]
-    reader = source.reader
-    takes_buffers = reader.manifest.buffers_file() is not None and job.rank == len(parts) - 1
+    takes_buffers = target.has_buffers(reader) and job.rank == len(parts) - 1
 
     def write() -> Written:
         k = min(workers, len(mine))
         if k <= 1:
-            done = write_shards(reader, source.plans, writer, mine, buffer_bytes, progress)
+            done = target.write(reader, writer, mine, buffer_bytes, progress)
         else:
             from shardckpt.tools.reshard_workers import run_workers
 
             split = balance([costs[t] for t in mine], k)
-            done = run_workers(reader, source.plans, writer, [[mine[i] for i in p] for p in split],
+            done = run_workers(reader, target, writer, [[mine[i] for i in p] for p in split],
                                buffer_bytes)
         if takes_buffers:
-            b = writer.write_buffers(lambda slot: iter([reader.read_buffer(slot.name)[1]]))
+            b = target.write_buffers(reader, writer, buffer_bytes)
             if b is not None:
                 done = Written(done.entries + (b,), done.bytes_read)
         return done
@@ -222,17 +266,19 @@ def reshard(src: "str | Storage", dst: "str | Storage", to: int, from_: int | No
             storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,
             buffer_bytes: int = DEFAULT_BATCH,
-            progress: Callable[[int], None] | None = None, job: Job | None = None) -> ReshardResult:
+            progress: Callable[[int], None] | None = None, job: Job | None = None,
+            fmt: str | None = None) -> ReshardResult:
     """Reshard ``src`` to a world of ``to`` ranks (mesh ``replicate`` x ``to/replicate``) at ``dst``.
 
     ``from_`` is a guard: it must equal the source's world size. With ``overwrite``, an existing
     checkpoint at ``dst`` is replaced only once the new one is complete. ``workers`` processes
     split the target shards; under ``torchrun`` (``job``) the job's processes split them.
-    :func:`open_source`, then :func:`write_reshard`.
+    ``fmt``: ``"chunked"`` or ``"flat"`` (None: the source's kind; a checkpoint of chunked
+    tensors can become either). :func:`open_source`, then :func:`write_reshard`.
     """
     if workers < 1:
         raise ConfigError(f"--workers {workers}: must be >= 1")
-    source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job)
+    source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job, fmt)
     dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
     return write_reshard(source, as_storage(dst, dst_opts), overwrite, workers, buffer_bytes,
                          progress, job)

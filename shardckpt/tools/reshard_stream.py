@@ -1,14 +1,16 @@
-"""The bytes of reshard's target shard files: the plan's copies cut into read batches, read ahead
+"""The bytes of reshard's target files: the plan's copies cut into read batches, read ahead
 with checked ranged reads, and streamed into the writer slot by slot.
 
 Memory is bounded by two batches of at most ``buffer_bytes`` (plus a few cached boundary chunks),
-not by the checkpoint. Does not import torch.
+not by the checkpoint. A batch holds pieces of the target files' slots: zero bytes (padding),
+source byte ranges, or (chunked tensors split along other dims than the first) a function that
+assembles a box. Does not import torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointWriter
@@ -16,6 +18,33 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import FileEntry, TensorSlot
 from shardckpt.format.reshard_plan import Copy, ReshardPlan
 from shardckpt.storage import RangeReader, read_ahead
+from shardckpt.storage.reads import Request
+
+#: A piece of a slot's bytes: that many zero bytes, a checked source range, or a function that
+#: returns the bytes (called on the read-ahead thread).
+Piece = Union[int, Request, Callable[[], Any]]
+#: The pieces of one target file's slots in file order: (slot index, piece) pairs.
+Batch = list[tuple[int, Piece]]
+
+
+class Batcher:
+    """Cuts the pieces of target files into batches of at most ``buffer_bytes`` (at least one
+    piece each) that run across slot boundaries, so that small slots share a batch and adjacent
+    ranges of one source file coalesce into one read. :attr:`batches` holds (file, batch) pairs."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.batches: list[tuple[int, Batch]] = []
+        self.size = 0
+
+    def add(self, file: int, slot: int, piece: Piece, nbytes: int) -> None:
+        """Append ``piece`` (``nbytes`` held in memory) of ``slot`` of target ``file``."""
+        if (not self.batches or self.batches[-1][0] != file
+                or (self.size + nbytes > self.buffer_bytes and self.batches[-1][1])):
+            self.batches.append((file, []))
+            self.size = 0
+        self.batches[-1][1].append((slot, piece))
+        self.size += nbytes
 
 
 @dataclass(frozen=True)
@@ -38,81 +67,67 @@ class Written:
 
 
 def plan_batches(reader: CheckpointReader, plans: Mapping[str, ReshardPlan], shard: int,
-                  slots: Sequence[TensorSlot], buffer_bytes: int) -> list[list[tuple[int, Any]]]:
-    """The pieces of every slot of target ``shard``, in file order, cut into batches of at most
-    ``buffer_bytes`` that run across slot boundaries (small slots share a batch, so adjacent
-    ranges of one source file coalesce into one read). Each batch holds (slot index, piece)
-    pairs; a piece is an int (that many zero bytes) or a source range to read."""
+                 slots: Sequence[TensorSlot], batcher: Batcher) -> None:
+    """Add the pieces of every slot of target shard ``shard``, in file order, to ``batcher``: an
+    int (that many zero bytes) or a source range to read."""
     by_group: dict[str, list[Copy]] = {}
     for plan in plans.values():
         for c in plan.for_dst_shard(shard):
             by_group.setdefault(c.dst_group, []).append(c)
-    batches: list[list[tuple[int, Any]]] = [[]]
-    batch_bytes = 0
+    max_batch = batcher.buffer_bytes
     for si, slot in enumerate(slots):
         group, kind = slot.name.rsplit(".", 1)
         n = itemsize(slot.dtype)
-        max_elems = max(1, buffer_bytes // n)
+        max_elems = max(1, max_batch // n)
         pos = 0
-
-        def add(piece: Any, nbytes: int) -> None:
-            nonlocal batch_bytes
-            if batch_bytes + nbytes > buffer_bytes and batches[-1]:
-                batches.append([])
-                batch_bytes = 0
-            batches[-1].append((si, piece))
-            batch_bytes += nbytes
-
         for c in by_group.get(group, ()):
             if c.dst_offset > pos:
-                add((c.dst_offset - pos) * n, 0)
+                batcher.add(shard, si, (c.dst_offset - pos) * n, 0)
             for x in range(0, c.numel, max_elems):
                 take = min(c.numel - x, max_elems)
-                add(reader.state_range(c.src_shard, c.src_group, kind,
-                                       c.src_offset + x, c.src_offset + x + take), take * n)
+                batcher.add(shard, si, reader.state_range(c.src_shard, c.src_group, kind,
+                                                          c.src_offset + x, c.src_offset + x + take),
+                            take * n)
             pos = c.dst_offset + c.numel
         if pos < slot.shape[0]:
-            add((slot.shape[0] - pos) * n, 0)
-    return batches
+            batcher.add(shard, si, (slot.shape[0] - pos) * n, 0)
 
 
 class ShardStream:
-    """The bytes of target shards ``shards``, slot by slot: :meth:`for_shard` gives the slot
-    producer of a shard; the shards are written in ``shards`` order.
+    """The bytes of target files, slot by slot: :meth:`for_shard` gives the slot producer of a
+    file; the files are written in the order of ``batches`` (from a :class:`Batcher`).
 
-    The batches of every shard (:func:`plan_batches`) are read through one
-    :func:`~shardckpt.storage.read_ahead` loop: the next batch is read while the current one is
-    written, so at most two batches are held at once; within a batch, source files are read
-    concurrently (``read_workers``). The read-ahead runs across shards: the first batch of the
-    next shard is read while the last one of this shard is written. Where the storage maps files
-    (local), a range is not copied: it is a view of the mapped source file, its chunks
-    CRC-checked once, written straight from the page cache; a batch's mappings go when the batch
-    has been written.
+    The batches are read through one :func:`~shardckpt.storage.read_ahead` loop: the next batch
+    is read while the current one is written, so at most two batches are held at once; within a
+    batch, source files are read concurrently (``read_workers``). The read-ahead runs across
+    files: the first batch of the next file is read while the last one of this file is written.
+    Where the storage maps files (local), a range is not copied: it is a view of the mapped source
+    file, its chunks CRC-checked once, written straight from the page cache; a batch's mappings
+    go when the batch has been written.
     """
 
-    def __init__(self, reader: CheckpointReader, ranges: RangeReader, plans: Mapping[str, ReshardPlan],
-                 shards: Sequence[int], slots: Sequence[TensorSlot], buffer_bytes: int,
+    def __init__(self, ranges: RangeReader, batches: Sequence[tuple[int, Batch]],
                  on_bytes: Callable[[int], None] | None, read_workers: int = 4) -> None:
         self.ranges, self.on_bytes, self.read_workers = ranges, on_bytes, read_workers
-        self.batches = [(t, b) for t in shards
-                        for b in plan_batches(reader, plans, t, slots, buffer_bytes) if b]
+        self.batches = [(t, b) for t, b in batches if b]
         self.zeros = bytes(max((p for _, b in self.batches for _, p in b if isinstance(p, int)),
                                default=0))
-        self.index = {s.name: i for i, s in enumerate(slots)}
         self.stream = read_ahead(self.batches, self._fetch)
         self.taken = 0  # batches taken from the stream
-        self.current: list[tuple[int, Any]] = []
+        self.current: Batch = []
         self.pos = 0
 
-    def _fetch(self, item: tuple[int, list[tuple[int, Any]]]) -> list[tuple[int, Any]]:
+    def _fetch(self, item: tuple[int, Batch]) -> Batch:
         _, batch = item
-        data = iter(self.ranges.fetch([p for _, p in batch if not isinstance(p, int)], self.read_workers))
+        data = iter(self.ranges.fetch([p for _, p in batch if isinstance(p, tuple)],
+                                      self.read_workers))
         zview = memoryview(self.zeros)
-        return [(si, zview[:p] if isinstance(p, int) else next(data)) for si, p in batch]
+        return [(si, zview[:p] if isinstance(p, int) else next(data) if isinstance(p, tuple) else p())
+                for si, p in batch]
 
     def _advance(self, shard: int) -> bool:
-        """Make the shard's next batch current (the read of the one after, maybe of the next
-        shard, starts); False at the end of the shard's batches."""
+        """Make the file's next batch current (the read of the one after, maybe of the next
+        file, starts); False at the end of the file's batches."""
         if self.taken == len(self.batches) or self.batches[self.taken][0] != shard:
             return False
         self.current, self.pos = [], 0  # written: let it go before the next is waited for
@@ -120,9 +135,12 @@ class ShardStream:
         self.taken += 1
         return True
 
-    def for_shard(self, shard: int) -> Callable[[TensorSlot], Iterator[Any]]:
+    def for_shard(self, shard: int, slots: Sequence[TensorSlot]) -> Callable[[TensorSlot], Iterator[Any]]:
+        """The producer of file ``shard``'s bytes, its ``slots`` (the batches' slot indices)."""
+        index = {s.name: i for i, s in enumerate(slots)}
+
         def produce(slot: TensorSlot) -> Iterator[Any]:
-            si = self.index[slot.name]
+            si = index[slot.name]
             while True:
                 if self.pos == len(self.current) and not self._advance(shard):
                     return
@@ -145,10 +163,24 @@ def write_shards(reader: CheckpointReader, plans: Mapping[str, ReshardPlan],
                  on_bytes: Callable[[int], None] | None = None) -> Written:
     """Write target shards ``shards`` (in that order) with ``writer``, their bytes read from
     ``reader`` through ``plans``."""
+    batcher = Batcher(buffer_bytes)
+    for t in shards:
+        plan_batches(reader, plans, t, writer.slots, batcher)
+    return stream_files(reader, batcher.batches, shards,
+                        lambda t, produce: writer.write_shard(t, produce),
+                        lambda t: writer.slots, on_bytes)
+
+
+def stream_files(reader: CheckpointReader, batches: Sequence[tuple[int, Batch]],
+                 files: Sequence[int], write: Callable[[int, Any], FileEntry],
+                 slots_of: Callable[[int], Sequence[TensorSlot]],
+                 on_bytes: Callable[[int], None] | None = None) -> Written:
+    """Write each of ``files`` in turn (``write(file, producer)``), its bytes streamed from
+    ``batches`` through one :class:`ShardStream`; ``slots_of(file)``: the file's slots."""
     ranges = RangeReader(reader.storage, reader.manifest.chunk_size)
-    stream = ShardStream(reader, ranges, plans, shards, writer.slots, buffer_bytes, on_bytes)
+    stream = ShardStream(ranges, batches, on_bytes)
     try:
-        entries = tuple(writer.write_shard(t, stream.for_shard(t)) for t in shards)
+        entries = tuple(write(t, stream.for_shard(t, slots_of(t))) for t in files)
     finally:
         stream.close()
     return Written(entries, ranges.bytes_read)

@@ -2,7 +2,7 @@
 processes.
 
 A worker is another process: it opens the source and the destination again, from their URLs and
-options, but takes the parsed source manifest, the target spec and the plan from its parent
+options, but takes the parsed source manifest and the target (its spec and plan) from its parent
 (pickled by ``spawn``), so no worker reads or parses the source manifest. Each sends back the
 entries of the files it wrote, as JSON; the parent fails if any worker fails.
 """
@@ -14,25 +14,23 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
+from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.errors import StorageError
 from shardckpt.format.manifest import Manifest
-from shardckpt.format.reshard_plan import ReshardPlan
 from shardckpt.storage import Storage
-from shardckpt.tools.reshard_stream import Written, write_shards
+from shardckpt.tools.reshard_stream import Written
 
 
 @dataclass(frozen=True)
 class WorkerTask:
-    """What a worker process writes: target shards ``shards`` of save ``save_id``."""
+    """What a worker process writes: target files ``shards`` of save ``save_id``."""
 
     src_url: str
     src_options: Mapping[str, Any]
     manifest: Manifest
     dst_url: str
     dst_options: Mapping[str, Any]
-    spec: CheckpointSpec
-    plans: Mapping[str, ReshardPlan]
+    target: Any  # a target of shardckpt.tools.reshard (its spec and plan)
     save_id: str
     shards: tuple[int, ...]
     buffer_bytes: int
@@ -42,8 +40,8 @@ def _worker(task: WorkerTask, conn: Any) -> None:
     """Entry point of a worker process: write some target shards, send their entries as JSON."""
     try:
         reader = CheckpointReader(Storage(task.src_url, task.src_options), manifest=task.manifest)
-        writer = CheckpointWriter(Storage(task.dst_url, task.dst_options), task.spec, task.save_id)
-        done = write_shards(reader, task.plans, writer, task.shards, task.buffer_bytes)
+        writer = task.target.writer(Storage(task.dst_url, task.dst_options), task.save_id)
+        done = task.target.write(reader, writer, task.shards, task.buffer_bytes, None)
         conn.send(json.dumps({"ok": True, **done.to_doc()}))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
@@ -51,10 +49,10 @@ def _worker(task: WorkerTask, conn: Any) -> None:
         conn.close()
 
 
-def run_workers(reader: CheckpointReader, plans: Mapping[str, ReshardPlan],
-                writer: CheckpointWriter, parts: Sequence[Sequence[int]],
-                buffer_bytes: int) -> Written:
-    """Write the target shards of ``parts[w]`` in spawned process ``w``; fail if any fails."""
+def run_workers(reader: CheckpointReader, target: Any, writer: CheckpointWriter,
+                parts: Sequence[Sequence[int]], buffer_bytes: int) -> Written:
+    """Write the target files of ``parts[w]`` of ``target`` in spawned process ``w``; fail if
+    any fails."""
     import multiprocessing as mp  # only with --workers
 
     ctx = mp.get_context("spawn")
@@ -63,7 +61,7 @@ def run_workers(reader: CheckpointReader, plans: Mapping[str, ReshardPlan],
     for shards in parts:
         parent, child = ctx.Pipe(duplex=False)
         task = WorkerTask(src.url, dict(src.storage_options), reader.manifest, dst.url,
-                          dict(dst.storage_options), writer.spec, dict(plans), writer.save_id,
+                          dict(dst.storage_options), target, writer.save_id,
                           tuple(shards), buffer_bytes)
         p = ctx.Process(target=_worker, args=(task, child), daemon=True)
         p.start()

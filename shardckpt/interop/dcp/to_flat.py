@@ -53,7 +53,7 @@ from shardckpt.format.manifest import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["import_dcp_flat", "plan_flat", "read_model", "flat_producer", "as_tensor"]
+__all__ = ["import_dcp_flat", "plan_flat", "flat_spec", "read_model", "flat_producer", "as_tensor"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: SGD (with momentum): its per-element state and the hyper-parameters an import keeps.
@@ -376,6 +376,29 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
     return run_importer(DCP, options, job)
 
 
+def flat_spec(reader: CheckpointReader, model: DcpModel, mesh: Mesh,
+              units: Sequence[str] | None, src: str) -> tuple[CheckpointSpec, Layout]:
+    """The spec (and layout) of ``model`` (:func:`read_model` of the chunked checkpoint of
+    ``reader``) as flat groups for ``mesh``, its units by the patterns ``units`` (None: one per
+    block); the extras name ``src`` as the source. What ``import dcp --ranks`` and
+    ``reshard --format flat`` write."""
+    pats = compile_units(units or BLOCK_UNITS)
+    layout = build_layout([
+        ParamInfo(f, t.shape, "float32" if f in model.params else t.dtype,
+                  f in model.params, unit_of(f, pats))
+        for f, t in model.tensors().items()], mesh, "model.")
+    states = {g.name: default_states(g, model.kinds) for g in layout.groups}
+    bufs = tuple(BufferSpec(f, t.shape, t.dtype) for f, t in model.buffers.items())
+    extras: dict[str, Any] = {"source": str(src), "dcp": reader.manifest.extras.get("dcp")}
+    steps = [g["step"] for g in model.optimizer.param_groups]
+    if model.step is not None or steps:
+        extras["step"] = model.step if model.step is not None else max(steps)
+    spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
+                          model.optimizer, extras,
+                          {"world_size": mesh.world_size, "dropped_from_world_size": None})
+    return spec, layout
+
+
 def plan_flat(options: ImportOptions) -> ImportPlan:
     """The plan of :func:`import_dcp_flat`: the destination checked, the source imported with
     its chunks into a staging folder below ``config.tmp_dir`` (the plan holds it until it is
@@ -398,20 +421,7 @@ def plan_flat(options: ImportOptions) -> ImportPlan:
             model = read_model(reader, cfg.model_key, cfg.optim_key, cfg.frozen)
         except (ConfigError, IntegrityError) as e:  # name the source, not the staging folder
             raise type(e)(str(e).replace(reader.url, str(src))) from None
-        pats = compile_units(options.units or BLOCK_UNITS)
-        layout = build_layout([
-            ParamInfo(f, t.shape, "float32" if f in model.params else t.dtype,
-                      f in model.params, unit_of(f, pats))
-            for f, t in model.tensors().items()], mesh, "model.")
-        states = {g.name: default_states(g, model.kinds) for g in layout.groups}
-        bufs = tuple(BufferSpec(f, t.shape, t.dtype) for f, t in model.buffers.items())
-        extras: dict[str, Any] = {"source": str(src), "dcp": reader.manifest.extras.get("dcp")}
-        steps = [g["step"] for g in model.optimizer.param_groups]
-        if model.step is not None or steps:
-            extras["step"] = model.step if model.step is not None else max(steps)
-        spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
-                              model.optimizer, extras,
-                              {"world_size": mesh.world_size, "dropped_from_world_size": None})
+        spec, layout = flat_spec(reader, model, mesh, options.units, str(src))
         plan = ImportPlan(options, out, spec, "import dcp",
                           lambda s: flat_producer(reader, model, layout, s, buffer_bytes),
                           _buffers(reader, model), model, stack.pop_all())
