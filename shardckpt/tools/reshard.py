@@ -34,6 +34,7 @@ from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.errors import ConfigError, IncompatibleLayoutError
 from shardckpt.format.layout import Mesh
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
+from shardckpt.format.records import PerRankState
 from shardckpt.format.reshard_plan import ReshardPlan, plan_reshard
 from shardckpt.storage import DEFAULT_BATCH, Storage
 from shardckpt.format.manifest import FileEntry
@@ -64,9 +65,8 @@ def target_spec(src: Manifest, mesh: Mesh) -> tuple[CheckpointSpec, dict[str, Re
         layout = c.layout.with_mesh(mesh)
         plans[name] = plan_reshard(c.layout, layout)
         components[name] = replace(c, layout=layout)
-    per_rank = {"world_size": mesh.world_size,
-                "dropped_from_world_size": src.mesh.world_size,
-                "note": "per-rank state (RNG) cannot follow a change of world size; reshard dropped it"}
+    per_rank = PerRankState(mesh.world_size, src.mesh.world_size, "per-rank state (RNG) cannot "
+                            "follow a change of world size; reshard dropped it").to_doc()
     spec = CheckpointSpec(mesh, components, src.optimizer, dict(src.extras), per_rank, src.chunk_size)
     return spec, plans
 

@@ -50,6 +50,7 @@ from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import (
     MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo, default_states,
 )
+from shardckpt.format.records import ParamGroupRecord, PerRankState, RunExtras, param_groups, run_extras
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,13 @@ FLAGS = ("amsgrad", "maximize", "nesterov")
 def _origin(reader: CheckpointReader, section: ChunkedSection, key: str) -> str:
     """Where the value ``key`` came from: the source's payload file (the import keeps one
     ``chunks`` file per source file, in the order of the source's sorted names)."""
-    files = (reader.manifest.extras.get("dcp") or {}).get("files") or []
+    origin = run_extras(reader.manifest, reader.url).dcp
+    files = origin.files if origin is not None else ()
     where = section.blobs[key].file if key in section.blobs else \
         section.tensors[key].chunks[0].file if key in section.tensors and section.tensors[key].chunks else ""
     m = re.search(r"chunks-([0-9]+)\.safetensors\Z", where)
     i = int(m.group(1)) if m else -1
-    name = files[i] if 0 <= i < len(files) and isinstance(files[i], str) else "?"
+    name = files[i] if 0 <= i < len(files) else "?"
     return f"{reader.url}/{name}"
 
 
@@ -264,7 +266,7 @@ def read_model(reader: CheckpointReader, model_key: str = "model",
              for f in params}
     name = "sgd" if sgd else "adam" if groups and all(d is False for _, _, d in groups) else "adamw"
     info = OptimizerInfo(name, tuple(
-        {"params": ps, "hparams": hp, "step": int(steps[ps[0]] or 0) if ps else 0}
+        ParamGroupRecord(tuple(ps), hp, int(steps[ps[0]] or 0) if ps else 0).to_doc()
         for ps, hp, _ in groups))
     return DcpModel(params, moments, frozen_, buffers, aliases, info,
                     None if step is None else int(step), tuple(names.values()), state_kinds)
@@ -389,13 +391,13 @@ def flat_spec(reader: CheckpointReader, model: DcpModel, mesh: Mesh,
         for f, t in model.tensors().items()], mesh, "model.")
     states = {g.name: default_states(g, model.kinds) for g in layout.groups}
     bufs = tuple(BufferSpec(f, t.shape, t.dtype) for f, t in model.buffers.items())
-    extras: dict[str, Any] = {"source": str(src), "dcp": reader.manifest.extras.get("dcp")}
-    steps = [g["step"] for g in model.optimizer.param_groups]
-    if model.step is not None or steps:
-        extras["step"] = model.step if model.step is not None else max(steps)
+    steps = [g.step for g in param_groups(model.optimizer, reader.url)]
+    step = model.step if model.step is not None else max(steps) if steps else None
+    # source, dcp (null when the source recorded none), then step
+    extras = RunExtras(step=step, source=str(src), dcp=run_extras(reader.manifest, reader.url).dcp,
+                       keys=("source", "dcp") + (("step",) if step is not None else ())).to_doc()
     spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
-                          model.optimizer, extras,
-                          {"world_size": mesh.world_size, "dropped_from_world_size": None})
+                          model.optimizer, extras, PerRankState(world_size=mesh.world_size).to_doc())
     return spec, layout
 
 
