@@ -176,8 +176,8 @@ def open_source(src: "str | Storage", to: int, from_: int | None = None, replica
             return ReshardSource(reader, chunked_target(reader, mesh, fmt), t0)
         return ReshardSource(reader, FlatTarget(*target_spec(m, mesh)), t0)
 
-    return job.open(open_, lambda s: s.reader.manifest.save_id, str(src),
-                    "reshard: opening the source")
+    return job.open(open_, lambda s: s.reader.manifest.save_id,
+                    src if isinstance(src, str) else src.url, "reshard: opening the source")
 
 
 def write_reshard(source: ReshardSource, dst: Storage, overwrite: bool = False, workers: int = 1,
