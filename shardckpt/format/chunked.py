@@ -15,7 +15,8 @@ import bisect
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
@@ -151,11 +152,11 @@ def parse_section(ctx: ParseContext, v: Any, data_sizes: Mapping[str, int]) -> C
     for k, p in ctx.obj(d.get("planner_data", {}), f"{w}.planner_data").items():
         pw = f"{w}.planner_data.{k[:64]}"
         ctx.str_(k, pw)
-        path = ctx.lst(p, pw)
-        if len(path) > 64 or not all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
-                                     for x in path):
+        steps = ctx.lst(p, pw)
+        if len(steps) > 64 or not all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
+                                      for x in steps):
             raise ctx.fail(pw, "expected a list of at most 64 strings and integers")
-        planner[k] = tuple(ctx.str_(x, pw) if isinstance(x, str) else ctx.int_(x, pw) for x in path)
+        planner[k] = tuple(ctx.str_(x, pw) if isinstance(x, str) else ctx.int_(x, pw) for x in steps)
     section = ChunkedSection(tensors, blobs, planner)
     overlaps = byte_overlaps(section)
     if overlaps:
@@ -218,7 +219,7 @@ def overlap(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
     """Do two N-D boxes share an element? (Empty boxes share none.)"""
     if prod(a_size) == 0 or prod(b_size) == 0:
         return False
-    return all(a < b + m and b < a + n for a, n, b, m in zip(a_off, a_size, b_off, b_size))
+    return all(a < b + m and b < a + n for a, n, b, m in zip(a_off, a_size, b_off, b_size, strict=True))
 
 
 @dataclass
@@ -255,7 +256,7 @@ def tiling_problems(t: ChunkedTensor, work: TilingWork | None = None) -> list[st
     naming two, or, past ``MAX_CORNER_DIMS`` split dims, that they could not be checked."""
     work = work if work is not None else TilingWork()
     out = [f"chunk {_box(c)} lies outside the shape {list(t.shape)}"
-           for c in t.chunks if any(o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape))]
+           for c in t.chunks if any(o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape, strict=True))]
     if out:
         return out
     live = [c for c in t.chunks if c.numel]
@@ -303,8 +304,8 @@ def _exact_cover(shape: Sequence[int], live: Sequence[ChunkRecord], dims: Sequen
     for c in live:
         lo = [c.offsets[i] for i in dims]
         hi = [c.offsets[i] + c.sizes[i] for i in dims]
-        for pick, sg in zip(signs, sign):
-            key = tuple(l if p == 1 else h for p, l, h in zip(pick, lo, hi))
+        for pick, sg in zip(signs, sign, strict=True):
+            key = tuple(x if p == 1 else y for p, x, y in zip(pick, lo, hi, strict=True))
             counts[key] = counts.get(key, 0) + sg
         work.corners += len(signs)
     return not any(counts.values())
@@ -382,7 +383,7 @@ def _overlapping_pairs(live: Sequence[ChunkRecord], dims: Sequence[int], work: T
         active.add(key(k))
         is_active.add(k)
         heapq.heappush(ending, (span(k, a)[1], k))
-        for heap, d in zip(longest, (b, c3)):
+        for heap, d in zip(longest, (b, c3), strict=True):
             lo, hi = span(k, d)
             heapq.heappush(heap, (lo - hi, k))
     return out, True
@@ -459,7 +460,7 @@ def byte_overlaps(s: ChunkedSection) -> list[str]:
     for path, items in spans.items():
         items.sort()
         out += [f"{path}: {q[2]} [{q[0]}, {q[1]}) and {p[2]} [{p[0]}, {p[1]})"
-                for p, q in zip(items, items[1:]) if q[0] < p[1]]
+                for p, q in itertools.pairwise(items) if q[0] < p[1]]
     return out
 
 
@@ -485,8 +486,8 @@ def box_byte_span(c: ChunkRecord, elem: int, offsets: Sequence[int],
     strides = [1] * len(c.sizes)
     for i in range(len(c.sizes) - 2, -1, -1):
         strides[i] = strides[i + 1] * c.sizes[i + 1]
-    first = sum(o * s for o, s in zip(offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
     return first * elem, (last + 1) * elem
 
 
@@ -555,7 +556,9 @@ class ChunkIndex:
             part, parent, side = todo.pop()
             work.built += len(part)
             center = part[len(part) // 2][0]
-            left, mid, right = [], [], []
+            left: list[tuple[int, int, int]] = []
+            mid: list[tuple[int, int, int]] = []
+            right: list[tuple[int, int, int]] = []
             for x in part:
                 (left if x[1] <= center else right if x[0] > center else mid).append(x)
             k = len(self.nodes)
@@ -607,11 +610,11 @@ class ChunkIndex:
 def intersection(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
                  b_size: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The box two boxes share, or None if they share no element."""
-    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
-    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_size, b_off, b_size))
-    if any(h <= l for l, h in zip(lo, hi)):
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off, strict=True))
+    hi = tuple(min(a + n, b + m) for a, n, b, m in zip(a_off, a_size, b_off, b_size, strict=True))
+    if any(y <= x for x, y in zip(lo, hi, strict=True)):
         return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return lo, tuple(y - x for x, y in zip(lo, hi, strict=True))
 
 
 def row_bands(offsets: Sequence[int], sizes: Sequence[int], elem: int,

@@ -7,8 +7,10 @@ of each flat group must tile it exactly, and a group name may belong to one comp
 
 from __future__ import annotations
 
+import itertools
 import re
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.format.integrity import MAX_SHORT
 from shardckpt.format.layout import SHARD_ALIGN, FlatGroup, Layout, Mesh, ParamSpec
@@ -191,7 +193,7 @@ def _check_tiling(ctx: ParseContext, w: str, groups: list[FlatGroup],
     for g in groups:
         ps = members[g.name]
         late = [f"{p.fqn!r} (offset {p.offset}) after {q.fqn!r} (offset {q.offset}) in group "
-                f"{g.name!r}" for q, p in zip(ps, ps[1:]) if p.offset < q.offset]
+                f"{g.name!r}" for q, p in itertools.pairwise(ps) if p.offset < q.offset]
         if late:
             order += late
             continue

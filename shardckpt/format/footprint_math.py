@@ -191,12 +191,11 @@ def fields_dict(obj: Any) -> dict[str, Any]:
 
 def check_count(option: str, value: object, minimum: int = 1) -> int:
     """``value`` as an int when it is a whole number >= ``minimum``; else :class:`EstimateError`."""
-    ok = isinstance(value, int) and not isinstance(value, bool)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value, ok = int(value), True
-    if not ok or value < minimum:  # type: ignore[operator]
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise EstimateError(option, value, f"must be a whole number >= {minimum}")
-    return int(value)  # type: ignore[arg-type]
+    return value
 
 
 def precision_preset(name: str) -> Precision:
@@ -223,9 +222,9 @@ def _collectives(strategy: str, psi: int, r: int, s: int) -> tuple[Collective, .
     if strategy in ("zero1", "zero2"):
         return (_collective("reduce_scatter", "grads", SHARD_AXIS, s, psi),
                 _collective("all_gather", "updated params", SHARD_AXIS, s, psi))
-    out = (_collective("all_gather", "params (forward)", SHARD_AXIS, s, psi),
-           _collective("all_gather", "params (backward)", SHARD_AXIS, s, psi),
-           _collective("reduce_scatter", "grads", SHARD_AXIS, s, psi))
+    out: tuple[Collective, ...] = (_collective("all_gather", "params (forward)", SHARD_AXIS, s, psi),
+                                   _collective("all_gather", "params (backward)", SHARD_AXIS, s, psi),
+                                   _collective("reduce_scatter", "grads", SHARD_AXIS, s, psi))
     if strategy == "hsdp":
         out += (_collective("all_reduce", "grad shard", REPLICATE_AXIS, r, psi / s),)
     return out

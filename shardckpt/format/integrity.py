@@ -18,7 +18,8 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any, Iterable, Iterator, Mapping, overload
+from typing import Any, overload
+from collections.abc import Iterable, Iterator, Mapping
 
 from shardckpt.errors import ManifestError
 
@@ -185,7 +186,7 @@ def checksum_problem(raw: bytes, doc: Mapping[str, Any], version: tuple[int, int
     if not isinstance(recorded, str) or not re.fullmatch(r"[0-9a-f]{8}", recorded):
         return f"{CHECKSUM_FIELD}: expected 8 lowercase hex digits, found {str(recorded)[:20]!r}"
     at = raw.rfind(b'"' + CHECKSUM_FIELD.encode() + b'"')
-    tail = _TAIL.match(raw, at) if at >= 0 and next(reversed(doc)) == CHECKSUM_FIELD else None
+    tail = _TAIL.match(raw, at) if at >= 0 and next(reversed(list(doc))) == CHECKSUM_FIELD else None
     if tail is None or tail.group(1).decode() != recorded:
         return (f"{CHECKSUM_FIELD} must be the last member of the top-level object, its key "
                 "written without escapes")
@@ -213,7 +214,7 @@ class ChunkCrcs(Sequence[int]):
         self._raw = a.tobytes()
 
     @classmethod
-    def from_hex(cls, text: str) -> "ChunkCrcs":
+    def from_hex(cls, text: str) -> ChunkCrcs:
         """From 8 hex digits per chunk (validated by the caller)."""
         out = cls.__new__(cls)
         out._raw = bytes.fromhex(text)
@@ -230,7 +231,7 @@ class ChunkCrcs(Sequence[int]):
     @overload
     def __getitem__(self, i: slice) -> tuple[int, ...]: ...
 
-    def __getitem__(self, i: "int | slice") -> "int | tuple[int, ...]":
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
         if isinstance(i, slice):
             return tuple(self)[i]
         n = len(self)
@@ -247,7 +248,7 @@ class ChunkCrcs(Sequence[int]):
         if isinstance(other, ChunkCrcs):
             return self._raw == other._raw
         if isinstance(other, (tuple, list)):
-            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
     def __hash__(self) -> int:

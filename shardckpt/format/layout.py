@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from shardckpt.errors import ConfigError
 from shardckpt.format.dtypes import MASTER_DTYPE, itemsize
@@ -62,11 +62,11 @@ class Mesh:
             raise ConfigError(f"a mesh needs a {SHARD_AXIS!r} axis; got {names}")
 
     @classmethod
-    def hsdp(cls, replicate: int, shard: int) -> "Mesh":
+    def hsdp(cls, replicate: int, shard: int) -> Mesh:
         return cls(((REPLICATE_AXIS, replicate), (SHARD_AXIS, shard)))
 
     @classmethod
-    def for_world(cls, world_size: int, replicate: int = 1) -> "Mesh":
+    def for_world(cls, world_size: int, replicate: int = 1) -> Mesh:
         """The mesh R x (world / R); refuses a world size not divisible by R."""
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1; got {world_size}")
@@ -235,7 +235,7 @@ class Layout:
                 pieces.append((p, a - p.offset, b - p.offset))
         return pieces, hi - max(lo, min(hi, g.numel))
 
-    def with_mesh(self, mesh: Mesh) -> "Layout":
+    def with_mesh(self, mesh: Mesh) -> Layout:
         """The same groups and params, padded for another mesh."""
         groups = tuple(
             FlatGroup(g.name, g.unit, g.dtype, g.requires_grad, g.numel,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 from shardckpt.format.chunked import FEATURE as CHUNKED_FEATURE, ChunkedSection, file_layout, section_doc
 from shardckpt.format.dtypes import itemsize
@@ -213,13 +214,13 @@ def shard_slots(components: Mapping[str, Component], mesh: Mesh,
             kinds.update((k, None) for k, _ in comp.states[g.name])
         for kind in kinds:
             for g in comp.layout.groups:
-                dtype = dict(comp.states[g.name]).get(kind)
-                if dtype is not None:
-                    add(g, kind, dtype)
+                state_dtype = dict(comp.states[g.name]).get(kind)
+                if state_dtype is not None:
+                    add(g, kind, state_dtype)
     return out
 
 
-def chunked_slots(m: "Manifest", path: str) -> list[TensorSlot]:
+def chunked_slots(m: Manifest, path: str) -> list[TensorSlot]:
     """Tensors of chunks file ``path`` (chunks ``<fqn>@<offsets>``, blobs ``<key>#blob``)."""
     if m.chunked is None:
         return []

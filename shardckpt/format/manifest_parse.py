@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.errors import ManifestError
 from shardckpt.format.chunked import FEATURE as CHUNKED_FEATURE, ChunkedSection, parse_section

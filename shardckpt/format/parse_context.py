@@ -12,7 +12,8 @@ Pure; no I/O.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 from shardckpt.errors import ManifestError
 from shardckpt.format.dtypes import DTYPES

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Callable, Mapping
 
 from shardckpt.errors import ManifestError
 from shardckpt.format.integrity import MAX_FREE, MAX_NAME
-from shardckpt.format.parse_context import MAX_INT, ParseContext, Problem
+from shardckpt.format.parse_context import ParseContext, Problem
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest, OptimizerInfo
@@ -120,6 +121,9 @@ class _Codec:
 
     __slots__ = ()
     KEYS: ClassVar[dict[str, tuple[Check, bool, bool]]]
+    # fields of every record (declared by each dataclass)
+    other: Mapping[str, Any]
+    keys: tuple[str, ...] | None
 
     @classmethod
     def decode(cls: type[R], ctx: ParseContext, doc: Any, where: str) -> R:
@@ -164,11 +168,11 @@ class _Codec:
         """The JSON object: the one read, key for key and in order, or a writer's in
         declaration order."""
         known = type(self).KEYS
-        other = getattr(self, "other")
-        order = getattr(self, "keys")
+        other = self.other
+        order = self.keys
         if order is None:
-            order = [k for k, (_, _, always) in known.items()
-                     if always or getattr(self, k) is not None] + list(other)
+            order = tuple([k for k, (_, _, always) in known.items()
+                     if always or getattr(self, k) is not None] + list(other))
         out: dict[str, Any] = {}
         for k in order:
             out[k] = _encode(getattr(self, k)) if k in known else other[k]

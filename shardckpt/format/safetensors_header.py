@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from shardckpt.errors import IntegrityError
 from shardckpt.format.dtypes import DTYPES, SAFETENSORS_TO_DTYPE
