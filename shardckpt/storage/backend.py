@@ -23,7 +23,8 @@ loads the S3 module). A scheme not in the table is served by the generic fsspec 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Iterator, Mapping
 
 if TYPE_CHECKING:
     from shardckpt.storage.options import BackendOptions, Tuning
@@ -124,7 +125,7 @@ class StorageBackend(Protocol):
     def abort_upload(self, path: str, url: str, upload_id: str) -> None: ...
 
 
-BackendRef = Union[type, str]
+BackendRef = type | str
 
 #: URL scheme -> backend class (or ``"module:Class"``, imported on first use).
 BACKENDS: dict[str, BackendRef] = {
@@ -151,7 +152,7 @@ def resolve(ref: BackendRef) -> type[StorageBackend]:
     """The class a table entry names."""
     if isinstance(ref, str):
         module, _, name = ref.partition(":")
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module), name)
     return ref
 
 

@@ -13,10 +13,12 @@ a range or read it, create or replace conditionally) and the backend answers the
 
 from __future__ import annotations
 
+import functools
 import logging
 import posixpath
 import time
-from typing import Any, Callable, ClassVar, Collection, Iterator, Mapping, TypeVar
+from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 from shardckpt.errors import CommitConflictError, StorageError
 from shardckpt.storage.backend import known_elsewhere
@@ -92,7 +94,7 @@ class Backend:
         return dict(raw)
 
     @classmethod
-    def open(cls, url: str, options: BackendOptions) -> tuple["Backend", str]:
+    def open(cls, url: str, options: BackendOptions) -> tuple[Backend, str]:
         """The fsspec filesystem for ``url`` (created with ``options.fs``) and the root on it."""
         import fsspec
 
@@ -181,13 +183,13 @@ class Backend:
             except Exception as e:  # noqa: BLE001 - a failure of the whole batch: retry piecewise
                 got = [e] * len(group)
             out[i:i + step] = got
-        for i, ((a, b), data) in enumerate(zip(bounds, out)):
+        for i, ((a, b), data) in enumerate(zip(bounds, out, strict=True)):
             if isinstance(data, BaseException):
                 if self.classify(data) != "retry":
                     raise map_error(data, "read", url) from data
                 log.info("read of %s [%d, %d) failed (%s); retrying", url, a, b,
                          describe_error(data))
-                out[i] = self.call("read", url, lambda a=a, b=b: self.fs.cat_file(path, start=a, end=b),
+                out[i] = self.call("read", url, functools.partial(self.fs.cat_file, path, start=a, end=b),
                                    deadline=deadline)
         return b"".join(out)
 

@@ -4,7 +4,8 @@ manifest records for each. The many-range reader built on it is :mod:`.reads`.""
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Sequence
 
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import FileEntry

@@ -146,16 +146,16 @@ def _remove_tree_at(parent: int, name: str) -> None:
             up, fd, here = stack[-1]
             below = None
             with os.scandir(fd) as entries:
-                for e in entries:
-                    if e.is_dir(follow_symlinks=False):
-                        below = e.name
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        below = entry.name
                         break
                     try:
-                        os.unlink(e.name, dir_fd=fd)
+                        os.unlink(entry.name, dir_fd=fd)
                     except FileNotFoundError:
                         pass
                     except IsADirectoryError:  # became a directory meanwhile: rescan
-                        below = e.name
+                        below = entry.name
                         break
             if below is None:
                 stack.pop()

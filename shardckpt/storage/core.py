@@ -5,7 +5,8 @@ table), with paths relative to the root. Every operation is the backend's (:mod:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
 
 from shardckpt.errors import StorageError
 from shardckpt.format.manifest import FileEntry
@@ -70,7 +71,7 @@ class Storage:
     def url_of(self, rel: str) -> str:
         return f"{self.url}/{rel}" if rel else self.url
 
-    def child(self, rel: str) -> "Storage":
+    def child(self, rel: str) -> Storage:
         """A Storage rooted at ``rel`` below this one (the same backend and options)."""
         return Storage(self.url_of(rel), self.storage_options, backend=(self.backend, self.full(rel)))
 

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeGuard
 
 from shardckpt.errors import ShardckptError
 from shardckpt.storage import NotFoundError, Storage
@@ -73,7 +73,7 @@ class Lease:
             except ShardckptError as e:  # the next renewal may succeed; the save goes on
                 log.warning("could not renew the lease %s: %s", self.storage.url_of(self.rel), e)
 
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         """Write the lease and start renewing it. A lease that cannot be written does not stop
         the save (its own writes say what is wrong with the storage); renewals keep trying."""
         try:
@@ -97,7 +97,7 @@ class Lease:
             log.warning("could not remove the lease %s (%s); it expires in %.0f s",
                         self.storage.url_of(self.rel), e, self.ttl_s)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
@@ -174,7 +174,7 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _integer(v: Any) -> bool:
+def _integer(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -45,7 +45,7 @@ def resolve_inside(root: str, rel: str, url: str | None = None) -> str:
     return real
 
 
-def check_inside(storage: "Storage", rel: str) -> None:
+def check_inside(storage: Storage, rel: str) -> None:
     """Refuse ``rel`` of ``storage`` if it is (or lies under) a symbolic link that leads out of
     the storage's root (:func:`resolve_inside`); a no-op where the storage is not a local disk."""
     from shardckpt.storage.local import LocalBackend

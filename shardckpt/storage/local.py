@@ -8,7 +8,8 @@ import os
 import shutil
 import stat
 import uuid
-from typing import Any, Callable, ClassVar, Collection, Iterator
+from typing import Any, ClassVar
+from collections.abc import Callable, Collection, Iterator
 
 from shardckpt.errors import IntegrityError, StorageError
 from shardckpt.storage import confined, places
@@ -180,7 +181,7 @@ class LocalBackend(Backend):
         faults past its end."""
         import mmap
 
-        def open_map() -> "tuple[mmap.mmap, int]":
+        def open_map() -> tuple[mmap.mmap, int]:
             fd = _open_regular_fd(path, url)
             try:
                 actual = os.fstat(fd).st_size

@@ -8,7 +8,8 @@ else in the store comes between.
 from __future__ import annotations
 
 import threading
-from typing import ClassVar, Collection
+from typing import ClassVar
+from collections.abc import Collection
 
 from shardckpt.storage.backends import Backend, changed_error, conflict_error
 from shardckpt.storage.options import fsspec_option_names

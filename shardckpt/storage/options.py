@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Collection, Mapping
 
 from shardckpt.errors import ConfigError
 from shardckpt.storage.backend import StorageBackend, backend_class

@@ -24,7 +24,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import FileEntry
@@ -92,7 +93,7 @@ class RangeReader:
         """Whether :meth:`fetch` maps files here instead of reading them."""
         return bool(self.storage.backend.can_map)
 
-    def fetch(self, requests: Sequence[Request], workers: int = 4) -> "list[bytes | memoryview]":
+    def fetch(self, requests: Sequence[Request], workers: int = 4) -> list[bytes | memoryview]:
         """A stream's batch: :meth:`map_many` where the backend maps files, else :meth:`read_many`."""
         if self.maps:
             return self.map_many(requests)  # type: ignore[return-value]
@@ -171,7 +172,7 @@ class RangeReader:
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
 
-    def read(self, entry: FileEntry, start: int, end: int) -> "bytes | memoryview":
+    def read(self, entry: FileEntry, start: int, end: int) -> bytes | memoryview:
         """Bytes ``[start, end)`` of ``entry``, checked, through the boundary-chunk cache: a chunk
         is kept while partly consumed (with the bytes consumed so far) and dropped once later
         reads have consumed the rest (or, least recently used, beyond ``capacity``)."""
@@ -205,7 +206,7 @@ class RangeReader:
         return memoryview(joined)[start - c0 * cs:end - c0 * cs]
 
     @staticmethod
-    def _runs(requests: Sequence[Request]) -> "list[list[tuple[FileEntry, int, int, list[int]]]]":
+    def _runs(requests: Sequence[Request]) -> list[list[tuple[FileEntry, int, int, list[int]]]]:
         """Per file (in order of first appearance), runs of consecutive requests that meet (the
         next starts where the previous ended): ``(entry, lo, hi, request indices)``."""
         by_file: dict[str, list[int]] = {}
@@ -225,7 +226,7 @@ class RangeReader:
             out.append(runs)
         return out
 
-    def read_many(self, requests: Sequence[Request], workers: int = 4) -> "list[bytes | memoryview]":
+    def read_many(self, requests: Sequence[Request], workers: int = 4) -> list[bytes | memoryview]:
         """Each range through :meth:`read`; files concurrently, each file in order, consecutive
         requests of a file that meet coalesced into one read (one ranged GET for a stream of
         adjacent slices)."""
@@ -243,7 +244,7 @@ class RangeReader:
 
     # ------------------------------------------------------------------ stream: mapped
 
-    def map_many(self, requests: Sequence[Request]) -> "list[memoryview]":
+    def map_many(self, requests: Sequence[Request]) -> list[memoryview]:
         """Where the backend maps files: each range as a read-only view of its mapped file (no
         copy; one mapping per file and call), every chunk under a range CRC-checked once per
         reader, so ranges that share a chunk check it once. Views pin their mapping: drop them
@@ -267,6 +268,6 @@ class RangeReader:
             view, fresh = map_chunks(self.storage, entry, cs, c0, c1, self.prefix, checked, ranges)
             with self._lock:
                 self.bytes_read += fresh
-            for k, (a, b) in zip(members, ranges):
+            for k, (a, b) in zip(members, ranges, strict=True):
                 out[k] = view[a - c0 * cs:b - c0 * cs]
         return out

@@ -17,7 +17,8 @@ import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, TypeVar
+from typing import Literal, TypeVar
+from collections.abc import Callable, Iterator
 
 from shardckpt.errors import DeadlineExceededError, NotFoundError, ShardckptError, StorageError
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, ClassVar, Collection, Mapping
+from typing import Any, ClassVar
+from collections.abc import Collection, Mapping
 
 from shardckpt.errors import StorageError
 from shardckpt.storage.backends import Backend, changed_error, conflict_error

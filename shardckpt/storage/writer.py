@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from shardckpt.errors import StorageError
 from shardckpt.format.integrity import crc32c
@@ -88,7 +89,7 @@ def _tables(n: int) -> tuple[list[int], list[int], list[int], list[int]]:
     return t
 
 
-def crc32c_of_chunks(chunk_crcs: "list[int] | tuple[int, ...]", chunk_size: int, size: int) -> int:
+def crc32c_of_chunks(chunk_crcs: list[int] | tuple[int, ...], chunk_size: int, size: int) -> int:
     """Whole-data CRC32C from the CRC32Cs of its ``chunk_size`` chunks (the last may be short)."""
     if not chunk_crcs:
         return 0
@@ -210,7 +211,7 @@ class StreamWriter:
             log.warning("could not clean up partial %s (%s); `shardckpt clean` on its prefix removes it",
                         self.url, describe_error(e))
 
-    def __enter__(self) -> "StreamWriter":
+    def __enter__(self) -> StreamWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
