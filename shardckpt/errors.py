@@ -93,6 +93,11 @@ class CollectiveError(ShardckptError):
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
+        # set by collective.agree: each failed rank's exception class names (and bases), in
+        # method-resolution order, and its message
+        self.kinds: dict[int, set[str]] = {}
+        self.kind_order: dict[int, list[str]] = {}
+        self.messages: dict[int, str] = {}
 
 
 class ConfigError(ShardckptError, ValueError):

@@ -5,7 +5,8 @@ the I/O side, used by consolidate, diff and the DCP reader.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor, box_byte_span, chunks_for, intersection, row_bands
 from shardckpt.format.dtypes import itemsize
@@ -21,7 +22,7 @@ def read_box(reader: Any, t: ChunkedTensor, c: ChunkRecord, offsets: Sequence[in
     import numpy as np
 
     elem = itemsize(t.dtype)
-    rel = tuple(o - co for o, co in zip(offsets, c.offsets))
+    rel = tuple(o - co for o, co in zip(offsets, c.offsets, strict=True))
     a, b = box_byte_span(c, elem, rel, sizes)
     if a == b:
         return b""
@@ -70,7 +71,7 @@ def read_rows(reader: Any, t: ChunkedTensor, first: int, n: int) -> bytes:
         if box is None:
             continue
         data = np.frombuffer(read_box(reader, t, c, *box), np.uint8).reshape((*box[1], elem))
-        band[tuple(slice(o - b, o - b + k) for o, b, k in zip(box[0], off, box[1]))] = data
+        band[tuple(slice(o - b, o - b + k) for o, b, k in zip(box[0], off, box[1], strict=True))] = data
     return band.tobytes()
 
 

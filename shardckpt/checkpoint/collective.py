@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import traceback
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable
 
 from shardckpt import errors
 from shardckpt.errors import CollectiveError, ShardckptError
@@ -63,7 +64,7 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
     dist.all_gather(out, buf, group=group)
-    return [bytes(o[:k].cpu().numpy().tobytes()) for o, k in zip(out, lengths)]
+    return [bytes(o[:k].cpu().numpy().tobytes()) for o, k in zip(out, lengths, strict=True)]
 
 
 def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> bytes:
@@ -97,6 +98,7 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
     """
     result: T | None = None
     report: dict[str, Any]
+    local: Exception | None
     try:
         result = fn()
         payload = result if isinstance(result, (dict, list, str, int, float, type(None))) else None

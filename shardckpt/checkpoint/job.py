@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.errors import CollectiveError, ShardckptError
 
@@ -54,7 +55,7 @@ class Job:
     group: Any = None
 
     @classmethod
-    def single(cls) -> "Job":
+    def single(cls) -> Job:
         """One process alone: a job of one, whose collectives are plain calls."""
         return cls(0, 1)
 
@@ -117,8 +118,8 @@ class Job:
         return balance(costs, self.world_size)[self.rank]
 
 
-def open_readers(job: Job, locations: Sequence["str | Storage"],
-                 storage_options: Mapping[str, Any] | None, what: str) -> list["CheckpointReader"]:
+def open_readers(job: Job, locations: Sequence[str | Storage],
+                 storage_options: Mapping[str, Any] | None, what: str) -> list[CheckpointReader]:
     """A :class:`~shardckpt.checkpoint.reader.CheckpointReader` of each location (its manifest
     read once here), opened by every process of ``job``; they must have read the same manifests
     (:meth:`Job.open`), and an error opening any fails every process alike."""

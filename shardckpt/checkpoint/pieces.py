@@ -10,7 +10,8 @@ cast, NaN included).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -130,10 +131,10 @@ def _cache_capacity(reader: CheckpointReader, batch_bytes: int) -> int:
 
 
 class Piece(NamedTuple):
-    index: int               # which item
+    index: int  # type: ignore[assignment]  # which item; a NamedTuple field may shadow tuple.index, which mypy reads as an override
     start: int               # element range [start, end) inside the item's tensor
     end: int
-    data: tuple[bytes, ...]  # one per reader
+    data: tuple[bytes | memoryview, ...]  # one per reader (views where the storage maps files)
 
 
 class PieceReader:
@@ -180,15 +181,15 @@ class PieceReader:
 
     def _read(self, items: Sequence[tuple[int, Sequence[Source]]], batch: list[tuple[int, int, int]]) -> list[Piece]:
         sides = []
-        for side, (reader, ranges) in enumerate(zip(self.readers, self.ranges)):
+        for side, (reader, ranges) in enumerate(zip(self.readers, self.ranges, strict=True)):
             requests, owner = [], []
             for k, (i, a, b) in enumerate(batch):
                 for r in byte_ranges(reader, items[i][1][side], a, b):
                     requests.append(r)
                     owner.append(k)
-            parts: list[list[bytes]] = [[] for _ in batch]
+            parts: list[list[bytes | memoryview]] = [[] for _ in batch]
             got = ranges.fetch(requests, self.workers)  # mapped where the storage maps files
-            for k, data in zip(owner, got):
+            for k, data in zip(owner, got, strict=True):
                 parts[k].append(data)
             sides.append([p[0] if len(p) == 1 else b"".join(p) for p in parts])
         return [Piece(i, a, b, tuple(s[k] for s in sides)) for k, (i, a, b) in enumerate(batch)]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.errors import (
     IncompleteCheckpointError, IntegrityError, ManifestError,
@@ -27,7 +28,7 @@ from shardckpt.storage import NotFoundError, RangeReader, Storage
 log = logging.getLogger(__name__)
 
 
-def as_storage(location: "str | Storage", storage_options: Mapping[str, Any] | None = None) -> Storage:
+def as_storage(location: str | Storage, storage_options: Mapping[str, Any] | None = None) -> Storage:
     return location if isinstance(location, Storage) else Storage(location, storage_options)
 
 
@@ -40,7 +41,7 @@ class CheckpointReader:
     every tool, not only by ``verify``.
     """
 
-    def __init__(self, location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
+    def __init__(self, location: str | Storage, storage_options: Mapping[str, Any] | None = None,
                  manifest: Manifest | None = None) -> None:
         """``manifest``: the checkpoint's manifest, already read and parsed (by another process
         of the same work, which passes it on), so that it is not read again."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage, read_manifest
 from shardckpt.checkpoint.verify import verify
@@ -45,7 +46,7 @@ class CheckpointManager:
     """The step directories below ``run_url`` (a URL, or a :class:`Storage` already open on it).
     Safe to call from one process (rank 0)."""
 
-    def __init__(self, run_url: "str | Storage", keep_last: int | None = None,
+    def __init__(self, run_url: str | Storage, keep_last: int | None = None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ShardckptError(f"keep_last must be >= 1 (or None to keep all); got {keep_last}")

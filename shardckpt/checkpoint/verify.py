@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.errors import (
     ShardckptError, StorageError,
@@ -32,7 +33,7 @@ class FileReport:
         return [self.path, self.size, self.ok, list(self.problems)]
 
     @classmethod
-    def from_doc(cls, doc: Sequence[Any]) -> "FileReport":
+    def from_doc(cls, doc: Sequence[Any]) -> FileReport:
         path, size, ok, problems = doc
         return cls(path, size, ok, tuple(problems))
 
@@ -58,7 +59,7 @@ class VerifyResult:
         return self.ok
 
 
-def manifest_or_error(storage: Storage) -> "Manifest | ShardckptError":
+def manifest_or_error(storage: Storage) -> Manifest | ShardckptError:
     """:func:`read_manifest` of ``storage``, or the error that gave (a finding of ``verify``)."""
     try:
         return read_manifest(storage)
@@ -66,9 +67,9 @@ def manifest_or_error(storage: Storage) -> "Manifest | ShardckptError":
         return e
 
 
-def verify(location: "str | Storage", storage_options: Mapping[str, Any] | None = None,
+def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = None,
            workers: int = 4, progress: Callable[[int], None] | None = None,
-           manifest: "Manifest | ShardckptError | None" = None,
+           manifest: Manifest | ShardckptError | None = None,
            job: Job | None = None) -> VerifyResult:
     """Check every file against the manifest: presence, size, whole and per-chunk CRC32C, header.
 

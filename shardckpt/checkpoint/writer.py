@@ -11,7 +11,8 @@ import logging
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 from shardckpt.storage import commit as _commit
 from shardckpt.errors import (
@@ -133,7 +134,7 @@ class CheckpointWriter:
         buffers = self.buffer_slots[-1].end if self.buffer_slots else 0
         return shard * self.spec.mesh.shard_degree + buffers
 
-    def lease(self, ttl_s: float = DEFAULT_TTL_S, hold: bool = True) -> "Lease | nullcontext[None]":
+    def lease(self, ttl_s: float = DEFAULT_TTL_S, hold: bool = True) -> Lease | nullcontext[None]:
         """A context manager holding this attempt's lease while it writes and commits, so that
         ``shardckpt clean`` leaves the attempt's directory alone whatever its age. Where several
         processes write one attempt, the one that commits holds it (``hold=False`` elsewhere)."""
