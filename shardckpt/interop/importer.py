@@ -27,7 +27,8 @@ import dataclasses
 import importlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
 
 from shardckpt.errors import ConfigError
 from shardckpt.storage import DEFAULT_BATCH
@@ -75,7 +76,7 @@ class ImporterConfig:
     with the common options. A field's ``metadata["help"]`` is its command-line help (a field
     without one is not on the command line)."""
 
-    def check(self, options: "ImportOptions") -> None:
+    def check(self, options: ImportOptions) -> None:
         """Raise :class:`OptionError` for a combination of ``options`` this importer refuses."""
 
 
@@ -137,18 +138,18 @@ class ImportPlan:
     Holds what the source staged (temporary folders) until closed."""
 
     options: ImportOptions
-    out: "Storage"
-    spec: "CheckpointSpec"
+    out: Storage
+    spec: CheckpointSpec
     what: str
-    shard: "Callable[[int], Producer] | None" = None
-    buffers: "Producer | None" = None
+    shard: Callable[[int], Producer] | None = None
+    buffers: Producer | None = None
     state: Any = None
     stack: ExitStack = field(default_factory=ExitStack)
 
     def close(self) -> None:
         self.stack.close()
 
-    def __enter__(self) -> "ImportPlan":
+    def __enter__(self) -> ImportPlan:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -204,7 +205,7 @@ class Importer(Protocol):
         what to write. The caller closes the plan."""
         ...
 
-    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: Job | None = None) -> Manifest:
         """Write ``plan``'s files and commit the manifest last; on any error nothing is
         committed. Every process of ``job`` calls this with the same plan (None: one process
         alone, :meth:`~shardckpt.checkpoint.job.Job.single`)."""
@@ -238,7 +239,7 @@ def with_config(importer: Importer, options: ImportOptions) -> ImportOptions:
 
 
 def run_importer(importer: Importer, options: ImportOptions,
-                 job: "Job | None" = None) -> "Manifest":
+                 job: Job | None = None) -> Manifest:
     """Plan, write and close: the whole import, by this process of ``job`` (None: one process
     alone, :meth:`~shardckpt.checkpoint.job.Job.single`). Returns the committed manifest."""
     from shardckpt.checkpoint.job import Job
@@ -248,7 +249,7 @@ def run_importer(importer: Importer, options: ImportOptions,
         return importer.write(plan, job or Job.single())
 
 
-def write_flat(plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
+def write_flat(plan: ImportPlan, job: Job | None = None) -> Manifest:
     """Write a plan of flat groups (its shard files and buffers file) through
     :func:`shardckpt.interop.importing.write_import`."""
     from shardckpt.interop.importing import write_import
@@ -257,6 +258,6 @@ def write_flat(plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
     return write_import(plan.out, plan.spec, plan.what, plan.shard, plan.buffers, job)
 
 
-def file_bytes(storage: "Storage", files: "tuple[str, ...] | list[str]") -> int:
+def file_bytes(storage: Storage, files: tuple[str, ...] | list[str]) -> int:
     """The total size of ``files`` in ``storage``."""
     return sum(storage.size(f) for f in files)

@@ -9,7 +9,8 @@ import logging
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
 
 from shardckpt.errors import ConfigError
 
@@ -28,7 +29,7 @@ BLOCK_UNITS = (r"(?:.*\.)?layers\.\d+",)
 ADAM_HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
-def unit_of(fqn: str, patterns: Sequence["re.Pattern[str]"]) -> str:
+def unit_of(fqn: str, patterns: Sequence[re.Pattern[str]]) -> str:
     """The unit of ``fqn``: the prefix the first matching pattern covers (whole name components),
     else the root (``""``)."""
     for p in patterns:
@@ -38,7 +39,7 @@ def unit_of(fqn: str, patterns: Sequence["re.Pattern[str]"]) -> str:
     return ""
 
 
-def compile_units(patterns: Sequence[str]) -> list["re.Pattern[str]"]:
+def compile_units(patterns: Sequence[str]) -> list[re.Pattern[str]]:
     """Each pattern, anchored to match whole name components; a bad one is a :class:`ConfigError`."""
     out = []
     for pat in patterns:
@@ -49,7 +50,7 @@ def compile_units(patterns: Sequence[str]) -> list["re.Pattern[str]"]:
     return out
 
 
-def import_summary(m: "Manifest", dst: str, source_format: str) -> dict[str, Any]:
+def import_summary(m: Manifest, dst: str, source_format: str) -> dict[str, Any]:
     """What an import wrote to ``dst``, as plain data (what ``shardckpt import --json`` prints).
 
     Flat groups: the mesh, parameters, units and bytes, and per ``source_format`` (``hf``,
@@ -83,13 +84,13 @@ class _Attempt:
     """Rank 0's side of the attempt: the writer it prepared (from then on a failure removes the
     attempt's directory) and, once committed, the manifest."""
 
-    writer: "CheckpointWriter | None" = None
-    manifest: "Manifest | None" = None
+    writer: CheckpointWriter | None = None
+    manifest: Manifest | None = None
 
 
-def write_import(out: "Storage", spec: "CheckpointSpec", what: str,
-                 shard: Callable[[int], "Producer"], buffers: "Producer | None" = None,
-                 job: "Job | None" = None) -> "Manifest":
+def write_import(out: Storage, spec: CheckpointSpec, what: str,
+                 shard: Callable[[int], Producer], buffers: Producer | None = None,
+                 job: Job | None = None) -> Manifest:
     """Write the shard files of ``spec`` (``shard(s)`` produces shard ``s``'s bytes) and its
     buffers file, then commit ``manifest.json`` at ``out``; on any error nothing is committed and
     the attempt's files are removed. Returns the committed manifest.
@@ -149,7 +150,7 @@ def write_import(out: "Storage", spec: "CheckpointSpec", what: str,
     return attempt.manifest or writer.manifest(entries)
 
 
-def _spec_digest(out: "Storage", spec: "CheckpointSpec") -> str:
+def _spec_digest(out: Storage, spec: CheckpointSpec) -> str:
     """What every process of a job must agree on: the manifest-to-be, files and time apart."""
     import dataclasses
     import hashlib
@@ -161,9 +162,9 @@ def _spec_digest(out: "Storage", spec: "CheckpointSpec") -> str:
     return hashlib.sha256(to_json(plain)).hexdigest()
 
 
-def _write_files(writer: "CheckpointWriter", items: Sequence[int],
-                 shard: Callable[[int], "Producer"], buffers: "Producer | None",
-                 what: str) -> list["FileEntry"]:
+def _write_files(writer: CheckpointWriter, items: Sequence[int],
+                 shard: Callable[[int], Producer], buffers: Producer | None,
+                 what: str) -> list[FileEntry]:
     """Write files ``items``: shard ``s`` for ``s`` below the shard degree, the buffers file
     (where there is one) for the shard degree."""
     S = writer.spec.mesh.shard_degree

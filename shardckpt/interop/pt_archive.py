@@ -29,7 +29,8 @@ import os
 import struct
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from shardckpt.errors import IntegrityError
 from shardckpt.interop.foreign import shown
@@ -200,7 +201,7 @@ def _zip64(extra: bytes, usize: int, csize: int, header_at: int, name: str,
     while q + 4 <= len(extra):
         tag, n = struct.unpack_from("<HH", extra, q)
         if tag == 1:
-            body, values = extra[q + 4:q + 4 + n], []
+            body, values = extra[q + 4:q + 4 + n], list[int]()
             for v in (usize, csize, header_at):
                 if v == _U32:
                     if len(body) < 8 * (len(values) + 1):
@@ -299,7 +300,7 @@ def _key(k: Any) -> str:
 def _extent(t: Any) -> tuple[int, str | None]:
     """(elements from the storage offset to one past the last element, why the tensor's elements
     overlap or None)."""
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz > 1)
     reach = 0
     for st, sz in dims:
         if st <= reach:
@@ -405,7 +406,7 @@ def read_storages(obj: Any, records: dict[int, Record], path: str, url: str) -> 
                 r = records[ptr]
                 buf = torch.empty(r.size, dtype=torch.uint8)
                 f.seek(r.start)
-                if f.readinto(memoryview(buf.numpy())) != r.size:
+                if f.readinto(buf.numpy().data) != r.size:
                     raise IntegrityError(f"{url}: shorter than when it was opened (record "
                                          f"{shown(r.name, 80)}); was it changed while read?")
                 s = fresh[ptr] = buf.untyped_storage()

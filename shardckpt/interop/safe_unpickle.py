@@ -47,13 +47,13 @@ class _Inert:
     """What the scan returns for every global: accepts any construction, state or items and
     does nothing with them."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Inert":
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
         return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def __call__(self, *args: Any, **kwargs: Any) -> "_Inert":
+    def __call__(self, *args: Any, **kwargs: Any) -> _Inert:
         return _Inert()
 
     def __setstate__(self, state: Any) -> None:

@@ -14,7 +14,8 @@ checkpoint comes from a writer you trust: loading then runs whatever code a valu
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 

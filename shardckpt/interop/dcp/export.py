@@ -18,7 +18,8 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.format.chunked import ChunkedSection
@@ -30,6 +31,9 @@ from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.interop.dcp.to_flat import as_tensor
 from shardckpt.storage import DEFAULT_BATCH, Storage
 from shardckpt.storage.links import check_inside
+
+if TYPE_CHECKING:
+    from shardckpt.storage.core import StreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,8 @@ class _Files:
     def __init__(self, out: Storage, written: list[str], file_bytes: int) -> None:
         self.out, self.written, self.file_bytes = out, written, file_bytes
         self.storage_data: dict[Any, Any] = {}
-        self.total, self._w, self._rel, self._pos = 0, None, "", 0
+        self._w: StreamWriter | None = None
+        self.total, self._rel, self._pos = 0, "", 0
 
     def next_file(self) -> None:
         if self._w is not None:
@@ -130,7 +135,7 @@ def _write_payloads(reader: CheckpointReader, section: ChunkedSection, files: _F
                 continue
             dtype = getattr(torch, t.dtype)
             for rel, sizes in blocks(c.sizes, itemsize(t.dtype), budget):
-                off = tuple(o + r for o, r in zip(c.offsets, rel))
+                off = tuple(o + r for o, r in zip(c.offsets, rel, strict=True))
                 if prod(sizes):
                     raw = read_box(reader, t, c, off, sizes)
                     tensor = as_tensor(raw, t.dtype).reshape(sizes)
@@ -168,7 +173,7 @@ def _set_chunks(md: Any, boxes: Mapping[str, list[Box]]) -> None:
             ChunkStorageMetadata(torch.Size(o), torch.Size(z)) for o, z in bs]
 
 
-def _metadata(section: ChunkedSection, storage_data: dict[Any, Any], checkpoint_id: str,
+def _metadata(section: ChunkedSection, storage_data: dict[Any, Any] | None, checkpoint_id: str,
               save_id: str) -> Any:
     from shardckpt.interop.dcp.metadata import section_metadata
 

@@ -139,8 +139,8 @@ class FlatView:
         strides = [1] * len(e.shape)
         for i in range(len(e.shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * e.shape[i + 1]
-        first = sum(o * s for o, s in zip(offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides)) + 1
+        first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True)) + 1
         if e.kind == "buffer":
             _, view = self.reader.read_buffer(e.fqn)
             elem = dtype.itemsize

@@ -28,7 +28,8 @@ import logging
 import pickle
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, TypeGuard
+from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.interop.dcp import records as dcp_records
@@ -75,7 +76,7 @@ def _show(v: Any) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
-def _count(x: Any) -> bool:
+def _count(x: Any) -> TypeGuard[int]:
     """A non-negative integer (not a bool) below :data:`MAX_INT`."""
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_INT
 
@@ -94,7 +95,7 @@ class MetadataUnpickler(pickle.Unpickler):
         import collections
         import pathlib
 
-        allowed = {("collections", "OrderedDict"): collections.OrderedDict,
+        allowed: dict[tuple[str, str], Any] = {("collections", "OrderedDict"): collections.OrderedDict,
                    ("pathlib", "PosixPath"): pathlib.PosixPath,
                    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath}
         if self.records:  # the same globals, as plain records: neither torch nor DCP imported
@@ -145,10 +146,12 @@ class DcpSource:
 def read_dcp_metadata(storage: Storage, records: bool = False) -> Any:
     """The ``Metadata`` in ``storage``'s ``.metadata``, through :class:`MetadataUnpickler`: DCP's
     own classes, or with ``records`` the same fields as :mod:`shardckpt.interop.dcp.records`."""
+    metadata_type: type
     if records:
-        Metadata = dcp_records.Metadata
+        metadata_type = dcp_records.Metadata
     else:
-        from torch.distributed.checkpoint.metadata import Metadata
+        from torch.distributed.checkpoint import metadata as torch_metadata
+        metadata_type = torch_metadata.Metadata
 
     url = storage.url_of(METADATA_NAME)
     check_inside(storage, METADATA_NAME)
@@ -163,7 +166,7 @@ def read_dcp_metadata(storage: Storage, records: bool = False) -> Any:
     except Exception as e:  # noqa: BLE001 - any failure of a foreign pickle is one clear error
         raise IntegrityError(f"{url}: not a readable DCP metadata pickle (truncated or damaged): "
                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(md, Metadata):
+    if not isinstance(md, metadata_type):
         raise IntegrityError(f"{url}: holds a {type(md).__name__}, not DCP's Metadata")
     return md
 
@@ -230,12 +233,12 @@ def read_dcp(storage: Storage) -> DcpSource:
         shape = _ints(getattr(tmd, "size", None), url, f"the shape of {fqn!r}")
         records = []
         for c in chunks:
-            off = _ints(getattr(c, "offsets", None), url, f"a chunk offset of {fqn!r}")
+            offs = _ints(getattr(c, "offsets", None), url, f"a chunk offset of {fqn!r}")
             sizes = _ints(getattr(c, "sizes", None), url, f"a chunk size of {fqn!r}")
-            if len(off) != len(shape) or len(sizes) != len(shape):
+            if len(offs) != len(shape) or len(sizes) != len(shape):
                 raise IntegrityError(f"{url}: {fqn!r} has {len(shape)} dimensions but a chunk's "
-                                     f"offsets and sizes have {len(off)} and {len(sizes)}")
-            records.append(ChunkRecord(off, sizes, "", 0, prod(sizes) * itemsize(dtype)))
+                                     f"offsets and sizes have {len(offs)} and {len(sizes)}")
+            records.append(ChunkRecord(offs, sizes, "", 0, prod(sizes) * itemsize(dtype)))
         problems = tiling_problems(ChunkedTensor(fqn, dtype, shape, tuple(records)))
         if problems:
             raise IntegrityError(f"{url}: the chunks of {fqn!r} do not tile its shape "
@@ -330,10 +333,11 @@ def _plan(source: DcpSource, save_id: str
     by_name: dict[str, _Item] = {}
     chunks: dict[str, list[ChunkRecord]] = {f: [] for f in source.tensors}
     blobs: dict[str, Blob] = {}
-    for i, (path, its) in enumerate(source.items.items()):
+    for i, its in enumerate(source.items.values()):
         rel = f"{save_id}/chunks-{i:05d}.safetensors"  # as CheckpointWriter.write_chunks names it
         slots, pos = [], 0
         for it in its:
+            shape: tuple[int, ...]
             if it.offsets is None:
                 name, dtype, shape, n = blob_name(it.fqn), "uint8", (it.length,), it.length
                 blobs[it.fqn] = Blob(it.fqn, rel, pos, pos + n)
@@ -350,7 +354,7 @@ def _plan(source: DcpSource, save_id: str
     return files, ChunkedSection(tensors, blobs, source.planner_data), by_name
 
 
-def import_dcp(src: "str | Storage", dst: "str | Storage",
+def import_dcp(src: str | Storage, dst: str | Storage,
                storage_options: Mapping[str, Any] | None = None,
                dst_storage_options: Mapping[str, Any] | None = None) -> Manifest:
     """Write the DCP checkpoint ``src`` as a chunked shardckpt checkpoint at ``dst``.

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 from shardckpt.errors import ConfigError
 from shardckpt.interop.importer import (
@@ -99,7 +100,7 @@ class DcpImporter:
 
         return plan_flat(options)
 
-    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: Job | None = None) -> Manifest:
         if plan.shard is None:  # DCP's chunks, kept: one process writes them
             from shardckpt.interop.dcp.import_ import write_chunks
 

@@ -7,7 +7,8 @@ are blobs that shardckpt never deserializes.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.checkpoint.metadata import (

@@ -122,12 +122,14 @@ def plain_bytes(payload: Any, dtype: str, shape: tuple[int, ...]) -> memoryview 
     except Exception:  # noqa: BLE001 - not the plain layout, or damaged: torch.load decides
         return None
     elem, n = itemsize(dtype), prod(shape)
-    row_major, step = [], 1
+    row_major: list[int] = []
+    step = 1
     for d in reversed(shape):
         row_major.insert(0, step)
         step *= d
-    contiguous = all(s == r for s, r, d in zip(t.stride, row_major, shape) if d > 1)
-    if (not contiguous or len(t.stride) != len(shape) or len(raw) != t.storage.numel * elem
+    contiguous = len(t.stride) == len(shape) and all(
+        s == r for s, r, d in zip(t.stride, row_major, shape, strict=True) if d > 1)
+    if (not contiguous or len(raw) != t.storage.numel * elem
             or t.offset + n > t.storage.numel):
         return None
     return raw[t.offset * elem:(t.offset + n) * elem]
@@ -156,7 +158,7 @@ def distinct_elements(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     sorted by stride, each stride at least the extent of those inside it."""
     if 0 in size:
         return True
-    dims = sorted((s, n) for s, n in zip(stride, size) if n > 1)
+    dims = sorted((s, n) for s, n in zip(stride, size, strict=True) if n > 1)
     extent = 1
     for s, n in dims:
         if s < extent:

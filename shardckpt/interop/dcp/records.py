@@ -12,7 +12,8 @@ of fields an older writer did not record are class attributes, as they are on DC
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
+from collections.abc import Callable
 
 __all__ = ["RECORDS", "Metadata", "MetadataIndex", "TensorStorageMetadata",
            "BytesStorageMetadata", "StorageInfo"]
@@ -30,7 +31,8 @@ class Record:
                                            and not k.startswith("_") for k in state):
             self.__dict__.update(state)
         elif isinstance(state, tuple) and self.FIELDS and len(state) <= len(self.FIELDS):
-            self.__dict__.update(zip(self.FIELDS, state))
+            # a tuple shorter than FIELDS sets the leading fields
+            self.__dict__.update(zip(self.FIELDS, state, strict=False))
         else:
             raise TypeError(f"{type(self).__name__}: unexpected pickled state "
                             f"{type(state).__name__}")

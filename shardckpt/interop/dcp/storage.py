@@ -30,7 +30,8 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch.futures import Future
@@ -105,7 +106,8 @@ class ShardckptWriter(StorageWriter):
                  chunk_size: int = DEFAULT_CHUNK_SIZE, extras: Mapping[str, Any] | None = None,
                  lease_ttl_s: float = DEFAULT_TTL_S, replace_existing: bool = False) -> None:
         super().__init__()
-        self.replace_existing, self._replacing = replace_existing, None
+        self.replace_existing = replace_existing
+        self._replacing: bytes | None = None
         self.storage_options = dict(storage_options or {})
         # checked now: the keys shardckpt reads must have their types (docs/FORMAT.md 3.9)
         checked = RunExtras.from_doc(dict(extras or {}), "extras", f"ShardckptWriter of {url}").to_doc()
@@ -171,6 +173,7 @@ class ShardckptWriter(StorageWriter):
                                   pos + len(blobs[i]))
             else:
                 td = item.tensor_data
+                assert td is not None  # a tensor item carries its tensor data
                 dtype = dtype_name(td.properties.dtype, item.index.fqn)
                 sizes = tuple(td.chunk.sizes)
                 n = prod(sizes) * itemsize(dtype)
@@ -185,6 +188,7 @@ class ShardckptWriter(StorageWriter):
                 yield blobs.pop(i)
                 return
             t = planner.resolve_data(items[i])
+            assert isinstance(t, torch.Tensor)  # blobs (bytes items) were yielded above
             t = t.detach().to("cpu").contiguous().reshape(-1)
             if t.numel():
                 yield t.view(torch.uint8).numpy()
@@ -195,7 +199,7 @@ class ShardckptWriter(StorageWriter):
         entry = writer.write_chunks(attempt.rank, slots, produce)
         return [WriteResult(index=item.index, size_in_bytes=s.end - s.begin,
                             storage_data=_Stored(entry, s.begin, s.end))
-                for item, s in zip(items, slots)]
+                for item, s in zip(items, slots, strict=True)]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: build the manifest from DCP's metadata and the results, then commit."""
@@ -331,7 +335,7 @@ class ShardckptReader(StorageReader):
 
         def flush() -> None:
             views = r.read_ranges([req for _, _, req in batch], workers=self.workers)
-            for (item, entry, _), view in zip(batch, views):
+            for (item, entry, _), view in zip(batch, views, strict=True):
                 data = bytes(view)
                 self._check(data, item.storage_index.fqn, entry.path)
                 out.append((item, data))
@@ -393,7 +397,7 @@ class ShardckptReader(StorageReader):
         if not batch:
             return
         views = r.read_ranges([req for _, req, _ in batch], workers=self.workers)
-        for (item, _, src), view in zip(batch, views):
+        for (item, _, src), view in zip(batch, views, strict=True):
             t, chunk = src
             target = planner.resolve_tensor(item)
             target.copy_(_box_tensor(view, t.dtype, chunk, item.lengths))

@@ -33,7 +33,8 @@ import tempfile
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 
@@ -107,8 +108,8 @@ def _value(reader: CheckpointReader, section: ChunkedSection, key: str) -> Any:
     if key not in section.blobs:
         return None
     try:
-        data = io.BytesIO(read_blob(reader, section.blobs[key]))
-        v = torch.load(data, map_location="cpu", weights_only=True)
+        stream = io.BytesIO(read_blob(reader, section.blobs[key]))
+        v = torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a foreign value: any failure is one clear error
         raise IntegrityError(f"{reader.url}: the value {key!r} is not readable with "
                              f"torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
@@ -236,19 +237,21 @@ def read_model(reader: CheckpointReader, model_key: str = "model",
     suffixes = {k.rsplit(".", 1)[-1] for k in section.tensors if k.startswith(f"{opt}.state.")}
     sgd = "exp_avg" not in suffixes and "momentum_buffer" in suffixes
     state_kinds = SGD_KINDS if sgd else MOMENTS
-    params, moments, rest = {}, {}, {}
+    params: dict[str, ChunkedTensor] = {}
+    moments: dict[str, dict[str, ChunkedTensor]] = {}
+    rest: dict[str, ChunkedTensor] = {}
     for key, fqn in names.items():
         t = section.tensors[key]
         kinds = {k: section.tensors.get(f"{opt}.state.{fqn}.{k}") for k in state_kinds}
         if any(v is None for v in kinds.values()):
             rest[fqn] = t
             continue
-        for k, v in kinds.items():
-            assert v is not None
+        present = {k: v for k, v in kinds.items() if v is not None}
+        for k, v in present.items():
             if v.shape != t.shape:
                 raise IntegrityError(f"{reader.url}: {opt}.state.{fqn}.{k} has shape "
                                      f"{list(v.shape)}, the parameter {list(t.shape)}")
-        params[fqn], moments[fqn] = t, kinds
+        params[fqn], moments[fqn] = t, present
     aliases = {f: p for f, t in rest.items()
                for p in [next((p for p, pt in params.items() if _same(reader, t, pt)), None)] if p}
     groups, listed = _groups(reader, section, opt, list(params), list(names.values()),
@@ -306,7 +309,7 @@ def _same(reader: CheckpointReader, a: ChunkedTensor, b: ChunkedTensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     pieces = zip(iter_elements(reader, a, 0, a.numel, 1 << 24),
-                 iter_elements(reader, b, 0, b.numel, 1 << 24))
+                 iter_elements(reader, b, 0, b.numel, 1 << 24), strict=True)
     return all(x == y for x, y in pieces)
 
 

@@ -19,7 +19,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from bisect import bisect_right
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.layout import prod
@@ -154,7 +155,7 @@ class Segment(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, start: int, end: int, src: str, pos: int) -> "Segment":
+    def __new__(cls, start: int, end: int, src: str, pos: int) -> Segment:
         return tuple.__new__(cls, (start, end, src, pos))
 
     start = property(lambda s: s[0])
@@ -199,7 +200,7 @@ class Staged:
                 self.spend(4 * int(part.size if isinstance(part, np.ndarray) else part.numel()), url)
                 a = part if isinstance(part, np.ndarray) else to_f32(part)
                 a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-                f.write(memoryview(a).cast("B"))
+                f.write(a.data.cast("B"))
                 n += a.size
         self.regions[name] = (path, n)
 

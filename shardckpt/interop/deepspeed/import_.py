@@ -35,7 +35,8 @@ import os
 import tempfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage
@@ -217,7 +218,8 @@ def _optimizer(ranks: list[RankInfo], trained: Mapping[str, int],
     out = []
     for j in sorted(set(trained.values())):
         g = groups[j] if j < len(groups) else {}
-        hp = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in ADAM_HPARAMS if k in g}
+        hp: dict[str, Any] = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k])
+                              for k in ADAM_HPARAMS if k in g}
         hp = {k: (float(v) if hasattr(v, "item") else v) for k, v in hp.items()}
         step = ranks[0].steps[_first_flat(ranks[0], g, j)] if ranks[0].steps else 0
         out.append(ParamGroupRecord(tuple(f for f, gj in trained.items() if gj == j), hp,
@@ -277,7 +279,7 @@ def _read_models(storage: Storage, models: list[str], world: int,
     return info, segments_3(url0, list(info.frozen.items()), lengths, world, "f")
 
 
-def read_deepspeed(location: "str | Storage", staged: Staged, tag: str | None = None,
+def read_deepspeed(location: str | Storage, staged: Staged, tag: str | None = None,
                    storage_options: Mapping[str, Any] | None = None) -> DeepSpeedSource:
     """Read a DeepSpeed checkpoint one file at a time, staging its numbers in ``staged``."""
     storage = as_storage(location, storage_options)
@@ -395,12 +397,12 @@ def plan_deepspeed(options: ImportOptions) -> ImportPlan:
     return plan
 
 
-def import_deepspeed(src: "str | Storage", dst: "str | Storage", ranks: int, replicate: int = 1,
+def import_deepspeed(src: str | Storage, dst: str | Storage, ranks: int, replicate: int = 1,
                      units: Sequence[str] | None = None, tag: str | None = None,
                      storage_options: Mapping[str, Any] | None = None,
                      dst_storage_options: Mapping[str, Any] | None = None,
                      buffer_bytes: int = DEFAULT_BATCH, tmp_dir: str | None = None,
-                     job: "Job | None" = None) -> Manifest:
+                     job: Job | None = None) -> Manifest:
     """Write DeepSpeed checkpoint ``src`` as a shardckpt checkpoint at ``dst`` for ``ranks`` ranks.
 
     fp32 masters, ``exp_avg`` and ``exp_avg_sq`` of every trained parameter, frozen parameters

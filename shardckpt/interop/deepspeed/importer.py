@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 from shardckpt.interop.importer import (
     ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
@@ -67,7 +68,7 @@ class DeepSpeedImporter:
 
         return plan_deepspeed(options)
 
-    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: Job | None = None) -> Manifest:
         m = write_flat(plan, job)
         source = plan.state
         log.info("imported %s (ZeRO-%d, %d ranks) -> %s (%d ranks)", source.url, source.stage,

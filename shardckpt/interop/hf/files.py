@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.errors import ConfigError
 from shardckpt.format.manifest import Manifest

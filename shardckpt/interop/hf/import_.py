@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 #: The output head Hugging Face ties to the input embedding (``tie_word_embeddings``).
 TIED_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 
-NameMap = Union[Mapping[str, str], Callable[[str], "str | None"], None]
+NameMap = Mapping[str, str] | Callable[[str], "str | None"] | None
 
 
 # ------------------------------------------------------------------------- matching (pure)
@@ -75,7 +76,7 @@ class Match:
             self.unexpected, self.mismatched_names)
 
 
-def _mapper(name_map: NameMap) -> Callable[[str], "str | None"]:
+def _mapper(name_map: NameMap) -> Callable[[str], str | None]:
     if name_map is None:
         return lambda n: n
     if callable(name_map):
@@ -225,7 +226,7 @@ def fetch(source: HFSource, reads: Sequence[Read], buffer_bytes: int = DEFAULT_B
     with ThreadPoolExecutor(step) as pool:
         for i in range(0, len(spans), step):
             batch = spans[i:i + step]
-            for span, data in zip(batch, pool.map(get, batch)):
+            for span, data in zip(batch, pool.map(get, batch), strict=True):
                 view, base = memoryview(data), span[1]
                 for r in span[3]:
                     yield r, view[r.src_begin - base:r.src_end - base]
@@ -234,7 +235,7 @@ def fetch(source: HFSource, reads: Sequence[Read], buffer_bytes: int = DEFAULT_B
 def as_bytes(values: Any) -> memoryview:
     """A flat byte view of bytes or a numpy array (what :func:`cast_bytes` returns)."""
     if isinstance(values, np.ndarray):
-        return memoryview(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(values).reshape(-1).view(np.uint8).data
     return memoryview(values).cast("B")
 
 
@@ -262,11 +263,11 @@ def import_layout(source: HFSource, mesh: Mesh, units: Sequence[str] | None = No
     return build_layout(infos, mesh, prefix), aliases
 
 
-def import_hf(src: "str | Storage | HFSource", dst: "str | Storage", ranks: int, replicate: int = 1,
+def import_hf(src: str | Storage | HFSource, dst: str | Storage, ranks: int, replicate: int = 1,
               units: Sequence[str] | None = None, storage_options: Mapping[str, Any] | None = None,
               dst_storage_options: Mapping[str, Any] | None = None,
               buffer_bytes: int = DEFAULT_BATCH, workers: int = 4,
-              job: "Job | None" = None) -> Manifest:
+              job: Job | None = None) -> Manifest:
     """Write a weights-only checkpoint at ``dst`` for ``ranks`` ranks (``replicate`` x shards).
 
     Each flat group's ``master`` state holds the tensor values (floats widened to fp32; exact

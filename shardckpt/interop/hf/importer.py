@@ -5,7 +5,8 @@ code is imported until a source is read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 from shardckpt.interop.importer import (
     ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
@@ -60,7 +61,7 @@ class HFImporter:
 
         return plan_hf(options)
 
-    def write(self, plan: ImportPlan, job: "Job | None" = None) -> "Manifest":
+    def write(self, plan: ImportPlan, job: Job | None = None) -> Manifest:
         return write_flat(plan, job)
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,

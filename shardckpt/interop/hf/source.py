@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.errors import IntegrityError, ManifestError
@@ -151,7 +152,7 @@ def _weight_map(storage: Storage, rel: str, root: str | None) -> dict[str, str]:
     return wm
 
 
-def open_hf(location: "str | Storage", storage_options: Mapping[str, Any] | None = None) -> HFSource:
+def open_hf(location: str | Storage, storage_options: Mapping[str, Any] | None = None) -> HFSource:
     """Open a folder (``model.safetensors.index.json`` or ``model.safetensors``), a ``.safetensors``
     file or an index file, local or any fsspec URL. Reads the index, ``config.json`` and headers.
 
