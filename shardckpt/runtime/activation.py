@@ -17,7 +17,8 @@ pre-hook gathers and whose forward hook neither frees nor hooks again while back
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 _MARK = "_shardckpt_checkpointed"
 
 
-def _checkpointed_forward(unit: "Unit", forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed_forward(unit: Unit, forward: Callable[..., Any]) -> Callable[..., Any]:
     def recompute(*args: Any, **kwargs: Any) -> Any:
         unit.gather()  # in backward: the recomputation gathers the weights it reads
         return forward(*args, **kwargs)
@@ -47,7 +48,7 @@ def _checkpointed_forward(unit: "Unit", forward: Callable[..., Any]) -> Callable
     return checkpointed
 
 
-def checkpoint_units(engine: "ZeroEngine",
+def checkpoint_units(engine: ZeroEngine,
                      select: Callable[[str, nn.Module], bool] | None = None) -> list[str]:
     """Checkpoint the activations of the engine's non-root units (those ``select(fqn, module)``
     accepts; default all). Idempotent; returns the FQNs of the units now checkpointed.

@@ -33,7 +33,8 @@ reduction) are in :mod:`shardckpt.runtime.zeropp` and follow the same rules.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -129,6 +130,7 @@ class PendingMean:
     def result(self) -> torch.Tensor:
         if self._finish is not None:
             if self._work is not None:
+                assert self._pm is not None  # every collective in flight is given its mesh
                 with collective_guard(self._what, self._pm):
                     self._work.wait()
             self._work, self._keep = None, ()

@@ -18,7 +18,8 @@ told before the reduced gradients change in place (``before_grads_change``: a ba
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterator, Mapping
 
 if TYPE_CHECKING:
     import torch

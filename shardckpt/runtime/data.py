@@ -13,7 +13,8 @@ continues with the same data).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch

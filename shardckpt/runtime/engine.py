@@ -38,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -259,7 +260,8 @@ class ZeroEngine:
             self._listener.before_grads_change()
         for g in self.groups.values():
             g.zero_grad(set_to_none)
-        self._schedule.pool.clear()
+        if self._schedule.pool is not None:
+            self._schedule.pool.clear()
         for p in self._params.values():
             p.grad = None
 

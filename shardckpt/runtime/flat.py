@@ -49,7 +49,8 @@ Invariants of a :class:`FlatParamGroup` on shard rank ``r`` (``s = layout.shard_
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -58,6 +59,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.format.layout import FlatGroup, Layout, ParamSpec
 from shardckpt.runtime import collectives
 from shardckpt.runtime.zeropp import comm as zeropp
+from shardckpt.runtime.zeropp.options import ZeroPP
 from shardckpt.runtime.accounting import Accounting
 from shardckpt.runtime.gradpool import GradBufferPool
 from shardckpt.runtime.mesh import ProcessMesh
@@ -108,7 +110,7 @@ class FlatParamGroup:
         self._written = [False] * len(self.params)
         self._arrived = 0
         # ZeRO++ (set by the engine): the options, and whether this group keeps an hpZ copy
-        self.zeropp: zeropp.ZeroPP | None = None
+        self.zeropp: ZeroPP | None = None
         self.hpz = False
         self._secondary: torch.Tensor | None = None  # hpZ: this rank's in-node slice of full
         self._keep_secondary = False  # the gather in flight is a forward's: keep a slice
@@ -305,7 +307,7 @@ class FlatParamGroup:
             self._grad_buffer = torch.zeros(self.spec.padded_numel, dtype=self.precision.grad,
                                             device=self.shard.device)
             return self._grad_buffer
-        if self._grad_in_buffer():  # the mean so far must survive the new local gradients
+        if self.grad is not None and self._grad_in_buffer():  # the mean so far must survive the new local gradients
             self.grad = self.grad.clone()
         with torch.no_grad():
             self._grad_buffer.zero_()
@@ -344,7 +346,7 @@ class FlatParamGroup:
         with torch.no_grad():  # what no parameter wrote is zero: padding, unused parameters
             if self.spec.numel < self.spec.padded_numel:
                 buf[self.spec.numel:].zero_()
-            for spec, written in zip(self.param_specs, self._written):
+            for spec, written in zip(self.param_specs, self._written, strict=True):
                 if not written:
                     buf[spec.offset:spec.offset + spec.numel].zero_()
         self._written = [False] * len(self.params)
@@ -400,5 +402,5 @@ class FlatParamGroup:
 def point_params(params: Sequence[nn.Parameter], specs: Sequence[ParamSpec],
                  full: torch.Tensor) -> None:
     """Make each parameter's ``.data`` the view of its elements in the flat ``full``."""
-    for p, spec in zip(params, specs):
+    for p, spec in zip(params, specs, strict=True):
         p.data = full[spec.offset:spec.offset + spec.numel].view(spec.shape)

@@ -17,7 +17,7 @@ Communication and gathered-weight counters are :mod:`shardckpt.runtime.accountin
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

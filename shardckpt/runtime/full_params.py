@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -129,7 +129,9 @@ def _refuse_placeholders(sharded: ShardedModule, fqn_of: Mapping[int, str], modu
         return
     layout = sharded.layout
     for p in module._parameters.values():
-        fqn = fqn_of.get(id(p)) if p is not None else None
+        if p is None:
+            continue
+        fqn = fqn_of.get(id(p))
         if fqn is None or p.numel() or not layout.param(fqn).numel:
             continue
         raise ConfigError(
@@ -180,7 +182,7 @@ def summon_full_params(sharded: ShardedModule, writeback: bool = False
     for name, g in sharded.groups.items():
         fulls[name] = full = collectives.all_gather_flat(pm, master_tensor(g))
         point_params(g.params, g.param_specs, full)
-    params = dict(sharded.params)
+    params: dict[str, torch.Tensor] = dict(sharded.params)
     params.update({alias: params[canon] for alias, canon in sharded.tied_aliases.items()})
     try:
         yield params
@@ -192,7 +194,7 @@ def summon_full_params(sharded: ShardedModule, writeback: bool = False
         with torch.no_grad():
             for name, g in sharded.groups.items():
                 full = fulls[name]
-                for p, spec in zip(g.params, g.param_specs):
+                for p, spec in zip(g.params, g.param_specs, strict=True):
                     target = full[spec.offset:spec.offset + spec.numel]
                     if p.data.data_ptr() != target.data_ptr():  # rebound through .data
                         if tuple(p.shape) != spec.shape:

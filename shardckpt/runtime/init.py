@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -153,6 +153,6 @@ def _allocate(groups: list[FlatParamGroup], fresh: set[int]) -> None:
     for g in groups:
         originals = [p.data for p in g.params]
         g.allocate()
-        for p, spec, orig in zip(g.params, g.param_specs, originals):
+        for p, spec, orig in zip(g.params, g.param_specs, originals, strict=True):
             if id(p) not in fresh:
                 g.full[spec.offset:spec.offset + spec.numel].copy_(orig.reshape(-1))

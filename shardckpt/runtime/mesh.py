@@ -11,7 +11,8 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ class TorchrunEnv:
             raise ConfigError(f"MASTER_PORT is {self.master_port}; it must be a TCP port (1..65535)")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TorchrunEnv":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TorchrunEnv:
         """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
 
         Absent variables take the single-process defaults; malformed ones raise one
@@ -117,14 +118,14 @@ class ProcessMesh:
             raise ConfigError(f"ranks_per_node is {k!r}; it must be a whole number >= 1")
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "ProcessMesh":
+    def single(cls, device: torch.device | str = "cpu") -> ProcessMesh:
         """One process, no ``torch.distributed``: every collective is a local copy."""
         return cls(Mesh.for_world(1), 0, torch.device(device))
 
     @classmethod
     def from_process_group(cls, mesh: Mesh | None = None, device: torch.device | None = None,
                            timeout_s: float | None = None,
-                           ranks_per_node: int | None = None) -> "ProcessMesh":
+                           ranks_per_node: int | None = None) -> ProcessMesh:
         """Build on the initialized default group; creates the per-axis subgroups when R > 1.
 
         ``timeout_s`` (for the subgroups) defaults to the default group's own timeout.

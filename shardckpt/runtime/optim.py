@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping
+from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -149,8 +150,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def offload_snapshot(self) -> Any:
         """With ``"nvme"`` offload: (trained group names, an empty ``OffloadSnapshot``) for an
         async checkpoint to copy their shards into; else ``None``."""
-        snap = self._offload.snapshot() if self._offload is not None else None
-        return None if snap is None else (set(self._offload.sizes), snap)
+        offload = self._offload
+        snap = offload.snapshot() if offload is not None else None
+        return None if offload is None or snap is None else (set(offload.sizes), snap)
 
     def close_offload(self) -> None:
         """Release the offloaded state (files removed); see :meth:`ZeroEngine.close`."""
@@ -180,6 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._offload is None:
             for name, items in work.items():
                 fg = groups[name]
+                assert fg.grad is not None  # `names` holds the groups with a gradient
                 self._update_segments(fg.master, fg.grad, self._state[name], items)
         else:
             store_step(self._offload, groups, work, self._update_segments)
@@ -254,7 +257,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "optimizer param groups do not match: saved groups hold "
                 f"{[sorted(k)[:3] for k in keys]}..., this optimizer's hold "
                 f"{[sorted(k)[:3] for k in by_fqns]}...; build the same groups before loading")
-        for key, g in zip(keys, saved):
+        for key, g in zip(keys, saved, strict=True):
             i = by_fqns[key]
             for k, v in g.get("hparams", {}).items():
                 old = self.param_groups[i].get(k)

@@ -8,7 +8,8 @@ state and the step are :class:`~shardckpt.runtime.optim.ShardedOptimizer`'s.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import torch
 

@@ -3,7 +3,8 @@ optimizers that cannot run on flat slices (:func:`shardckpt.runtime.optim_rules.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shardckpt.runtime.contracts import ShardedEngine
 
@@ -33,7 +34,8 @@ def decay_param_groups(engine: ShardedEngine, weight_decay: float,
 
     Uses the layout's shapes (parameters are placeholders between steps).
     """
-    decay, plain = [], []
+    decay: list[Any] = []
+    plain: list[Any] = []
     for fqn, p in engine.named_parameters():
         if p.requires_grad:
             (plain if no_decay(fqn, engine.layout.param(fqn).shape) else decay).append(p)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
 
 import torch
 

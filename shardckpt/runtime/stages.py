@@ -51,7 +51,8 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -229,7 +230,7 @@ class StageSchedule:
         if idx and torch.is_grad_enabled() and not in_backward():  # not in a recomputation
             marked = _PostBackward.apply(functools.partial(self._post_backward, unit),
                                          *(flat[i] for i in idx))
-            for i, t in zip(idx, marked):
+            for i, t in zip(idx, marked, strict=True):
                 flat[i] = t
             changed = True
         return pytree.tree_unflatten(flat, spec) if changed else None

@@ -9,7 +9,7 @@ names are recorded as aliases.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Union
+from collections.abc import Callable
 
 from torch import nn
 
@@ -19,7 +19,7 @@ from shardckpt.runtime.precision import dtype_name
 
 #: Decides whether the module at ``fqn`` is its own unit. The root is always a unit.
 UnitPolicy = Callable[[str, nn.Module], bool]
-PolicyLike = Union[UnitPolicy, type, tuple, None]
+PolicyLike = UnitPolicy | type | tuple | None
 
 ROOT = ""
 

@@ -71,6 +71,8 @@ class LlamaRMSNorm(nn.Module):
 class LlamaRotaryEmbedding(nn.Module):
     """cos/sin tables; ``inv_freq`` is a non-persistent buffer (recomputed, never saved)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.base, self.dim = config.rope_theta, config.head_dim
@@ -191,7 +193,7 @@ class LlamaModel(nn.Module):
 class TiedLMHead(nn.Module):
     """The output projection; ``weight`` is the embedding's parameter (set by the owner)."""
 
-    weight: nn.Parameter
+    weight: torch.Tensor
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.weight)

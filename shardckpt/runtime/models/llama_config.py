@@ -7,7 +7,8 @@ can write or read the ``config.json`` of a consolidated checkpoint.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
 
 from shardckpt.errors import ConfigError
 
@@ -55,7 +56,7 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
-    def dtype(self) -> "torch.dtype":
+    def dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.torch_dtype)
@@ -94,7 +95,7 @@ class LlamaConfig:
         }
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "LlamaConfig":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> LlamaConfig:
         """Read a ``config.json`` dict as ``transformers`` writes it (tied or untied Llama).
 
         Refuses, all at once, what this model cannot compute the same way: another model type,

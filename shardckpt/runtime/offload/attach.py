@@ -10,7 +10,8 @@ store (and, with ``offload_overlap_step``, runs that group's step on the store's
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -42,7 +43,8 @@ class StoreListener:
         store = self.store
         if group.grad is None:
             return
-        if not self.engine.offload.overlap_step:
+        offload = self.engine.offload
+        if offload is None or not offload.overlap_step:
             store.grad_ready(group.name, group.grad)
             return
         if not store.early_names:

@@ -33,10 +33,10 @@ def check_offload(mode: str | None, directory: str | os.PathLike[str] | None,
     writable."""
     if mode is None and overlap_step:
         raise ConfigError("offload_overlap_step=True needs offload_optimizer='cpu' or 'nvme'")
-    if mode is not None and mode in MODES:
-        config = _check_mode(mode, directory)
-        return OffloadConfig(config.mode, config.directory, bool(overlap_step))
-    return _check_mode(mode, directory)
+    config = _check_mode(mode, directory)
+    if config is None:
+        return None
+    return OffloadConfig(config.mode, config.directory, bool(overlap_step))
 
 
 def _check_mode(mode: str | None, directory: str | os.PathLike[str] | None

@@ -19,7 +19,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -41,7 +42,7 @@ def _human(n: int) -> str:
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of CPU tensor ``t`` (contiguous), as a writable view of its memory."""
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
@@ -109,7 +110,7 @@ class OffloadedShard:
         pread_into(self.fd, as_bytes(t), offset, self.path)
         return t.numpy().tobytes()
 
-    def zero_(self) -> "OffloadedShard":
+    def zero_(self) -> OffloadedShard:
         zeros = bytes(min(IO_CHUNK, self.nbytes))
         for lo in range(0, self.nbytes, IO_CHUNK):
             self.write_bytes(lo, zeros[:min(IO_CHUNK, self.nbytes - lo)])

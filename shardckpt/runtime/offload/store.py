@@ -48,7 +48,8 @@ from __future__ import annotations
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -181,6 +182,7 @@ class OffloadStore:
             self._copied[name] = (weakref.ref(grad), grad._version)
             self._tasks.append(self._pool.submit(self._copy_grad, name, grad, event))
         else:
+            assert master is not None  # the early step is given the master shard with update
             self._early[name] = work
             self._tasks.append(self._pool.submit(self._early_step, name, grad, event, master,
                                                  update, work))
@@ -229,7 +231,7 @@ class OffloadStore:
         for f in tasks:
             try:
                 f.result()
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - wait for every task, then raise the first
                 errors.append(e)
         if errors:
             raise errors[0]
@@ -304,7 +306,8 @@ class OffloadStore:
                 writes.append(pool.submit(self._write, name, window))
                 del window
         finally:
-            for f in [*reads.values(), *writes]:
+            pending: list[Future[Any]] = [*reads.values(), *writes]
+            for f in pending:
                 f.result()
 
     def step(self, work: Mapping[str, Any], masters: Mapping[str, torch.Tensor],
@@ -348,7 +351,7 @@ class OffloadStore:
         if self._pool is not None:
             try:
                 self.drain()
-            except BaseException:  # the failure was raised where it happened
+            except BaseException:  # noqa: BLE001 - the failure was raised where it happened
                 pass
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -6,7 +6,8 @@ of its group in the same order.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
