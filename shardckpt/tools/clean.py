@@ -23,7 +23,8 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.errors import LinkRefusedError, ShardckptError

@@ -47,7 +47,8 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.chunked_read import ChunkedPieces
 from shardckpt.checkpoint.job import Job, open_readers
@@ -143,10 +144,10 @@ def _install(storage: Storage, files: Sequence[OutFile], engine: PieceReader, to
     done: list[str] = []
     written = 0
     try:
-        for f, rel in zip(files, staged):
+        for f, rel in zip(files, staged, strict=True):
             done.append(rel)
             written += _write_file(storage, rel, f, engine, progress)
-        for f, rel in zip(files, staged):
+        for f, rel in zip(files, staged, strict=True):
             if rel != f.name:
                 storage.install(rel, f.name)
                 done[done.index(rel)] = f.name
@@ -177,9 +178,9 @@ class Target:
     copies: list[str]
 
 
-def prepare_target(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+def prepare_target(reader: CheckpointReader, plan: ConsolidationPlan, dst: str | Storage,
                    overwrite: bool, storage_options: Mapping[str, Any] | None,
-                   copy_from: "str | Storage | None", token: str | None = None) -> Target:
+                   copy_from: str | Storage | None, token: str | None = None) -> Target:
     """Guard ``dst`` and name the output files (see :func:`write_consolidation`)."""
     storage = as_storage(dst, storage_options)
     if storage.url.rstrip("/") == reader.url.rstrip("/"):
@@ -216,7 +217,7 @@ class OutputNames:
     optimizer: tuple[str, ...]
 
     @classmethod
-    def of(cls, target: Target) -> "OutputNames":
+    def of(cls, target: Target) -> OutputNames:
         return cls(target.token, tuple(f.name for f in target.model_files),
                    tuple(f.name for f in target.opt_files))
 
@@ -224,13 +225,13 @@ class OutputNames:
         return {"token": self.token, "model": list(self.model), "opt": list(self.optimizer)}
 
     @classmethod
-    def from_doc(cls, doc: Mapping[str, Any]) -> "OutputNames":
+    def from_doc(cls, doc: Mapping[str, Any]) -> OutputNames:
         return cls(doc["token"], tuple(doc["model"]), tuple(doc["opt"]))
 
     def target(self, storage: Storage, plan: ConsolidationPlan) -> Target:
         """The target of a process other than rank 0: the names alone (rank 0 commits)."""
         def named(files: Sequence[OutFile], names: Sequence[str]) -> tuple[OutFile, ...]:
-            return tuple(dataclasses.replace(f, name=n) for f, n in zip(files, names))
+            return tuple(dataclasses.replace(f, name=n) for f, n in zip(files, names, strict=True))
 
         return Target(storage, [], self.token, named(plan.files, self.model),
                       named(plan.optimizer_files, self.optimizer), None, [])
@@ -247,11 +248,11 @@ class Installed:
         return {"written": self.written, "read": self.read}
 
 
-def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: "str | Storage",
+def write_consolidation(reader: CheckpointReader, plan: ConsolidationPlan, dst: str | Storage,
                         overwrite: bool = False, storage_options: Mapping[str, Any] | None = None,
                         buffer_bytes: int = DEFAULT_BUFFER,
                         progress: Callable[[int], None] | None = None,
-                        copy_from: "str | Storage | None" = None,
+                        copy_from: str | Storage | None = None,
                         job: Job | None = None) -> ConsolidateResult:
     """Write ``plan`` to ``dst``; the model index is replaced last and commits DST.
 
@@ -341,11 +342,11 @@ def result_of(reader: CheckpointReader, plan: ConsolidationPlan, target: Target,
                              dict(plan.omitted_aliases), bytes_read, written, secs)
 
 
-def consolidate(src: "str | CheckpointReader", dst: "str | Storage", dtype: str = "bfloat16",
+def consolidate(src: str | CheckpointReader, dst: str | Storage, dtype: str = "bfloat16",
                 max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, component: str = "model",
                 optimizer: bool = False, storage_options: Mapping[str, Any] | None = None,
                 buffer_bytes: int = DEFAULT_BUFFER, progress: Callable[[int], None] | None = None,
-                overwrite: bool = False, copy_from: "str | Storage | None" = None,
+                overwrite: bool = False, copy_from: str | Storage | None = None,
                 prefix: str = "model.", job: Job | None = None) -> ConsolidateResult:
     """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module
     doc): the source opened once (unless ``src`` is a reader already), planned, then

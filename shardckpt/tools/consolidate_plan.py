@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from shardckpt.checkpoint.pieces import Source
 from shardckpt.errors import ConfigError, ManifestError

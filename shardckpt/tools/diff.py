@@ -25,7 +25,8 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -183,7 +184,7 @@ def plan_diff(ma: Manifest, mb: Manifest) -> DiffPlan:
 # ------------------------------------------------------------------------------------ compare
 
 
-def compare_bytes(a: bytes, b: bytes, dtype_a: str, dtype_b: str) -> tuple[int, float]:
+def compare_bytes(a: bytes | memoryview, b: bytes | memoryview, dtype_a: str, dtype_b: str) -> tuple[int, float]:
     """(differing elements, max |a - b|) of two equally long pieces; (0, 0.0) if bit-identical."""
     if dtype_a == dtype_b:
         if a == b:
@@ -223,7 +224,7 @@ class DiffPart:
                 "read": self.bytes_read, "diffs": [d.to_dict() for d in self.differences]}
 
     @classmethod
-    def from_doc(cls, doc: Mapping[str, Any]) -> "DiffPart":
+    def from_doc(cls, doc: Mapping[str, Any]) -> DiffPart:
         diffs = tuple(TensorDiff(**{**d, "max_abs_diff": float(d["max_abs_diff"])})
                       for d in doc["diffs"])
         return cls(doc["compared"], doc["identical"], doc["elements"], doc["read"], diffs)
@@ -279,10 +280,11 @@ def _compare_pairs(ra: CheckpointReader, rb: CheckpointReader, comparisons: Sequ
     finally:
         pieces.close()  # type: ignore[attr-defined]
     diffs: list[TensorDiff] = []
-    for c, (n, mx) in zip(comparisons, stats):
-        if n or c.a.dtype != c.b.dtype:
+    for c, (count, worst) in zip(comparisons, stats, strict=True):
+        if count or c.a.dtype != c.b.dtype:
             detail = f"dtype {c.a.dtype} vs {c.b.dtype}" if c.a.dtype != c.b.dtype else ""
-            diffs.append(TensorDiff(c.component, c.name, c.kind, DIFFERENT, c.numel, int(n), float(mx), detail))
+            diffs.append(TensorDiff(c.component, c.name, c.kind, DIFFERENT, c.numel, int(count),
+                                    float(worst), detail))
     return DiffPart(len(comparisons), len(comparisons) - len(diffs),
                     sum(c.numel for c in comparisons), engine.bytes_read, tuple(diffs))
 
@@ -326,7 +328,7 @@ def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
                     nbytes, tuple(diffs))
 
 
-def diff(a: "str | CheckpointReader", b: "str | CheckpointReader",
+def diff(a: str | CheckpointReader, b: str | CheckpointReader,
          storage_options: Mapping[str, Any] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
          progress: Callable[[int], None] | None = None, job: Job | None = None) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` by content (see the module doc): each opened once

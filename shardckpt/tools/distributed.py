@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
 
 from shardckpt.checkpoint.job import Job
 from shardckpt.errors import ConfigError

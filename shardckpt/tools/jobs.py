@@ -17,7 +17,8 @@ that need them, so that a command loads only what it uses.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
 
 if TYPE_CHECKING:
     from shardckpt.checkpoint.verify import VerifyResult
@@ -37,7 +38,7 @@ def _ignore(nbytes: int) -> None:
     """The progress callback of a process that shows none (a ``torchrun`` job's)."""
 
 
-def describe(url: "str | Storage", storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+def describe(url: str | Storage, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """:func:`shardckpt.tools.summary.summarize` of the checkpoint at ``url``: its manifest only."""
     from shardckpt.checkpoint.reader import as_storage, read_manifest
     from shardckpt.tools.summary import summarize
@@ -46,10 +47,10 @@ def describe(url: "str | Storage", storage_options: Mapping[str, Any] | None) ->
     return summarize(read_manifest(storage), url if isinstance(url, str) else storage.url)
 
 
-def run_reshard(src: "str | Storage", dst: str, to: int, from_: int | None, replicate: int,
+def run_reshard(src: str | Storage, dst: str, to: int, from_: int | None, replicate: int,
                 workers: int, overwrite: bool, storage_options: Mapping[str, Any] | None,
-                buffer_bytes: int, job: "Job | None", progress: OpenProgress,
-                fmt: str | None = None) -> "ReshardResult":
+                buffer_bytes: int, job: Job | None, progress: OpenProgress,
+                fmt: str | None = None) -> ReshardResult:
     """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst``: the source opened and
     planned once, the destination opened once; its total is the bytes of the source, shown
     where one process reshards alone (``workers`` 1, no job). Under ``torchrun`` the job's
@@ -73,8 +74,8 @@ def run_reshard(src: "str | Storage", dst: str, to: int, from_: int | None, repl
         return write_reshard(source, out, overwrite, 1, buffer_bytes, tick, job)
 
 
-def run_verify(url: "str | Storage", storage_options: Mapping[str, Any] | None, workers: int,
-               job: "Job | None", progress: OpenProgress) -> "VerifyResult":
+def run_verify(url: str | Storage, storage_options: Mapping[str, Any] | None, workers: int,
+               job: Job | None, progress: OpenProgress) -> VerifyResult:
     """:func:`shardckpt.checkpoint.verify.verify` of the checkpoint at ``url``, its manifest read
     once; a manifest that cannot be read is the result's problem, not an exception."""
     from shardckpt.checkpoint.reader import as_storage
@@ -89,11 +90,11 @@ def run_verify(url: "str | Storage", storage_options: Mapping[str, Any] | None, 
         return verify(storage, workers=workers, progress=tick, manifest=m)
 
 
-def run_consolidate(src: "str | Storage", dst: str, dtype: str, max_shard_size: int,
+def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: int,
                     component: str, prefix: str, optimizer: bool, overwrite: bool,
                     copy_from: str | None, storage_options: Mapping[str, Any] | None,
-                    buffer_bytes: int, job: "Job | None",
-                    progress: OpenProgress) -> "ConsolidateResult":
+                    buffer_bytes: int, job: Job | None,
+                    progress: OpenProgress) -> ConsolidateResult:
     """:func:`shardckpt.tools.consolidate.write_consolidation` of ``src`` into ``dst``, the source
     opened and planned once; its total is the bytes the plan reads."""
     from shardckpt.checkpoint.job import Job, open_readers
@@ -113,8 +114,8 @@ def run_consolidate(src: "str | Storage", dst: str, dtype: str, max_shard_size: 
                                    tick, copy_from, job)
 
 
-def run_diff(a: "str | Storage", b: "str | Storage", storage_options: Mapping[str, Any] | None,
-             buffer_bytes: int, job: "Job | None", progress: OpenProgress) -> "DiffResult":
+def run_diff(a: str | Storage, b: str | Storage, storage_options: Mapping[str, Any] | None,
+             buffer_bytes: int, job: Job | None, progress: OpenProgress) -> DiffResult:
     """:func:`shardckpt.tools.diff.run_diff` of ``a`` and ``b``, each opened once; its total is
     the bytes the plan compares."""
     from shardckpt.checkpoint.job import Job, open_readers
@@ -130,8 +131,8 @@ def run_diff(a: "str | Storage", b: "str | Storage", storage_options: Mapping[st
         return df.run_diff(ra, rb, plan, buffer_bytes, tick, job)
 
 
-def run_import(importer: Callable[..., "Manifest"], *args: Any, job: "Job | None",
-               split: bool = True, **kwargs: Any) -> "Manifest | None":
+def run_import(importer: Callable[..., Manifest], *args: Any, job: Job | None,
+               split: bool = True, **kwargs: Any) -> Manifest | None:
     """``importer(*args, **kwargs)`` (an importer of :mod:`shardckpt.interop`) as the processes
     of ``job`` (None: one process alone, a job of one): with ``split`` every process calls it
     with ``job=job`` and writes its share of the files; without, rank 0 imports alone while the
@@ -140,7 +141,7 @@ def run_import(importer: Callable[..., "Manifest"], *args: Any, job: "Job | None
     from shardckpt.checkpoint.job import Job
 
     job = job or Job.single()
-    m: "Manifest | None"
+    m: Manifest | None
     if split:
         m = importer(*args, job=job, **kwargs)
     else:

@@ -26,7 +26,8 @@ import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.job import Job, balance
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
@@ -145,7 +146,7 @@ def _check_work(m: Manifest, mesh: Mesh, to: int, buffer_bytes: int) -> None:
             f"shards of 16 elements; choose --to <= {limit * mesh.replicate_degree}")
 
 
-def open_source(src: "str | Storage", to: int, from_: int | None = None, replicate: int = 1,
+def open_source(src: str | Storage, to: int, from_: int | None = None, replicate: int = 1,
                 storage_options: Mapping[str, Any] | None = None,
                 buffer_bytes: int = DEFAULT_BATCH, job: Job | None = None,
                 fmt: str | None = None) -> ReshardSource:
@@ -261,7 +262,7 @@ def _write_share(job: Job, source: ReshardSource, writer: CheckpointWriter, work
     return Written.join([Written.from_doc(d) for d in reports])
 
 
-def reshard(src: "str | Storage", dst: "str | Storage", to: int, from_: int | None = None,
+def reshard(src: str | Storage, dst: str | Storage, to: int, from_: int | None = None,
             replicate: int = 1, workers: int = 1, overwrite: bool = False,
             storage_options: Mapping[str, Any] | None = None,
             dst_storage_options: Mapping[str, Any] | None = None,

@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
@@ -129,7 +130,7 @@ def dedup(plans: Sequence[Sequence[Item]]) -> list[list[Item]]:
         planned[chosen] += weight[index]
         for i in holders - {chosen}:
             keep[i].discard(index)
-    return [[it for it in p if it.index in k] for p, k in zip(plans, keep)]
+    return [[it for it in p if it.index in k] for p, k in zip(plans, keep, strict=True)]
 
 
 def _slots(section: ChunkedSection, items: Sequence[Item]) -> tuple[TensorSlot, ...]:
@@ -173,8 +174,8 @@ class ChunkedTarget:
         the order DCP's metadata lists them (each plan's items, plan by plan)."""
         tensors: dict[str, list[ChunkRecord]] = {}
         blobs: dict[str, Blob] = {}
-        for r, (items, slots) in enumerate(zip(self.items, self.slots)):
-            for it, s in zip(items, slots):
+        for r, (items, slots) in enumerate(zip(self.items, self.slots, strict=True)):
+            for it, s in zip(items, slots, strict=True):
                 if it.offsets is None:
                     blobs[it.key] = Blob(it.key, _file(save_id, r), s.begin, s.end)
                 else:
@@ -236,7 +237,7 @@ class ChunkedTarget:
 
             for rel, sizes in blocks(it.sizes, elem, budget):
                 if prod(sizes):
-                    off = tuple(o + r for o, r in zip(it.offsets, rel))
+                    off = tuple(o + r for o, r in zip(it.offsets, rel, strict=True))
                     batcher.add(rank, si, functools.partial(_read_block, reader, t, off, sizes,
                                                             counted), prod(sizes) * elem)
             return
@@ -247,14 +248,14 @@ class ChunkedTarget:
         found = chunks_for(t, it.offsets, it.sizes)
         for c in sorted(found, key=lambda c: c.offsets[0] if c.offsets else 0):
             c_lo = c.offsets[0] * row if t.shape else 0
-            a, b = max(lo, c_lo), min(hi, c_lo + c.numel)
-            if a >= b:
+            first, stop = max(lo, c_lo), min(hi, c_lo + c.numel)
+            if first >= stop:
                 continue
             entry = m.file(c.file)
             reader.check_file(entry)
             base = entry.data_start + c.begin
-            for x in range(a, b, per):
-                y = min(b, x + per)
+            for x in range(first, stop, per):
+                y = min(stop, x + per)
                 batcher.add(rank, si, (entry, base + (x - c_lo) * elem, base + (y - c_lo) * elem),
                             (y - x) * elem)
 
@@ -281,7 +282,7 @@ def _read_block(reader: CheckpointReader, t: ChunkedTensor, offsets: Sequence[in
             continue
         data = read_box(reader, t, c, *box)
         counted.n += len(data)
-        out[tuple(slice(o - b, o - b + k) for o, b, k in zip(box[0], offsets, box[1]))] = \
+        out[tuple(slice(o - b, o - b + k) for o, b, k in zip(box[0], offsets, box[1], strict=True))] = \
             np.frombuffer(data, np.uint8).reshape((*box[1], elem))
     return out.tobytes()
 

@@ -10,7 +10,8 @@ assembles a box. Does not import torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence, Union
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointWriter
@@ -22,7 +23,7 @@ from shardckpt.storage.reads import Request
 
 #: A piece of a slot's bytes: that many zero bytes, a checked source range, or a function that
 #: returns the bytes (called on the read-ahead thread).
-Piece = Union[int, Request, Callable[[], Any]]
+Piece = int | Request | Callable[[], Any]
 #: The pieces of one target file's slots in file order: (slot index, piece) pairs.
 Batch = list[tuple[int, Piece]]
 
@@ -58,11 +59,11 @@ class Written:
         return {"read": self.bytes_read, "entries": [e.to_doc() for e in self.entries]}
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any]) -> "Written":
+    def from_doc(cls, doc: dict[str, Any]) -> Written:
         return cls(tuple(FileEntry.from_doc(e) for e in doc["entries"]), doc["read"])
 
     @classmethod
-    def join(cls, parts: Sequence["Written"]) -> "Written":
+    def join(cls, parts: Sequence[Written]) -> Written:
         return cls(tuple(e for p in parts for e in p.entries), sum(p.bytes_read for p in parts))
 
 
@@ -114,10 +115,10 @@ class ShardStream:
                                default=0))
         self.stream = read_ahead(self.batches, self._fetch)
         self.taken = 0  # batches taken from the stream
-        self.current: Batch = []
+        self.current: list[tuple[int, Any]] = []  # fetched: (slot index, its bytes)
         self.pos = 0
 
-    def _fetch(self, item: tuple[int, Batch]) -> Batch:
+    def _fetch(self, item: tuple[int, Batch]) -> list[tuple[int, Any]]:
         _, batch = item
         data = iter(self.ranges.fetch([p for _, p in batch if isinstance(p, tuple)],
                                       self.read_workers))

@@ -8,7 +8,7 @@ go is refused before anything is written, and one that appears later is left alo
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.errors import ConfigError, LinkRefusedError, ShardckptError

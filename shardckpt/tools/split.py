@@ -6,7 +6,8 @@ so no process has to send the plan to the others.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.job import balance
 from shardckpt.format.dtypes import itemsize
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from shardckpt.checkpoint.writer import CheckpointSpec
 
 
-def shard_bytes(spec: "CheckpointSpec", plans: Mapping[str, ReshardPlan]) -> list[tuple[int, int]]:
+def shard_bytes(spec: CheckpointSpec, plans: Mapping[str, ReshardPlan]) -> list[tuple[int, int]]:
     """(bytes read, bytes written) of each target shard file, headers aside. Pure."""
     slots = shard_slots(spec.components, spec.mesh)
     per_elem: dict[str, int] = {}
