@@ -44,7 +44,8 @@ import json
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
@@ -165,8 +166,9 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()  # ids of optimizers hooked directly
         self._engine_hooked = False     # the engine's hook covers whatever optimizer it gets
-        if async_save and callable(getattr(engine, "register_update_pre_hook", None)):
-            self._hooks.append(engine.register_update_pre_hook(self._before_step))
+        update_pre_hook = getattr(engine, "register_update_pre_hook", None)
+        if async_save and callable(update_pre_hook):
+            self._hooks.append(update_pre_hook(self._before_step))
             self._engine_hooked = True
 
     def _hook_optimizer(self) -> None:

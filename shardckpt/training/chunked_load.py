@@ -8,7 +8,8 @@ tensor is what).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.chunked_read import iter_elements
 from shardckpt.checkpoint.collective import agree, rank_and_world
@@ -27,7 +28,7 @@ class _Slot:
         self.name = name
 
 
-def load_chunked(model: Any, url: "str | CheckpointReader",
+def load_chunked(model: Any, url: str | CheckpointReader,
                  storage_options: Mapping[str, Any] | None = None, *,
                  model_key: str = "model", optim_key: str | None = None, strict: bool = True,
                  weights_only: bool = False, buffer_bytes: int = DEFAULT_BATCH,

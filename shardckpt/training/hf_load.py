@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -92,7 +93,7 @@ def _bytes_at(target: torch.Tensor, offset: int, nbytes: int) -> bytes:
     return target.detach().view(torch.uint8)[offset * k:offset * k + nbytes].cpu().numpy().tobytes()
 
 
-def load_hf(engine: HFLoadTarget, source: "str | HFSource", *, name_map: NameMap = None,
+def load_hf(engine: HFLoadTarget, source: str | HFSource, *, name_map: NameMap = None,
             strict: bool = True, storage_options: Mapping[str, Any] | None = None,
             buffer_bytes: int = DEFAULT_BATCH, workers: int = 4, group: Any = None) -> HFLoadResult:
     """Load Hugging Face safetensors weights into ``engine``'s master shards. Call on every rank.
@@ -108,7 +109,7 @@ def load_hf(engine: HFLoadTarget, source: "str | HFSource", *, name_map: NameMap
     attached optimizer starts fresh (zero state, step 0). Persistent buffers found in the file
     are loaded too.
     """
-    counter = {"bytes": 0, "config": None}
+    counter: dict[str, Any] = {"bytes": 0, "config": None}
 
     def work() -> dict[str, Any]:
         src = source if isinstance(source, HFSource) else open_hf(source, storage_options)
@@ -135,10 +136,10 @@ def load_hf(engine: HFLoadTarget, source: "str | HFSource", *, name_map: NameMap
         loaded_buffers = {}
         for fqn, t in match.sources.items():
             if fqn in buffers:
-                raw = src.storage.read(t.file, t.begin, t.end)
-                counter["bytes"] += len(raw)
+                stored = src.storage.read(t.file, t.begin, t.end)
+                counter["bytes"] += len(stored)
                 b = torch.empty_like(buffers[fqn], device="cpu")
-                _write(b.reshape(-1), 0, cast_bytes(raw, t.dtype, _dtype_name(b.dtype)))
+                _write(b.reshape(-1), 0, cast_bytes(stored, t.dtype, _dtype_name(b.dtype)))
                 loaded_buffers[fqn] = b
         engine.load_buffers(loaded_buffers, strict=False)
         engine.refresh_params()
@@ -150,10 +151,10 @@ def load_hf(engine: HFLoadTarget, source: "str | HFSource", *, name_map: NameMap
     assert out is not None
     log.info("loaded %s: %d bytes read on this rank", _url(source), counter["bytes"])
     return HFLoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
-                        int(counter["bytes"]), counter["config"])  # type: ignore[arg-type]
+                        int(counter["bytes"]), counter["config"])
 
 
-def _url(source: "str | HFSource") -> str:
+def _url(source: str | HFSource) -> str:
     return source.url if isinstance(source, HFSource) else str(source)
 
 

@@ -20,7 +20,8 @@ import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from shardckpt.errors import CollectiveError
 

@@ -18,7 +18,7 @@ def load_optimizer_info(model: Any, info: OptimizerInfo, strict: bool = True) ->
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return
-    saved = [{"params": list(g.params), "hparams": dict(g.hparams), "step": g.step}
+    saved: list[dict[str, Any]] = [{"params": list(g.params), "hparams": dict(g.hparams), "step": g.step}
              for g in param_groups(info)]
     if not strict:
         current = opt.optimizer_metadata()["param_groups"]

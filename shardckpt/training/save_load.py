@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 
@@ -276,7 +277,7 @@ class LoadResult:
     reader: CheckpointReader | None = field(default=None, compare=False, repr=False)
 
 
-def load(model: Sharded, url: "str | CheckpointReader", strict: bool = True,
+def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
          weights_only: bool = False, storage_options: Mapping[str, Any] | None = None,
          group: Any = None) -> LoadResult:
     """Load ``url`` (or an open reader of it) into ``model`` on every rank, whatever world size,
@@ -326,7 +327,7 @@ def load(model: Sharded, url: "str | CheckpointReader", strict: bool = True,
             raise IncompatibleLayoutError(
                 f"{reader.url}: the checkpoint has no {', '.join(sorted(missing_kinds))} state; "
                 "load with weights_only=True to take the weights alone")
-        for (tensor, off, n), data in zip(targets, reader.read_ranges(requests)):
+        for (tensor, off, n), data in zip(targets, reader.read_ranges(requests), strict=True):
             k = itemsize(_dtype_name(tensor))
             if hasattr(tensor, "write_bytes"):  # state in an offload file: written in place
                 tensor.write_bytes(off * k, data)
