@@ -21,7 +21,8 @@ import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shardckpt.watch.records import printable
 from shardckpt.watch.status import STATES, UNREADABLE

@@ -38,7 +38,8 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from shardckpt.errors import CommitConflictError, ShardckptError
 from shardckpt.storage.lease import LEASE_PREFIX, Lease, whoami, live_until
