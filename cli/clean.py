@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import StorageOptionArg, echo_json, guarded, parse_storage_options
+from .app import app
+from .common import StorageOptionArg, echo_json, guarded, parse_storage_options
 
 
 @app.command()
@@ -19,7 +18,7 @@ def clean(
                                   help="Seconds a save or upload must be old before it counts as debris "
                                        "(protects saves in progress; a save whose writer holds a "
                                        "lease is kept whatever its age)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Remove save directories no manifest names; abort multipart uploads left open.

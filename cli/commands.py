@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import (
+from .app import app
+from .common import (
     EXIT_FAILED, EXIT_USAGE, StorageOptionArg, checkpoint_location, console, echo, echo_json, fail,
     guarded, human_bytes, parse_count, parse_storage_options, progress, safe_text,
 )
@@ -25,7 +25,7 @@ def synth(
     seed: int = typer.Option(0, "--seed"),
     step: int = typer.Option(100, "--step", help="Training step recorded in the checkpoint."),
     workers: int = typer.Option(2, "--workers", help="Shards written in parallel."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write a valid synthetic checkpoint of a Llama-shaped layout (fp32 masters + AdamW moments)."""
@@ -49,7 +49,7 @@ def synth(
 @guarded
 def inspect(
     ckpt: str = typer.Argument(..., help="Checkpoint or run directory (path or fsspec URL)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     params: bool = typer.Option(True, "--params/--no-params", help="List every parameter."),
     limit: int = typer.Option(1000, "--limit", help="Parameters listed per component (0: all)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables (lists every parameter)."),
@@ -148,7 +148,7 @@ def _print_params(con: Any, name: str, c: dict[str, Any], limit: int) -> None:
 @guarded
 def verify(
     ckpt: str = typer.Argument(..., help="Checkpoint or run directory (path or fsspec URL)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     workers: int = typer.Option(4, "--workers", help="Files checked in parallel."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
@@ -173,7 +173,7 @@ def verify(
     else:
         for p in result.problems:
             echo(f"error: {p}", err=True)
-        if result:
+        if result and result.manifest is not None:
             echo(f"ok: {ckpt}: {len(result.reports)} files, "
                        f"{human_bytes(result.manifest.total_bytes)} verified")
     if not result:

@@ -6,7 +6,8 @@ import functools
 import json
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
 
 import typer
 
@@ -22,7 +23,7 @@ StorageOptionArg = typer.Option(
 )
 
 
-def parse_storage_options(items: Optional[list[str]]) -> dict[str, Any]:
+def parse_storage_options(items: list[str] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:

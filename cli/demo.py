@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import echo_json, guarded, human_bytes
+from .app import app
+from .common import echo_json, guarded, human_bytes
 
 
 @app.command()
 @guarded
 def demo(
-    workdir: Optional[str] = typer.Option(None, "--workdir", help="Empty directory for the files (default: a new temp dir)."),
+    workdir: str | None = typer.Option(None, "--workdir", help="Empty directory for the files (default: a new temp dir)."),
     ranks: int = typer.Option(4, "--ranks", help="World size of the first training job."),
     to: int = typer.Option(2, "--to", help="World size to reshard to and resume on."),
     steps: int = typer.Option(4, "--steps", help="Training steps in each of the two jobs."),
-    keep: Optional[bool] = typer.Option(None, "--keep/--no-keep",
+    keep: bool | None = typer.Option(None, "--keep/--no-keep",
                                         help="Keep the files at the end, or remove them. Default: "
                                              "remove the temp dir the demo made, keep a --workdir."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),

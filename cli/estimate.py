@@ -9,12 +9,12 @@ Imports nothing heavy (no torch, no numpy); rich is imported only when a table i
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import console, guarded
+from .app import app
+from .common import console, guarded
 from shardckpt.errors import ConfigError
 
 if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
@@ -78,16 +78,16 @@ def estimate(
                                   help="HSDP replicate degree R (divides N); adds an HSDP row."),
     precision: str = typer.Option("paper", "--precision",
                                   help="paper | fsdp2-bf16 | fsdp2-fp32 | fp32 (bytes per kind of state)."),
-    largest_unit: Optional[str] = typer.Option(
+    largest_unit: str | None = typer.Option(
         None, "--largest-unit",
         help="Parameters in the largest unit: adds gathered working memory for ZeRO-3 / HSDP."),
-    ranks_per_node: Optional[str] = typer.Option(
+    ranks_per_node: str | None = typer.Option(
         None, "--ranks-per-node", "-k",
         help="GPUs per node K (divides N): adds ZeRO++ rows (cross-node bytes, hpZ memory)."),
     block_size: str = typer.Option("256", "--block-size",
                                    help="ZeRO++ quantization block (elements per fp32 scale)."),
     grad_bits: str = typer.Option("4", "--grad-bits", help="ZeRO++ qgZ gradient bits: 4 or 8."),
-    offload: Optional[str] = typer.Option(
+    offload: str | None = typer.Option(
         None, "--offload",
         help="cpu | nvme: adds device, host and disk bytes per rank with the optimizer offloaded."),
     overlap_step: bool = typer.Option(

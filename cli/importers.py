@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import (
+from .app import app
+from .common import (
     EXIT_USAGE, StorageOptionArg, echo_json, fail, guarded, human_bytes, parse_bytes, parse_storage_options,
 )
 
@@ -55,15 +56,15 @@ def _config_fields(importer: Any) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(importer.Config) if "help" in f.metadata]
 
 
-def _config_option(f: "dataclasses.Field[Any]") -> inspect.Parameter:
+def _config_option(f: dataclasses.Field[Any]) -> inspect.Parameter:
     """A typer option for config field ``f``: a tuple is a repeatable option, None an optional
     value, anything else a value with that default."""
     default = f.default
     if isinstance(default, tuple):
-        annotation: Any = Optional[list[str]]
+        annotation: Any = list[str] | None
         default = None
     elif default is None:
-        annotation = Optional[str]
+        annotation = str | None
     else:
         annotation = type(default)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
@@ -80,7 +81,7 @@ def _import_parameters(importer: Any) -> list[inspect.Parameter]:
     ranks = (param("ranks", int, typer.Option(..., "--ranks", help="World size the checkpoint is "
                                                                    "laid out for."))
              if needs_ranks else
-             param("ranks", Optional[int], typer.Option(None, "--ranks", help=importer.ranks_help)))
+             param("ranks", int | None, typer.Option(None, "--ranks", help=importer.ranks_help)))
     unit_help = (("R" if needs_ranks else "With --ranks: r") + "egular expression whose match "
                  "(whole name components) is one unit (repeatable). Default: "
                  + " ".join(importer.default_units) + " (one unit per block).")
@@ -90,11 +91,11 @@ def _import_parameters(importer: Any) -> list[inspect.Parameter]:
         ranks,
         param("replicate", int, typer.Option(1, "--replicate", help="HSDP replicate degree "
                                                                      "(divides --ranks).")),
-        param("unit", Optional[list[str]], typer.Option(None, "--unit", help=unit_help)),
+        param("unit", list[str] | None, typer.Option(None, "--unit", help=unit_help)),
         *(_config_option(f) for f in _config_fields(importer)),
         param("buffer", str, typer.Option("32MB", "--buffer", help="Bytes per read (bounds "
                                                                     "memory).")),
-        param("storage_option", Optional[list[str]], StorageOptionArg),
+        param("storage_option", list[str] | None, StorageOptionArg),
         param("json_out", bool, typer.Option(False, "--json", help="Print a JSON summary.")),
     ]
 
@@ -170,7 +171,7 @@ def export_dcp_command(
                                "box is written as several (bounds memory)."),
     file_size: str = typer.Option("1GiB", "--file-size", help="Start a new .distcp file once "
                                   "one holds this many bytes."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC as a directory stock dcp.load reads (.metadata and __<n>_0.distcp); .metadata last."""

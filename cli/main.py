@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardckpt.cli.app import app
-from shardckpt.cli import commands, estimate, reshard, clean, demo, offline, importers, watch
+from .app import app
+from . import commands, estimate, reshard, clean, demo, offline, importers, watch
 
 #: The command modules: each registers its commands on ``app`` when imported, in the order
 #: ``shardckpt --help`` lists them.

@@ -8,12 +8,11 @@ table or JSON. Errors become one line on stderr and a non-zero exit (``guarded``
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import (
+from .app import app
+from .common import (
     EXIT_FAILED, StorageOptionArg, checkpoint_location, console, echo, echo_json, guarded, human_bytes,
     parse_bytes, parse_storage_options, progress, safe_text,
 )
@@ -30,11 +29,11 @@ def consolidate(
                                "tensors whose name starts with this, named without it."),
     optimizer: bool = typer.Option(False, "--optimizer", help="Also write optimizer states (fp32)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace consolidated files already in DST."),
-    copy_from: Optional[str] = typer.Option(
+    copy_from: str | None = typer.Option(
         None, "--copy-from", help="Model folder (path or fsspec URL) whose tokenizer and generation "
                                   "files (and config.json, if the checkpoint has none) are copied."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time (bounds memory)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Write SRC as Hugging Face safetensors (and config.json) in DST; its index is written last."""
@@ -72,7 +71,7 @@ def diff(
     b: str = typer.Argument(..., help="Second checkpoint (path or fsspec URL)."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time."),
     limit: int = typer.Option(50, "--limit", help="Rows shown in the table (JSON lists all)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal."""

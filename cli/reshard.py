@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import (
+from .app import app
+from .common import (
     StorageOptionArg, checkpoint_location, echo_json, guarded, human_bytes, parse_bytes,
     parse_storage_options, progress,
 )
@@ -20,7 +19,7 @@ def reshard(
     src: str = typer.Argument(..., help="Source checkpoint (path or fsspec URL)."),
     dst: str = typer.Argument(..., help="Destination directory (path or fsspec URL)."),
     to: int = typer.Option(..., "--to", help="Target world size M."),
-    from_: Optional[int] = typer.Option(None, "--from", help="Guard: the source's world size N."),
+    from_: int | None = typer.Option(None, "--from", help="Guard: the source's world size N."),
     replicate: int = typer.Option(1, "--replicate", help="Target HSDP replicate degree R (mesh R x M/R)."),
     workers: int = typer.Option(1, "--workers", help="Processes that split the target shards "
                                 "(under torchrun, the job's processes split them instead)."),
@@ -30,11 +29,11 @@ def reshard(
     buffer: str = typer.Option("32MB", "--buffer",
                                help="Bytes held per read batch (bounds memory; at least 64KiB): "
                                     "B, KB, MB, GB (powers of 1000) or KiB, MiB, GiB."),
-    format_: Optional[str] = typer.Option(
+    format_: str | None = typer.Option(
         None, "--format", help="chunked: the chunks FSDP2 would save at M ranks (the default for "
                                "a checkpoint saved through DCP); flat: ZeroEngine flat groups "
                                "(the default for flat groups)."),
-    storage_option: Optional[list[str]] = StorageOptionArg,
+    storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
     """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last.

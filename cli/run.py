@@ -25,11 +25,11 @@ def main() -> None:
     name = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
     module = COMMAND_MODULES.get(name)
     if module is None or "--help" in sys.argv[1:2]:
-        from shardckpt.cli.main import app
+        from .main import app
     else:
-        from shardckpt.cli.app import app
+        from .app import app
 
-        importlib.import_module(f"shardckpt.cli.{module}")
+        importlib.import_module(f".{module}", __package__)
     app()
 
 

@@ -8,12 +8,13 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
+from collections.abc import Iterator
 
 import typer
 
-from shardckpt.cli.app import app
-from shardckpt.cli.common import EXIT_FAILED, EXIT_USAGE, echo, echo_json, fail, guarded
+from .app import app
+from .common import EXIT_FAILED, EXIT_USAGE, echo, echo_json, fail, guarded
 
 log = logging.getLogger("shardckpt.watch")
 
@@ -31,7 +32,7 @@ def watch(
     status: bool = typer.Option(False, "--status", help="Print each checkpoint and its steps' "
                                 "states, then exit."),
     json_out: bool = typer.Option(False, "--json", help="With --status: print JSON."),
-    serve: Optional[int] = typer.Option(None, "--serve", min=0, max=65535,
+    serve: int | None = typer.Option(None, "--serve", min=0, max=65535,
                                         help="Serve the status (HTML at /, /status.json, /metrics "
                                              "for Prometheus) on 127.0.0.1:PORT while watching."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings only."),
@@ -41,7 +42,8 @@ def watch(
     SIGTERM or SIGINT (Ctrl-C) stops it: the step in flight finishes and is recorded, no other
     starts, a step waiting to retry is left unrecorded (its claim released, for the next watcher),
     and it exits 0; a second signal exits at once (128 + the signal's number), leaving the step
-    in flight to be redone or adopted by the next watcher."""
+    in flight to be redone or adopted by the next watcher. A step with `processes` > 1 runs as a
+    torchrun job: the first signal lets it finish, a second terminates it."""
     from shardckpt.watch.service import Watcher
     from shardckpt.watch.config import load_pipeline
     from shardckpt.watch.status import pipeline_status, status_lines
@@ -121,7 +123,11 @@ def stop_on_signals(stop: Any) -> Iterator[list[str]]:
             name = signal.Signals(data[0]).name
             if received:
                 log.error("%s during the stop: exiting now; the step in flight is left to the "
-                          "next watcher (its lease ends with this process)", name)
+                          "next watcher (its lease ends with this process, and a torchrun job "
+                          "running it is terminated)", name)
+                from shardckpt.watch.job import terminate_all
+
+                terminate_all()
                 sys.stderr.flush()
                 os._exit(128 + data[0])
             received.append(name)

@@ -44,15 +44,16 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from shardckpt.checkpoint.reader import CheckpointReader
-    from shardckpt.checkpoint.verify import verify  # noqa: F401
-    from shardckpt.interop.dcp.checkpointer import DcpCheckpointer  # noqa: F401
-    from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter  # noqa: F401
-    from shardckpt.tools.consolidate import consolidate  # noqa: F401
-    from shardckpt.tools.diff import diff  # noqa: F401
-    from shardckpt.tools.reshard import reshard  # noqa: F401
-    from shardckpt.tools.synth import synthesize  # noqa: F401
-    from shardckpt.training.checkpointer import Checkpointer  # noqa: F401
+    from shardckpt.checkpoint.reader import CheckpointReader as CheckpointReader
+    from shardckpt.checkpoint.verify import verify as verify
+    from shardckpt.interop.dcp.checkpointer import DcpCheckpointer as DcpCheckpointer
+    from shardckpt.interop.dcp.storage import ShardckptReader as ShardckptReader
+    from shardckpt.interop.dcp.storage import ShardckptWriter as ShardckptWriter
+    from shardckpt.tools.consolidate import consolidate as consolidate
+    from shardckpt.tools.diff import diff as diff
+    from shardckpt.tools.reshard import reshard as reshard
+    from shardckpt.tools.synth import synthesize as synthesize
+    from shardckpt.training.checkpointer import Checkpointer as Checkpointer
 
 
 def __getattr__(name: str) -> Any:

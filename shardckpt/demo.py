@@ -23,14 +23,15 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from shardckpt.errors import ConfigError, ShardckptError
 
 log = logging.getLogger(__name__)
 
 #: The demo model: the vocabulary is large enough that the root unit is the largest.
-DEMO_MODEL = dict(vocab_size=4096, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+DEMO_MODEL: dict[str, Any] = dict(vocab_size=4096, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2)
 GLOBAL_BATCH = 8
 SEQ_LEN = 64
@@ -73,7 +74,7 @@ def _train_job(run: str, steps: int) -> dict[str, Any]:
     ckpt = Checkpointer(run, engine, app_state={"scheduler": sched, "data": data}, keep_last=2)
     start = ckpt.resume()
     losses, t0 = [], time.perf_counter()
-    for step in range(start, start + steps):
+    for _ in range(start, start + steps):
         tokens = next(data)
         loss = causal_lm_loss(engine(tokens), tokens)
         loss.backward()
