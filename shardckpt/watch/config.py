@@ -23,6 +23,11 @@
     kind = "reshard"
     dst = "s3://ckpt/ws8/{name}"
     to = 8
+    processes = 4                         # run as a torchrun job of 4 processes (default 1)
+
+``processes`` (verify, reshard and consolidate only) runs the step as ``torchrun
+--nproc_per_node <processes> -m shardckpt <kind> ...`` from the watcher
+(:mod:`shardckpt.watch.job`); 1 runs it in the watcher's own process.
 
 Local paths that are not absolute are relative to the TOML file's directory. Every problem is
 one :class:`~shardckpt.errors.ConfigError` naming the file and the key. Pure apart from reading
@@ -52,13 +57,15 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}\Z")
 _TOP = {"name", "watch", "state", "interval_s", "concurrency", "retries", "backoff_s",
         "lease_ttl_s", "storage_options", "steps"}
 _STEP_KEYS = {
-    "verify": {"kind"},
-    "reshard": {"kind", "dst", "to", "replicate"},
-    "consolidate": {"kind", "dst", "dtype", "copy_from", "max_shard_size"},
+    "verify": {"kind", "processes"},
+    "reshard": {"kind", "dst", "to", "replicate", "processes"},
+    "consolidate": {"kind", "dst", "dtype", "copy_from", "max_shard_size", "processes"},
     "copy": {"kind", "dst"},
     "retain": {"kind", "keep"},
 }
 _DTYPES = tuple(OUTPUT_ALIASES)
+#: The kinds that can run as a torchrun job (``processes``): the offline tools that have a job form.
+JOB_KINDS = ("verify", "reshard", "consolidate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,7 @@ class StepSpec:
     copy_from: str | None = None
     max_shard_size: int | None = None
     keep: int | None = None
+    processes: int = 1              # > 1: run as a torchrun job of that many processes
 
     @property
     def key(self) -> str:
@@ -185,17 +193,21 @@ def _step(index: int, raw: Any, base: str, bad: Any) -> StepSpec:
     where = f"steps[{index}] ({kind})"
     if kind not in KINDS:
         raise bad(f"steps[{index}]: kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if "processes" in raw and kind not in JOB_KINDS:
+        raise bad(f"{where}: processes: a {kind} step runs in the watcher's own process; only "
+                  f"{', '.join(JOB_KINDS)} steps run as a torchrun job")
     unknown = sorted(set(raw) - _STEP_KEYS[kind])
     if unknown:
         raise bad(f"{where}: unknown key(s) {', '.join(unknown)}; a {kind} step takes "
                   f"{', '.join(sorted(_STEP_KEYS[kind]))}")
     dst = _template(raw.get("dst"), where, base, bad) if "dst" in _STEP_KEYS[kind] else None
+    procs = int(_number(raw, "processes", 1, lambda w: bad(f"{where}: {w}"), 1, integer=True))
     if kind == "reshard":
         to = int(_number(raw, "to", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
         rep = int(_number(raw, "replicate", 1, lambda w: bad(f"{where}: {w}"), 1, integer=True))
         if to % rep:
             raise bad(f"{where}: to = {to} is not divisible by replicate = {rep}")
-        return StepSpec(index, kind, dst, to=to, replicate=rep)
+        return StepSpec(index, kind, dst, to=to, replicate=rep, processes=procs)
     if kind == "consolidate":
         dtype = raw.get("dtype", "bfloat16")
         if dtype not in _DTYPES:
@@ -205,8 +217,9 @@ def _step(index: int, raw: Any, base: str, bad: Any) -> StepSpec:
         mss = raw.get("max_shard_size")
         if mss is not None:
             mss = int(_number(raw, "max_shard_size", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
-        return StepSpec(index, kind, dst, dtype=dtype, copy_from=copy_from, max_shard_size=mss)
+        return StepSpec(index, kind, dst, dtype=dtype, copy_from=copy_from, max_shard_size=mss,
+                        processes=procs)
     if kind == "retain":
         keep = int(_number(raw, "keep", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
         return StepSpec(index, kind, keep=keep)
-    return StepSpec(index, kind, dst)
+    return StepSpec(index, kind, dst, processes=procs)
