@@ -1,5 +1,6 @@
 """``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``,
-``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``).
+``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``,
+``deepspeed``).
 
 Thin: parse options, call the importer or exporter, print one line or JSON of what it wrote.
 Errors become one line on stderr and a non-zero exit (``guarded``). The ``import`` commands are
@@ -185,3 +186,33 @@ def export_dcp_command(
     else:
         typer.echo(f"exported {src} -> {dst}: {summary['tensors']} tensors, {summary['values']} "
                    f"other values, {len(summary['files'])} files, {human_bytes(summary['bytes'])}")
+
+
+@export_app.command("deepspeed")
+@guarded
+def export_deepspeed_command(
+    src: str = typer.Argument(..., help="shardckpt checkpoint of flat groups (path or fsspec URL)."),
+    dst: str = typer.Argument(..., help="Folder for DeepSpeed's engine.load_checkpoint (the tag "
+                                        "folder must be empty; 'latest' is written last)."),
+    ranks: int = typer.Option(..., "--ranks", help="Data-parallel world of the DeepSpeed job."),
+    stage: int = typer.Option(2, "--stage", help="ZeRO stage of the DeepSpeed job: 1, 2 or 3."),
+    tag: str | None = typer.Option(None, "--tag", help="Tag folder (default: "
+                                      "global_step<step>)."),
+    bf16: bool = typer.Option(False, "--bf16", help="Name the files and write the module as a "
+                              "bf16 run does."),
+    storage_option: list[str] | None = StorageOptionArg,
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """Write SRC as DeepSpeed's save_checkpoint would for ZeRO --stage at --ranks; latest last."""
+    from .common import progress
+    from shardckpt.interop.deepspeed.export import export_deepspeed
+
+    opts = parse_storage_options(storage_option)
+    summary = export_deepspeed(src, dst, ranks, stage, tag, bf16, opts, opts,
+                               progress=lambda total, what: progress(total, what))
+    if json_out:
+        echo_json(summary)
+    else:
+        typer.echo(f"exported {src} -> {dst}/{summary['tag']}: ZeRO-{stage}, {ranks} ranks, "
+                   f"{summary['params']} parameters, {len(summary['files'])} files, "
+                   f"{human_bytes(summary['bytes'])}")
