@@ -45,7 +45,7 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import ConfigError, ManifestError
 from shardckpt.format.layout import prod
 from shardckpt.format.records import param_groups, run_extras
-from shardckpt.interop.deepspeed.files import MODEL_FILE, _folder_name
+from shardckpt.interop.deepspeed.files import MODEL_FILE, folder_name
 from shardckpt.storage import Storage
 from shardckpt.storage.links import check_inside
 
@@ -425,7 +425,7 @@ def export_deepspeed(src: str, dst: str, ranks: int, stage: int = 2, tag: str | 
     source = _Source(reader)
     if tag is None:
         tag = f"global_step{source.step}"
-    if not _folder_name(tag):
+    if not folder_name(tag):
         raise ConfigError(f"tag {tag!r} is not a folder name")
     out = Storage(dst, dst_storage_options)
     if out.exists(tag) and out.ls(tag):

@@ -231,7 +231,8 @@ def shape_of(s: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in s)
 
 
-def _folder_name(tag: str) -> bool:
+def folder_name(tag: str) -> bool:
+    """Whether ``tag`` is a plain folder name (no path, nothing unprintable)."""
     return (bool(tag) and tag not in (".", "..") and "/" not in tag and "\\" not in tag
             and tag.isprintable())
 
@@ -247,10 +248,10 @@ def find_files(storage: Storage, tag: str | None) -> tuple[str, list[str], list[
         except NotFoundError:
             raise IntegrityError(f"{storage.url_of('latest')}: missing; pass --tag to name the "
                                  "checkpoint folder") from None
-        if not _folder_name(tag):
+        if not folder_name(tag):
             raise IntegrityError(f"{storage.url_of('latest')}: names the tag {shown(tag)}, which "
                                  "is not a folder name; pass --tag to name the checkpoint folder")
-    if not _folder_name(tag):
+    if not folder_name(tag):
         raise ConfigError(f"{storage.url}: tag {shown(tag)} is not a folder name")
     check_link(storage, tag, root)
     names = storage.ls(tag)
