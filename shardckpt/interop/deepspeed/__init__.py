@@ -1,7 +1,8 @@
-"""DeepSpeed: ZeRO-1/2/3 checkpoints that ``engine.save_checkpoint`` wrote, in.
+"""DeepSpeed: ZeRO-1/2/3 checkpoints that ``engine.save_checkpoint`` wrote, in and out.
 
 - :mod:`.files` — finding and loading its files (allow-listed ``torch.load``), staging, and the
   segments that undo its flat partitions.
 - :mod:`.import_` — the import: weights, Adam state, buffers, tied weights.
 - :mod:`.importer` — the ``deepspeed`` importer (:mod:`shardckpt.interop.importer`).
+- :mod:`.export` — the export: the folder ``engine.load_checkpoint`` reads, for ZeRO-1/2/3 at N ranks.
 """
