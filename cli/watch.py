@@ -42,7 +42,8 @@ def watch(
     SIGTERM or SIGINT (Ctrl-C) stops it: the step in flight finishes and is recorded, no other
     starts, a step waiting to retry is left unrecorded (its claim released, for the next watcher),
     and it exits 0; a second signal exits at once (128 + the signal's number), leaving the step
-    in flight to be redone or adopted by the next watcher."""
+    in flight to be redone or adopted by the next watcher. A step with `processes` > 1 runs as a
+    torchrun job: the first signal lets it finish, a second terminates it."""
     from shardckpt.watch.service import Watcher
     from shardckpt.watch.config import load_pipeline
     from shardckpt.watch.status import pipeline_status, status_lines
@@ -122,7 +123,11 @@ def stop_on_signals(stop: Any) -> Iterator[list[str]]:
             name = signal.Signals(data[0]).name
             if received:
                 log.error("%s during the stop: exiting now; the step in flight is left to the "
-                          "next watcher (its lease ends with this process)", name)
+                          "next watcher (its lease ends with this process, and a torchrun job "
+                          "running it is terminated)", name)
+                from shardckpt.watch.job import terminate_all
+
+                terminate_all()
                 sys.stderr.flush()
                 os._exit(128 + data[0])
             received.append(name)

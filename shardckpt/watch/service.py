@@ -33,7 +33,9 @@ watcher runs it. Nothing is abandoned midway that a restart would not handle any
 
 Checkpoints whose every step is settled are remembered, so an idle watcher costs one LIST of the
 run directory per interval. Steps run in this process, one at a time per checkpoint: memory is
-that of the largest step. Does not import torch.
+that of the largest step; a step with ``processes`` > 1 runs as a torchrun job instead, which the
+watcher waits for under the step's lease (:mod:`shardckpt.watch.job`: a graceful stop lets it
+finish, a watcher killed takes it along). Does not import torch.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Each step function takes a :class:`StepContext` and returns the facts its ``.done`` record keeps
 (``output``, ``bytes``, ``identity``). Outputs commit by their own discipline before that record
 is written: reshard and copy by a create-only ``manifest.json`` written last, consolidate by its
-index written last.
+index written last. A verify, reshard or consolidate step with ``processes`` > 1 runs as a
+torchrun job (:mod:`shardckpt.watch.job`), whose rank 0 commits the same way.
 
 When a watcher finds a step's output committed but no ``.done`` record (the previous watcher was
 killed between the two), :func:`adopt` decides:
@@ -148,6 +149,11 @@ STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
 
 
 def run_step(ctx: StepContext) -> dict[str, Any]:
+    """Run the step here, or as a torchrun job where it asks for several processes."""
+    if ctx.spec.processes > 1:
+        from shardckpt.watch.job import run_job
+
+        return run_job(ctx)
     return STEPS[ctx.spec.kind](ctx)
 
 
@@ -160,7 +166,8 @@ def adopt(ctx: StepContext) -> dict[str, Any] | None:
     dst = ctx.dst_storage()
     try:
         if kind == "consolidate":
-            return _adopt_consolidated(ctx, dst)
+            facts = committed_consolidation(ctx, dst)
+            return None if facts is None else {**facts, "adopted": True}
         if not dst.exists(MANIFEST_NAME):
             return None
         m = read_manifest(dst)
@@ -182,7 +189,10 @@ def adopt(ctx: StepContext) -> dict[str, Any] | None:
             "adopted": True}
 
 
-def _adopt_consolidated(ctx: StepContext, dst: Storage) -> dict[str, Any] | None:
+def committed_consolidation(ctx: StepContext, dst: Storage) -> dict[str, Any] | None:
+    """The ``.done`` facts of the consolidation of ``ctx``'s checkpoint committed at ``dst`` (its
+    index names files that all exist, its provenance names the source's save id and the dtype);
+    None if there is none."""
     from shardckpt.format.dtypes import output_dtype
     from shardckpt.tools.consolidate import MODEL_INDEX, PROVENANCE
 
@@ -199,5 +209,4 @@ def _adopt_consolidated(ctx: StepContext, dst: Storage) -> dict[str, Any] | None
     sizes = dst.list_sizes("")
     if not names or not names <= set(sizes):
         return None
-    return {"output": dst.url, "bytes": sum(sizes[n] for n in names), "identity": ctx.manifest.save_id,
-            "adopted": True}
+    return {"output": dst.url, "bytes": sum(sizes[n] for n in names), "identity": ctx.manifest.save_id}
