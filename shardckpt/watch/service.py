@@ -178,7 +178,7 @@ class Watcher:
         self.counters.passes += 1
         return report
 
-    def _isolated(self, step: int, name: str) -> "PassReport | ShardckptError":
+    def _isolated(self, step: int, name: str) -> PassReport | ShardckptError:
         """:meth:`process_checkpoint`, its storage failure returned instead of ending the pass
         before the next checkpoints (a file planted where a record directory goes fails only
         its own checkpoint)."""
@@ -242,7 +242,7 @@ class Watcher:
 
     # ------------------------------------------------------------------------------ step
 
-    def run_step(self, spec: StepSpec, src: Storage, manifest: "Manifest | ShardckptError",
+    def run_step(self, spec: StepSpec, src: Storage, manifest: Manifest | ShardckptError,
                  name: str, step: int) -> str:
         """Claim, run (with retries) and record one step: "done", "dead", "held", "stopped" or
         "unreadable" (a record that fails its checks appeared meanwhile)."""
@@ -256,7 +256,7 @@ class Watcher:
             claim.release()
 
     def _attempts(self, claim: watch_records.StepClaim, spec: StepSpec, src: Storage,
-                  manifest: "Manifest | ShardckptError", name: str, step: int) -> str:
+                  manifest: Manifest | ShardckptError, name: str, step: int) -> str:
         base = {"pipeline": self.p.name, "checkpoint": name, "step": step, "kind": spec.kind,
                 "index": spec.index, "claim": claim.attempt, "host": socket.gethostname(),
                 "pid": os.getpid()}
@@ -301,7 +301,7 @@ class Watcher:
         return "dead"
 
 
-def _read(src: Storage) -> "Manifest | ShardckptError":
+def _read(src: Storage) -> Manifest | ShardckptError:
     try:
         return read_manifest(src)
     except ShardckptError as e:
