@@ -46,7 +46,7 @@ from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
 from shardckpt.format.records import DcpOrigin, RunExtras
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.storage.links import check_inside
-from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
+from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 
 log = logging.getLogger(__name__)
 
@@ -364,11 +364,11 @@ def import_dcp(src: str | Storage, dst: str | Storage,
     a ``dst`` that holds a checkpoint; on any error nothing is committed. The ``dcp`` importer
     (:mod:`shardckpt.interop.dcp.importer`) without ``ranks``.
     """
-    from shardckpt.interop.dcp.importer import DCP, DcpConfig
+    from shardckpt.interop.dcp.config import DcpConfig
 
     options = ImportOptions(src, dst, storage_options=storage_options,
                             dst_storage_options=dst_storage_options, config=DcpConfig())
-    return run_importer(DCP, options)
+    return run_importer(get_importer("dcp"), options)
 
 
 @dataclass

@@ -6,14 +6,13 @@ imported until a source is read."""
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
 from shardckpt.errors import ConfigError
+from shardckpt.interop.dcp.config import DcpConfig
 from shardckpt.interop.importer import (
-    ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
+    ImportOptions, ImportPlan, ImporterConfig, SourceInfo, file_bytes, write_flat,
 )
 from shardckpt.interop.importing import BLOCK_UNITS
 
@@ -22,42 +21,6 @@ if TYPE_CHECKING:
     from shardckpt.checkpoint.job import Job
 
 log = logging.getLogger("shardckpt.interop.dcp.to_flat")
-
-
-@dataclass(frozen=True, slots=True)
-class DcpConfig(ImporterConfig):
-    """What only an import into flat groups (``ranks`` given) reads: the state-dict keys of the
-    model (``""``: torchtitan's top-level model keys) and of the optimizer (None: ``optim`` or
-    ``optimizer``), the patterns naming frozen parameters (each matching whole FQNs), and the
-    local folder the source is staged below (None: the system's temporary folder)."""
-
-    model_key: str = field(default="model", metadata={
-        "help": "With --ranks: the state-dict key of the model ('' for torchtitan's top-level "
-                "model keys)."})
-    optim_key: str | None = field(default=None, metadata={
-        "help": "With --ranks: the key of the optimizer (default: optim or optimizer)."})
-    frozen: tuple[str, ...] = field(default=(), metadata={
-        "help": "With --ranks: regular expression matching (whole) the FQN of frozen parameters "
-                "(requires_grad=False; repeatable). A model tensor without optimizer state is a "
-                "frozen parameter when a param group lists it or it matches --frozen, else a "
-                "buffer."})
-    tmp_dir: str | None = field(default=None, metadata={
-        "help": "With --ranks: local folder for the staged source (about its size)."})
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.frozen, tuple):
-            object.__setattr__(self, "frozen", tuple(self.frozen))
-        for pat in self.frozen:
-            try:
-                re.compile(pat)
-            except re.error as e:
-                raise OptionError(f"{{frozen}} pattern {pat!r} is not a regular expression: {e}",
-                                  "frozen") from None
-
-    def check(self, options: ImportOptions) -> None:
-        if options.ranks is None and self.frozen:
-            raise OptionError("{frozen} needs {ranks} (chunks keep every tensor as it is)",
-                              "frozen", "ranks")
 
 
 class DcpImporter:

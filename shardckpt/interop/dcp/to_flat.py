@@ -43,8 +43,8 @@ from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
 from shardckpt.checkpoint.chunked_read import iter_elements, read_blob
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.dcp.importer import DcpConfig
-from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
+from shardckpt.interop.dcp.config import DcpConfig
+from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
@@ -373,12 +373,11 @@ def import_dcp_flat(src: str, dst: str, ranks: int, replicate: int = 1,
     holds a checkpoint; on any error nothing is committed. The source is staged, with its chunks,
     below ``tmp_dir`` (default: the system's temporary folder; about the source's size). The
     ``dcp`` importer (:mod:`shardckpt.interop.dcp.importer`) with ``ranks``."""
-    from shardckpt.interop.dcp.importer import DCP, DcpConfig
 
     options = ImportOptions(src, dst, ranks, replicate, None if units is None else tuple(units),
                             buffer_bytes, storage_options, dst_storage_options,
                             DcpConfig(model_key, optim_key, tuple(frozen), tmp_dir))
-    return run_importer(DCP, options, job)
+    return run_importer(get_importer("dcp"), options, job)
 
 
 def flat_spec(reader: CheckpointReader, model: DcpModel, mesh: Mesh,

@@ -49,8 +49,8 @@ from shardckpt.interop.deepspeed.files import (
 from shardckpt.interop.foreign import check_link, escaped, shown, source_root
 from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.deepspeed.importer import DEEPSPEED, DeepSpeedConfig
-from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
+from shardckpt.interop.deepspeed.config import DeepSpeedConfig
+from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout, prod
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
@@ -417,4 +417,4 @@ def import_deepspeed(src: str | Storage, dst: str | Storage, ranks: int, replica
     options = ImportOptions(src, dst, ranks, replicate, None if units is None else tuple(units),
                             buffer_bytes, storage_options, dst_storage_options,
                             DeepSpeedConfig(tag, tmp_dir))
-    return run_importer(DEEPSPEED, options, job)
+    return run_importer(get_importer("deepspeed"), options, job)

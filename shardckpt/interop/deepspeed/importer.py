@@ -5,12 +5,12 @@ of the format's reading code (nor torch) is imported until a source is read."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
+from shardckpt.interop.deepspeed.config import DeepSpeedConfig
 from shardckpt.interop.importer import (
-    ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
+    ImportOptions, ImportPlan, ImporterConfig, SourceInfo, file_bytes, write_flat,
 )
 from shardckpt.interop.importing import BLOCK_UNITS
 
@@ -19,22 +19,6 @@ if TYPE_CHECKING:
     from shardckpt.checkpoint.job import Job
 
 log = logging.getLogger("shardckpt.interop.deepspeed.import_")
-
-
-@dataclass(frozen=True, slots=True)
-class DeepSpeedConfig(ImporterConfig):
-    """``tag``: the tag folder to import (None: the one ``latest`` names). ``tmp_dir``: the local
-    folder the source's fp32 state is staged below (None: the system's temporary folder)."""
-
-    tag: str | None = field(default=None, metadata={
-        "help": "Tag folder to import (default: the one 'latest' names)."})
-    tmp_dir: str | None = field(default=None, metadata={
-        "help": "Local folder for the staged fp32 state (about the size of the optimizer files)."})
-
-    def check(self, options: ImportOptions) -> None:
-        if options.ranks is None:
-            raise OptionError("import deepspeed needs {ranks}: the world size the checkpoint is "
-                              "laid out for", "ranks")
 
 
 class DeepSpeedImporter:

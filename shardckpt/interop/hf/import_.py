@@ -32,9 +32,9 @@ from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
 from shardckpt.format.records import PerRankState, RunExtras
-from shardckpt.interop.hf.importer import DEFAULT_UNITS, HF, HFConfig
+from shardckpt.interop.hf.config import DEFAULT_UNITS, HFConfig
 from shardckpt.interop.hf.source import HFSource, HFTensor, open_hf
-from shardckpt.interop.importer import ImportOptions, ImportPlan, run_importer
+from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.importing import compile_units, unit_of
 from shardckpt.storage import Storage
@@ -280,7 +280,7 @@ def import_hf(src: str | Storage | HFSource, dst: str | Storage, ranks: int, rep
     """
     options = ImportOptions(src, dst, ranks, replicate, None if units is None else tuple(units),
                             buffer_bytes, storage_options, dst_storage_options, HFConfig(workers))
-    return run_importer(HF, options, job)
+    return run_importer(get_importer("hf"), options, job)
 
 
 def plan_hf(options: ImportOptions) -> ImportPlan:

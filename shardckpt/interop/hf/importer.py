@@ -4,36 +4,17 @@ code is imported until a source is read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
+from shardckpt.interop.hf.config import HFConfig, DEFAULT_UNITS
 from shardckpt.interop.importer import (
-    ImportOptions, ImportPlan, ImporterConfig, OptionError, SourceInfo, file_bytes, write_flat,
+    ImportOptions, ImportPlan, ImporterConfig, SourceInfo, file_bytes, write_flat,
 )
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
     from shardckpt.checkpoint.job import Job
-
-#: Unit pattern of Hugging Face decoder models: one unit per block, the rest in the root.
-DEFAULT_UNITS = (r"model\.layers\.\d+",)
-
-
-@dataclass(frozen=True, slots=True)
-class HFConfig(ImporterConfig):
-    """``workers``: ranged reads in flight at once (memory about ``workers`` x the buffer)."""
-
-    workers: int = field(default=4)
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise OptionError(f"{{workers}} {self.workers} must be at least 1", "workers")
-
-    def check(self, options: ImportOptions) -> None:
-        if options.ranks is None:
-            raise OptionError("import hf needs {ranks}: the world size the checkpoint is laid "
-                              "out for", "ranks")
 
 
 class HFImporter:

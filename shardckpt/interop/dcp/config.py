@@ -1,0 +1,45 @@
+"""The options of the ``dcp`` importer (DCP), apart from its reading code, so that the
+importer's registry entry and its reading code both use them without importing each other."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from shardckpt.interop.importer import ImportOptions, ImporterConfig, OptionError
+
+
+@dataclass(frozen=True, slots=True)
+class DcpConfig(ImporterConfig):
+    """What only an import into flat groups (``ranks`` given) reads: the state-dict keys of the
+    model (``""``: torchtitan's top-level model keys) and of the optimizer (None: ``optim`` or
+    ``optimizer``), the patterns naming frozen parameters (each matching whole FQNs), and the
+    local folder the source is staged below (None: the system's temporary folder)."""
+
+    model_key: str = field(default="model", metadata={
+        "help": "With --ranks: the state-dict key of the model ('' for torchtitan's top-level "
+                "model keys)."})
+    optim_key: str | None = field(default=None, metadata={
+        "help": "With --ranks: the key of the optimizer (default: optim or optimizer)."})
+    frozen: tuple[str, ...] = field(default=(), metadata={
+        "help": "With --ranks: regular expression matching (whole) the FQN of frozen parameters "
+                "(requires_grad=False; repeatable). A model tensor without optimizer state is a "
+                "frozen parameter when a param group lists it or it matches --frozen, else a "
+                "buffer."})
+    tmp_dir: str | None = field(default=None, metadata={
+        "help": "With --ranks: local folder for the staged source (about its size)."})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.frozen, tuple):
+            object.__setattr__(self, "frozen", tuple(self.frozen))
+        for pat in self.frozen:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise OptionError(f"{{frozen}} pattern {pat!r} is not a regular expression: {e}",
+                                  "frozen") from None
+
+    def check(self, options: ImportOptions) -> None:
+        if options.ranks is None and self.frozen:
+            raise OptionError("{frozen} needs {ranks} (chunks keep every tensor as it is)",
+                              "frozen", "ranks")
