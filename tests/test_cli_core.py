@@ -115,7 +115,7 @@ def test_storage_option_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     def spy(url: str, options: Any) -> dict[str, Any]:
         seen.append(dict(options or {}))
         return real(url, options)
-    monkeypatch.setattr(storage_mod.options, "storage_options_from_env", spy)  # where split_options looks it up
+    monkeypatch.setattr(storage_mod.backend, "storage_options_from_env", spy)  # where parse_for looks it up
     url = f"memory://opt-{uuid.uuid4().hex}"
     try:
         assert cli("synth", url, "--params", "3k", "--ranks", "2", "-o", "skip_instance_cache=false").exit_code == 0

@@ -54,10 +54,11 @@ from typing import Any
 from shardckpt.storage.core import (
     Storage, abort_upload, iter_file_chunks, list_open_uploads, open_storage,
 )
-from shardckpt.storage.backend import BACKENDS, StorageBackend, backend_class
+from shardckpt.storage.backend import (
+    BACKENDS, StorageBackend, backend_class, split_options, storage_options_from_env,
+)
 from shardckpt.storage.options import (
-    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, BackendOptions, MiB, Tuning, split_options,
-    storage_options_from_env,
+    DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, BackendOptions, MiB, Tuning,
 )
 from shardckpt.storage.reads import DEFAULT_BATCH, DEFAULT_BUFFER, RangeReader, read_ahead
 from shardckpt.storage.retry import (

@@ -26,8 +26,9 @@ import importlib
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 from collections.abc import Callable, Iterator, Mapping
 
+from shardckpt.storage.options import BackendOptions, Tuning
+
 if TYPE_CHECKING:
-    from shardckpt.storage.options import BackendOptions, Tuning
     from shardckpt.storage.retry import RetryPolicy, Verdict
     from shardckpt.storage.writer import Sink
 
@@ -174,3 +175,25 @@ def known_elsewhere(kind: type) -> set[str]:
         if known is not None:
             out.update(known)
     return out
+
+
+def parse_for(url: str, options: Mapping[str, Any] | None,
+              ) -> tuple[type[StorageBackend], BackendOptions]:
+    """The backend class for ``url`` and its parse of ``options`` (environment included)."""
+    cls = backend_class(url)
+    return cls, cls.parse_options(storage_options_from_env(url, options))
+
+
+def split_options(url: str, options: Mapping[str, Any] | None,
+                  ) -> tuple[dict[str, Any], RetryPolicy, Tuning, int | None]:
+    """(fsspec options, retry policy, tuning, s3fs retries) from a user's ``storage_options``,
+    as the backend for ``url`` parses them (:func:`parse_for`)."""
+    parsed = parse_for(url, options)[1]
+    return parsed.fs, parsed.retry, parsed.tuning, parsed.extra.get("s3fs_retries")
+
+
+def storage_options_from_env(url: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """fsspec options for ``url``: the user's, plus what the environment says for its kind of
+    place (for S3 an endpoint from ``AWS_ENDPOINT_URL(_S3)``; credentials such as
+    ``AWS_ACCESS_KEY_ID`` are read by botocore itself)."""
+    return backend_class(url).options_from_env(dict(options or {}))

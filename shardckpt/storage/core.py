@@ -10,8 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from shardckpt.errors import StorageError
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import options as _options
-from shardckpt.storage.backend import StorageBackend
+from shardckpt.storage.backend import StorageBackend, parse_for
 from shardckpt.storage.checked import read_checked
 from shardckpt.storage.options import Tuning
 from shardckpt.storage.retry import RetryPolicy
@@ -25,7 +24,7 @@ def open_backend(url: str, storage_options: Mapping[str, Any] | None,
     """The backend for ``url`` (the class :data:`~shardckpt.storage.backend.BACKENDS` names for
     its scheme, parsing its own options) and the root path on its filesystem. A local path
     without options is served without importing fsspec."""
-    kind, options = _options.parse_for(url, storage_options)
+    kind, options = parse_for(url, storage_options)
     if retry is not None:
         options = dataclasses.replace(options, retry=retry)
     return kind.open(url, options)

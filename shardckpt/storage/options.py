@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 from collections.abc import Callable, Collection, Mapping
 
 from shardckpt.errors import ConfigError
-from shardckpt.storage.backend import StorageBackend, backend_class
 from shardckpt.storage.retry import DEADLINE_ENV, RetryPolicy
 
 T = TypeVar("T")
@@ -106,25 +105,3 @@ class BackendOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     tuning: Tuning = field(default_factory=Tuning)
     extra: dict[str, Any] = field(default_factory=dict)  # the backend's own (s3fs's retry count)
-
-
-def parse_for(url: str, options: Mapping[str, Any] | None,
-              ) -> tuple[type[StorageBackend], BackendOptions]:
-    """The backend class for ``url`` and its parse of ``options`` (environment included)."""
-    cls = backend_class(url)
-    return cls, cls.parse_options(storage_options_from_env(url, options))
-
-
-def split_options(url: str, options: Mapping[str, Any] | None,
-                  ) -> tuple[dict[str, Any], RetryPolicy, Tuning, int | None]:
-    """(fsspec options, retry policy, tuning, s3fs retries) from a user's ``storage_options``,
-    as the backend for ``url`` parses them (:func:`parse_for`)."""
-    parsed = parse_for(url, options)[1]
-    return parsed.fs, parsed.retry, parsed.tuning, parsed.extra.get("s3fs_retries")
-
-
-def storage_options_from_env(url: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """fsspec options for ``url``: the user's, plus what the environment says for its kind of
-    place (for S3 an endpoint from ``AWS_ENDPOINT_URL(_S3)``; credentials such as
-    ``AWS_ACCESS_KEY_ID`` are read by botocore itself)."""
-    return backend_class(url).options_from_env(dict(options or {}))

@@ -10,13 +10,32 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Callable
 
 from shardckpt.errors import StorageError
 from shardckpt.storage.retry import NotFoundError
 
 if TYPE_CHECKING:
-    from shardckpt.storage.s3 import S3Backend
+    from shardckpt.storage.options import Tuning
+
+T = TypeVar("T")
+
+
+class UploadHost(Protocol):
+    """What an upload needs of the backend that opens it (:class:`~shardckpt.storage.s3.S3Backend`):
+    its s3fs filesystem and tuning, its retrying call, and its listing and abort of open uploads."""
+
+    fs: Any
+    tuning: Tuning
+
+    def bucket_key(self, path: str) -> tuple[str, str]: ...
+
+    def call(self, what: str, url: str, fn: Callable[[], T], deadline: float | None = None) -> T: ...
+
+    def open_uploads(self, root: str, path: str, url: str, exact: bool) -> list[OpenUpload]: ...
+
+    def abort_upload(self, path: str, url: str, upload_id: str) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +48,7 @@ class S3Upload:
     part fails the next ``write``/``close``, and the caller's abort aborts the upload.
     """
 
-    def __init__(self, backend: S3Backend, path: str, url: str) -> None:
+    def __init__(self, backend: UploadHost, path: str, url: str) -> None:
         self.backend, self.url = backend, url
         self.bucket, self.key = backend.bucket_key(path)
         if not self.key:

@@ -276,7 +276,7 @@ class Watcher:
                 ctx = watch_steps.StepContext(spec, src, manifest, name, step, self.watch,
                                               self.p.storage_options,
                                               lambda n: self.is_settled(n, spec.index))
-                facts = watch_steps.adopt(ctx) or watch_steps.run_step(ctx)
+                facts = watch_steps.adopt(ctx) or _execute(ctx)
             except Exception as e:  # noqa: BLE001 - any failure of a step is recorded, not fatal
                 reason = _one_line(e)
                 log.warning("%s %s (try %d of %d): %s", name, spec.key, attempt + 1,
@@ -299,6 +299,15 @@ class Watcher:
         log.error("%s %s failed after %d tries; recorded as dead: %s", name, spec.key,
                   self.p.retries + 1, reason)
         return "dead"
+
+
+def _execute(ctx: watch_steps.StepContext) -> dict[str, Any]:
+    """Run a step here, or as a torchrun job where it asks for several processes."""
+    if ctx.spec.processes > 1:
+        from shardckpt.watch.job import run_job
+
+        return run_job(ctx)
+    return watch_steps.run_step(ctx)
 
 
 def _read(src: Storage) -> Manifest | ShardckptError:

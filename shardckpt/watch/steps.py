@@ -150,11 +150,8 @@ STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
 
 
 def run_step(ctx: StepContext) -> dict[str, Any]:
-    """Run the step here, or as a torchrun job where it asks for several processes."""
-    if ctx.spec.processes > 1:
-        from shardckpt.watch.job import run_job
-
-        return run_job(ctx)
+    """Run the step in this process (a step of several processes is a torchrun job:
+    :func:`shardckpt.watch.job.run_job`)."""
     return STEPS[ctx.spec.kind](ctx)
 
 
