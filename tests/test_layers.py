@@ -120,3 +120,66 @@ def test_no_module_uses_another_modules_private_names() -> None:
             if (module, other) not in PRIVATE_IMPORTS_LEFT:
                 problems.append(f"{path.relative_to(PACKAGE.parent)}:{line} uses {other}: {name}")
     assert not problems, "\n".join(problems)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in its source (inside functions and
+    under ``TYPE_CHECKING`` too: a cycle of either kind means two modules that cannot be read,
+    tested or moved apart)."""
+    modules = {m for m, _ in _modules()}
+    graph: dict[str, set[str]] = {}
+    for module, path in _modules():
+        out = graph.setdefault(module, set())
+        for _, name, _ in _imports(ast.parse(path.read_text())):
+            parts = name.split(".")
+            for n in range(len(parts), 1, -1):  # the longest prefix that is a module
+                target = ".".join(parts[:n])
+                if target in modules:
+                    if target != module and not module.startswith(target + "."):
+                        out.add(target)
+                    break
+    return graph
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, directly or around a loop (strongly connected
+    components of the import graph, Tarjan's algorithm without recursion)."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    assert not cycles, "import cycles:\n" + "\n".join("  " + " <-> ".join(c) for c in cycles)
