@@ -302,10 +302,10 @@ def test_fsspec_file_path_never_commits_after_abort(site: Site) -> None:
     partial object on ``__exit__``/``__del__``. Aborting it must leave neither object nor upload."""
     import gc
 
-    from shardckpt.storage.writer import _FsspecSink
+    from shardckpt.storage.writer import FsspecSink
 
     storage = Storage(site.url("sink"), site.options)
-    sink = _FsspecSink(storage.backend, storage.full("partial.bin"), storage.url_of("partial.bin"))
+    sink = FsspecSink(storage.backend, storage.full("partial.bin"), storage.url_of("partial.bin"))
     sink.f.blocksize = 5 << 20
     sink.write(memoryview(bytes(11 << 20)))  # two parts sent: the upload is open
     assert site.uploads("sink/") == ["sink/partial.bin"]

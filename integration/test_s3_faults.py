@@ -23,7 +23,7 @@ import pytest
 
 from shardckpt.errors import ConfigError
 from shardckpt.storage import DEADLINE_ENV, S3_CONFIG_DEFAULTS, RetryPolicy, Storage, split_options
-from shardckpt.storage.retry import _map_error
+from shardckpt.storage.retry import map_error
 from shardckpt.storage.s3 import _is_precondition_failed
 from shardckpt.tools.synth import synthesize
 
@@ -243,8 +243,8 @@ def test_retryable_classification_and_mapping() -> None:
     assert [e for e in permanent if classify(e) != "permanent"] == []
     assert _is_precondition_failed(permanent[3]) and _is_precondition_failed(FileExistsError())
     assert not _is_precondition_failed(permanent[4])
-    e = _map_error(transient[5], "upload of part 3", "s3://b/k", attempts=6, elapsed=4.2, deadline=4)
+    e = map_error(transient[5], "upload of part 3", "s3://b/k", attempts=6, elapsed=4.2, deadline=4)
     assert type(e).__name__ == "DeadlineExceededError" and "\n" not in str(e)
     assert str(e).startswith("s3://b/k: upload of part 3 failed after 6 attempts in 4.2 s (deadline 4 s")
     assert "(SlowDown, HTTP 503)" in str(e)
-    assert type(_map_error(FileNotFoundError(), "read", "s3://b/k")).__name__ == "NotFoundError"
+    assert type(map_error(FileNotFoundError(), "read", "s3://b/k")).__name__ == "NotFoundError"
