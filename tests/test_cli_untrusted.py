@@ -17,6 +17,7 @@ from shardckpt.checkpoint.reader import as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.cli.common import safe_text
+from shardckpt.format.integrity import seal
 from shardckpt.format.layout import Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import Component, OptimizerInfo, TensorSlot, default_states
 from testing.cli import cli, one_line_error
@@ -39,7 +40,7 @@ def write_hostile(dst: str, fill: float = 0.0, ranks: int = 2) -> None:
     comp = Component("model", layout, states, {ALIAS: "plain.weight"})
     opt = OptimizerInfo("[/]adamw", ({"params": [p.fqn for p in layout.params],
                                       "hparams": {"weight_decay": MARKUP, "lr": "[red"}, "step": 3},))
-    spec = CheckpointSpec(mesh, {"model": comp}, opt, {"step": BOLD_CLOSE, "note": MARKUP})
+    spec = CheckpointSpec(mesh, {"model": comp}, opt, {"step": 7, "note": MARKUP, "label": BOLD_CLOSE})
     writer = CheckpointWriter(as_storage(dst), spec)
 
     def produce(slot: TensorSlot) -> Iterator[Any]:
@@ -59,14 +60,24 @@ def test_inspect_prints_hostile_names_as_text(hostile: str) -> None:
     r = cli("inspect", hostile)
     assert r.exit_code == 0, (r.output, r.exception)
     out = r.stdout
-    for needle in (f"step {BOLD_CLOSE}", "optimizer [/]adamw", f"wd={MARKUP}", f"│ {MARKUP} ",
+    for needle in ("step 7", "optimizer [/]adamw", f"wd={MARKUP}", f"│ {MARKUP} ",
                    BOLD_CLOSE + " ", ESCAPE_SHOWN, f"tied: {ALIAS} -> plain.weight"):
         assert needle in out, needle
     assert "\x1b" not in out  # the escape sequence is shown, not sent to the terminal
     doc = json.loads(cli("inspect", hostile, "--json").stdout)
-    assert doc["step"] == BOLD_CLOSE and doc["extras"]["note"] == MARKUP
+    assert doc["step"] == 7 and doc["extras"]["note"] == MARKUP and doc["extras"]["label"] == BOLD_CLOSE
     assert {p["fqn"] for p in doc["components"]["model"]["params"]} == {MARKUP, ESCAPE, "plain.weight"}
     assert doc["components"]["model"]["aliases"] == {ALIAS: "plain.weight"}
+
+
+def test_a_step_that_is_not_a_number_is_one_error(hostile: str) -> None:
+    """shardckpt's own extras keys are typed (FORMAT.md 3.9): markup where the step goes is
+    refused by the commands that read the step, in one line naming the key."""
+    doc = json.loads(Path(hostile, "manifest.json").read_text())
+    doc["extras"]["step"] = BOLD_CLOSE
+    doc.pop("manifest_crc32c", None)
+    Path(hostile, "manifest.json").write_bytes(seal(doc))
+    one_line_error(cli("inspect", hostile), "extras.step: expected an integer")
 
 
 def test_diff_prints_hostile_names_as_text(tmp_path: Path, hostile: str) -> None:
