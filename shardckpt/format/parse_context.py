@@ -12,6 +12,7 @@ Pure; no I/O.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, TypeVar
 from collections.abc import Callable
 
@@ -150,6 +151,21 @@ class ParseContext:
 
 
 # ---------------------------------------------------------------------- strict JSON hooks
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings aside),
+    counted without parsing: a reader refuses a document nested past its schema before
+    ``json.loads`` could recurse into it."""
+    depth = deepest = 0
+    for ch in _BRACKET.findall(_JSON_STRING.sub('""', text)):
+        depth += 1 if ch in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ import uuid
 from typing import Any, TypeGuard
 
 from shardckpt.errors import ShardckptError
+from shardckpt.format.parse_context import json_depth, no_duplicate_keys, reject_constant
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,6 @@ MAX_LEASE_DEPTH = 1
 MAX_PID = 2**31 - 1
 #: Expiry times beyond this (about the year 33658) are not a writer's.
 MAX_EXPIRES = 1e12
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
 
 
 class LeaseError(ShardckptError):
@@ -141,14 +139,11 @@ def parse_lease(data: bytes) -> dict[str, Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise LeaseError(f"not UTF-8 text (byte {e.start})") from None
-    depth = deepest = 0
-    for ch in _BRACKET.findall(_JSON_STRING.sub('""', text)):
-        depth += 1 if ch in "[{" else -1
-        deepest = max(deepest, depth)
+    deepest = json_depth(text)
     if deepest > MAX_LEASE_DEPTH:
         raise LeaseError(f"nested {deepest} deep; a lease is one flat JSON object")
     try:
-        doc = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_repeats)
+        doc = json.loads(text, parse_constant=reject_constant, object_pairs_hook=no_duplicate_keys)
     except (ValueError, RecursionError) as e:  # RecursionError: unreachable after the depth check
         raise LeaseError(f"not valid JSON: {_short(e)}") from None
     if not isinstance(doc, dict):
@@ -187,19 +182,6 @@ def _short(v: object, limit: int = 80) -> str:
     text = text if len(text) <= limit else text[:limit] + "..."
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
                    for ch in text)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a lease holds")
-
-
-def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {_short(k)!r} appears twice")
-        out[k] = v
-    return out
 
 
 _warned: set[tuple[str, str]] = set()

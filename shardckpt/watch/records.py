@@ -42,6 +42,7 @@ from typing import Any
 from collections.abc import Callable
 
 from shardckpt.errors import CommitConflictError, ShardckptError
+from shardckpt.format.parse_context import json_depth, no_duplicate_keys, reject_constant
 from shardckpt.storage.lease import LEASE_PREFIX, Lease, whoami, live_until
 from shardckpt.storage import NotFoundError, Storage
 
@@ -53,8 +54,6 @@ MAX_RECORD_BYTES = 1 << 16
 MAX_RECORD_DEPTH = 4
 _CLAIM = re.compile(rf"{re.escape(LEASE_PREFIX)}claim-([0-9]{{1,12}})")
 _CHECKPOINT = re.compile(r"step-([0-9]{8,20})")
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
 _MAX_INT = 2**63 - 1
 _MAX_SECONDS = 1e12
 
@@ -151,28 +150,6 @@ _REQUIRED = {
 }
 
 
-def _depth(text: str) -> int:
-    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings aside)."""
-    depth = deepest = 0
-    for ch in _BRACKET.findall(_JSON_STRING.sub('""', text)):
-        depth += 1 if ch in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a record holds")
-
-
-def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"the key {printable(k, 100)!r} appears twice")
-        out[k] = v
-    return out
-
-
 def parse_record(data: bytes, state: str, checkpoint: str | None = None,
                  key: str | None = None) -> dict[str, Any]:
     """The body of a ``state`` (``done`` or ``dead``) record, checked; :class:`RecordError` (one
@@ -184,11 +161,11 @@ def parse_record(data: bytes, state: str, checkpoint: str | None = None,
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RecordError(f"not UTF-8 text (byte {e.start})") from None
-    deep = _depth(text)
+    deep = json_depth(text)
     if deep > MAX_RECORD_DEPTH:
         raise RecordError(f"nested {deep} deep, more than the {MAX_RECORD_DEPTH} a record may be")
     try:
-        doc = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_repeats)
+        doc = json.loads(text, parse_constant=reject_constant, object_pairs_hook=no_duplicate_keys)
     except RecursionError:  # the depth check should make this unreachable
         raise RecordError("nested too deep") from None
     except ValueError as e:
