@@ -22,6 +22,7 @@ HOSTILE: tuple[Any, ...] = (
     math.nan, math.inf, -math.inf, -1, 0, 2**63, 2**64 + 1, -(2**63) - 1, 10**30, 1e308,
     True, None, "", "x" * 5000, "\ud800", "a\nb", "../../etc/passwd", "/etc/passwd",
     "step-00000001\n", "%s%s%n", "<script>", [], {}, [1, 2, 3], {"a": 1}, 1.5, "1", "nan",
+    "../step-00000001/x/frozen-00000-of-00001.safetensors", "frozen",
 )
 
 

@@ -154,7 +154,7 @@ class PieceReader:
             raise ConfigError(f"buffer of {buffer_bytes} bytes; it must be positive")
         self.readers = list(readers)
         self.batch_bytes = max(1, buffer_bytes // 4)
-        self.ranges = [RangeReader(r.storage, r.manifest.chunk_size,
+        self.ranges = [RangeReader(r.files, r.manifest.chunk_size,
                                    capacity=_cache_capacity(r, self.batch_bytes))
                        for r in self.readers]
         self.workers = workers

@@ -18,11 +18,12 @@ from shardckpt.errors import (
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorSlot, buffer_slots,
-    chunked_slots, shard_slots,
+    FROZEN_ROLE, MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorSlot, buffer_slots,
+    chunked_slots, frozen_slots, shard_slots,
 )
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import header_length, parse_header
+from shardckpt.checkpoint.references import RunFiles
 from shardckpt.storage import NotFoundError, RangeReader, Storage
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,16 @@ class CheckpointReader:
         self.storage = as_storage(location, storage_options)
         self.manifest = manifest if manifest is not None else read_manifest(self.storage)
         m = self.manifest
-        self.slots = {s.name: s for s in shard_slots(m.components, m.mesh, m.version)}
+        self.slots = {s.name: s for s in shard_slots(m.components, m.mesh, m.version, m.frozen)}
+        #: format 1.3: the slots of frozen groups, which lie in the ``frozen`` files
+        self.frozen_slots = {s.name: s for s in frozen_slots(m.components, m.mesh)} if m.frozen else {}
         self.buffer_slots = {s.name: s for s in buffer_slots(m.components)}
         self._headers: dict[str, IntegrityError | None] = {}  # path -> None (agrees) or the error
         self._headers_lock = threading.Lock()
-        self.ranges = RangeReader(self.storage, m.chunk_size)
+        #: what every read goes through: the checkpoint's own files and those it references in
+        #: sibling checkpoints of its run directory
+        self.files = RunFiles(self.storage)
+        self.ranges = RangeReader(self.files, m.chunk_size)
 
     @property
     def url(self) -> str:
@@ -67,18 +73,18 @@ class CheckpointReader:
         header that agrees cannot mislead, whatever its chunk's checksum; one that disagrees is
         read again with its chunks CRC-checked, so that damage is reported as damage.
         """
-        if entry.role not in ("shard", "buffers", CHUNKS_ROLE):
+        if entry.role not in ("shard", "buffers", CHUNKS_ROLE, FROZEN_ROLE):
             return
         with self._headers_lock:
             done = entry.path in self._headers
             err = self._headers.get(entry.path)
         if not done:
-            url = self.storage.url_of(entry.path)
-            want = expected_slots(self.manifest, entry, self.slots, self.buffer_slots)
-            head = self.storage.read(entry.path, 0, entry.data_start)
+            url = self.files.url_of(entry.path)
+            want = expected_slots(self.manifest, entry, self.slots, self.buffer_slots, self.frozen_slots)
+            head = self.files.read(entry.path, 0, entry.data_start)
             problems = check_header(url, entry, head, entry.size, want)
             if problems:  # raises IntegrityError naming the chunk if the bytes are damaged
-                head = bytes(self.storage.read_checked(entry, self.manifest.chunk_size, 0, entry.data_start))
+                head = bytes(self.files.read_checked(entry, self.manifest.chunk_size, 0, entry.data_start))
                 problems = check_header(url, entry, head, entry.size, want)
             err = IntegrityError("; ".join(problems)) if problems else None
             with self._headers_lock:
@@ -87,8 +93,9 @@ class CheckpointReader:
             raise err
 
     def slot(self, group: str, kind: str) -> TensorSlot:
+        name = f"{group}.{kind}"
         try:
-            return self.slots[f"{group}.{kind}"]
+            return self.slots[name] if name in self.slots else self.frozen_slots[name]
         except KeyError:
             raise ManifestError(f"{self.storage.url_of(MANIFEST_NAME)}: no state {kind!r} for "
                                 f"group {group!r}") from None
@@ -98,11 +105,12 @@ class CheckpointReader:
         file's header checked against the manifest first, see :meth:`check_file`)."""
         s = self.slot(group, kind)
         n = itemsize(s.dtype)
-        entry = self.manifest.shard_file(shard)
+        entry = (self.manifest.shard_file(shard) if s.name in self.slots
+                 else self.manifest.frozen_file(shard))
         self.check_file(entry)
         base = entry.data_start + s.begin
         if not 0 <= start <= end <= s.shape[0]:
-            raise IntegrityError(f"{self.storage.url_of(entry.path)}: elements [{start}, {end}) are "
+            raise IntegrityError(f"{self.files.url_of(entry.path)}: elements [{start}, {end}) are "
                                  f"outside {s.name} ({s.shape[0]} elements)")
         return entry, base + start * n, base + end * n
 
@@ -110,7 +118,7 @@ class CheckpointReader:
                    end: int | None = None) -> memoryview:
         s = self.slot(group, kind)
         entry, a, b = self.state_range(shard, group, kind, start, s.shape[0] if end is None else end)
-        return self.storage.read_checked(entry, self.manifest.chunk_size, a, b)
+        return self.files.read_checked(entry, self.manifest.chunk_size, a, b)
 
     def read_ranges(self, requests: list[tuple[FileEntry, int, int]], workers: int = 8) -> list[memoryview]:
         """Checked ranges in any order (:meth:`~shardckpt.storage.RangeReader.gather`), each
@@ -151,10 +159,13 @@ def read_manifest(storage: Storage) -> Manifest:
 
 
 def expected_slots(m: Manifest, entry: FileEntry, shard: Mapping[str, TensorSlot],
-                   buffers: Mapping[str, TensorSlot]) -> list[TensorSlot]:
-    """The tensors the manifest places in shard, buffers or chunks file ``entry``."""
+                   buffers: Mapping[str, TensorSlot],
+                   frozen: Mapping[str, TensorSlot] | None = None) -> list[TensorSlot]:
+    """The tensors the manifest places in shard, buffers, frozen or chunks file ``entry``."""
     if entry.role == CHUNKS_ROLE:
         return chunked_slots(m, entry.path)
+    if entry.role == FROZEN_ROLE:
+        return list((frozen or {}).values())
     return list((shard if entry.role == "shard" else buffers).values())
 
 

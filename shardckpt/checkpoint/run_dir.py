@@ -5,7 +5,8 @@ Rules (what a resumed job relies on):
 * a step directory counts only once its ``manifest.json`` exists (the save committed);
 * ``latest`` names a committed directory and is written only after that commit (also when a
   rank was lost after the manifest was created: the save committed, and rank 0 says so);
-* retention keeps the newest ``keep_last`` committed checkpoints and never deletes the newest one;
+* retention keeps the newest ``keep_last`` committed checkpoints and never deletes the newest one,
+  nor one whose frozen files a kept checkpoint references (format 1.3; it says so in the log);
 * resume picks the newest committed checkpoint that passes a check (manifest parses, every file
   present with its recorded size; optionally every checksum), skipping directories without a
   manifest and checkpoints that fail, whatever ``latest`` says.
@@ -20,9 +21,10 @@ from typing import Any
 from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage, read_manifest
+from shardckpt.checkpoint.references import RunFiles, referenced_steps, referenced_steps_in
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
-from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class CheckpointManager:
             raise ShardckptError(f"keep_last must be >= 1 (or None to keep all); got {keep_last}")
         self.storage = as_storage(run_url, storage_options)
         self.keep_last = keep_last
+        #: URLs the last :meth:`apply_retention` kept because a kept checkpoint references them
+        self.kept_referenced: list[str] = []
 
     @property
     def url(self) -> str:
@@ -92,14 +96,18 @@ class CheckpointManager:
         except ShardckptError as e:
             return [str(e)]
         problems = []
+        files = RunFiles(child)  # a referenced file of an earlier checkpoint is checked too
         for f in m.files:
             try:
-                size = child.size(f.path)
+                size = files.size(f.path)
+            except NotFoundError:
+                problems.append(f"{files.url_of(f.path)}: missing{files.missing_note(f)}")
+                continue
             except ShardckptError as e:
                 problems.append(str(e))
                 continue
             if size != f.size:
-                problems.append(f"{child.url_of(f.path)}: {size} bytes, the manifest records {f.size}")
+                problems.append(f"{files.url_of(f.path)}: {size} bytes, the manifest records {f.size}")
         return problems
 
     def is_committed(self, step: int) -> bool:
@@ -118,6 +126,41 @@ class CheckpointManager:
         """The newest committed checkpoint that passes :meth:`check`; None if there is none."""
         return next(self.resume_points(full_verify), None)
 
+    def latest_url(self) -> str | None:
+        """The URL of the committed checkpoint ``latest`` names (the run's previous save, which a
+        new one may reference), or None."""
+        name = self.read_latest()
+        if name is None or not self.storage.exists(f"{name}/{MANIFEST_NAME}"):
+            return None
+        return self.storage.url_of(name)
+
+    def references_of(self, name: str) -> set[str]:
+        """The step directories whose files the checkpoint in ``name`` references. A manifest
+        that does not parse is scanned for references instead, so that what it may need is
+        kept all the same."""
+        child = self.storage.child(name)
+        try:
+            return referenced_steps(read_manifest(child))
+        except ShardckptError:
+            try:
+                return referenced_steps_in(child.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
+            except ShardckptError:
+                return set()
+
+    def referenced(self, kept: list[str]) -> set[str]:
+        """The step directories that the checkpoints in ``kept``, and those they need in turn,
+        reference (closed over: a kept checkpoint's references are kept too)."""
+        out: set[str] = set()
+        todo = list(kept)
+        seen = set(todo)
+        while todo:
+            for ref in self.references_of(todo.pop()):
+                out.add(ref)
+                if ref not in seen:
+                    seen.add(ref)
+                    todo.append(ref)
+        return out
+
     def mark_committed(self, step: int) -> None:
         """Point ``latest`` at ``step`` (which must be committed), then apply retention."""
         name = step_dir(step)
@@ -128,7 +171,11 @@ class CheckpointManager:
         self.apply_retention()
 
     def apply_retention(self) -> list[str]:
-        """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted."""
+        """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted.
+
+        A checkpoint whose files a kept one references (format 1.3 frozen files) is kept, and
+        logged; its URL is in :attr:`kept_referenced` afterwards."""
+        self.kept_referenced = []
         if self.keep_last is None:
             return []
         committed = self.committed()
@@ -137,6 +184,13 @@ class CheckpointManager:
         if latest:
             protect.add(latest)
         doomed = [f for f in committed[:-self.keep_last] if f.name not in protect]
+        doomed_names = {f.name for f in doomed}
+        needed = self.referenced([f.name for f in committed if f.name not in doomed_names])
+        for f in doomed:
+            if f.name in needed:
+                log.info("retention keeps %s: a kept checkpoint references its frozen files", f.url)
+                self.kept_referenced.append(f.url)
+        doomed = [f for f in doomed if f.name not in needed]
         removed = []
         for f in doomed:
             # the manifest goes first: a half-deleted checkpoint must not look committed; a

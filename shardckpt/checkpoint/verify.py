@@ -13,10 +13,11 @@ from shardckpt.errors import (
 )
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
 from shardckpt.format.manifest import (
-    FileEntry, Manifest, buffer_slots, chunked_slots, shard_slots,
+    FROZEN_ROLE, FileEntry, Manifest, buffer_slots, chunked_slots, frozen_slots, shard_slots,
 )
 from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage, check_header, read_manifest
+from shardckpt.checkpoint.references import RunFiles
 from shardckpt.storage import NotFoundError, Storage, crc32c, iter_file_chunks
 
 log = logging.getLogger(__name__)
@@ -100,17 +101,21 @@ def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = 
 def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], workers: int,
                  progress: Callable[[int], None] | None) -> list[FileReport]:
     """The report of each of ``files``, checked over ``workers`` threads."""
-    expected = {"shard": shard_slots(m.components, m.mesh, m.version), "buffers": buffer_slots(m.components)}
+    expected = {"shard": shard_slots(m.components, m.mesh, m.version, m.frozen),
+                "buffers": buffer_slots(m.components)}
+    if m.frozen:
+        expected[FROZEN_ROLE] = frozen_slots(m.components, m.mesh)
     expected.update({f.path: chunked_slots(m, f.path) for f in m.files if f.role == CHUNKS_ROLE})
+    where_is = RunFiles(storage)  # a reference is read (and checked) where it lies
 
     def check(entry: FileEntry) -> FileReport:
-        url = storage.url_of(entry.path)
+        url = where_is.url_of(entry.path)
         problems: list[str] = []
         try:
-            actual = storage.size(entry.path)
+            actual = where_is.size(entry.path)
         except NotFoundError:
-            return FileReport(entry.path, entry.size, False, (f"{url}: missing",))
-        except StorageError as e:
+            return FileReport(entry.path, entry.size, False, (f"{url}: missing{where_is.missing_note(entry)}",))
+        except ShardckptError as e:
             return FileReport(entry.path, entry.size, False, (str(e),))
         if actual != entry.size:
             what = "truncated" if actual < entry.size else "extended"
@@ -118,7 +123,8 @@ def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], work
         crc, i, head = 0, 0, b""
         bad_chunks = []
         try:
-            for data in iter_file_chunks(storage, entry.path, m.chunk_size, limit=entry.size):
+            where, below = where_is.locate(entry.path)
+            for data in iter_file_chunks(where, below, m.chunk_size, limit=entry.size):
                 crc = crc32c(data, crc)
                 if i < len(entry.chunk_crc32c) and crc32c(data) != entry.chunk_crc32c[i]:
                     bad_chunks.append(i)

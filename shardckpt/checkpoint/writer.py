@@ -10,24 +10,26 @@ import datetime as _dt
 import logging
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import Callable, Iterable, Mapping
 
 from shardckpt.storage import commit as _commit
 from shardckpt.errors import (
-    ShardckptError,
+    IncompleteCheckpointError, ShardckptError,
 )
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
 from shardckpt.format.layout import Mesh
 from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
-    CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, MANIFEST_NAME, VERSION, Component, FileEntry,
-    Manifest, OptimizerInfo, TensorSlot, buffer_slots, shard_slots, to_json,
+    CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, FROZEN_ROLE, FROZEN_VERSION, MANIFEST_NAME, VERSION,
+    Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, buffer_slots, frozen_file_name,
+    frozen_slots, has_frozen_groups, shard_slots, to_json,
 )
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
-from shardckpt.storage import Storage
+from shardckpt.storage import NotFoundError, Storage
+from shardckpt.checkpoint.references import RunFiles, file_crc
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,14 @@ class CheckpointSpec:
     per_rank_state: Mapping[str, Any] = field(default_factory=dict)
     chunk_size: int = DEFAULT_CHUNK_SIZE
     chunked: ChunkedSection | None = None  # chunked tensors and blobs (format 1.2)
+    #: format 1.3: frozen groups' slots go to one ``frozen`` file per shard rank (where there are
+    #: frozen groups), which a later checkpoint of the run may reference instead of rewriting
+    frozen: bool = False
+
+    @property
+    def frozen_files(self) -> bool:
+        """Whether this checkpoint has ``frozen`` files (:attr:`frozen` and a frozen group)."""
+        return self.frozen and has_frozen_groups(self.components)
 
 
 class CheckpointWriter:
@@ -70,13 +80,16 @@ class CheckpointWriter:
         self.storage = storage
         self.spec = spec
         self.save_id = save_id or new_save_id()
-        self.slots = shard_slots(spec.components, spec.mesh)
+        frozen = spec.frozen_files
+        self.slots = shard_slots(spec.components, spec.mesh, frozen=frozen)
+        self.frozen_slots = frozen_slots(spec.components, spec.mesh) if frozen else []
         self.buffer_slots = buffer_slots(spec.components)
 
     def _stream(self, rel: str, role: str, index: int | None, slots: list[TensorSlot],
-                produce: Producer, meta: dict[str, str]) -> FileEntry:
-        header = build_header(slots, {"format": "shardckpt", "version": f"{VERSION[0]}.{VERSION[1]}",
-                                      "save_id": self.save_id, **meta})
+                produce: Producer, meta: dict[str, str], header: bytes | None = None) -> FileEntry:
+        if header is None:
+            header = build_header(slots, {"format": "shardckpt", "version": f"{VERSION[0]}.{VERSION[1]}",
+                                          "save_id": self.save_id, **meta})
         with self.storage.writer(rel, self.spec.chunk_size) as w:
             w.write(header)
             for slot in slots:
@@ -102,6 +115,27 @@ class CheckpointWriter:
         return self._stream(rel, "shard", shard, self.slots, produce,
                             {"shard": str(shard), "shard_degree": str(S)})
 
+    def frozen_header(self, shard: int) -> bytes:
+        """The header of ``frozen`` file ``shard``: no save id in it, so that the file of a later
+        save whose frozen bytes did not change is byte for byte the same (and its CRC32C too)."""
+        S = self.spec.mesh.shard_degree
+        v = FROZEN_VERSION
+        return build_header(self.frozen_slots, {"format": "shardckpt", "version": f"{v[0]}.{v[1]}",
+                                                "shard": str(shard), "shard_degree": str(S)})
+
+    def write_frozen(self, shard: int, produce: Producer) -> FileEntry:
+        """Stream frozen file ``shard`` (format 1.3): the slots of the frozen groups."""
+        rel = frozen_file_name(self.save_id, shard, self.spec.mesh.shard_degree)
+        return self._stream(rel, FROZEN_ROLE, shard, self.frozen_slots, produce, {},
+                            self.frozen_header(shard))
+
+    def frozen_crc(self, shard: int, pieces: list[memoryview]) -> tuple[int, int, int]:
+        """(size, header size, CRC32C) that :meth:`write_frozen` of ``pieces`` (the frozen slots'
+        bytes, in order) would give, computed without writing anything."""
+        header = self.frozen_header(shard)
+        size, crc = file_crc(header, pieces)
+        return size, len(header) - 8, crc
+
     def write_buffers(self, produce: Producer) -> FileEntry | None:
         if not self.buffer_slots:
             return None
@@ -121,16 +155,19 @@ class CheckpointWriter:
 
     def manifest(self, files: Iterable[FileEntry]) -> Manifest:
         created = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        order = {"shard": 0, "buffers": 1, "rank": 2, CHUNKS_ROLE: 3}
+        order = {"shard": 0, FROZEN_ROLE: 1, "buffers": 2, "rank": 3, CHUNKS_ROLE: 4}
         entries = sorted(files, key=lambda f: (order[f.role], f.index or 0, f.path))
         s = self.spec
-        return Manifest(VERSION if s.chunked is None else CHUNKED_VERSION, self.save_id, created,
+        version = (FROZEN_VERSION if s.frozen_files else
+                   VERSION if s.chunked is None else CHUNKED_VERSION)
+        return Manifest(version, self.save_id, created,
                         s.mesh, s.chunk_size, dict(s.components), s.optimizer, dict(s.extras),
-                        dict(s.per_rank_state), tuple(entries), s.chunked)
+                        dict(s.per_rank_state), tuple(entries), s.chunked, s.frozen_files)
 
     def data_bytes(self) -> int:
         """About the bytes of the shard and buffer files this save writes (headers aside)."""
         shard = self.slots[-1].end if self.slots else 0
+        shard += self.frozen_slots[-1].end if self.frozen_slots else 0
         buffers = self.buffer_slots[-1].end if self.buffer_slots else 0
         return shard * self.spec.mesh.shard_degree + buffers
 
@@ -152,7 +189,9 @@ class CheckpointWriter:
         m = self.manifest(files)
         data = to_json(m)
         parse(data, self.storage.url_of(MANIFEST_NAME))  # never commit what we could not read back
-        _commit.check_files(self.storage, m)
+        # own files below the checkpoint; referenced ones (format 1.3) where they lie
+        _commit.check_files(self.storage, replace(m, files=tuple(f for f in m.files if not f.is_reference)))
+        self._check_references(m)
         _commit.sync_dirs(self.storage, self.save_id)
         if replacing is None:
             self.storage.create_only(MANIFEST_NAME, data)
@@ -160,6 +199,24 @@ class CheckpointWriter:
             _commit.replace(self.storage, data, replacing, self.save_id)
         log.info("committed %s (%d files, %d bytes)", self.storage.url, len(m.files), m.total_bytes)
         return m
+
+    def _check_references(self, m: Manifest) -> None:
+        """Every file ``m`` references in a sibling checkpoint is there with its recorded size
+        (else :class:`IncompleteCheckpointError`, nothing committed)."""
+        files = RunFiles(self.storage)
+        bad = []
+        for f in m.references():
+            try:
+                size = files.size(f.path)
+            except NotFoundError:
+                bad.append(f"{files.url_of(f.path)} (missing)")
+                continue
+            if size != f.size:
+                bad.append(f"{files.url_of(f.path)} ({size} bytes, the manifest records {f.size})")
+        if bad:
+            raise IncompleteCheckpointError(
+                f"{self.storage.url}: not committed: {len(bad)} referenced file(s) of earlier "
+                f"checkpoints are not as recorded: {', '.join(bad[:5])} (removed meanwhile?)")
 
     def discard(self) -> bool:
         """After a failure, with the lease released: remove this attempt's directory, unless the

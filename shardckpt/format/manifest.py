@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.format.chunked import FEATURE as CHUNKED_FEATURE, ChunkedSection, file_layout, section_doc
 from shardckpt.format.dtypes import itemsize
@@ -28,8 +28,15 @@ VERSION = (1, 1)
 #: manifest with that section is written as 1.2 and lists ``chunked_tensors`` in ``requires``.
 #: Manifests without it are written as :data:`VERSION`.
 CHUNKED_VERSION = (1, 2)
+#: 1.3 moves the slots of frozen groups (``requires_grad`` false) out of the shard files into one
+#: ``frozen`` file per shard rank, which a later checkpoint of the same run may reference instead
+#: of rewriting (docs/FORMAT.md section 15); such a manifest lists :data:`FROZEN_FEATURE` in
+#: ``requires``, so that a reader of an earlier minor version refuses it instead of misreading.
+FROZEN_VERSION = (1, 3)
+FROZEN_FEATURE = "frozen_files"
+FROZEN_ROLE = "frozen"
 #: Features a manifest may list in ``requires``; a reader refuses any other (it would misread).
-KNOWN_FEATURES = (CHUNKED_FEATURE,)
+KNOWN_FEATURES = (CHUNKED_FEATURE, FROZEN_FEATURE)
 #: Major versions this shardckpt reads. 0.x shard files hold their tensors group by group; from
 #: 1.0 they are kind by kind (every group's master weights first), see :func:`shard_slots`.
 READABLE_MAJORS = (0, 1)
@@ -37,9 +44,14 @@ MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before it is read (a 70B, 1024-rank manifest is ~10 MB).
 MAX_MANIFEST_BYTES = 512 << 20
 DEFAULT_CHUNK_SIZE = 1 << 20
-ROLES = ("shard", "buffers", "rank", "chunks")
+ROLES = ("shard", "buffers", "rank", "chunks", FROZEN_ROLE)
 #: Names of save ids, components, groups and path segments: letters, digits, ``_ . -``.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+\Z")
+#: A reference (format 1.3, ``frozen`` entries only): the frozen file of a sibling checkpoint of
+#: the same run directory, ``../<step-dir>/<save-id>/frozen-<i>-of-<S>.safetensors``: exactly one
+#: leading ``..``, then a step directory name, nothing else.
+REFERENCE = re.compile(r"\.\./(step-[0-9]{8,20})/([A-Za-z0-9_.\-]{1,256})/"
+                       r"frozen-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors\Z")
 _LOWER_HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -53,7 +65,7 @@ class FileEntry:
     header_size: int          # safetensors JSON header length (the u64 at byte 0)
     crc32c: int
     chunk_crc32c: Sequence[int]  # held as ChunkCrcs, whatever sequence of ints is given
-    index: int | None = None  # shard rank for "shard", global rank for "rank"
+    index: int | None = None  # shard rank for "shard" and "frozen", global rank for "rank"
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_crc32c, ChunkCrcs):
@@ -62,6 +74,11 @@ class FileEntry:
     @property
     def data_start(self) -> int:
         return 8 + self.header_size
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether the file lies in a sibling checkpoint (format 1.3 ``frozen`` references)."""
+        return self.path.startswith("../")
 
     def to_doc(self) -> dict[str, Any]:
         """The entry as the manifest's ``files`` list holds it (checksums as lowercase hex)."""
@@ -82,14 +99,19 @@ class FileEntry:
         d = ctx.obj(v, where)
         path = ctx.str_(ctx.key(d, "path", where), f"{where}.path")
         parts = path.split("/")
-        if (path.startswith("/") or "\\" in path or ":" in path
+        if path.startswith("../") and d.get("role") == FROZEN_ROLE:
+            if reference_of(path) is None:
+                raise ctx.fail(f"{where}.path", f"{path[:300]!r} is not a reference to a frozen file "
+                               "of a sibling checkpoint (../step-<digits>/<save-id>/"
+                               "frozen-<i>-of-<S>.safetensors); refused")
+        elif (path.startswith("/") or "\\" in path or ":" in path
                 or any(p in ("", ".", "..") or not SAFE_NAME.match(p) for p in parts)):
             raise ctx.fail(f"{where}.path", f"{path!r} is not a plain relative path inside the checkpoint")
         role = ctx.str_(ctx.key(d, "role", where), f"{where}.role", MAX_SHORT)
         if role not in ROLES:
             raise ctx.fail(f"{where}.role", f"{role!r} is not one of {ROLES}")
         index = None
-        if role in ("shard", "rank", "chunks"):
+        if role in ("shard", "rank", "chunks", FROZEN_ROLE):
             index = ctx.int_(ctx.key(d, "index", where), f"{where}.index", 0, 1 << 24)
         size = ctx.int_(ctx.key(d, "size", where), f"{where}.size")
         header_size = ctx.int_(ctx.key(d, "header_size", where), f"{where}.header_size", 2, 100_000_000)
@@ -149,6 +171,7 @@ class Manifest:
     per_rank_state: Mapping[str, Any]
     files: tuple[FileEntry, ...]
     chunked: ChunkedSection | None = None  # format 1.2: DCP-style chunked tensors and blobs
+    frozen: bool = False  # format 1.3: frozen groups' slots lie in "frozen" files, not shard files
 
     def file(self, path: str) -> FileEntry:
         for f in self.files:
@@ -161,6 +184,16 @@ class Manifest:
             if f.role == "shard" and f.index == shard:
                 return f
         raise KeyError(f"shard {shard}")
+
+    def frozen_file(self, shard: int) -> FileEntry:
+        for f in self.files:
+            if f.role == FROZEN_ROLE and f.index == shard:
+                return f
+        raise KeyError(f"frozen {shard}")
+
+    def references(self) -> tuple[FileEntry, ...]:
+        """The entries that name a file of a sibling checkpoint (none before format 1.3)."""
+        return tuple(f for f in self.files if f.is_reference)
 
     def buffers_file(self) -> FileEntry | None:
         return next((f for f in self.files if f.role == "buffers"), None)
@@ -185,14 +218,31 @@ class TensorSlot:
 
 
 def shard_slots(components: Mapping[str, Component], mesh: Mesh,
-                version: tuple[int, int] = VERSION) -> list[TensorSlot]:
+                version: tuple[int, int] = VERSION, frozen: bool = False) -> list[TensorSlot]:
     """Tensors of every shard file, in file order; tensor ``"<group>.<kind>"`` is 1-D.
 
     Every shard file of a checkpoint has the same slots. From format 1.0 the order is components,
     then state kinds (in order of first appearance over the groups), then groups: each kind is
     contiguous in the file, so reading the weights alone (consolidation, weights-only loads)
     reads one contiguous range per shard. Format 0.x ordered components, groups, then kinds.
+    With ``frozen`` (a manifest that lists :data:`FROZEN_FEATURE`), the groups whose
+    ``requires_grad`` is false are left out: their slots are :func:`frozen_slots`.
     """
+    return _group_slots(components, mesh, version, lambda g: not (frozen and not g.requires_grad))
+
+
+def frozen_slots(components: Mapping[str, Component], mesh: Mesh) -> list[TensorSlot]:
+    """Tensors of every ``frozen`` file (format 1.3): the slots of the groups whose
+    ``requires_grad`` is false, in the order :func:`shard_slots` gives them."""
+    return _group_slots(components, mesh, FROZEN_VERSION, lambda g: not g.requires_grad)
+
+
+def has_frozen_groups(components: Mapping[str, Component]) -> bool:
+    return any(not g.requires_grad for c in components.values() for g in c.layout.groups)
+
+
+def _group_slots(components: Mapping[str, Component], mesh: Mesh, version: tuple[int, int],
+                 keep: Callable[[FlatGroup], bool]) -> list[TensorSlot]:
     out: list[TensorSlot] = []
     pos = 0
 
@@ -204,20 +254,34 @@ def shard_slots(components: Mapping[str, Component], mesh: Mesh,
         pos += n
 
     for comp in components.values():
+        groups = [g for g in comp.layout.groups if keep(g)]
         if version[0] < 1:
-            for g in comp.layout.groups:
+            for g in groups:
                 for kind, dtype in comp.states[g.name]:
                     add(g, kind, dtype)
             continue
         kinds: dict[str, None] = {}
-        for g in comp.layout.groups:
+        for g in groups:
             kinds.update((k, None) for k, _ in comp.states[g.name])
         for kind in kinds:
-            for g in comp.layout.groups:
+            for g in groups:
                 state_dtype = dict(comp.states[g.name]).get(kind)
                 if state_dtype is not None:
                     add(g, kind, state_dtype)
     return out
+
+
+def reference_of(path: str) -> tuple[str, str, int, int] | None:
+    """(step directory, save id, shard rank, S) of a reference path (:data:`REFERENCE`), or None
+    when ``path`` is not one."""
+    m = REFERENCE.fullmatch(path)
+    if m is None or m.group(2) in (".", ".."):
+        return None
+    return m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+
+
+def frozen_file_name(save_id: str, shard: int, shard_degree: int) -> str:
+    return f"{save_id}/frozen-{shard:05d}-of-{shard_degree:05d}.safetensors"
 
 
 def chunked_slots(m: Manifest, path: str) -> list[TensorSlot]:
@@ -260,8 +324,10 @@ def to_json(m: Manifest) -> bytes:
         "per_rank_state": dict(m.per_rank_state),
         "files": [f.to_doc() for f in m.files],
     }
+    requires = ([CHUNKED_FEATURE] if m.chunked is not None else []) + ([FROZEN_FEATURE] if m.frozen else [])
+    if requires:
+        doc["requires"] = requires
     if m.chunked is not None:
-        doc["requires"] = [CHUNKED_FEATURE]
         doc["chunked"] = section_doc(m.chunked)
     return seal(doc)
 

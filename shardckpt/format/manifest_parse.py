@@ -25,9 +25,10 @@ from shardckpt.format.integrity import (
 from shardckpt.format.component_parse import parse_components
 from shardckpt.format.layout import Mesh
 from shardckpt.format.manifest import (
-    CHUNKED_VERSION, FORMAT_NAME, KNOWN_FEATURES, MANIFEST_NAME, MAX_MANIFEST_BYTES, READABLE_MAJORS,
+    CHUNKED_VERSION, FORMAT_NAME, FROZEN_FEATURE, FROZEN_ROLE, FROZEN_VERSION, KNOWN_FEATURES,
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, READABLE_MAJORS,
     SAFE_NAME, VERSION, Component, FileEntry, Manifest, OptimizerInfo, buffer_slots,
-    shard_slots,
+    frozen_slots, has_frozen_groups, shard_slots,
 )
 from shardckpt.format.records import ParamGroupRecord
 from shardckpt.format.parse_context import (
@@ -35,6 +36,7 @@ from shardckpt.format.parse_context import (
 )
 
 _SHARD_NAME = re.compile(r"shard-([0-9]{1,9})-of-([0-9]{1,9})\.safetensors")
+_FROZEN_NAME = re.compile(r"frozen-([0-9]{1,9})-of-([0-9]{1,9})\.safetensors")
 _TOP = "top level"
 
 
@@ -73,6 +75,10 @@ def parse(data: bytes | str, source: str = MANIFEST_NAME) -> Manifest:
 
 def _parse_body(ctx: ParseContext, doc: dict[str, Any], version: tuple[int, int]) -> Manifest:
     requires = _parse_requires(ctx, doc)
+    frozen = FROZEN_FEATURE in requires
+    if frozen and version < FROZEN_VERSION:
+        ctx.note("requires", f"{FROZEN_FEATURE!r} needs format {FROZEN_VERSION[0]}."
+                 f"{FROZEN_VERSION[1]} or later; this manifest says {version[0]}.{version[1]}")
     save_id = ctx.attempt(_parse_save_id, ctx, doc)
     created_at = ctx.attempt(ctx.str_, doc.get("created_at", ""), "created_at", MAX_SHORT)
     mesh = ctx.attempt(_parse_mesh, ctx, doc)
@@ -93,7 +99,7 @@ def _parse_body(ctx: ParseContext, doc: dict[str, Any], version: tuple[int, int]
         chunked = ctx.attempt(_parse_chunked, ctx, doc, version, requires, files)
     ctx.finish()
     m = Manifest(version, save_id, created_at, mesh, chunk_size, components, optimizer,  # type: ignore[arg-type]
-                 extras, per_rank, files, chunked)  # type: ignore[arg-type]
+                 extras, per_rank, files, chunked, frozen)  # type: ignore[arg-type]
     _check_files(ctx, m)
     ctx.finish()
     return m
@@ -241,6 +247,7 @@ def _check_files(ctx: ParseContext, m: Manifest) -> None:
     if misplaced:
         ctx.note("files", f"shard files must be listed in order 0 .. {S - 1}, the i-th named "
                  f"shard-<i>-of-<S>: {listed(misplaced)}")
+    _check_frozen(ctx, m)
     _check_sizes(ctx, m)
     ranks = sorted(f.index for f in m.files if f.role == "rank")  # type: ignore[type-var]
     if len(set(ranks)) != len(ranks) or any(r >= m.mesh.world_size for r in ranks):  # type: ignore[operator]
@@ -248,9 +255,40 @@ def _check_files(ctx: ParseContext, m: Manifest) -> None:
                  f"{m.mesh.world_size}; found {ranks[:20]}")
 
 
+def _check_frozen(ctx: ParseContext, m: Manifest) -> None:
+    """Format 1.3: with :data:`FROZEN_FEATURE`, one ``frozen`` file per shard rank (there are
+    frozen groups), in order, the i-th named ``frozen-<i>-of-<S>`` (its own or a reference's),
+    each of the size its slots imply; without the feature, no ``frozen`` file."""
+    entries = [f for f in m.files if f.role == FROZEN_ROLE]
+    if not m.frozen:
+        if entries:
+            ctx.note("files", f"{entries[0].path} is a frozen file but requires does not list "
+                     f"{FROZEN_FEATURE!r}")
+        return
+    if not has_frozen_groups(m.components):
+        ctx.note("requires", f"lists {FROZEN_FEATURE!r} but no flat group is frozen")
+        return
+    S = m.mesh.shard_degree
+    if len(entries) != S:
+        ctx.note("files", f"the mesh has {S} shard ranks but the files list {len(entries)} frozen files")
+        return
+    slots = frozen_slots(m.components, m.mesh)
+    data = slots[-1].end if slots else 0
+    wrong = []
+    for i, f in enumerate(entries):
+        name = _FROZEN_NAME.fullmatch(f.path.rsplit("/", 1)[-1])
+        if f.index != i or name is None or (int(name.group(1)), int(name.group(2))) != (i, S):
+            wrong.append(f"frozen entry {i} is {f.path} (index {f.index}), not frozen-{i:05d}-of-{S:05d}")
+        elif f.size != f.data_start + data:
+            wrong.append(f"{f.path}: size {f.size} does not match its header of {f.header_size} "
+                         f"bytes plus {data} bytes of frozen tensors")
+    if wrong:
+        ctx.note("files", listed(wrong))
+
+
 def _check_sizes(ctx: ParseContext, m: Manifest) -> None:
     """Shard and buffers files hold their header and exactly the tensors the components imply."""
-    data_bytes = shard_slots(m.components, m.mesh, m.version)
+    data_bytes = shard_slots(m.components, m.mesh, m.version, m.frozen)
     shard_data = data_bytes[-1].end if data_bytes else 0
     bufs = buffer_slots(m.components)
     buf_data = bufs[-1].end if bufs else 0

@@ -178,7 +178,7 @@ def stream_files(reader: CheckpointReader, batches: Sequence[tuple[int, Batch]],
                  on_bytes: Callable[[int], None] | None = None) -> Written:
     """Write each of ``files`` in turn (``write(file, producer)``), its bytes streamed from
     ``batches`` through one :class:`ShardStream`; ``slots_of(file)``: the file's slots."""
-    ranges = RangeReader(reader.storage, reader.manifest.chunk_size)
+    ranges = RangeReader(reader.files, reader.manifest.chunk_size)
     stream = ShardStream(ranges, batches, on_bytes)
     try:
         entries = tuple(write(t, stream.for_shard(t, slots_of(t))) for t in files)

@@ -16,7 +16,7 @@ from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import Storage
 from shardckpt.storage.places import contains
-from shardckpt.tools.clean import SAVE_ID, remove_stale_saves
+from shardckpt.tools.clean import SAVE_ID, remove_stale_saves, sibling_references
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +73,20 @@ def _refuse_links(dst: Storage, existing: Sequence[str], replacing: bytes | None
 
 def remove_replaced(dst: Storage, replaced: bytes | None, keep: str) -> None:
     """After an ``--overwrite`` commit: remove the files of the manifest it replaced (where that
-    could be read) and every save directory no writer holds a lease on, except the new one.
+    could be read) and every save directory no writer holds a lease on, except the new one and
+    those whose frozen files a committed sibling checkpoint of the run references.
     Removals stay inside DST (:meth:`~shardckpt.storage.Storage.remove_inside`): a symbolic link
     that appeared since :func:`prepare_dst` checked is left alone and logged."""
     try:
+        referenced = sibling_references(dst)  # a later checkpoint of the run still reads them
         for path in _replaced_files(dst, replaced):
-            if path.split("/", 1)[0] == keep:
+            if path.split("/", 1)[0] in referenced or path.split("/", 1)[0] == keep:
                 continue
             try:
                 dst.remove_inside(path)
             except LinkRefusedError as e:
                 log.warning("%s", e)
-        removed = remove_stale_saves(dst, keep)
+        removed = remove_stale_saves(dst, keep, referenced)
     except ShardckptError as e:
         log.warning("%s: committed, but could not remove what it replaced (%s); `shardckpt clean "
                     "%s` removes it", dst.url, e, dst.url)

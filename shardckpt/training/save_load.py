@@ -16,15 +16,17 @@ from typing import Any, Protocol
 from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
+from shardckpt.checkpoint.references import reference_to
+from shardckpt.checkpoint.run_dir import STEP_DIR
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.checkpoint.collective import agree, broadcast_bytes, rank_and_world
-from shardckpt.errors import IncompatibleLayoutError, ManifestError
+from shardckpt.errors import IncompatibleLayoutError, ManifestError, ShardckptError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
-    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
+    FROZEN_ROLE, MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState
 from shardckpt.training.optim_info import load_optimizer_info
@@ -81,7 +83,8 @@ def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
                      buffers)
     optim = optimizer_info(model)
     per_rank = PerRankState(world_size=layout.mesh.world_size).to_doc()
-    spec = CheckpointSpec(layout.mesh, {"model": comp}, optim, dict(extras or {}), per_rank)
+    spec = CheckpointSpec(layout.mesh, {"model": comp}, optim, dict(extras or {}), per_rank,
+                          frozen=True)  # frozen groups in frozen files, which a later save may reference
     if chunk_size:
         spec.chunk_size = chunk_size
     return spec
@@ -111,6 +114,7 @@ class SaveJob:
     writer: CheckpointWriter | None = None
     snapshot: Any = None                    # offload files: copies on their disk (``take``)
     failure: BaseException | None = None    # of stage(); raised by run() on every rank
+    previous: str | None = None             # rank 0's: the run's previous committed checkpoint
 
     def stage(self) -> None:
         """Copy the live shards aside (into the staging buffers; where they hold ``None``, into
@@ -156,6 +160,8 @@ class SaveJob:
                     yield _bytes_of(t)
 
             entries.append(w.write_shard(self.shard, produce))
+            if w.frozen_slots:
+                entries.append(self.write_frozen(produce))
         if self.rank == 0 and w.buffer_slots:
             bufs = self.buffers
             b = w.write_buffers(lambda slot: iter([_bytes_of(bufs[slot.name])]))
@@ -172,10 +178,53 @@ class SaveJob:
                                               lambda slot: iter([_bytes_of(state[slot.name])])))
         return [e.to_doc() for e in entries]
 
+    def write_frozen(self, produce: Any) -> FileEntry:
+        """This shard's frozen file, or, where its bytes are those of the previous checkpoint's
+        frozen file (same slots, same CRC32C of the file they would make), a reference to that
+        file: decided from the bytes in memory and the previous manifest, reading no old file."""
+        w, shard = self.writer, self.shard
+        assert w is not None and shard is not None
+        prev = self.previous_frozen()
+        if prev is not None:
+            pieces = [memoryview(p).cast("B") for slot in w.frozen_slots for p in produce(slot)]
+            size, header_size, crc = w.frozen_crc(shard, pieces)
+            entry, step = prev
+            if (size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c):
+                log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, step)
+                return FileEntry(reference_to(entry, step), FROZEN_ROLE, size, header_size, crc,
+                                 entry.chunk_crc32c, shard)
+            del pieces
+        return w.write_frozen(shard, produce)
+
+    def previous_frozen(self) -> tuple[FileEntry, str] | None:
+        """(frozen entry of this shard, step directory name) of the previous checkpoint, where it
+        can stand for this save's: a sibling step directory whose manifest has the same mesh, chunk
+        size and frozen groups (names, dtypes, numel, padding, parameters) as this save."""
+        prev, shard, spec = self.previous, self.shard, self.spec
+        if not prev or shard is None:
+            return None
+        here, _, name = self.url.rstrip("/").rpartition("/")
+        there, _, step = prev.rstrip("/").rpartition("/")
+        if here != there or step == name or not STEP_DIR.match(step):
+            return None
+        try:
+            m = read_manifest(as_storage(prev, self.storage_options))
+        except ShardckptError as e:
+            log.info("%s: the previous checkpoint %s is unreadable (%s); writing the frozen files",
+                     self.url, prev, e)
+            return None
+        if (not m.frozen or m.mesh != spec.mesh or m.chunk_size != spec.chunk_size
+                or _frozen_part(m.components) != _frozen_part(spec.components)):
+            return None
+        return m.frozen_file(shard), step
+
     def run(self) -> Manifest:
-        """Agree on the save id, write this rank's files, exchange entries, commit on rank 0."""
-        save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
-                                  self.group).decode()
+        """Agree on the save id (and, for frozen files, the previous checkpoint), write this
+        rank's files, exchange entries, commit on rank 0."""
+        mine = f"{new_save_id()}\n{self.previous or ''}" if self.rank == 0 else None
+        save_id, _, previous = broadcast_bytes(None if mine is None else mine.encode(), 0,
+                                               self.group).decode().partition("\n")
+        self.previous = previous or None
         self.writer = writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec,
                                                 save_id)
         # rank 0, which commits, holds the attempt's lease: `shardckpt clean` leaves it alone
@@ -210,7 +259,8 @@ class SaveJob:
 def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
-               staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None) -> SaveJob:
+               staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None,
+               previous: str | None = None) -> SaveJob:
     """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
     With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
@@ -218,6 +268,10 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     the files are written; without it, the files are written from the live tensors. Kinds staged
     as ``None`` go into ``snapshot`` instead (nvme offload: ``take(group, kind, shard)`` copies
     on the offload disk; :meth:`SaveJob.release` calls its ``remove()``).
+
+    ``previous``: the URL of the run's previous committed checkpoint, a sibling of ``url`` (rank
+    0's is used on every rank). A frozen file whose bytes did not change since it is not written
+    again: the manifest references that checkpoint's file (docs/FORMAT.md section 15).
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
@@ -230,7 +284,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
     return SaveJob(url, spec, storage_options, rank, shard if writes else None, shards, buffers,
-                   state, staging, group, snapshot=snapshot)
+                   state, staging, group, snapshot=snapshot, previous=previous)
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
@@ -362,6 +416,18 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
         return LoadResult((), (), (), m, 0, counter["reader"])
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       counter["manifest"], counter["bytes"], counter["reader"])
+
+
+def _frozen_part(components: Mapping[str, Component]) -> list[Any]:
+    """What must match for a frozen file of one checkpoint to stand for another's: each frozen
+    group (name, unit, dtype, numel, padding, parameters) with its parameters' specs and its
+    state kinds."""
+    out: list[Any] = []
+    for name, c in components.items():
+        for g in c.layout.groups:
+            if not g.requires_grad:
+                out.append((name, g, tuple(c.layout.group_params(g)), tuple(c.states[g.name])))
+    return out
 
 
 def fresh_optimizer_state(model: Sharded) -> None:

@@ -97,6 +97,10 @@ def run_copy(ctx: StepContext) -> dict[str, Any]:
     then create the manifest (the same bytes) last: the copy commits as a checkpoint does."""
     dst = ctx.dst_storage()
     m = ctx.manifest
+    if m.references():
+        raise StepFailed(f"{ctx.src.url}: its manifest references frozen files of earlier "
+                         "checkpoints of its run, which a copy would not hold; copy a reshard of "
+                         "it instead (a reshard writes every byte)")
     data = ctx.src.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     written = 0
     for entry in m.files:
@@ -119,7 +123,8 @@ def run_retain(ctx: StepContext) -> dict[str, Any]:
     earlier step is settled, never the newest committed one or the one ``latest`` names. The
     manifest goes first, so that a half-removed checkpoint never looks committed. Nothing outside
     the run directory is touched: a checkpoint directory that is a symbolic link (or lies behind
-    one) is left alone and reported in ``links``, never followed or removed."""
+    one) is left alone and reported in ``links``, never followed or removed. A checkpoint whose
+    frozen files a checkpoint that stays references is kept and reported in ``referenced``."""
     from shardckpt.checkpoint.run_dir import CheckpointManager
 
     manager = CheckpointManager(ctx.watch.url, storage_options=ctx.storage_options)
@@ -128,8 +133,16 @@ def run_retain(ctx: StepContext) -> dict[str, Any]:
     protect = {f.name for f in every[-1:]} | {manager.read_latest() or ""}
     removed: list[str] = []
     links: list[dict[str, str]] = []
-    for f in committed[:-(ctx.spec.keep or 1)]:
-        if f.name in protect or not ctx.is_settled(f.name):
+    doomed = [f for f in committed[:-(ctx.spec.keep or 1)]
+              if f.name not in protect and ctx.is_settled(f.name)]
+    gone = {f.name for f in doomed}
+    needed = manager.referenced([f.name for f in every if f.name not in gone])
+    referenced = [f.name for f in doomed if f.name in needed]
+    for name in referenced:
+        log.info("retain keeps %s: a kept checkpoint references its frozen files",
+                 manager.storage.url_of(name))
+    for f in doomed:
+        if f.name in needed:
             continue
         try:
             manager.storage.remove_inside(f"{f.name}/{MANIFEST_NAME}")
@@ -140,7 +153,8 @@ def run_retain(ctx: StepContext) -> dict[str, Any]:
             continue
         log.info("retain removed %s", f.url)
         removed.append(f.name)
-    return {"removed": removed, "bytes": 0, **({"links": links} if links else {})}
+    return {"removed": removed, "bytes": 0, **({"links": links} if links else {}),
+            **({"referenced": referenced} if referenced else {})}
 
 
 STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
