@@ -33,8 +33,10 @@ from shardckpt.tools.consolidate import consolidate
 from shardckpt.tools.diff import diff
 from shardckpt.tools.reshard import reshard
 from shardckpt.training.checkpointer import Checkpointer
-from shardckpt.storage import crc32c
+from shardckpt.storage import Storage, crc32c
 from shardckpt.training.save_load import load
+from shardckpt.watch.config import StepSpec
+from shardckpt.watch.steps import StepContext, StepFailed, run_copy, run_retain
 from testing.fuzz import dumps, expect_clean, mutations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,6 +157,24 @@ def test_retention_kept_the_referenced_checkpoint(run: dict[str, Any]) -> None:
     assert run["kept"] == [str(root / STEP1)]
     manager = CheckpointManager(str(root), keep_last=1)
     assert manager.apply_retention() == [] and manager.kept_referenced == [str(root / STEP1)]
+
+
+def _watch_step(root: Path, kind: str, **kw: Any) -> StepContext:
+    ckpt = root / STEP2
+    return StepContext(StepSpec(1, kind, **kw), Storage(str(ckpt)),
+                       CheckpointReader(str(ckpt)).manifest, STEP2, 2, Storage(str(root)), {},
+                       lambda name: True)
+
+
+def test_watch_retain_keeps_and_copy_refuses(run: dict[str, Any], tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(run["root"], root)
+    assert run_retain(_watch_step(root, "retain", keep=1)) == \
+        {"removed": [], "bytes": 0, "referenced": [STEP1]}
+    assert (root / STEP1 / MANIFEST_NAME).exists()
+    with pytest.raises(StepFailed, match="references frozen files"):
+        run_copy(_watch_step(root, "copy", dst=str(tmp_path / "copy")))
+    assert not (tmp_path / "copy").exists() and not (tmp_path / STEP1).exists()
 
 
 def test_clean_keeps_a_referenced_save_directory(run: dict[str, Any], tmp_path: Path) -> None:
