@@ -15,9 +15,10 @@ own::
 
 What it overrides (torchtitan's seams; its files are untouched):
 
-- ``dcp_save``: every save, synchronous or ``async_mode="async"`` / ``"async_with_pinned_mem"``,
-  writes through :class:`~shardckpt.interop.dcp.storage.ShardckptWriter`: CRC32C on every byte,
-  the create-only ``manifest.json`` as the commit, fsspec URLs with shardckpt's retries.
+- ``dcp_save``: every save, synchronous or ``async_mode="async"`` / ``"async_with_pinned_mem"``
+  (the last needs CUDA; it is not tested on CPU), writes through
+  :class:`~shardckpt.interop.dcp.storage.ShardckptWriter`: CRC32C on every byte, the create-only
+  ``manifest.json`` as the commit, fsspec URLs with shardckpt's retries.
 - ``dcp_load``: every load reads through :class:`~shardckpt.interop.dcp.storage.ShardckptReader`
   with :class:`~shardckpt.interop.dcp.storage.WeightsOnlyLoadPlanner` (values that are not
   tensors load only as ``torch.load(weights_only=True)`` allows; ``allow_pickle=True`` for runs
@@ -169,7 +170,8 @@ def _build_manager() -> type:
     except ImportError as e:
         raise ConfigError(f"shardckpt's torchtitan integration needs torchtitan (0.3.0 tested): {e}. "
                           "Install it with `pip install --no-deps torchtitan==0.3.0` and "
-                          "`pip install 'shardckpt[torchtitan]'` (see .ci/run)") from e
+                          "`pip install 'shardckpt[torchtitan]'` (torchtitan's own requirements would move "
+                          "fsspec below what s3fs needs)") from e
     from dataclasses import dataclass, field
 
     MODEL, AsyncMode = checkpointer.MODEL, checkpointer.AsyncMode
