@@ -32,6 +32,13 @@ and removed when the save finishes or fails.
 Resume tries the newest committed checkpoint that checks out; if a checksum fails while loading
 it (on any rank), every rank falls back to the next older one, deleting nothing.
 
+Tiers: with ``local=LocalTier(path=..., every=K, keep=2, peers=1)`` and ``durable_every=M``,
+``save(step)`` writes to each node's directory every K steps (peer copies and commit in the
+background), and commits the same checkpoint at ``run_url`` every M steps, copied from the node
+directories in the background; ``resume`` takes the newest checkpoint it can assemble from the
+local tier (own copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`).
+Without ``local``, every ``save`` goes to ``run_url`` (or every M-th step with ``durable_every``).
+
 Hugging Face config: ``extras["hf_config"]`` of every save holds the model's ``config.json``
 dict (``hf_config=``, else the wrapped module's own config when it has one: the built-in Llama,
 or a ``transformers`` model), so that ``shardckpt consolidate`` can write ``config.json``.
@@ -52,7 +59,9 @@ from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, Shard
 from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
+from shardckpt.checkpoint.tiers import LocalTier
 from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
+from shardckpt.training.tiers import LocalSave, NodeTier, resume_tiers
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +146,8 @@ class Checkpointer:
     def __init__(self, run_url: str, engine: Sharded, *, app_state: Mapping[str, Any] | None = None,
                  keep_last: int | None = 3, async_save: bool = False, seed: int = 0,
                  storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
-                 hf_config: Any = None) -> None:
+                 hf_config: Any = None, local: LocalTier | None = None,
+                 durable_every: int | None = None) -> None:
         for name, obj in (app_state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"app_state[{name!r}] has no state_dict()/load_state_dict()")
@@ -150,18 +160,26 @@ class Checkpointer:
         self.async_save = async_save
         self.hf_config = (hf_config_dict(hf_config) if hf_config is not None
                           else default_hf_config(engine))
+        if durable_every is not None and (not isinstance(durable_every, int) or durable_every < 1):
+            raise ConfigError(f"durable_every: {durable_every!r}; expected an integer >= 1 or None")
+        if local is not None and not isinstance(local, LocalTier):
+            raise ConfigError(f"local: a {type(local).__name__}; expected a LocalTier")
+        self.durable_every = durable_every
         self.rank, self.world_size = rank_and_world()
+        #: where the last resume came from: tier ("local", "durable" or None), step, files fetched
+        self.last_resume: dict[str, Any] | None = None
         self._group: Any = None
         self._staging: dict[str, dict[str, Any]] | None = None
         self._pending: Future[Manifest] | None = None
         self._staged = threading.Event()
         self._thread: threading.Thread | None = None
         self._staged.set()
-        if async_save and is_distributed():
+        if (async_save or local is not None) and is_distributed():
             import torch.distributed as dist
 
             # checkpoint collectives run in a background thread: keep them off the training group
             self._group = dist.new_group(backend="gloo")
+        self.tier = NodeTier(local, self.rank, self.world_size, self._group) if local else None
         # the staging copy runs in the background: the next update waits until it is done
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()  # ids of optimizers hooked directly
@@ -219,13 +237,23 @@ class Checkpointer:
         return snap if snap is not None else (set(), None)
 
     def save(self, step: int, extras: Mapping[str, Any] | None = None) -> None:
-        """Save ``step`` on every rank: synchronously, or async (see the module docstring)."""
+        """Save ``step`` on every rank: synchronously, or async (see the module docstring); with
+        tiers, to the tiers due at ``step`` (none: nothing is done)."""
         self.wait()  # at most one in flight; raises the previous save's error here
+        tier = self.tier if self.tier is not None and self.tier.enabled else None
+        local_due = tier is not None and step % tier.tier.every == 0
+        durable_due = self.durable_every is None or step % self.durable_every == 0
+        if not (local_due or durable_due):
+            return
         url = self.manager.url_for(step)
         # the caller's keys sit between hf_config and the Checkpointer's own, which win
         ext = RunExtras.from_doc({**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
                                   **dict(extras or {}), "step": step, "seed": self.seed,
                                   "app": self._app_json()}, "extras", f"save of {url}").to_doc()
+        if tier is not None and local_due and self._save_local(tier, step, ext, durable_due):
+            return
+        if not durable_due:
+            return
         staging, snapshot = None, None
         if self.async_save:
             self._hook_optimizer()
@@ -261,6 +289,45 @@ class Checkpointer:
         thread = threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True)
         thread.start()
         self._pending, self._thread = fut, thread
+
+    def _save_local(self, tier: NodeTier, step: int, ext: Mapping[str, Any], durable: bool) -> bool:
+        """Write ``step`` to the local tier, then copy to peers, commit, and (``durable``) copy to
+        the durable tier in the background. False where the local tier is full (it is then off,
+        and the durable save, if due, is the caller's)."""
+        job = begin_save(self.engine, tier.url_for(step), ext, None, self.chunk_size, self._group,
+                         rank_state=rng_state())
+        written = tier.write(job, step)
+        if written is None:
+            return False
+        fut: Future[Manifest] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._finish_tiers(tier, written, durable))
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+                fut.set_exception(e)
+
+        thread = threading.Thread(target=run, name=f"shardckpt-tiers-{step}", daemon=True)
+        thread.start()
+        self._pending, self._thread = fut, thread
+        return True
+
+    def _finish_tiers(self, tier: NodeTier, written: LocalSave, durable: bool) -> Manifest:
+        m = tier.commit(written)
+        if durable:
+            step = written.step
+            try:
+                m = tier.copy_to_durable(written, self.manager.url_for(step), self.storage_options)
+            except CollectiveError:
+                if self.rank == 0 and self.manager.is_committed(step):
+                    self.manager.mark_committed(step)
+                raise
+            if self.rank == 0:
+                self.manager.mark_committed(step)
+        if m is None:  # the peer copy found no room: nothing committed locally
+            tier.discard(written.step)
+            return written.writer.manifest(written.entries)
+        return m
 
     def _before_step(self, *_: Any) -> None:
         self._staged.wait()
@@ -329,6 +396,9 @@ class Checkpointer:
         """
         from shardckpt.checkpoint.collective import broadcast_bytes
 
+        if self.tier is not None:
+            self.wait()
+            return resume_tiers(self, self.tier, full_verify, strict)
         candidates = self.manager.resume_points(full_verify) if self.rank == 0 else None
 
         def next_step() -> int | None:  # rank 0 checks one candidate at a time, the others follow

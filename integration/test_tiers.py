@@ -1,0 +1,221 @@
+"""The node-local tier with peer copies on gloo: 2 ranks on 2 simulated nodes (``{node}`` paths;
+the node logic with several ranks a node is covered by ``tests/test_tiers.py`` and the benchmark).
+
+One run, four launches, shared by every test here (module-scoped):
+
+1. ``first``: train steps 1-8 saving (local every 2, durable every 4) up to step 6, record the
+   state after step 8 (fp32 masters, Adam moments, optimizer steps, the next random numbers),
+   then rank 1 is SIGKILLed in the middle of step 9;
+2. ``restart``: resume (the local tier, each node's own copies), train to 8, compare; then rank 1
+   is SIGKILLed while writing its shard file of the step-8 save;
+3. node 1's directory is deleted; ``peers``: resume (step 6 from node 0's peer copies, not the
+   half step 8), train to 8, compare; then the local tier is full (a 1-byte quota): one warning,
+   durable saves at 8 and 12 from memory;
+4. ``world1``: one rank resumes from the local tier alone (another durable URL; node 0 holds
+   rank 1's shard as its peer) and loads what a plain load of node 0's step 6 gives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+
+import pytest
+
+from testing.engines import tiny_engine, tiny_step
+from testing.ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+PG_TIMEOUT = 30
+REF_STEP = 8
+
+
+def _digest(engine, opt) -> dict:
+    import torch
+
+    out = {f"{g}.{k}": hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
+           for g, kinds in sorted(engine.local_shards().items()) for k, t in sorted(kinds.items())}
+    out["opt_steps"] = [g["step"] for g in opt.optimizer_metadata()["param_groups"]]
+    out["rand"] = torch.rand(2).tolist()  # the RNG state, restored from the rank files
+    return out
+
+
+def _capture():
+    import logging
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("shardckpt")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return records
+
+
+def _save_record(root: str, name: str, rank: int, value: dict) -> None:
+    path = os.path.join(root, f"{name}-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
+def job(rank: int, world: int, root: str, phase: str) -> dict:
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.runtime import init_distributed
+    from shardckpt.training.checkpointer import Checkpointer
+
+    records = _capture()
+    pm = init_distributed(timeout_s=PG_TIMEOUT)
+    engine, opt = tiny_engine(pm)
+    tier = LocalTier(path=f"{root}/local/node{{node}}", every=2, keep=2, peers=1,
+                     ranks_per_node=1, quota_bytes=1 if phase == "peers" else None)
+    durable = f"{root}/durable" if phase != "world1" else f"{root}/durable-empty"
+    ckpt = Checkpointer(durable, engine, local=tier, durable_every=4, keep_last=3)
+    start = ckpt.resume()
+    out: dict = {"start": start, "resume": ckpt.last_resume}
+    if phase == "world1":
+        from shardckpt.training.save_load import load
+
+        mine = _digest(engine, opt)
+        engine2, opt2 = tiny_engine(pm)
+        load(engine2, f"{root}/local/node0/step-{start:08d}")
+        plain = _digest(engine2, opt2)
+        out["same_as_plain_load"] = {k: v for k, v in mine.items() if k != "rand"} == \
+            {k: v for k, v in plain.items() if k != "rand"}
+        return out
+    for i in range(start + 1, REF_STEP + 1):
+        tiny_step(engine, opt, i, pm.rank)
+        if phase == "first" and i <= 6:
+            ckpt.save(i)
+    ckpt.wait()
+    _save_record(root, phase, rank, _digest(engine, opt))
+    if phase in ("first", "restart"):
+        if phase == "first" and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if phase == "restart" and rank == 1:  # dies in the middle of writing its shard file
+            from shardckpt.storage.writer import LocalSink
+
+            write = LocalSink.write
+
+            def write_then_die(self, view):
+                write(self, view)
+                if "step-00000008" in self.path:  # the header is on disk, the tensors not yet
+                    self.f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            LocalSink.write = write_then_die
+        try:
+            if phase == "first":
+                tiny_step(engine, opt, REF_STEP + 1, pm.rank)
+            else:
+                ckpt.save(REF_STEP)
+                ckpt.wait()
+            out["outcome"] = "went on"
+        except Exception as e:  # noqa: BLE001 - what the test inspects
+            out["outcome"] = f"{type(e).__name__}: {e}"
+        # leave at once: a survivor that waited for the others would keep a rank that is still
+        # in a collective with it from seeing the loss until the group's timeout
+        _save_record(root, f"{phase}-outcome", rank, out)
+        os._exit(0)
+    # peers: the tier is full from here on (quota 1 byte): durable-only saves
+    ckpt.save(REF_STEP)
+    for i in range(REF_STEP + 1, 13):
+        tiny_step(engine, opt, i, pm.rank)
+        ckpt.save(i)
+    ckpt.close()
+    out["warnings"] = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    out["tier_on"] = ckpt.tier.enabled
+    return out
+
+
+def _launch(root: str, phase: str, world: int = 2):
+    return run_ranks(job, world, args=(root, phase), timeout_s=120, pg_timeout_s=PG_TIMEOUT)
+
+
+def _records(root: str, phase: str, ranks=range(2)) -> list[dict]:
+    out = []
+    for r in ranks:
+        with open(os.path.join(root, f"{phase}-{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from shardckpt.checkpoint.run_dir import CheckpointManager
+
+    root = str(tmp_path_factory.mktemp("tiers"))
+    out: dict = {"root": root}
+    out["first"] = _launch(root, "first")
+    out["restart"] = _launch(root, "restart")
+    out["step8_after_kill"] = {n: sorted(os.listdir(os.path.join(root, "local", n, "step-00000008")))
+                               for n in ("node0", "node1")
+                               if os.path.isdir(os.path.join(root, "local", n, "step-00000008"))}
+    out["durable_after_restart"] = [f.step for f in CheckpointManager(f"{root}/durable").committed()]
+    shutil.rmtree(os.path.join(root, "local", "node1"))  # node 1 lost its memory
+    out["peers"] = _launch(root, "peers")
+    out["world1"] = _launch(root, "world1", world=1)
+    return out
+
+
+def test_killed_rank_resumes_from_own_local_copies_bit_exact(run):
+    first = run["first"]
+    assert first[1].exitcode == -signal.SIGKILL, first[1].describe()
+    for o in _records(run["root"], "first-outcome", [0]):
+        assert o["outcome"] != "went on", o  # the survivor lost contact with rank 1
+    for o in _records(run["root"], "restart-outcome", [0]):
+        assert o["start"] == 6
+        assert o["resume"]["tier"] == "local" and o["resume"]["fetched"] == 0
+    assert _records(run["root"], "restart") == _records(run["root"], "first")
+
+
+def test_kill_during_local_save_leaves_no_half_checkpoint(run):
+    restart = run["restart"]
+    assert restart[1].exitcode == -signal.SIGKILL, restart[1].describe()
+    for o in _records(run["root"], "restart-outcome", [0]):
+        assert "CollectiveError" in o["outcome"] and "local save" in o["outcome"], o
+    # the step-8 files were being written on both nodes (rank 1's half), but nothing committed
+    assert set(run["step8_after_kill"]) == {"node0", "node1"}
+    for names in run["step8_after_kill"].values():
+        assert "manifest.json" not in names and names, names
+    for r in run["peers"]:
+        assert r.value["start"] == 6, r.describe()  # not the half step 8
+    # the durable copy of step 8 comes after the local commit: nothing durable at 8 either
+    assert run["durable_after_restart"] == [4]
+
+
+def test_lost_node_recovers_from_peers_bit_exact(run):
+    peers = run["peers"]
+    for r in peers:
+        assert r.ok, r.describe()
+        assert r.value["resume"]["tier"] == "local" and r.value["resume"]["step"] == 6
+        assert r.value["resume"]["fetched"] > 0  # node 1's files came from node 0
+    assert _records(run["root"], "peers") == _records(run["root"], "first")
+
+
+def test_full_local_tier_warns_once_and_saves_durably(run):
+    from shardckpt.checkpoint.run_dir import CheckpointManager
+
+    peers = run["peers"]
+    off = [w for w in peers[0].value["warnings"] if "local tier turned off" in w]
+    assert len(off) == 1 and "quota" in off[0], peers[0].value["warnings"]
+    for r in peers:
+        assert r.value["tier_on"] is False
+        assert not any("local tier turned off" in w for w in r.value["warnings"]) or r.rank == 0
+    mgr = CheckpointManager(f"{run['root']}/durable")
+    assert [f.step for f in mgr.committed()] == [4, 8, 12]
+    assert mgr.read_latest() == "step-00000012"
+    for step in (4, 8, 12):
+        assert mgr.check(next(f for f in mgr.committed() if f.step == step), full=True) == []
+    # nothing of a step-8 or later save went to the full tier
+    assert not os.path.exists(os.path.join(run["root"], "local", "node0", "step-00000010"))
+
+
+def test_resume_on_another_world_size_from_the_local_tier(run):
+    for r in run["world1"]:
+        assert r.ok, r.describe()
+        assert r.value["start"] == 6 and r.value["resume"]["tier"] == "local", r.value
+        assert r.value["same_as_plain_load"], r.value

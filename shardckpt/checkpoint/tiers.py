@@ -1,0 +1,343 @@
+"""The node-local checkpoint tier: where each node keeps its checkpoints, whose files it keeps a
+copy of, what it holds, and which files a resuming rank must fetch from other nodes. No torch:
+pure helpers and local-disk I/O (the transfers themselves are :mod:`shardckpt.training.peer_copy`).
+
+A node's directory (``LocalTier.path`` with ``{node}`` replaced by the node's number) holds
+``step-XXXXXXXX/`` checkpoints in the ordinary format: the manifest of the whole checkpoint
+(the same bytes on every node) and the files this node holds: those its ranks wrote and the
+copies of other nodes' files its ranks keep for them. Rules:
+
+* a step counts on a node once its ``manifest.json`` exists there, created (create-only) only
+  after every rank has reported its files and their peer copies durable;
+* a step whose manifest exists on any node is committed: every file it names was durable on its
+  writer's node and on its peers' nodes before any manifest was created;
+* a node keeps its newest ``keep`` committed steps; older steps, and uncommitted debris older
+  than its newest committed step, are removed at its next commit.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+
+from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
+from shardckpt.errors import (
+    CommitConflictError, ConfigError, IncompleteCheckpointError, InsufficientSpaceError, ShardckptError,
+)
+from shardckpt.format.layout import Layout
+from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, to_json
+from shardckpt.format.manifest_parse import parse
+from shardckpt.format.records import per_rank_state
+from shardckpt.format.reshard_plan import plan_reshard
+from shardckpt.storage import NotFoundError, Storage
+from shardckpt.storage import commit as commit_steps
+from shardckpt.storage.local import local_path
+
+log = logging.getLogger(__name__)
+
+#: Room left for safetensors headers when a save's size is estimated from its tensors.
+HEADER_ALLOWANCE = 1 << 16
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalTier:
+    """Where and how often each node keeps checkpoints of its own.
+
+    ``path``: a local directory (``/dev/shm/run`` or node-local NVMe); ``{node}`` in it is
+    replaced by the node's number (one directory per simulated node on one machine). ``every``:
+    save to this tier every ``every`` steps. ``keep``: committed checkpoints a node keeps.
+    ``peers``: ranks on other nodes that keep a copy of each rank's files. ``ranks_per_node``:
+    default ``LOCAL_WORLD_SIZE`` (torchrun sets it), else the whole world is one node.
+    ``quota_bytes``: the most a node's directory may hold; a save that would pass it (or a disk
+    that is full) turns the tier off with one warning, and saves go to the durable tier alone.
+    """
+
+    path: str
+    every: int
+    keep: int = 2
+    peers: int = 1
+    ranks_per_node: int | None = None
+    quota_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path or local_path(self.path) is None:
+            raise ConfigError(f"LocalTier.path: {self.path!r} is not a local directory (a path on "
+                              "this machine: /dev/shm/..., or node-local disk)")
+        for name, least in (("every", 1), ("keep", 1), ("peers", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ConfigError(f"LocalTier.{name}: {v!r}; expected an integer >= {least}")
+        rpn = self.ranks_per_node
+        if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
+            raise ConfigError(f"LocalTier.ranks_per_node: {rpn!r}; expected an integer >= 1")
+        q = self.quota_bytes
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 0):
+            raise ConfigError(f"LocalTier.quota_bytes: {q!r}; expected an integer >= 0")
+
+    def node_url(self, node: int) -> str:
+        return self.path.replace("{node}", str(node))
+
+    def topology(self, world_size: int, environ: Mapping[str, str] | None = None) -> Nodes:
+        """The job's nodes: ``ranks_per_node``, else ``LOCAL_WORLD_SIZE``, else one node."""
+        env = os.environ if environ is None else environ
+        rpn = self.ranks_per_node
+        if rpn is None:
+            raw = env.get("LOCAL_WORLD_SIZE", "")
+            rpn = int(raw) if raw.isdigit() and int(raw) > 0 else world_size
+        if world_size % rpn:
+            raise ConfigError(f"LocalTier.ranks_per_node: {rpn} does not divide the world size "
+                              f"{world_size}")
+        return Nodes(world_size, rpn)
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """Ranks on nodes: node ``rank // ranks_per_node``. Pure."""
+
+    world_size: int
+    ranks_per_node: int
+
+    @property
+    def count(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def leader(self, node: int) -> int:
+        """The rank that commits on ``node`` (its lowest)."""
+        return node * self.ranks_per_node
+
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def peers_of(self, rank: int, peers: int) -> list[int]:
+        """The ranks that keep copies of ``rank``'s files: the same local rank on each of the next
+        ``peers`` nodes (fewer where there are fewer other nodes)."""
+        n = min(peers, self.count - 1)
+        return [(rank + i * self.ranks_per_node) % self.world_size for i in range(1, n + 1)]
+
+
+# ----------------------------------------------------------------------- what a node holds
+
+
+def node_storage(tier: LocalTier, node: int) -> Storage:
+    return Storage(tier.node_url(node))
+
+
+def holdings(storage: Storage) -> dict[str, Any]:
+    """What a node's directory holds, as JSON: step -> ``{"manifest": save id or None,
+    "files": {path: size}}`` for every step directory, committed or not."""
+    out: dict[str, Any] = {}
+    for name in storage.ls(""):
+        m = STEP_DIR.match(name)
+        if not m:
+            continue
+        step = storage.child(name)
+        files: dict[str, int] = {}
+        for sub in step.ls(""):
+            if step.isdir(sub):
+                files.update({f"{sub}/{f}": size for f, size in step.list_sizes(sub).items()})
+        save_id = None
+        if step.exists(MANIFEST_NAME):
+            try:
+                save_id = parse(step.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES),
+                                step.url_of(MANIFEST_NAME)).save_id
+            except ShardckptError as e:
+                log.warning("local tier: ignoring %s: %s", step.url, e)
+        out[str(int(m.group(1)))] = {"manifest": save_id, "files": files}
+    return out
+
+
+def committed_steps(held: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    """(step, save id) of the steps some node has a manifest of, newest first; a step whose nodes
+    disagree on the save id (two runs in one directory) is left out."""
+    ids: dict[int, set[str]] = {}
+    for h in held:
+        for key, info in h.items():
+            if info["manifest"] is not None:
+                ids.setdefault(int(key), set()).add(info["manifest"])
+    out: list[tuple[int, str]] = []
+    for step, seen in sorted(ids.items(), reverse=True):
+        if len(seen) == 1:
+            out.append((step, next(iter(seen))))
+        else:
+            log.warning("local tier: step %d has manifests of different saves %s on different "
+                        "nodes; not used", step, sorted(seen))
+    return out
+
+
+def files_needed(m: Manifest, layout: Layout | None, shard: int, rank: int, world_size: int) -> list[FileEntry]:
+    """The files a load of ``m`` by ``rank`` reads (shard ``shard`` of ``layout``): the source
+    shards the reshard plan names, the buffers, and the rank's own state where it is
+    restorable; every file where the manifest is not one of flat groups."""
+    if "model" not in m.components or layout is None:
+        return list(m.files)
+    plan = plan_reshard(m.components["model"].layout, layout, strict=False)
+    shards = plan.src_shards_for(shard)
+    same_world = per_rank_state(m).restorable_on(world_size)
+    out = []
+    for f in m.files:
+        if (f.role in ("shard", "frozen") and f.index in shards or f.role == "buffers"
+                or f.role == "rank" and same_world and f.index == rank):
+            out.append(f)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """File ``path`` goes from ``src``'s node directory to ``dst``'s."""
+
+    path: str
+    src: int
+    dst: int
+
+
+def fetch_plan(nodes: Nodes, needs: Mapping[int, Iterable[str]],
+               held: Mapping[int, set[str]]) -> tuple[list[Transfer], list[str]]:
+    """The transfers that give every rank the files it ``needs`` (rank -> paths) in its node's
+    directory, from ``held`` (node -> paths it holds whole): one fetch per missing file and
+    node, by the node's lowest rank that needs it, from the least used holding node (ties: the
+    lowest). Returns the transfers in the order to run them (sorted) and the files no node holds.
+    Pure."""
+    plan: list[Transfer] = []
+    lost: set[str] = set()
+    load: dict[int, int] = {}
+    fetched: set[tuple[int, str]] = set()
+    for rank in sorted(needs):
+        node = nodes.node_of(rank)
+        for path in sorted(set(needs[rank])):
+            if path in held.get(node, set()) or (node, path) in fetched:
+                continue
+            sources = [n for n in sorted(held) if path in held[n] and n != node]
+            if not sources:
+                lost.add(path)
+                continue
+            src = min(sources, key=lambda n: (load.get(n, 0), n))
+            load[src] = load.get(src, 0) + 1
+            fetched.add((node, path))
+            # the holding node's ranks take turns sending
+            sender = nodes.leader(src) + load[src] % nodes.ranks_per_node
+            plan.append(Transfer(path, sender, rank))
+    return sorted(plan, key=lambda t: (t.src, t.dst, t.path)), sorted(lost)
+
+
+def held_whole(held: Mapping[str, Any], step: int, m: Manifest) -> set[str]:
+    """The files of ``m`` one node's :func:`holdings` shows whole (their recorded size)."""
+    files = held.get(str(step), {}).get("files", {})
+    return {f.path for f in m.files if files.get(f.path) == f.size}
+
+
+# ------------------------------------------------------------------------- writing a node
+
+
+def used_bytes(storage: Storage) -> int:
+    """Bytes of every file below a node's directory."""
+    root = storage.full("")
+    total = 0
+    for d, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(d, n)).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def ensure_room(tier: LocalTier, storage: Storage, nbytes: int, what: str) -> None:
+    """Raise :class:`InsufficientSpaceError` where writing ``nbytes`` more below the node's
+    directory would pass ``tier.quota_bytes``, or its file system has not that much free."""
+    if tier.quota_bytes is not None:
+        used = used_bytes(storage)
+        if used + nbytes > tier.quota_bytes:
+            raise InsufficientSpaceError(
+                f"{what}: {storage.url} holds {used} bytes and needs {nbytes} more, past its quota "
+                f"of {tier.quota_bytes} bytes (LocalTier.quota_bytes)", storage.url)
+    storage.ensure_free_space("", nbytes, what)
+
+
+def is_full(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) says the disk or quota is full."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, InsufficientSpaceError):
+            return True
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def as_full(e: BaseException, url: str) -> BaseException:
+    """``e`` as an :class:`InsufficientSpaceError` if it says the disk is full (so that every
+    rank can tell it apart after an exchange), else ``e``."""
+    if is_full(e) and not isinstance(e, InsufficientSpaceError):
+        err = InsufficientSpaceError(f"{url}: the local tier is full ({e})", url)
+        err.__cause__ = e
+        return err
+    return e
+
+
+def commit_node(storage: Storage, m: Manifest, held: Iterable[FileEntry]) -> None:
+    """Create ``manifest.json`` in one node's checkpoint directory ``storage``, once the files
+    this node must hold (``held``) are there with their sizes; create-only (the same bytes
+    there already are success: a commit retried)."""
+    data = to_json(m)
+    parse(data, storage.url_of(MANIFEST_NAME))
+    by_dir: dict[str, list[FileEntry]] = {}
+    for f in held:
+        by_dir.setdefault(posixpath.dirname(f.path), []).append(f)
+    bad = []
+    for d, entries in by_dir.items():
+        sizes = storage.list_sizes(d)
+        bad += [f.path for f in entries if sizes.get(posixpath.basename(f.path)) != f.size]
+    if bad:
+        raise IncompleteCheckpointError(f"{storage.url}: not committed on this node: "
+                                        f"{', '.join(sorted(bad)[:5])} not as written")
+    commit_steps.sync_dirs(storage, m.save_id)
+    try:
+        storage.create_only(MANIFEST_NAME, data)
+    except CommitConflictError:
+        if commit_steps.current_manifest(storage) != data:
+            raise
+
+
+def put_manifest(storage: Storage, data: bytes) -> None:
+    """A committed step's manifest, fetched from another node, into this node's directory."""
+    try:
+        storage.create_only(MANIFEST_NAME, data)
+    except CommitConflictError:
+        pass
+
+
+def prune(storage: Storage, keep: int) -> list[str]:
+    """Keep a node's newest ``keep`` committed steps; remove older ones (manifest first, so a
+    half-removed step never looks committed) and uncommitted steps older than the newest
+    committed one. Returns the names removed."""
+    steps = sorted((int(m.group(1)), n) for n in storage.ls("") if (m := STEP_DIR.match(n)))
+    committed = [s for s, n in steps if storage.exists(f"{n}/{MANIFEST_NAME}")]
+    if not committed:
+        return []
+    kept = set(committed[-keep:])
+    newest = committed[-1]
+    removed = []
+    for s, n in steps:
+        if s in kept or (s not in committed and s > newest):
+            continue
+        try:
+            storage.remove_inside(f"{n}/{MANIFEST_NAME}")
+            storage.remove_inside(n, recursive=True)
+        except (NotFoundError, ShardckptError) as e:
+            log.warning("local tier: could not remove %s: %s", storage.url_of(n), e)
+            continue
+        removed.append(n)
+    return removed
+
+
+def step_url(tier: LocalTier, node: int, step: int) -> str:
+    return node_storage(tier, node).url_of(step_dir(step))

@@ -1,0 +1,124 @@
+"""The node-local tier's pure parts and its node directories (no processes): topology, the fetch
+plan of a resume, commit and pruning rules, the quota."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from shardckpt.checkpoint.tiers import (
+    LocalTier, Nodes, commit_node, committed_steps, ensure_room, fetch_plan, holdings, is_full,
+    node_storage, prune,
+)
+from shardckpt.errors import ConfigError, IncompleteCheckpointError, InsufficientSpaceError
+
+
+def test_config_is_checked_field_by_field():
+    for kwargs, field in (({"every": 0}, "every"), ({"keep": 0}, "keep"), ({"peers": -1}, "peers"),
+                          ({"ranks_per_node": 0}, "ranks_per_node"), ({"quota_bytes": -1}, "quota_bytes")):
+        with pytest.raises(ConfigError, match=f"LocalTier.{field}"):
+            LocalTier(path="/dev/shm/run", **{"every": 2, **kwargs})
+    with pytest.raises(ConfigError, match="LocalTier.path"):
+        LocalTier(path="s3://bucket/run", every=2)
+    with pytest.raises(ConfigError, match="does not divide"):
+        LocalTier(path="/x", every=1, ranks_per_node=3).topology(4)
+    assert LocalTier(path="/x", every=1).topology(8, {"LOCAL_WORLD_SIZE": "4"}) == Nodes(8, 4)
+    assert LocalTier(path="/x", every=1).topology(8, {}) == Nodes(8, 8)
+    assert LocalTier(path="/r/{node}/t", every=1).node_url(3) == "/r/3/t"
+
+
+def test_peers_are_the_same_local_rank_on_the_next_nodes():
+    n = Nodes(8, 2)  # 4 nodes
+    assert [n.node_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert n.peers_of(1, 1) == [3]
+    assert n.peers_of(7, 2) == [1, 3]
+    assert n.peers_of(0, 9) == [2, 4, 6]  # at most the other nodes
+    assert Nodes(4, 4).peers_of(2, 1) == []  # one node: nobody to copy to
+    for r in range(8):
+        assert all(n.node_of(p) != n.node_of(r) for p in n.peers_of(r, 3))
+
+
+def test_fetch_plan_fetches_each_missing_file_once_per_node_from_a_holder():
+    n = Nodes(4, 2)
+    needs = {0: ["s0", "b"], 1: ["s1", "b"], 2: ["s2", "b"], 3: ["s3", "b"]}
+    held = {0: {"s0", "s1", "s2", "s3", "b"}, 1: set()}  # node 1 lost its directory
+    plan, lost = fetch_plan(n, needs, held)
+    assert lost == []
+    assert sorted((t.path, n.node_of(t.src), t.dst) for t in plan) == \
+        [("b", 0, 2), ("s2", 0, 2), ("s3", 0, 3)]  # the buffers once for node 1, by its rank 2
+    assert plan == sorted(plan, key=lambda t: (t.src, t.dst, t.path))
+    assert {t.src for t in plan} <= {0, 1}
+    # nothing to fetch where every node holds what its ranks need
+    assert fetch_plan(n, needs, {0: {"s0", "s1", "b"}, 1: {"s2", "s3", "b"}}) == ([], [])
+    # a file no node holds whole makes the step unassemblable
+    plan, lost = fetch_plan(n, needs, {0: {"s0", "s1", "b"}, 1: {"s2", "b"}})
+    assert lost == ["s3"]
+
+
+def _manifest(tmp_path):
+    """A real committed checkpoint (one rank, tiny) and its manifest."""
+    from shardckpt.checkpoint.reader import read_manifest
+    from shardckpt.format.layout import Mesh
+    from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
+    from shardckpt.storage import Storage
+
+    spec = CheckpointSpec(Mesh.for_world(1), {})
+    src = Storage(str(tmp_path / "src"))
+    w = CheckpointWriter(src, spec)
+    files = [w.write_shard(0, lambda slot: iter([])), w.write_rank_state(0, [], lambda slot: iter([]))]
+    m = w.commit(files)
+    assert read_manifest(src).save_id == m.save_id
+    return m, src
+
+
+def test_node_commit_needs_the_files_the_node_holds_and_is_create_only(tmp_path):
+    m, src = _manifest(tmp_path)
+    tier = LocalTier(path=str(tmp_path / "node{node}"), every=1)
+    node = node_storage(tier, 0)
+    here = node.child("step-00000004")
+    with pytest.raises(IncompleteCheckpointError, match="not committed on this node"):
+        commit_node(here, m, m.files)
+    assert not here.exists("manifest.json")
+    os.makedirs(here.full(m.save_id))
+    for f in m.files:
+        with open(here.full(f.path), "wb") as out, open(src.full(f.path), "rb") as inp:
+            out.write(inp.read())
+    commit_node(here, m, m.files)
+    commit_node(here, m, m.files)  # the same bytes again: a retried commit
+    held = holdings(node)
+    assert held["4"]["manifest"] == m.save_id and set(held["4"]["files"]) == {f.path for f in m.files}
+    assert committed_steps([held, {}]) == [(4, m.save_id)]
+    assert committed_steps([held, {"4": {"manifest": "other", "files": {}}}]) == []
+
+
+def test_prune_keeps_the_newest_and_never_a_newer_uncommitted_step(tmp_path):
+    tier = LocalTier(path=str(tmp_path / "n{node}"), every=1)
+    node = node_storage(tier, 0)
+    for step, committed in ((2, True), (3, False), (4, True), (6, True), (8, False)):
+        d = tmp_path / "n0" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / "x").write_bytes(b"1")
+        if committed:
+            (d / "manifest.json").write_bytes(b"{}")
+    removed = prune(node, keep=2)
+    assert sorted(removed) == ["step-00000002", "step-00000003"]
+    assert sorted(os.listdir(tmp_path / "n0")) == ["step-00000004", "step-00000006", "step-00000008"]
+
+
+def test_quota_and_enospc_are_a_full_tier(tmp_path):
+    tier = LocalTier(path=str(tmp_path / "n{node}"), every=1, quota_bytes=100)
+    node = node_storage(tier, 0)
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n0" / "f").write_bytes(b"x" * 60)
+    ensure_room(tier, node, 40, "save")
+    with pytest.raises(InsufficientSpaceError, match="quota of 100 bytes") as e:
+        ensure_room(tier, node, 41, "save")
+    assert is_full(e.value)
+    import errno
+
+    from shardckpt.errors import StorageError
+
+    err = StorageError("disk")
+    err.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert is_full(err) and not is_full(StorageError("other"))
