@@ -279,6 +279,24 @@ def test_a_changed_frozen_parameter_is_written_again(run: dict[str, Any], tmp_pa
     assert snapshot(fresh) == snapshot(engine)
 
 
+def test_on_an_object_store_the_reference_is_read_from_the_run_directory() -> None:
+    """memory:// has no "..": a reference is read through the run directory's own handle."""
+    url = f"memory://frozen-refs-{os.getpid()}"
+    engine, opt = build()
+    ckpt = Checkpointer(url, engine, keep_last=1)
+    for step in (1, 2):
+        train(engine, opt, step)
+        ckpt.save(step)
+    ckpt.close()
+    m = CheckpointReader(f"{url}/{STEP2}").manifest
+    assert m.frozen_file(0).path.startswith(f"../{STEP1}/") and ckpt.manager.kept_referenced
+    assert verify(f"{url}/{STEP2}").ok
+    fresh, _ = build(seed=5)
+    load(fresh, f"{url}/{STEP2}")
+    assert snapshot(fresh) == snapshot(engine)
+    Storage(url).rm("", recursive=True)
+
+
 # ------------------------------------------------------------------------------ two ranks
 
 

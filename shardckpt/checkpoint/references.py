@@ -37,9 +37,12 @@ def parent_of(storage: Storage) -> Storage | None:
     """The directory that holds the checkpoint at ``storage`` (its run directory), on the same
     backend; None where the checkpoint is a root."""
     root, url = storage.root.rstrip("/"), storage.url.rstrip("/")
-    if "/" not in root or "/" not in url:
+    if "/" not in root:
         return None
-    up_root, up_url = root.rsplit("/", 1)[0] or "/", url.rsplit("/", 1)[0]
+    up_root = root.rsplit("/", 1)[0] or "/"
+    # a local path relative to the working directory has no "/" of its own: name the parent
+    # by the root path the backend serves
+    up_url = url.rsplit("/", 1)[0] if "/" in url else up_root
     if not up_url or up_url.endswith(":/"):
         up_url += "/"
     return Storage(up_url, storage.storage_options, backend=(storage.backend, up_root))
