@@ -213,6 +213,17 @@ def test_removed_referenced_checkpoint_fails_clearly(run: dict[str, Any], tmp_pa
         load(engine, str(root / STEP2))
 
 
+def test_a_reference_whose_file_is_gone_is_not_copied(run: dict[str, Any], tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(run["root"], root)
+    shutil.rmtree(root / STEP1)  # step 2's reference now dangles; the next save must not copy it
+    ckpt = Checkpointer(str(root), run["engine"], keep_last=None)
+    ckpt.save(3)
+    ckpt.close()
+    m3 = CheckpointReader(str(root / STEP3)).manifest
+    assert not m3.references() and verify(str(root / STEP3)).ok
+
+
 def test_a_link_out_of_the_run_is_not_followed(run: dict[str, Any], tmp_path: Path) -> None:
     root = tmp_path / "run"
     shutil.copytree(run["root"], root)

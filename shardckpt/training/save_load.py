@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
-from shardckpt.checkpoint.references import reference_to
+from shardckpt.checkpoint.references import RunFiles, reference_to
 from shardckpt.checkpoint.run_dir import STEP_DIR
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
@@ -189,12 +189,22 @@ class SaveJob:
             pieces = [memoryview(p).cast("B") for slot in w.frozen_slots for p in produce(slot)]
             size, header_size, crc = w.frozen_crc(shard, pieces)
             entry, step = prev
-            if (size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c):
-                log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, step)
-                return FileEntry(reference_to(entry, step), FROZEN_ROLE, size, header_size, crc,
-                                 entry.chunk_crc32c, shard)
+            path = reference_to(entry, step)
+            if ((size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c)
+                    and self.still_there(path, size)):
+                log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, path)
+                return FileEntry(path, FROZEN_ROLE, size, header_size, crc, entry.chunk_crc32c, shard)
             del pieces
         return w.write_frozen(shard, produce)
+
+    def still_there(self, path: str, size: int) -> bool:
+        """Whether the file a reference would name is there with its size (a checkpoint it lies
+        in may have been removed since the previous manifest named it): else it is written."""
+        try:
+            return RunFiles(as_storage(self.url, self.storage_options)).size(path) == size
+        except ShardckptError as e:
+            log.info("%s: not referencing %s (%s); writing the frozen file", self.url, path, e)
+            return False
 
     def previous_frozen(self) -> tuple[FileEntry, str] | None:
         """(frozen entry of this shard, step directory name) of the previous checkpoint, where it
