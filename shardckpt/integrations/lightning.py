@@ -1,0 +1,455 @@
+"""Lightning's FSDP strategies saving and resuming through shardckpt, without patching Lightning.
+
+::
+
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from shardckpt.integrations.lightning import ShardckptModelParallelStrategy
+
+    trainer = L.Trainer(strategy=ShardckptModelParallelStrategy(storage_options={...}),
+                        callbacks=[ModelCheckpoint(dirpath="s3://bucket/run", save_top_k=2, save_last=True)])
+    trainer.fit(model, ckpt_path="s3://bucket/run/last.ckpt")        # or a local path
+
+Lightning's sharded strategies save with DCP themselves and never reach a ``CheckpointIO``
+plugin, so the hooks are the strategy's own ``save_checkpoint`` / ``load_checkpoint`` /
+``remove_checkpoint``: :class:`ShardckptModelParallelStrategy` (FSDP2, ``ModelParallelStrategy``)
+and :class:`ShardckptFSDPStrategy` (FSDP1, ``FSDPStrategy``, always sharded) override those three
+and nothing else of their parent. Each Lightning save is one committed shardckpt checkpoint at the
+path Lightning names (``epoch=1-step=40.ckpt/``, ``last.ckpt/``), written through
+:class:`~shardckpt.interop.dcp.storage.ShardckptWriter` by DCP on every rank:
+
+* every tensor of Lightning's checkpoint dict is a DCP item named by its path, dots between the
+  parts: ``state_dict.<fqn>`` (``get_model_state_dict``: FSDP2 ``DTensor`` shards, FQNs without
+  wrapper prefixes, so ``shardckpt consolidate --prefix state_dict.`` gives the weights),
+  ``optimizer_states.0.state.<fqn>.exp_avg``, and the few tensors callbacks keep (a
+  ``ModelCheckpoint``'s scores);
+* everything else (loops, callbacks, epoch and step, hyper-parameters, LR schedulers, the
+  optimizers' param groups) is JSON in the manifest, ``extras["app"]["lightning"]``, with each
+  tensor replaced by ``{"$tensor": name}``; tuples, dicts with keys that are not strings and
+  floats that JSON lacks (nan, inf) are tagged (``$tuple``, ``$dict``, ``$float``) so that they
+  come back as they were. A value that is none of these (an ``nn.Module`` among the
+  hyper-parameters, say) is refused before anything is written, with one
+  :class:`~shardckpt.errors.ConfigError` naming its place: nothing is pickled, by shardckpt or by
+  DCP (no DCP item is a value, so no ``torch.save`` bytes are written).
+
+Saving to a path that holds a committed checkpoint (``last.ckpt`` every epoch) replaces its
+manifest only if it is unchanged since the save began, then removes the replaced save's files.
+``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k`` / ``save_last``) deletes the manifest
+first, then the directory, through :meth:`~shardckpt.storage.Storage.remove_inside` confined to
+the checkpoint's parent directory, and never the newest good checkpoint there (latest commit,
+then highest step, among those whose files are all present at their recorded sizes).
+
+``load_checkpoint`` reads the JSON, loads every tensor into the model's and optimizers' own
+state dicts (DCP reshards: another world size loads), puts model and optimizer state in place with
+``set_model_state_dict`` / ``set_optimizer_state_dict``, and hands Lightning the rest of the dict.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import posixpath
+from typing import Any
+from collections.abc import Mapping
+
+import torch
+
+from shardckpt.checkpoint.collective import agree, same_error
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.checkpoint.run_dir import CheckpointManager, Found
+from shardckpt.errors import CollectiveError, ConfigError, LinkRefusedError, ManifestError, ShardckptError
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest
+from shardckpt.format.records import RunExtras, run_extras
+from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
+from shardckpt.storage import Storage
+
+log = logging.getLogger(__name__)
+
+# the two strategy classes are built by __getattr__, on first use
+__all__ = ["ShardckptFSDPStrategy", "ShardckptModelParallelStrategy",  # noqa: F822
+           "ShardckptStrategyMixin", "join_state", "newest_good", "remove_checkpoint", "split_state"]
+
+#: ``extras["app"]`` key of Lightning's state, and the version of its layout.
+APP_KEY = "lightning"
+LAYOUT_VERSION = 1
+TENSOR, TUPLE, DICT, FLOAT = "$tensor", "$tuple", "$dict", "$float"
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+# ------------------------------------------------------------------------ the JSON side (pure)
+
+
+def split_state(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Lightning's checkpoint dict as (JSON document, tensors by DCP name).
+
+    Every tensor becomes ``{"$tensor": name}``, ``name`` being its path joined with dots. Raises
+    :class:`ConfigError` naming the path of the first value JSON cannot hold, or of two tensors
+    whose paths join to one name."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def key(k: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(k, torch.Tensor):
+            raise _not_json(k, path, "a dict key")
+        return enc(k, path)
+
+    def enc(v: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(v, torch.Tensor):
+            name = ".".join(path)
+            if name in tensors:
+                raise ConfigError(f"Lightning checkpoint: two tensors are named {name!r} (their paths "
+                                  "join to the same dotted name); rename one of the keys")
+            tensors[name] = v
+            return {TENSOR: name}
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            return v if math.isfinite(v) else {FLOAT: repr(v)}
+        if isinstance(v, tuple):
+            return {TUPLE: [enc(x, (*path, str(i))) for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [enc(x, (*path, str(i))) for i, x in enumerate(v)]
+        if isinstance(v, Mapping):
+            plain = all(isinstance(k, str) for k in v) and not (len(v) == 1 and next(iter(v)).startswith("$"))
+            if plain:
+                return {k: enc(x, (*path, k)) for k, x in v.items()}
+            return {DICT: [[key(k, path), enc(x, (*path, str(k)))] for k, x in v.items()]}
+        raise _not_json(v, path, "a value")
+
+    doc = enc(dict(checkpoint), ())
+    return doc, tensors
+
+
+def _not_json(v: Any, path: tuple[str, ...], what: str) -> ConfigError:
+    where = ".".join(path) or "(top level)"
+    return ConfigError(
+        f"Lightning checkpoint entry {where}: {what} of type {type(v).__module__}.{type(v).__qualname__}, "
+        "which shardckpt does not keep: Lightning's state is stored as JSON (None, bool, int, float, "
+        "str, list, tuple, dict and tensors), never pickled. Leave it out (for hyper-parameters: "
+        "save_hyperparameters(ignore=[...])) or store a JSON form of it")
+
+
+def tensor_names(doc: Any) -> list[str]:
+    """The DCP names that ``doc`` refers to, in document order."""
+    out: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if len(v) == 1 and TENSOR in v and isinstance(v[TENSOR], str):
+                out.append(v[TENSOR])
+                return
+            for x in v.values():
+                walk(x)
+
+    walk(doc)
+    return out
+
+
+def join_state(doc: Any, tensors: Mapping[str, torch.Tensor], source: str) -> Any:
+    """The value :func:`split_state` took apart, with each ``{"$tensor": name}`` replaced by
+    ``tensors[name]``. A document that does not follow the layout is one :class:`ManifestError`
+    naming ``source`` and the place."""
+
+    def bad(path: tuple[str, ...], what: str) -> ManifestError:
+        return ManifestError(f"{source}: extras.app.{APP_KEY}.state.{'.'.join(path)}: {what}")
+
+    def dec(v: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(v, list):
+            return [dec(x, (*path, str(i))) for i, x in enumerate(v)]
+        if not isinstance(v, dict):
+            return v
+        if len(v) == 1 and next(iter(v)).startswith("$"):
+            tag, x = next(iter(v.items()))
+            if tag == TENSOR:
+                if not isinstance(x, str) or x not in tensors:
+                    raise bad(path, f"names tensor {x!r}, which was not loaded")
+                return tensors[x]
+            if tag == FLOAT:
+                if x not in _NON_FINITE:
+                    raise bad(path, f"{FLOAT} must be one of {sorted(_NON_FINITE)}, found {x!r}")
+                return _NON_FINITE[x]
+            if tag == TUPLE:
+                if not isinstance(x, list):
+                    raise bad(path, f"{TUPLE} must hold a list")
+                return tuple(dec(y, (*path, str(i))) for i, y in enumerate(x))
+            if tag == DICT:
+                if not isinstance(x, list) or not all(isinstance(p, list) and len(p) == 2 for p in x):
+                    raise bad(path, f"{DICT} must hold a list of [key, value] pairs")
+                out = {}
+                for k, y in x:
+                    k = dec(k, (*path, "<key>"))
+                    try:
+                        out[k] = dec(y, (*path, str(k)))
+                    except TypeError:  # a list as a key: JSON arrays are not hashable
+                        raise bad(path, f"key {k!r} cannot be a dict key") from None
+                return out
+            raise bad(path, f"unknown tag {tag!r}")
+        return {k: dec(x, (*path, k)) for k, x in v.items()}
+
+    return dec(doc, ())
+
+
+def lightning_doc(m: Manifest, source: str) -> Any:
+    """The JSON document of Lightning's state in manifest ``m``."""
+    app = run_extras(m, source).app or {}
+    entry = app.get(APP_KEY)
+    if not isinstance(entry, dict) or "state" not in entry:
+        raise ManifestError(f"{source}: no extras.app.{APP_KEY}.state: this checkpoint was not saved "
+                            "by shardckpt's Lightning strategy")
+    if entry.get("version") != LAYOUT_VERSION:
+        raise ManifestError(f"{source}: extras.app.{APP_KEY}.version is {entry.get('version')!r}; "
+                            f"this shardckpt reads version {LAYOUT_VERSION}")
+    return entry["state"]
+
+
+# ------------------------------------------------------------------------------- retention
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    url = url.rstrip("/")
+    parent, name = posixpath.split(url)
+    if not name or not parent:
+        raise ConfigError(f"{url!r} names no checkpoint inside a directory")
+    return parent, name
+
+
+def newest_good(parent: Storage) -> list[str]:
+    """Names of the newest good checkpoints directly below ``parent``: committed, every file
+    present at its recorded size, and latest by commit time, then step (several only where
+    they tie)."""
+    manager = CheckpointManager(parent)
+    best: tuple[str, int] | None = None
+    names: list[str] = []
+    for name in parent.ls(""):
+        if not parent.exists(f"{name}/{MANIFEST_NAME}"):
+            continue
+        try:
+            m = read_manifest(parent.child(name))
+            step = run_extras(m).step or 0
+        except ShardckptError:
+            continue
+        if manager.check(Found(step, name, parent.url_of(name))):
+            continue
+        rank = (m.created_at, step)
+        if best is None or rank > best:
+            best, names = rank, [name]
+        elif rank == best:
+            names.append(name)
+    return names
+
+
+def remove_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Delete the checkpoint at ``url`` (manifest first, then its directory), confined to its
+    parent directory and never following a link; True if it was deleted. The newest good
+    checkpoint in that directory is kept (logged) unless another as new remains; so is one behind
+    a symbolic link."""
+    parent_url, name = _split_url(url)
+    parent = Storage(parent_url, storage_options)
+    newest = newest_good(parent)
+    if newest == [name]:
+        log.warning("kept %s: it is the newest good checkpoint in %s", url, parent_url)
+        return False
+    try:
+        parent.remove_inside(f"{name}/{MANIFEST_NAME}")
+        removed = parent.remove_inside(name, recursive=True)
+    except LinkRefusedError as e:
+        log.warning("kept %s: %s", url, e)
+        return False
+    log.info("removed %s", url)
+    return removed
+
+
+# ------------------------------------------------------------------------------ the strategy
+
+
+class ShardckptStrategyMixin:
+    """``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` of a Lightning strategy
+    whose model is sharded with FSDP (1 or 2), through shardckpt (module doc). Put it before the
+    strategy class: ``class S(ShardckptStrategyMixin, ModelParallelStrategy)``; the keyword
+    ``storage_options`` (fsspec, e.g. S3 credentials) is taken, the rest goes to the strategy."""
+
+    model: Any
+    optimizers: list[Any]
+    lightning_module: Any
+    is_global_zero: bool
+    #: Arguments of the parent strategy that must have these values (sharded state).
+    FORCED: dict[str, Any] = {}
+
+    def __init__(self, *args: Any, storage_options: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        for k, v in self.FORCED.items():
+            if kwargs.setdefault(k, v) != v:
+                raise ConfigError(f"{type(self).__name__} saves sharded state: {k} must be {v!r}, "
+                                  f"got {kwargs[k]!r}")
+        super().__init__(*args, **kwargs)
+        self.storage_options = dict(storage_options or {})
+
+    # Lightning's dump_checkpoint asks the strategy for these: sharded, on every rank
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
+
+    def _options(self, extra: Any) -> dict[str, Any]:
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"storage_options must be a mapping of fsspec options; got {type(extra).__name__}")
+        return {**self.storage_options, **dict(extra or {})}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        """Collective: every rank writes its shards; the coordinator commits (module doc)."""
+        import torch.distributed.checkpoint as dcp
+
+        url = str(self.broadcast(str(filepath)))  # type: ignore[attr-defined]
+        options = self._options(storage_options)
+        what = f"save of {url}"
+
+        def prepare() -> tuple[dict[str, Any], dict[str, torch.Tensor], str | None]:
+            doc, tensors = split_state(checkpoint)
+            step = checkpoint.get("global_step")
+            extras = RunExtras.from_doc(
+                {"step": step if isinstance(step, int) and step >= 0 else None,
+                 "app": {APP_KEY: {"version": LAYOUT_VERSION, "state": doc}}},
+                "extras", what).to_doc()
+            return extras, tensors, _current_save_id(url, options) if self.is_global_zero else None
+
+        try:
+            prepared, _ = agree(prepare, what)
+        except CollectiveError as e:
+            raise same_error(e, what) from e
+        assert prepared is not None
+        extras, tensors, replaced = prepared
+        writer = ShardckptWriter(url, options, extras=extras, replace_existing=True)
+        dcp.save(tensors, storage_writer=writer)
+        if self.is_global_zero and replaced is not None:
+            _remove_replaced(url, options, replaced)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: load model and optimizer state in place, return the rest of the dict."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        url = str(self.broadcast(str(checkpoint_path)))  # type: ignore[attr-defined]
+        options = dict(self.storage_options)
+        strict = bool(getattr(self.lightning_module, "strict_loading", True))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = list(self.optimizers) if fitting else []
+        what = f"load of {url}"
+
+        def read() -> tuple[Any, dict[str, tuple[str, tuple[int, ...]]]]:
+            m = read_manifest(Storage(url, options))
+            doc = lightning_doc(m, url)
+            shapes = {t.fqn: (t.dtype, t.shape) for t in (m.chunked.tensors.values() if m.chunked else ())}
+            return doc, shapes
+
+        try:
+            got, _ = agree(read, what)
+        except CollectiveError as e:
+            raise same_error(e, what) from e
+        assert got is not None
+        doc, shapes = got
+        live = {"state_dict": get_model_state_dict(self.model),
+                "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers]}
+        _, targets = split_state(live)
+        saved = tensor_names(doc)
+        missing = sorted(set(targets) - set(saved))
+        missing_model = [k for k in missing if k.startswith("state_dict.")]
+        if (missing_model and strict) or len(missing) > len(missing_model):
+            raise ConfigError(f"{url}: the checkpoint has no {', '.join(missing[:5])}"
+                              f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}; "
+                              "it was saved from another model or optimizer")
+        into: dict[str, torch.Tensor] = {}
+        for name in saved:
+            if name in targets:
+                into[name] = targets[name]
+            elif name.startswith(("state_dict.", "optimizer_states.")):
+                if strict and name.startswith("state_dict."):
+                    raise ConfigError(f"{url}: {name} is in the checkpoint but not in the model "
+                                      "(strict_loading=False loads the rest)")
+            elif name in shapes:  # a callback's tensor: whole, on every rank
+                dtype, shape = shapes[name]
+                into[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+            else:
+                raise ManifestError(f"{url}: extras.app.{APP_KEY} names tensor {name!r}, which "
+                                    "the checkpoint does not hold")
+        dcp.load(into, storage_reader=ShardckptReader(url, options))
+        for name in saved:  # left out above (strict_loading=False): loaded as nothing
+            into.setdefault(name, torch.empty(0))
+        state = join_state(doc, into, url)
+        set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=strict))
+        saved_optim = state.pop("optimizer_states", [])
+        if optimizers and len(saved_optim) != len(optimizers):
+            raise ConfigError(f"{url}: {len(saved_optim)} optimizer states saved, "
+                              f"{len(optimizers)} optimizers configured")
+        for o, s in zip(optimizers, saved_optim, strict=False):
+            set_optimizer_state_dict(self.model, o, optim_state_dict=s)
+        return state
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 deletes (:func:`remove_checkpoint`); the others do nothing."""
+        if self.is_global_zero:
+            remove_checkpoint(str(filepath), self.storage_options)
+
+
+def _current_save_id(url: str, options: Mapping[str, Any]) -> str | None:
+    """The save id of the checkpoint committed at ``url`` now, or None."""
+    storage = Storage(url, options)
+    if not storage.exists(MANIFEST_NAME):
+        return None
+    try:
+        return read_manifest(storage).save_id
+    except ShardckptError as e:  # replaced all the same; its files are left for `shardckpt clean`
+        log.warning("%s: %s", url, e)
+        return None
+
+
+def _remove_replaced(url: str, options: Mapping[str, Any], save_id: str) -> None:
+    """After a save replaced the checkpoint at ``url``: remove the replaced save's files."""
+    storage = Storage(url, options)
+    try:
+        if read_manifest(storage).save_id == save_id:
+            return
+        storage.remove_inside(save_id, recursive=True)
+    except ShardckptError as e:
+        log.warning("could not remove the replaced save %s (%s); `shardckpt clean` removes it",
+                    storage.url_of(save_id), e)
+
+
+_STRATEGIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "ShardckptModelParallelStrategy": (
+        "ModelParallelStrategy", {"save_distributed_checkpoint": True},
+        "Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) "
+        "saving, resuming and deleting checkpoints through shardckpt (module doc). Takes the "
+        "parent's arguments and ``storage_options``; ``save_distributed_checkpoint`` is always True."),
+    "ShardckptFSDPStrategy": (
+        "FSDPStrategy", {"state_dict_type": "sharded"},
+        "Lightning's ``FSDPStrategy`` (FSDP1) saving, resuming and deleting checkpoints through "
+        "shardckpt (module doc). Takes the parent's arguments and ``storage_options``; "
+        "``state_dict_type`` is always ``'sharded'``. FSDP1 needs an accelerator: torch refuses "
+        "modules on the CPU."),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The strategy classes, built on first use: importing this module does not import Lightning."""
+    if name not in _STRATEGIES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import lightning.pytorch.strategies as strategies
+
+    base_name, forced, doc = _STRATEGIES[name]
+    cls = type(name, (ShardckptStrategyMixin, getattr(strategies, base_name)),
+               {"__module__": __name__, "__qualname__": name, "__doc__": doc, "FORCED": forced})
+    globals()[name] = cls
+    return cls

@@ -1,0 +1,132 @@
+"""A tiny Lightning run on FSDP2 (``ModelParallelStrategy``, gloo, CPU) saving through shardckpt.
+
+One function per process launch (:func:`testing.ranks.run_ranks` runs it on every rank):
+
+* :func:`reference_then_kill`: an uninterrupted fit without checkpoints (its global loss per
+  step written to ``reference.json``), then the same fit from the same initial weights with a
+  ``ModelCheckpoint`` saving through shardckpt every epoch, which every rank ends with SIGKILL
+  one step after the save of epoch ``KILL_EPOCH - 1`` (the losses it saw in ``killed.json``);
+* :func:`resume`: ``trainer.fit(ckpt_path=<dir>/last.ckpt)`` on any world size with the same
+  global batch, to the end; its losses per step, and what it restored, come back.
+
+The data are one fixed tensor, not shuffled: global batch ``k`` holds the same samples on every
+world size (``DistributedSampler`` deals them out rank by rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+GLOBAL_BATCH = 8
+SAMPLES = 32                      # 4 steps per epoch
+EPOCHS = 3
+KILL_EPOCH = 2                    # killed after the first step of this epoch (saved: the one before)
+
+
+def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: bool,
+         resume_from: str | None, hparams: dict[str, Any] | None = None) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import lightning.pytorch as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from shardckpt.integrations.lightning import ShardckptModelParallelStrategy
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters(hparams or {"lr": 0.05, "betas": (0.9, 0.95), "note": None})
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                           torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                           torch.nn.Linear(32, 1))
+
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for m in self.net:
+                if isinstance(m, torch.nn.Linear):
+                    fully_shard(m, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch: Any, i: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.05, betas=(0.9, 0.95), foreach=False)
+            sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)  # stepped every step: 0.0125 at step 8
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    losses: dict[int, float] = {}
+    seen: dict[str, Any] = {}
+
+    class Record(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            seen["start_step"] = trainer.global_step
+            seen["start_epoch"] = trainer.current_epoch
+            seen["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+            loss = outputs["loss"].detach().clone()
+            dist.all_reduce(loss)  # the global batch's loss: the mean over ranks of equal shares
+            losses[trainer.global_step] = (loss / world).item()
+            if kill and trainer.current_epoch == KILL_EPOCH and i == 0:
+                if rank == 0:
+                    (Path(workdir) / "killed.json").write_text(json.dumps(losses))
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 1, generator=g))
+    callbacks: list[Any] = [Record()]
+    if ckpt_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="step", mode="max", save_top_k=2,
+                                         save_last=True))
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_epochs=EPOCHS, logger=False,
+                        strategy=ShardckptModelParallelStrategy(data_parallel_size=world,
+                                                                tensor_parallel_size=1),
+                        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
+    torch.manual_seed(0)
+    trainer.fit(Tiny(), DataLoader(data, batch_size=GLOBAL_BATCH // world, shuffle=False),
+                ckpt_path=resume_from)
+    out = {"losses": losses, **seen, "end_step": trainer.global_step}
+    if hparams is None and ckpt_dir is not None:
+        out["save_refused"] = _save_refused(trainer, workdir)
+    return out
+
+
+def _save_refused(trainer: Any, workdir: str) -> str:
+    """A save whose hyper-parameters hold a module: the error every rank raised ('' if none)."""
+    import torch
+
+    from shardckpt.errors import ConfigError
+
+    trainer.lightning_module.hparams["loss_fn"] = torch.nn.MSELoss()
+    try:
+        trainer.save_checkpoint(str(Path(workdir) / "refused.ckpt"))
+    except ConfigError as e:
+        return str(e)
+    finally:
+        del trainer.lightning_module.hparams["loss_fn"]
+    return ""
+
+
+def reference_then_kill(rank: int, world: int, workdir: str) -> None:
+    ref = _run(rank, world, workdir, ckpt_dir=None, kill=False, resume_from=None)
+    if rank == 0:
+        (Path(workdir) / "reference.json").write_text(json.dumps(ref["losses"]))
+    _run(rank, world, workdir, ckpt_dir=str(Path(workdir) / "ckpts"), kill=True, resume_from=None)
+    raise AssertionError("the run was to be killed")
+
+
+def resume(rank: int, world: int, workdir: str, ckpt_dir: str) -> dict[str, Any]:
+    return _run(rank, world, workdir, ckpt_dir=ckpt_dir, kill=False,
+                resume_from=str(Path(ckpt_dir) / "last.ckpt"))
