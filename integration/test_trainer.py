@@ -1,0 +1,177 @@
+"""The real ``transformers.Trainer`` on gloo with shardckpt checkpoints
+(``shardckpt.integrations.transformers``): a tiny ``LlamaForCausalLM`` (~210K parameters, built
+from a config), 2 ranks, CPU. The jobs are ``testing/trainer_job.py``, launched by
+``testing.ranks.run_ranks``.
+
+Three launches, shared by every test here (module-scoped):
+
+1. 2 ranks: an FSDP2 run (the model sharded by ``from_pretrained(distributed_config=...)``;
+   Accelerate's FSDP plugin needs a GPU) saving steps 2 and 4 to S3 (moto); an uninterrupted DDP
+   run of 8 steps saving every 2 with ``save_total_limit=2`` (the reference); the same DDP run
+   again, whose rank 1 SIGKILLs itself right after the save of step 4 (the job dies);
+2. 2 ranks: the FSDP2 run resumed from its S3 checkpoint-2; the killed run resumed with
+   ``resume_from_checkpoint=True`` after an uncommitted ``checkpoint-99`` was planted beside it;
+3. 1 rank, beside 2: the killed run's checkpoint-4 and the FSDP2 checkpoint-2 resumed on one
+   rank (twice the per-device batch: the same global batch), and ``from_pretrained`` of
+   ``shardckpt consolidate`` of the reference's checkpoint-8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testing.ranks import run_ranks
+from testing.trainer_job import job
+
+pytestmark = [pytest.mark.slow, pytest.mark.s3]
+
+TIMEOUT_S = 300
+#: Measured: 2 -> 1 ranks, per-step loss 1.1e-7 relative and weights 7.5e-9 absolute (the
+#: gradient of one batch of 4 against the mean of two batches of 2, rounded in fp32).
+ONE_RANK_LOSS_RTOL = 1e-6
+ONE_RANK_WEIGHT_ATOL = 1e-6
+DDP = {"steps": 8, "save_steps": 2, "save_total_limit": 2, "batch": 2}
+FSDP = {"steps": 4, "save_steps": 2, "batch": 2, "fsdp": True}
+
+
+def _launch(spec: dict[str, Any], world: int) -> list[Any]:
+    # Trainer (Accelerate) sets the process group up from the rank environment, as under
+    # torchrun; so no rank waits at exit for a peer that was killed
+    return run_ranks(job, world, args=(spec,), timeout_s=TIMEOUT_S, init_process_group=False,
+                     env={"HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str, Any]:
+    from testing.cli import cli
+
+    root = tmp_path_factory.mktemp("trainer")
+    bucket = moto_server.create_bucket()
+    opts = moto_server.storage_options()
+    s3 = {"run_url": f"s3://{bucket}/fsdp", "storage_options": opts}
+    fsdp_out = str(root / "fsdp")
+
+    first = _launch({"results": str(root / "r1"), "runs": [
+        {**FSDP, **s3, "output_dir": fsdp_out},
+        {**DDP, "output_dir": str(root / "ref")},
+        {**DDP, "output_dir": str(root / "killed"), "kill_at": [1, 4]}]}, 2)
+    assert first[1].exitcode == -signal.SIGKILL and (root / "r1/2/killed-rank-1").exists(), first
+    assert not first[0].ok  # its peer is gone: the job ends there
+
+    cons = cli("consolidate", str(root / "ref/checkpoint-8"), str(root / "cons"), "--dtype", "fp32")
+    assert cons.exit_code == 0, cons.output
+    shutil.copytree(root / "killed/checkpoint-4", root / "copy/checkpoint-4")
+    (root / "killed/checkpoint-99").mkdir()
+    (root / "killed/checkpoint-99/chunks-00000.safetensors").write_bytes(b"half a save")
+
+    two = {"results": str(root / "r2"), "runs": [
+        {**FSDP, **s3, "output_dir": fsdp_out, "resume": f"{s3['run_url']}/checkpoint-2"},
+        {**DDP, "output_dir": str(root / "killed"), "resume": True}]}
+    one = {"results": str(root / "r3"), "runs": [
+        {**DDP, "batch": 4, "output_dir": str(root / "one"), "resume": str(root / "copy/checkpoint-4")},
+        {**FSDP, "fsdp": False, "batch": 4, "storage_options": opts, "output_dir": str(root / "one-fsdp"),
+         "resume": f"{s3['run_url']}/checkpoint-2"}],
+        "pretrained": [str(root / "cons"), "pretrained.safetensors"]}
+    with ThreadPoolExecutor(2) as pool:  # independent jobs, side by side
+        for results in pool.map(_launch, [two, one], [2, 1]):
+            assert all(r.ok for r in results), [r.describe() for r in results if not r.ok]
+    return {"root": root, "bucket": bucket, "opts": opts}
+
+
+def _losses(root: Path, run: str) -> list[list[float]]:
+    return [json.loads(p.read_text())["losses"] for p in sorted((root / run).glob("rank-*.json"))]
+
+
+def _weights(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _bit_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    import torch
+
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killed_job_resumes_bit_for_bit(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    ref, resumed = _losses(root, "r1/1"), _losses(root, "r2/1")
+    assert len(ref) == 2 and [len(x) for x in ref] == [8, 8]
+    assert resumed == [x[4:] for x in ref]  # steps 5-8 on each rank, exact floats
+    assert _bit_equal(_weights(root / "r1/1/final.safetensors"), _weights(root / "r2/1/final.safetensors"))
+    lr = [json.loads((root / f"{r}/rank-0.json").read_text())["lr"] for r in ("r1/1", "r2/1")]
+    assert lr[0] == lr[1]
+
+
+def test_retention_counts_only_committed_checkpoints(runs: dict[str, Any]) -> None:
+    from shardckpt.checkpoint.verify import verify
+
+    root = runs["root"]
+    assert sorted(os.listdir(root / "ref")) == ["checkpoint-6", "checkpoint-8"]
+    # resume skipped the newer uncommitted folder; retention neither counted nor deleted it
+    assert sorted(os.listdir(root / "killed")) == ["checkpoint-6", "checkpoint-8", "checkpoint-99"]
+    assert not (root / "killed/checkpoint-99/manifest.json").exists()
+    for name in ("checkpoint-6", "checkpoint-8"):
+        assert list(verify(str(root / "killed" / name)).problems) == []
+
+
+def test_checkpoint_holds_trainer_state_without_pickle(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    ckpt = root / "ref/checkpoint-8"
+    m = json.loads((ckpt / "manifest.json").read_text())
+    app = m["extras"]["app"]["trainer"]
+    assert json.loads(app["trainer_state"])["global_step"] == 8 == m["extras"]["step"]
+    assert app["world_size"] == 2 and app["lr_scheduler"]["last_epoch"] == 8
+    files = [str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()]
+    assert all(f == "manifest.json" or f.endswith(".safetensors") for f in files), files
+    assert m["extras"]["hf_config"]["model_type"] == "llama"
+
+
+def test_resume_two_ranks_on_one(runs: dict[str, Any]) -> None:
+    import torch
+
+    root = runs["root"]
+    ref = _losses(root, "r1/1")
+    mean = [(a + b) / 2 for a, b in zip(*ref, strict=True)][4:]
+    (one,) = _losses(root, "r3/0")
+    assert one == pytest.approx(mean, rel=ONE_RANK_LOSS_RTOL, abs=0)
+    a, b = _weights(root / "r1/1/final.safetensors"), _weights(root / "r3/0/final.safetensors")
+    assert sorted(a) == sorted(b)
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= ONE_RANK_WEIGHT_ATOL
+    moved = max(float((a[k] - _weights(root / "r1/0/final.safetensors")[k]).abs().max()) for k in a)
+    assert moved > 100 * ONE_RANK_WEIGHT_ATOL  # the two runs trained different models
+    assert torch.isfinite(torch.tensor(one)).all()
+
+
+def test_fsdp2_sharded_on_s3_resumes(runs: dict[str, Any]) -> None:
+    import fsspec
+
+    root, opts = runs["root"], runs["opts"]
+    fs = fsspec.filesystem("s3", **opts)
+    m = json.loads(fs.cat_file(f"{runs['bucket']}/fsdp/checkpoint-2/manifest.json"))
+    embed = next(t for t in m["chunked"]["tensors"] if t["fqn"] == "model.model.embed_tokens.weight")
+    # FSDP2's DTensor shards: half the rows from each rank, each in that rank's file
+    assert [(c["offsets"], c["sizes"]) for c in embed["chunks"]] == [([0, 0], [512, 64]), ([512, 0], [512, 64])]
+    assert len({c["file"] for c in embed["chunks"]}) == 2
+    first, resumed = _losses(root, "r1/0"), _losses(root, "r2/0")
+    assert [len(x) for x in first] == [4, 4]
+    assert resumed == [x[2:] for x in first]
+    assert _bit_equal(_weights(root / "r1/0/final.safetensors"), _weights(root / "r2/0/final.safetensors"))
+    (one,) = _losses(root, "r3/1")
+    mean = [(a + b) / 2 for a, b in zip(*first, strict=True)][2:]
+    assert one == pytest.approx(mean, rel=ONE_RANK_LOSS_RTOL, abs=0)
+
+
+def test_consolidated_checkpoint_loads_with_from_pretrained(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    assert _bit_equal(_weights(root / "r3/pretrained.safetensors"), _weights(root / "r1/1/final.safetensors"))
