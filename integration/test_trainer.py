@@ -124,7 +124,7 @@ def test_retention_counts_only_committed_checkpoints(runs: dict[str, Any]) -> No
         assert list(verify(str(root / "killed" / name)).problems) == []
 
 
-def test_checkpoint_holds_trainer_state_without_pickle(runs: dict[str, Any]) -> None:
+def test_trainer_state_is_inside_the_checkpoint(runs: dict[str, Any]) -> None:
     root = runs["root"]
     ckpt = root / "ref/checkpoint-8"
     m = json.loads((ckpt / "manifest.json").read_text())
