@@ -154,7 +154,9 @@ class ShardckptTrainerMixin:
         if not url:
             raise ConfigError("no place for checkpoints: pass shardckpt_url= or set "
                               "TrainingArguments.output_dir")
-        self.shardckpt_run = TrainerRun(url, targs.save_total_limit, storage_options)
+        limit = targs.save_total_limit
+        # Trainer keeps every checkpoint for a limit of None or <= 0
+        self.shardckpt_run = TrainerRun(url, limit if limit and limit > 0 else None, storage_options)
         self.shardckpt_storage_options = dict(storage_options or {})
         self.shardckpt_full_verify = bool(full_verify)
         self._shardckpt_resume: _Resume | None = None
