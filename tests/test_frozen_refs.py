@@ -151,6 +151,22 @@ def test_verify_reshard_consolidate_diff(run: dict[str, Any], tmp_path: Path) ->
         assert got[fqn].tobytes() == master.numpy().tobytes(), fqn
 
 
+def test_exports_follow_the_reference(run: dict[str, Any], tmp_path: Path) -> None:
+    """export dcp and export deepspeed read the referenced frozen file like every other reader
+    (it lies in a sibling checkpoint of the run, not through a link out of the source)."""
+    from shardckpt.interop.dcp.export import export_dcp
+    from shardckpt.interop.deepspeed.export import export_deepspeed
+
+    src = str(run["root"] / STEP2)
+    export_dcp(src, str(tmp_path / "dcp"))
+    export_deepspeed(src, str(tmp_path / "ds"), ranks=1)
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    assert any(k.endswith("base.0.weight") for k in md.state_dict_metadata)
+    assert any(p.is_file() for p in (tmp_path / "ds").rglob("*_optim_states.pt"))
+
+
 def test_retention_kept_the_referenced_checkpoint(run: dict[str, Any]) -> None:
     root = run["root"]
     assert (root / STEP1 / MANIFEST_NAME).exists()  # keep_last=1, yet step 2 needs it

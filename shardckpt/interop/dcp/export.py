@@ -30,7 +30,6 @@ from shardckpt.format.layout import prod
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.interop.dcp.to_flat import as_tensor
 from shardckpt.storage import DEFAULT_BATCH, Storage
-from shardckpt.storage.links import check_inside
 
 if TYPE_CHECKING:
     from shardckpt.storage.core import StreamWriter
@@ -197,7 +196,7 @@ def export_dcp(src: str, dst: str, storage_options: Mapping[str, Any] | None = N
         raise ConfigError(f"block_bytes {block_bytes} and file_bytes {file_bytes} must be >= 1")
     reader = CheckpointReader(src, storage_options)
     for entry in reader.manifest.files:  # nothing read through a link out of the source
-        check_inside(reader.storage, entry.path)
+        reader.files.check_inside(entry.path)
     section = reader.manifest.chunked
     out = Storage(dst, dst_storage_options)
     if out.exists(METADATA_NAME):

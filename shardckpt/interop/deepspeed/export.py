@@ -47,7 +47,6 @@ from shardckpt.format.layout import prod
 from shardckpt.format.records import param_groups, run_extras
 from shardckpt.interop.deepspeed.files import MODEL_FILE, folder_name
 from shardckpt.storage import Storage
-from shardckpt.storage.links import check_inside
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +420,7 @@ def export_deepspeed(src: str, dst: str, ranks: int, stage: int = 2, tag: str | 
         raise ConfigError(f"sub_group_size {sub_group_size} must be >= 1")
     reader = CheckpointReader(src, storage_options)
     for entry in reader.manifest.files:  # nothing read through a link out of the source
-        check_inside(reader.storage, entry.path)
+        reader.files.check_inside(entry.path)
     source = _Source(reader)
     if tag is None:
         tag = f"global_step{source.step}"
