@@ -263,7 +263,7 @@ class Checkpointer:
                 staging = self._staging_buffers(on_disk)
             job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
                              self._group, rank_state=rng_state(), staging=staging,
-                             snapshot=snapshot)
+                             snapshot=snapshot, previous=self.manager.latest_url())
         except BaseException:
             if snapshot is not None:
                 snapshot.remove()
