@@ -1,0 +1,235 @@
+"""Benchmark: the node-local tier (with peer copies) against the durable tier alone.
+
+4 gloo ranks on 2 simulated nodes (2 ranks a node, ``{node}`` directories below ``/dev/shm``,
+tmpfs), a Llama-shaped ``ZeroEngine`` + ``ShardedAdamW`` with at least 1 GB of state (fp32
+masters and two Adam moments), one launch. Times, as the slowest rank's (between barriers),
+median of ``--reps``:
+
+* blocking time of a save: ``Checkpointer(local=LocalTier(...)).save(step)`` (returns once each
+  rank's files are on its node; the peer copies and the node commits go on in the background,
+  their total is reported too) against ``Checkpointer(durable).save(step)`` (sync: written,
+  fsynced and committed);
+* recovery, from a fresh ``Checkpointer`` (its process group made beforehand) until the first
+  training step can start: ``resume()`` from the local tier with every node intact ("local"),
+  with node 1's copy of the newest step deleted so that its ranks fetch their files from node 0
+  over the process group ("peers"), and from the durable tier alone ("durable"). What is the same
+  for every tier is left out: process start-up and model construction (``setup_s``) and the first
+  step itself (``step_s``; ``--json`` gives the ratios with it, ``*_with_first_step``). Every
+  resume's state is checked: the SHA-256 of each rank's shards after it equals the one saved.
+
+The durable tier is a local directory on disk (``--durable dir``, default; ``--workdir``) or
+moto's S3 server on loopback (``--durable s3``, ``testing/s3servers.MotoServer``). The page cache
+is dropped before each durable save and each recovery when ``/proc/sys/vm/drop_caches`` is
+writable (``cold_cache`` says whether it was); tmpfs is memory and is not dropped.
+
+    python bench/recovery.py [--params 100M] [--reps 3] [--durable dir|s3] [--workdir DIR] [--json]
+
+Prints one JSON line: ``local_save_over_durable_save``, ``local_recovery_over_durable``,
+``peer_recovery_over_durable``, ``frozen_bytes_over_full`` (from ``bench/_frozen_bytes.py``,
+null where it is absent), with ``--json`` every figure besides. Nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def _digest(engine: Any) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for g, kinds in sorted(engine.local_shards().items()):
+        for k, t in sorted(kinds.items()):
+            h.update(f"{g}.{k}".encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _barrier_timed(fn: Any) -> tuple[float, Any]:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - t, out
+
+
+def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options: dict[str, Any] | None,
+        reps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from _save_load_jobs import _config, build_engine, drop_caches, train_step
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.runtime import init_distributed
+    from shardckpt.training.checkpointer import Checkpointer
+
+    logging.basicConfig(level=logging.WARNING)
+    t0 = time.perf_counter()
+    pm = init_distributed(timeout_s=600)
+    rank = pm.rank
+    cfg = _config(cfg_doc)
+    engine, opt = build_engine(cfg, pm, seed=0)
+    train_step(engine, opt, cfg, rank)
+    state = sum(t.numel() * t.element_size() for kinds in engine.local_shards().values()
+                for t in kinds.values())
+    tier = LocalTier(path=os.path.join(local_root, "node{node}"), every=1, keep=2, peers=1,
+                     ranks_per_node=2)
+    setup_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"state_bytes": state, "setup_s": setup_s, "cold": True,
+                           "save": {"durable": [], "local": [], "local_total": []},
+                           "recovery": {"local": [], "peers": [], "durable": []},
+                           "resume_only": {"local": [], "peers": [], "durable": []},
+                           "step_s": [], "fetched": [], "tiers": [], "exact": True}
+
+    def cold() -> None:
+        if rank == 0:
+            out["cold"] &= drop_caches()
+        dist.barrier()
+
+    plain = Checkpointer(durable, engine, keep_last=2, storage_options=storage_options)
+    tiered = Checkpointer(durable, engine, keep_last=2, storage_options=storage_options,
+                          local=tier, durable_every=10 ** 9)
+    step = 10
+    for _ in range(reps):
+        step += 1
+        cold()
+        dt, _ = _barrier_timed(lambda s=step: plain.save(s))
+        out["save"]["durable"].append(dt)
+        dt, _ = _barrier_timed(lambda s=step: tiered.save(s))
+        out["save"]["local"].append(dt)
+        dt2, _ = _barrier_timed(tiered.wait)
+        out["save"]["local_total"].append(dt + dt2)
+    saved = _digest(engine)
+    tiered.close()
+    plain.close()
+    newest = f"step-{step:08d}"
+    modes = ["local", "peers", "durable"]
+    for rep in range(reps):
+        for mode in modes[rep % 3:] + modes[:rep % 3]:
+            if mode == "peers" and rank == 2:  # node 1 lost its copy of the newest step
+                shutil.rmtree(os.path.join(local_root, "node1", newest), ignore_errors=True)
+            cold()
+            ckpt = Checkpointer(durable, engine, storage_options=storage_options,
+                                local=None if mode == "durable" else tier,
+                                durable_every=None if mode == "durable" else 10 ** 9)
+            t_resume, got = _barrier_timed(ckpt.resume)
+            digest = _digest(engine)
+            t_step, _ = _barrier_timed(lambda: train_step(engine, opt, cfg, rank))
+            out["recovery"][mode].append(t_resume + t_step)
+            out["resume_only"][mode].append(t_resume)
+            out["step_s"].append(t_step)
+            last = ckpt.last_resume or {"tier": "durable", "fetched": 0}
+            out["tiers"].append([mode, last["tier"], got])
+            out["fetched"].append([mode, last["fetched"]])
+            out["exact"] &= digest == saved and got == step
+            ckpt.close()
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _slowest(results: list[dict[str, Any]], *keys: str) -> list[float]:
+    def pick(r: dict[str, Any]) -> list[float]:
+        v: Any = r
+        for k in keys:
+            v = v[k]
+        return v
+    return [max(pick(r)[i] for r in results) for i in range(len(pick(results[0])))]
+
+
+def frozen_ratio() -> float | None:
+    try:
+        from _frozen_bytes import frozen_bytes_over_full  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return float(frozen_bytes_over_full())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", default="100M", help="model size (at least 1 GB of state: 84M)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--durable", choices=("dir", "s3"), default="dir")
+    ap.add_argument("--workdir", default=None, help="where the durable directory goes (disk)")
+    ap.add_argument("--shm", default="/dev/shm", help="where the local tier goes (tmpfs)")
+    ap.add_argument("--json", action="store_true", help="every figure, not only the ratios")
+    args = ap.parse_args()
+    from save_load import llama_config
+
+    from shardckpt.format.quantities import parse_count
+    from shardckpt.training.launch import launch
+
+    cfg = llama_config(parse_count(args.params, "--params"))
+    work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-recovery-")
+    local_root = tempfile.mkdtemp(prefix="shardckpt-recovery-", dir=args.shm)
+    server: Any = None
+    options: dict[str, Any] | None = None
+    try:
+        if args.durable == "s3":
+            from testing.s3servers import MotoServer
+
+            server = MotoServer().start()
+            durable = f"s3://{server.create_bucket('recovery')}/run"
+            options = server.storage_options()
+        else:
+            durable = os.path.join(work, "durable")
+        t = time.perf_counter()
+        results = launch(job, 4, (cfg, local_root, durable, options, args.reps), timeout_s=3600)
+        wall = time.perf_counter() - t
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+        if server is not None:
+            server.stop()
+    sec = {f"save_{k}": _median(_slowest(results, "save", k)) for k in ("durable", "local", "local_total")}
+    sec.update({f"recovery_{k}": _median(_slowest(results, "recovery", k))
+                for k in ("local", "peers", "durable")})
+    sec.update({f"resume_only_{k}": _median(_slowest(results, "resume_only", k))
+                for k in ("local", "peers", "durable")})
+    line = {
+        "local_save_over_durable_save": round(sec["save_local"] / sec["save_durable"], 3),
+        "local_recovery_over_durable": round(sec["resume_only_local"] / sec["resume_only_durable"], 3),
+        "peer_recovery_over_durable": round(sec["resume_only_peers"] / sec["resume_only_durable"], 3),
+        "frozen_bytes_over_full": frozen_ratio(),
+    }
+    if args.json:
+        r0 = results[0]
+        line.update({
+            "durable": args.durable, "state_bytes": sum(r["state_bytes"] for r in results),
+            "reps": args.reps, "cold_cache": all(r["cold"] for r in results),
+            "exact": all(r["exact"] for r in results), "tiers": r0["tiers"], "fetched": r0["fetched"],
+            "seconds": {k: round(v, 3) for k, v in sec.items()},
+            "step_s": round(_median(_slowest(results, "step_s")), 3),
+            "local_recovery_over_durable_with_first_step":
+                round(sec["recovery_local"] / sec["recovery_durable"], 3),
+            "peer_recovery_over_durable_with_first_step":
+                round(sec["recovery_peers"] / sec["recovery_durable"], 3),
+            "per_rep_s": {k: [round(x, 3) for x in _slowest(results, *k.split("."))]
+                          for k in ("save.durable", "save.local", "resume_only.local",
+                                    "resume_only.peers", "resume_only.durable")},
+            "setup_s": round(max(r["setup_s"] for r in results), 1), "wall_s": round(wall, 1),
+        })
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
