@@ -7,7 +7,8 @@ One function per process launch (:func:`testing.ranks.run_ranks` runs it on ever
   ``ModelCheckpoint`` saving through shardckpt every epoch, which every rank ends with SIGKILL
   one step after the save of epoch ``KILL_EPOCH - 1`` (the losses it saw in ``killed.json``);
 * :func:`resume`: ``trainer.fit(ckpt_path=<dir>/last.ckpt)`` on any world size with the same
-  global batch, to the end; its losses per step, and what it restored, come back.
+  global batch, to the end; its losses per step, and what it restored, come back; then a save
+  that must be refused, and optionally two saves to S3 and a fit restoring from one.
 
 The data are one fixed tensor, not shuffled: global batch ``k`` holds the same samples on every
 world size (``DistributedSampler`` deals them out rank by rank).
@@ -28,7 +29,7 @@ KILL_EPOCH = 2                    # killed after the first step of this epoch (s
 
 
 def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: bool,
-         resume_from: str | None, hparams: dict[str, Any] | None = None) -> dict[str, Any]:
+         resume_from: str | None, s3: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import lightning.pytorch as L
@@ -40,14 +41,16 @@ def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: boo
     class Tiny(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.save_hyperparameters(hparams or {"lr": 0.05, "betas": (0.9, 0.95), "note": None})
+            self.save_hyperparameters({"lr": 0.05, "betas": (0.9, 0.95), "note": None})
             self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
                                            torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                            torch.nn.Linear(32, 1))
 
         def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
 
+            if isinstance(self.net, FSDPModule):  # a second fit on the same module
+                return
             mesh = self.device_mesh["data_parallel"]
             for m in self.net:
                 if isinstance(m, torch.nn.Linear):
@@ -90,17 +93,44 @@ def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: boo
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="step", mode="max", save_top_k=2,
                                          save_last=True))
     trainer = L.Trainer(accelerator="cpu", devices=world, max_epochs=EPOCHS, logger=False,
-                        strategy=ShardckptModelParallelStrategy(data_parallel_size=world,
-                                                                tensor_parallel_size=1),
+                        strategy=ShardckptModelParallelStrategy(
+                            data_parallel_size=world, tensor_parallel_size=1,
+                            storage_options=s3[1] if s3 else None),
                         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
     torch.manual_seed(0)
-    trainer.fit(Tiny(), DataLoader(data, batch_size=GLOBAL_BATCH // world, shuffle=False),
-                ckpt_path=resume_from)
+    module, loader = Tiny(), DataLoader(data, batch_size=GLOBAL_BATCH // world, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=resume_from)
     out = {"losses": losses, **seen, "end_step": trainer.global_step}
-    if hparams is None and ckpt_dir is not None:
+    if ckpt_dir is not None:
         out["save_refused"] = _save_refused(trainer, workdir)
+    if s3 is not None:
+        out.update(_through_s3(trainer, module, loader, s3[0]))
     return out
+
+
+def _local_weights(module: Any) -> Any:
+    import torch
+
+    return torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+                      for p in module.parameters()])
+
+
+def _through_s3(trainer: Any, module: Any, loader: Any, url: str) -> dict[str, Any]:
+    """Save twice to ``url`` (an S3 prefix), spoil the weights, and fit again from the second
+    save (the run is at its last epoch: the fit restores and stops)."""
+    import torch
+
+    before = _local_weights(module).clone()
+    trainer.save_checkpoint(f"{url}/a.ckpt")
+    trainer.save_checkpoint(f"{url}/b.ckpt")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    spoiled = not torch.equal(before, _local_weights(module))
+    trainer.fit(module, loader, ckpt_path=f"{url}/b.ckpt")
+    return {"s3_restored": spoiled and torch.equal(before, _local_weights(module)),
+            "s3_step": trainer.global_step}
 
 
 def _save_refused(trainer: Any, workdir: str) -> str:
@@ -127,6 +157,9 @@ def reference_then_kill(rank: int, world: int, workdir: str) -> None:
     raise AssertionError("the run was to be killed")
 
 
-def resume(rank: int, world: int, workdir: str, ckpt_dir: str) -> dict[str, Any]:
+def resume(rank: int, world: int, workdir: str, ckpt_dir: str,
+           s3: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Resume from ``<ckpt_dir>/last.ckpt``; with ``s3`` (a prefix and its storage options), then
+    save there twice and load the second save back (:func:`_through_s3`)."""
     return _run(rank, world, workdir, ckpt_dir=ckpt_dir, kill=False,
-                resume_from=str(Path(ckpt_dir) / "last.ckpt"))
+                resume_from=str(Path(ckpt_dir) / "last.ckpt"), s3=s3)
