@@ -15,8 +15,8 @@ import json
 import math
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
