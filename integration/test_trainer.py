@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str
     s3 = {"run_url": f"s3://{bucket}/fsdp", "storage_options": opts}
     fsdp_out = str(root / "fsdp")
 
+    began = time.monotonic()
     first = _launch({"results": str(root / "r1"), "runs": [
         {**FSDP, **s3, "output_dir": fsdp_out},
         {**DDP, "output_dir": str(root / "ref")},
@@ -66,6 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str
     assert first[1].exitcode == -signal.SIGKILL and (root / "r1/2/killed-rank-1").exists(), first
     assert not first[0].ok  # its peer is gone: the job ends there
 
+    first_s = time.monotonic() - began
     cons = cli("consolidate", str(root / "ref/checkpoint-8"), str(root / "cons"), "--dtype", "fp32")
     assert cons.exit_code == 0, cons.output
     shutil.copytree(root / "killed/checkpoint-4", root / "copy/checkpoint-4")
@@ -80,9 +83,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str
         {**FSDP, "fsdp": False, "batch": 4, "storage_options": opts, "output_dir": str(root / "one-fsdp"),
          "resume": f"{s3['run_url']}/checkpoint-2"}],
         "pretrained": [str(root / "cons"), "pretrained.safetensors"]}
+    began = time.monotonic()
     with ThreadPoolExecutor(2) as pool:  # independent jobs, side by side
         for results in pool.map(_launch, [two, one], [2, 1]):
             assert all(r.ok for r in results), [r.describe() for r in results if not r.ok]
+    print(f"trainer jobs: {first_s:.1f} s, then {time.monotonic() - began:.1f} s side by side")
     return {"root": root, "bucket": bucket, "opts": opts}
 
 
