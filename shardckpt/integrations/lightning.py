@@ -335,8 +335,7 @@ class ShardckptStrategyMixin:
         """Collective: load model and optimizer state in place, return the rest of the dict."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
-            set_optimizer_state_dict,
+            StateDictOptions, get_model_state_dict, set_model_state_dict, set_optimizer_state_dict,
         )
 
         from lightning.pytorch.trainer.states import TrainerFn
@@ -361,39 +360,20 @@ class ShardckptStrategyMixin:
         assert got is not None
         doc, shapes = got
         live = {"state_dict": get_model_state_dict(self.model),
-                "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers]}
-        _, targets = split_state(live)
-        saved = tensor_names(doc)
-        missing = sorted(set(targets) - set(saved))
-        missing_model = [k for k in missing if k.startswith("state_dict.")]
-        if (missing_model and strict) or len(missing) > len(missing_model):
-            raise ConfigError(f"{url}: the checkpoint has no {', '.join(missing[:5])}"
-                              f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}; "
-                              "it was saved from another model or optimizer")
-        into: dict[str, torch.Tensor] = {}
-        for name in saved:
-            if name in targets:
-                into[name] = targets[name]
-            elif name.startswith(("state_dict.", "optimizer_states.")):
-                if strict and name.startswith("state_dict."):
-                    raise ConfigError(f"{url}: {name} is in the checkpoint but not in the model "
-                                      "(strict_loading=False loads the rest)")
-            elif name in shapes:  # a callback's tensor: whole, on every rank
-                dtype, shape = shapes[name]
-                into[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-            else:
-                raise ManifestError(f"{url}: extras.app.{APP_KEY} names tensor {name!r}, which "
-                                    "the checkpoint does not hold")
-        dcp.load(into, storage_reader=ShardckptReader(url, options))
-        for name in saved:  # left out above (strict_loading=False): loaded as nothing
-            into.setdefault(name, torch.empty(0))
-        state = join_state(doc, into, url)
-        set_model_state_dict(self.model, state.pop("state_dict"), options=StateDictOptions(strict=strict))
-        saved_optim = state.pop("optimizer_states", [])
+                "optimizer_states": [_optimizer_template(self.model, o) for o in optimizers]}
+        saved_optim = doc.get("optimizer_states", []) if isinstance(doc, dict) else []
         if optimizers and len(saved_optim) != len(optimizers):
             raise ConfigError(f"{url}: {len(saved_optim)} optimizer states saved, "
                               f"{len(optimizers)} optimizers configured")
-        for o, s in zip(optimizers, saved_optim, strict=False):
+        into = _load_targets(url, tensor_names(doc), split_state(live)[1], shapes, strict, bool(optimizers))
+        dcp.load(into, storage_reader=ShardckptReader(url, options))
+        left_out = {n: torch.empty(0) for n in tensor_names(doc) if n not in into}
+        state = join_state(doc, {**into, **left_out}, url)
+        model_state = state.pop("state_dict")
+        for name in left_out:  # strict_loading=False: what the model does not have is dropped
+            model_state.pop(name.removeprefix("state_dict."), None)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
+        for o, s in zip(optimizers, state.pop("optimizer_states", []), strict=False):
             set_optimizer_state_dict(self.model, o, optim_state_dict=s)
         return state
 
@@ -401,6 +381,61 @@ class ShardckptStrategyMixin:
         """Rank 0 deletes (:func:`remove_checkpoint`); the others do nothing."""
         if self.is_global_zero:
             remove_checkpoint(str(filepath), self.storage_options)
+
+
+def _optimizer_template(model: Any, optimizer: Any) -> dict[str, Any]:
+    """``get_optimizer_state_dict`` with every state tensor there to load into. torch creates
+    the state of an optimizer that has none by a step with zero gradients, but not where a
+    parameter already has a gradient (a second ``fit`` on the same module): those gradients are
+    set aside for that step and put back after it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    held = [] if optimizer.state else [p for g in optimizer.param_groups for p in g["params"]
+                                       if p.grad is not None]
+    grads = [p.grad for p in held]
+    for p in held:
+        p.grad = None
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    finally:
+        for p, g in zip(held, grads, strict=True):
+            p.grad = g
+
+
+def _load_targets(url: str, saved: list[str], targets: Mapping[str, torch.Tensor],
+                  shapes: Mapping[str, tuple[str, tuple[int, ...]]], strict: bool,
+                  optimizers: bool) -> dict[str, torch.Tensor]:
+    """What DCP loads into, by name: the live model's and optimizers' tensors (``targets``) for
+    theirs, a new whole tensor for a callback's; a model tensor the model lacks is left out
+    unless ``strict``. Raises :class:`ConfigError` for state the checkpoint or the job lacks."""
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
+
+    missing = sorted(n for n in set(targets) - set(saved) if strict or not n.startswith("state_dict."))
+    if missing:
+        raise ConfigError(f"{url}: the checkpoint has no {listed(missing)}; it was saved from "
+                          "another model or optimizer")
+    into: dict[str, torch.Tensor] = {}
+    extra: list[str] = []
+    for name in saved:
+        if name in targets:
+            into[name] = targets[name]
+        elif name.startswith("state_dict."):
+            if strict:
+                extra.append(name)
+        elif name.startswith("optimizer_states."):
+            if optimizers:
+                extra.append(name)
+        elif name in shapes:  # a callback's tensor: whole, on every rank
+            dtype, shape = shapes[name]
+            into[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+        else:
+            raise ManifestError(f"{url}: extras.app.{APP_KEY} names tensor {name!r}, which the "
+                                "checkpoint does not hold")
+    if extra:
+        raise ConfigError(f"{url}: the model or optimizer has no {listed(extra)}; it was saved from "
+                          "another model or optimizer (strict_loading=False loads a model's rest)")
+    return into
 
 
 def _current_save_id(url: str, options: Mapping[str, Any]) -> str | None:
