@@ -163,3 +163,27 @@ def resume(rank: int, world: int, workdir: str, ckpt_dir: str,
     save there twice and load the second save back (:func:`_through_s3`)."""
     return _run(rank, world, workdir, ckpt_dir=ckpt_dir, kill=False,
                 resume_from=str(Path(ckpt_dir) / "last.ckpt"), s3=s3)
+
+
+def main() -> None:
+    """``python -m testing.lightning_job``: the killed run resumed on 1 rank against the
+    uninterrupted 2-rank run, loss by loss (the figure behind the test's 1-rank tolerance)."""
+    import tempfile
+
+    from testing import lightning_job as this  # by module name: spawn imports it
+    from testing.ranks import run_distributed, run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="lightning-") as work:
+        run_ranks(this.reference_then_kill, 2, args=(work,), timeout_s=300)
+        ref = json.loads((Path(work) / "reference.json").read_text())
+        (one,) = run_distributed(this.resume, 1, args=(work, f"{work}/ckpts"), timeout_s=300)
+    worst = 0.0
+    for step, loss in sorted(one["losses"].items(), key=lambda kv: int(kv[0])):
+        rel = abs(loss - ref[step]) / abs(ref[step])
+        worst = max(worst, rel)
+        print(f"step {step}: 1 rank {loss!r}, 2 ranks uninterrupted {ref[step]!r}, relative {rel:.2g}")
+    print(f"largest relative difference: {worst:.2g}")
+
+
+if __name__ == "__main__":
+    main()
