@@ -13,8 +13,11 @@
 Lightning's sharded strategies save with DCP themselves and never reach a ``CheckpointIO``
 plugin, so the hooks are the strategy's own ``save_checkpoint`` / ``load_checkpoint`` /
 ``remove_checkpoint``: :class:`ShardckptModelParallelStrategy` (FSDP2, ``ModelParallelStrategy``)
-and :class:`ShardckptFSDPStrategy` (FSDP1, ``FSDPStrategy``, always sharded) override those three
-and nothing else of their parent. Each Lightning save is one committed shardckpt checkpoint at the
+and :class:`ShardckptFSDPStrategy` (FSDP1, ``FSDPStrategy``, always sharded; untested here, as
+FSDP1 refuses CPU modules) override those three, and the two that hand Lightning the sharded state
+(``lightning_module_state_dict``, ``optimizer_state``: torch's ``get_model_state_dict`` /
+``get_optimizer_state_dict``). Both classes are built on first use: importing this module does
+not import Lightning. Each Lightning save is one committed shardckpt checkpoint at the
 path Lightning names (``epoch=1-step=40.ckpt/``, ``last.ckpt/``), written through
 :class:`~shardckpt.interop.dcp.storage.ShardckptWriter` by DCP on every rank:
 
@@ -37,7 +40,8 @@ manifest only if it is unchanged since the save began, then removes the replaced
 ``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k`` / ``save_last``) deletes the manifest
 first, then the directory, through :meth:`~shardckpt.storage.Storage.remove_inside` confined to
 the checkpoint's parent directory, and never the newest good checkpoint there (latest commit,
-then highest step, among those whose files are all present at their recorded sizes).
+then highest step, among those whose files are all present at their recorded sizes; where
+several tie, one may go while another stays).
 
 ``load_checkpoint`` reads the JSON, loads every tensor into the model's and optimizers' own
 state dicts (DCP reshards: another world size loads), puts model and optimizer state in place with
