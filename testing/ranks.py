@@ -38,8 +38,10 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 from shardckpt.training.launch import LOOPBACK, free_port, join_all, rank_env
 
@@ -48,6 +50,7 @@ __all__ = ["DistributedFailure", "RankResult", "case_suite", "check_case", "free
            "shared_reports"]
 
 _EXIT_KEY = "ranks/exited"
+_RELEASED = "released"  # the parent has seen every rank report or die
 
 
 @dataclass(frozen=True)
@@ -109,16 +112,19 @@ def _child(rank: int, world_size: int, port: int, target: Callable[..., Any], ar
     os.replace(tmp, path)
     if store is not None:  # rank 0 hosts the store: it leaves last, even after a failure
         _wait_for_everyone(store, world_size, wait=out["ok"] or rank == 0,
-                           deadline_s=pg_timeout_s)
+                           deadline_s=pg_timeout_s, released=Path(result_dir) / _RELEASED)
     os._exit(0 if out["ok"] else 1)
 
 
-def _wait_for_everyone(store: Any, world_size: int, wait: bool, deadline_s: float) -> None:
-    """Count this rank out; with ``wait``, stay until every rank is out (or the deadline)."""
+def _wait_for_everyone(store: Any, world_size: int, wait: bool, deadline_s: float,
+                       released: Path) -> None:
+    """Count this rank out; with ``wait``, stay until every rank is out, the parent has seen every
+    rank report or die (``released``: a killed rank never counts out), or the deadline."""
     try:
         store.add(_EXIT_KEY, 1)
         end = time.monotonic() + deadline_s
-        while wait and time.monotonic() < end and store.add(_EXIT_KEY, 0) < world_size:
+        while (wait and time.monotonic() < end and store.add(_EXIT_KEY, 0) < world_size
+               and not released.exists()):
             time.sleep(0.01)
     except Exception:  # noqa: BLE001 - the store host is gone: nobody is left to wait for
         pass
@@ -153,7 +159,7 @@ def _run_once(target: Callable[..., Any], world_size: int, args: tuple, timeout_
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        hung = join_all(procs, timeout_s)
+        hung = _join(procs, Path(result_dir), timeout_s)
         results = []
         for r, p in enumerate(procs):
             path = Path(result_dir) / f"rank-{r:05d}.json"
@@ -171,6 +177,20 @@ def _run_once(target: Callable[..., Any], world_size: int, args: tuple, timeout_
                                           error="exited without reporting a result",
                                           exitcode=p.exitcode))
         return results
+
+
+def _join(procs: Sequence[Any], result_dir: Path, timeout_s: float) -> list[int]:
+    """:func:`join_all`, and once every rank has reported or died, release the ones that wait
+    for the others to count out (a rank killed on purpose never does)."""
+    deadline = time.monotonic() + timeout_s
+    released = result_dir / _RELEASED
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if not released.exists() and all(
+                not p.is_alive() or (result_dir / f"rank-{r:05d}.json").exists()
+                for r, p in enumerate(procs)):
+            released.touch()
+        wait([p.sentinel for p in procs if p.is_alive()], timeout=0.05)
+    return join_all(procs, max(0.0, deadline - time.monotonic()))
 
 
 def run_distributed(target: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
