@@ -17,7 +17,8 @@ from shardckpt.checkpoint.chunked_read import iter_elements, iter_tensor_bands
 from shardckpt.format import chunked
 from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, overlap, row_bands
 
-N = 100_000
+#: 25k chunks: a scan per band is 6e8 steps here; the bounds are per chunk and per band
+N = 25_000
 
 
 def _tensor(shape: tuple[int, ...], boxes: Any, chunks_type: Any = tuple) -> ChunkedTensor:
@@ -37,7 +38,7 @@ def _strip_beside_rows(n: int) -> tuple[tuple[int, int], list[Any]]:
 
 LARGE = {
     "rows": lambda: ((N, 8), [((i, 0), (1, 8)) for i in range(N)]),
-    "grid 2-D": lambda: ((317, 317), _grid(317, 317)),
+    "grid 2-D": lambda: ((159, 159), _grid(159, 159)),
     "strip beside rows": lambda: _strip_beside_rows(N),
 }
 
@@ -54,7 +55,7 @@ def _brute_force(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int])
 
 @pytest.mark.parametrize("budget", [1, 1 << 12], ids=["one row a band", "4 KiB bands"])
 @pytest.mark.parametrize("layout", list(LARGE))
-def test_every_band_of_100k_chunks_costs_log_n_plus_its_chunks(layout: str, budget: int) -> None:
+def test_every_band_of_many_chunks_costs_log_n_plus_its_chunks(layout: str, budget: int) -> None:
     shape, boxes = LARGE[layout]()
     t = _tensor(shape, boxes)
     n = len(t.chunks)
