@@ -48,7 +48,7 @@ def test_fetch_plan_fetches_each_missing_file_once_per_node_from_a_holder():
     assert sorted((t.path, n.node_of(t.src), t.dst) for t in plan) == \
         [("b", 0, 2), ("s2", 0, 2), ("s3", 0, 3)]  # the buffers once for node 1, by its rank 2
     assert plan == sorted(plan, key=lambda t: (t.src, t.dst, t.path))
-    assert {t.src for t in plan} <= {0, 1}
+    assert {(t.src, t.dst) for t in plan} == {(0, 2), (1, 3)}  # pairs side by side
     # nothing to fetch where every node holds what its ranks need
     assert fetch_plan(n, needs, {0: {"s0", "s1", "b"}, 1: {"s2", "s3", "b"}}) == ([], [])
     # a file no node holds whole makes the step unassemblable

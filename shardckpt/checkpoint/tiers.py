@@ -203,7 +203,7 @@ def fetch_plan(nodes: Nodes, needs: Mapping[int, Iterable[str]],
     """The transfers that give every rank the files it ``needs`` (rank -> paths) in its node's
     directory, from ``held`` (node -> paths it holds whole): one fetch per missing file and
     node, by the node's lowest rank that needs it, from the least used holding node (ties: the
-    lowest). Returns the transfers in the order to run them (sorted) and the files no node holds.
+    lowest), sent by that node's rank of the same local index. Returns the transfers in the order to run them (sorted) and the files no node holds.
     Pure."""
     plan: list[Transfer] = []
     lost: set[str] = set()
@@ -221,8 +221,8 @@ def fetch_plan(nodes: Nodes, needs: Mapping[int, Iterable[str]],
             src = min(sources, key=lambda n: (load.get(n, 0), n))
             load[src] = load.get(src, 0) + 1
             fetched.add((node, path))
-            # the holding node's ranks take turns sending
-            sender = nodes.leader(src) + load[src] % nodes.ranks_per_node
+            # the rank of the same local index sends: the pairs of two nodes work side by side
+            sender = nodes.leader(src) + rank % nodes.ranks_per_node
             plan.append(Transfer(path, sender, rank))
     return sorted(plan, key=lambda t: (t.src, t.dst, t.path)), sorted(lost)
 

@@ -435,11 +435,14 @@ class Checkpointer:
             log.info("no committed checkpoint below %s; starting at step 0", self.manager.url)
         return 0
 
-    def load(self, url: str, strict: bool = True, weights_only: bool = False) -> LoadResult:
-        """Load ``url`` (model, optimizer, application and per-rank state) on every rank."""
+    def load(self, url: str, strict: bool = True, weights_only: bool = False,
+             storage_options: Mapping[str, Any] | None = None) -> LoadResult:
+        """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
+        ``storage_options`` (default: the run's; ``{}`` for a node-local directory)."""
         self.wait()  # a save in flight reads the state a load would overwrite
+        options = self.storage_options if storage_options is None else storage_options
         res = load(self.engine, url, strict=strict, weights_only=weights_only,
-                   storage_options=self.storage_options)
+                   storage_options=options)
         extras = run_extras(res.manifest, url)
         app = extras.app or {}
         absent = [name for name in self.app_state if name not in app]
