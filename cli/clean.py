@@ -30,7 +30,7 @@ def clean(
     r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=parse_storage_options(storage_option))
     if json_out:
         echo_json({"prefix": prefix, "dry_run": dry_run, "debris": r.debris, "kept_young": r.kept_young,
-                   "kept_live": r.kept_live,
+                   "kept_live": r.kept_live, "kept_referenced": r.kept_referenced,
                    "committed": r.committed,
                    "links": [{"path": p, "target": t} for p, t in r.links],
                    "open_uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated}
@@ -44,6 +44,8 @@ def clean(
         typer.echo(f"kept {d} (younger than --min-age {min_age:g} s: may be a save in progress)")
     for d in r.kept_live:
         typer.echo(f"kept {d} (its writer holds a lease: a save in progress)")
+    for d in r.kept_referenced:
+        typer.echo(f"kept {d} (a committed checkpoint references its frozen files)")
     for p, t in r.links:
         typer.echo(f"kept {p} (a symbolic link to {t}: clean neither follows nor removes links)")
     for u in r.uploads:

@@ -198,6 +198,12 @@ def test_clean_keeps_a_referenced_save_directory(run: dict[str, Any], tmp_path: 
     shutil.copytree(run["root"], root)
     sid = CheckpointReader(str(root / STEP1)).manifest.save_id
     (root / STEP1 / MANIFEST_NAME).unlink()  # its own manifest gone: only the reference keeps it
+    from testing.cli import cli, ok
+
+    shown = json.loads(ok(cli("clean", str(root), "--min-age", "0", "--dry-run", "--json")).stdout)
+    assert shown["kept_referenced"] == [f"{STEP1}/{sid}"] and shown["debris"] == []
+    assert "a committed checkpoint references its frozen files" in ok(
+        cli("clean", str(root), "--min-age", "0", "--dry-run")).stdout
     report = clean(str(root), min_age_s=0)
     assert report.kept_referenced == [f"{STEP1}/{sid}"] and report.debris == []
     assert verify(str(root / STEP2)).ok
