@@ -142,6 +142,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bytes": (_count, "a count"), "output": (_opt_text, "a string"),
     "identity": (_opt_text, "a string"), "source_save_id": (_opt_text, "a string"),
     "adopted": (_flag, "true or false"), "removed": (_names, "a list of names"),
+    "referenced": (_names, "a list of names"),
     "reason": (_text, "a string"),
 }
 _REQUIRED = {
