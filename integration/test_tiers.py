@@ -12,7 +12,8 @@ One run, four launches, shared by every test here (module-scoped):
    half step 8), train to 8, compare; then the local tier is full (a 1-byte quota): one warning,
    durable saves at 8 and 12 from memory;
 4. ``world1``: one rank resumes from the local tier alone (another durable URL; node 0 holds
-   rank 1's shard as its peer) and loads what a plain load of node 0's step 6 gives.
+   rank 1's shard as its peer) and loads what a plain load of node 0's step 6 gives; then, with
+   one bit of that copy flipped, resume refuses it (checksums) and takes the previous local step.
 """
 
 from __future__ import annotations
@@ -86,6 +87,20 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
         plain = _digest(engine2, opt2)
         out["same_as_plain_load"] = {k: v for k, v in mine.items() if k != "rand"} == \
             {k: v for k, v in plain.items() if k != "rand"}
+        # one flipped bit in node 0's copy of rank 1's shard: the size still checks out, the
+        # checksums do not; the previous local step (4) is taken instead
+        step6 = f"{root}/local/node0/step-{start:08d}"
+        shard1 = next(os.path.join(d, f) for d, _, fs in os.walk(step6) for f in fs
+                      if f.startswith("shard-00001-"))
+        with open(shard1, "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([b[0] ^ 1]))
+        again = Checkpointer(durable, engine, local=tier)
+        out["damaged"] = {"step": again.resume(), "resume": again.last_resume,
+                          "warnings": [r.getMessage() for r in records if r.levelname == "WARNING"
+                                       and "fails its checksums" in r.getMessage()]}
         return out
     for i in range(start + 1, REF_STEP + 1):
         tiny_step(engine, opt, i, pm.rank)
@@ -219,3 +234,8 @@ def test_resume_on_another_world_size_from_the_local_tier(run):
         assert r.ok, r.describe()
         assert r.value["start"] == 6 and r.value["resume"]["tier"] == "local", r.value
         assert r.value["same_as_plain_load"], r.value
+        # the local tier's bytes are checked as any tier's: the damaged copy is refused, and the
+        # previous local step is taken
+        damaged = r.value["damaged"]
+        assert damaged["step"] == 4 and damaged["resume"]["tier"] == "local", damaged
+        assert len(damaged["warnings"]) == 1 and "shard-00001" in damaged["warnings"][0], damaged
