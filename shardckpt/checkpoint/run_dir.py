@@ -46,7 +46,13 @@ class Found:
 
 class CheckpointManager:
     """The step directories below ``run_url`` (a URL, or a :class:`Storage` already open on it).
-    Safe to call from one process (rank 0)."""
+    Safe to call from one process (rank 0). A subclass for another naming of the step
+    directories sets :attr:`DIR_PATTERN` (one group: the step) and :meth:`dir_name`."""
+
+    DIR_PATTERN = STEP_DIR
+
+    def dir_name(self, step: int) -> str:
+        return step_dir(step)
 
     def __init__(self, run_url: str | Storage, keep_last: int | None = None,
                  storage_options: Mapping[str, Any] | None = None) -> None:
@@ -62,13 +68,13 @@ class CheckpointManager:
         return self.storage.url
 
     def url_for(self, step: int) -> str:
-        return self.storage.url_of(step_dir(step))
+        return self.storage.url_of(self.dir_name(step))
 
     def step_dirs(self) -> list[tuple[int, str]]:
         """(step, name) of every step directory, committed or not, oldest first."""
         out = []
         for name in self.storage.ls(""):
-            m = STEP_DIR.match(name)
+            m = self.DIR_PATTERN.match(name)
             if m:
                 out.append((int(m.group(1)), name))
         return sorted(out)
@@ -84,7 +90,7 @@ class CheckpointManager:
             name = self.storage.read_limited(LATEST, 4096).decode().strip()
         except (NotFoundError, UnicodeDecodeError):
             return None
-        return name if STEP_DIR.match(name) else None
+        return name if self.DIR_PATTERN.match(name) else None
 
     def check(self, found: Found, full: bool = False) -> list[str]:
         """Problems of one committed checkpoint: manifest and sizes, or every checksum if ``full``."""
@@ -111,7 +117,7 @@ class CheckpointManager:
         return problems
 
     def is_committed(self, step: int) -> bool:
-        return self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
+        return self.storage.exists(f"{self.dir_name(step)}/{MANIFEST_NAME}")
 
     def resume_points(self, full_verify: bool = False) -> Iterator[Found]:
         """Committed checkpoints that pass :meth:`check`, newest first (checked as iterated)."""
@@ -163,7 +169,7 @@ class CheckpointManager:
 
     def mark_committed(self, step: int) -> None:
         """Point ``latest`` at ``step`` (which must be committed), then apply retention."""
-        name = step_dir(step)
+        name = self.dir_name(step)
         if not self.storage.exists(f"{name}/{MANIFEST_NAME}"):
             raise IncompleteCheckpointError(f"{self.storage.url_of(name)} has no {MANIFEST_NAME}; "
                                             "latest is not moved to an uncommitted save")

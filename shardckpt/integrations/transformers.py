@@ -81,19 +81,10 @@ class TrainerRun(CheckpointManager):
     only committed ones count, retention never deletes the newest). There is no ``latest``
     pointer: Trainer finds the newest by name, and so does :meth:`resume_points`."""
 
-    def url_for(self, step: int) -> str:
-        return self.storage.url_of(f"checkpoint-{step}")
+    DIR_PATTERN = CHECKPOINT_DIR
 
-    def step_dirs(self) -> list[tuple[int, str]]:
-        out = []
-        for name in self.storage.ls(""):
-            m = CHECKPOINT_DIR.match(name)
-            if m:
-                out.append((int(m.group(1)), name))
-        return sorted(out)
-
-    def is_committed(self, step: int) -> bool:
-        return self.storage.exists(f"checkpoint-{step}/{MANIFEST_NAME}")
+    def dir_name(self, step: int) -> str:
+        return f"checkpoint-{step}"
 
     def read_latest(self) -> str | None:
         return None
