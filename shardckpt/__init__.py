@@ -14,6 +14,7 @@ The package is grouped by layer, lowest first; a layer imports only those below 
 - :mod:`shardckpt.training` — the training-loop side: save/load from a running job, the Checkpointer.
 - :mod:`shardckpt.runtime` — the ZeRO-1/2/3 engine.
 - :mod:`shardckpt.watch` — ``shardckpt watch``, the pipeline service.
+- :mod:`shardckpt.integrations` — Hugging Face Trainer, Lightning and torchtitan glue.
 - :mod:`shardckpt.demo` — ``shardckpt demo``: the whole stack on local disk.
 
 ``tests/test_layers.py`` holds every module to this order.
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Checkpointer": "training.checkpointer",
+    "LocalTier": "checkpoint.tiers",
     "CheckpointReader": "checkpoint.reader",
     "verify": "checkpoint.verify",
     "consolidate": "tools.consolidate",
@@ -45,6 +47,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from shardckpt.checkpoint.reader import CheckpointReader as CheckpointReader
+    from shardckpt.checkpoint.tiers import LocalTier as LocalTier
     from shardckpt.checkpoint.verify import verify as verify
     from shardckpt.interop.dcp.checkpointer import DcpCheckpointer as DcpCheckpointer
     from shardckpt.interop.dcp.storage import ShardckptReader as ShardckptReader
