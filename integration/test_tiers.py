@@ -1,7 +1,7 @@
 """The node-local tier with peer copies on gloo: 2 ranks on 2 simulated nodes (``{node}`` paths;
 the node logic with several ranks a node is covered by ``tests/test_tiers.py`` and the benchmark).
 
-One run, four launches, shared by every test here (module-scoped):
+One run, six launches, shared by every test here (module-scoped):
 
 1. ``first``: train steps 1-8 saving (local every 2, durable every 4) up to step 6, record the
    state after step 8 (fp32 masters, Adam moments, optimizer steps, the next random numbers),
@@ -13,7 +13,11 @@ One run, four launches, shared by every test here (module-scoped):
    durable saves at 8 and 12 from memory;
 4. ``world1``: one rank resumes from the local tier alone (another durable URL; node 0 holds
    rank 1's shard as its peer) and loads what a plain load of node 0's step 6 gives; then, with
-   one bit of that copy flipped, resume refuses it (checksums) and takes the previous local step.
+   one bit of that copy flipped, resume refuses it (checksums) and takes the previous local step;
+5. ``copy_kill`` (4 ranks on 2 nodes, a directory of its own): rank 3 is SIGKILLed in the middle
+   of sending its step-4 files to its peer; every survivor fails that save with "lost contact"
+   (the group's timeout is longer than the launch's, so waiting for it would fail the test), and
+   no node commits step 4; ``copy_kill_restart`` resumes step 2 and trains to 4, bit-exact.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from testing.ranks import run_ranks
 pytestmark = pytest.mark.slow
 
 PG_TIMEOUT = 30
+LONG_PG_TIMEOUT = 600
 REF_STEP = 8
 
 
@@ -146,6 +151,55 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
     return out
 
 
+def _send_once_then_die(send, dst: int):
+    """``send`` that kills this process at its second message to ``dst``."""
+    sent: list = []
+
+    def send_then_die(tensor, to, *args, **kwargs):
+        if to == dst:
+            if sent:
+                os.kill(os.getpid(), signal.SIGKILL)
+            sent.append(tensor.numel())
+        return send(tensor, to, *args, **kwargs)
+    return send_then_die
+
+
+def job_copy_kill(rank: int, world: int, root: str, phase: str) -> dict:
+    """4 ranks on 2 nodes: ``kill``: local saves at 2 and 4; rank 3 is SIGKILLed in the middle of
+    sending its step-4 files to its peer (rank 1), after the other copies; the survivors report
+    what ``wait`` raised. ``restart``: resume, train to 4, record the state."""
+    import torch.distributed as dist
+
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.runtime import init_distributed
+    from shardckpt.training.checkpointer import Checkpointer
+
+    pm = init_distributed(timeout_s=LONG_PG_TIMEOUT if phase == "kill" else PG_TIMEOUT)
+    engine, opt = tiny_engine(pm)
+    tier = LocalTier(path=f"{root}/local/node{{node}}", every=2, keep=2, peers=1, ranks_per_node=2)
+    ckpt = Checkpointer(f"{root}/durable", engine, local=tier, durable_every=1000)
+    start = ckpt.resume()
+    out: dict = {"start": start, "resume": ckpt.last_resume}
+    for i in range(start + 1, 5):
+        tiny_step(engine, opt, i, pm.rank)
+        if phase == "kill" and i == 4:
+            ckpt.wait()
+            _save_record(root, "state", rank, _digest(engine, opt))
+            if rank == 3:  # the offer is taken, then the first piece of the file never comes
+                dist.send = _send_once_then_die(dist.send, 1)
+        if phase == "kill":
+            ckpt.save(i)
+    try:
+        ckpt.wait()
+        out["outcome"] = "saved"
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        out["outcome"] = f"{type(e).__name__}: {e}"
+    if phase == "restart":
+        out["state"] = _digest(engine, opt)
+        ckpt.close()
+    return out
+
+
 def _launch(root: str, phase: str, world: int = 2):
     return run_ranks(job, world, args=(root, phase), timeout_s=120, pg_timeout_s=PG_TIMEOUT)
 
@@ -173,6 +227,15 @@ def run(tmp_path_factory):
     shutil.rmtree(os.path.join(root, "local", "node1"))  # node 1 lost its memory
     out["peers"] = _launch(root, "peers")
     out["world1"] = _launch(root, "world1", world=1)
+    kill = os.path.join(root, "copy-kill")
+    # the group's timeout is past the join's: a survivor that waited for it would be killed as hung
+    out["copy_kill"] = run_ranks(job_copy_kill, 4, args=(kill, "kill"), timeout_s=120,
+                                 pg_timeout_s=LONG_PG_TIMEOUT)
+    out["copy_kill_step4"] = {n: sorted(os.listdir(os.path.join(kill, "local", n, "step-00000004")))
+                              for n in sorted(os.listdir(os.path.join(kill, "local")))
+                              if os.path.isdir(os.path.join(kill, "local", n, "step-00000004"))}
+    out["copy_kill_restart"] = run_ranks(job_copy_kill, 4, args=(kill, "restart"), timeout_s=120,
+                                         pg_timeout_s=PG_TIMEOUT)
     return out
 
 
@@ -239,3 +302,26 @@ def test_resume_on_another_world_size_from_the_local_tier(run):
         damaged = r.value["damaged"]
         assert damaged["step"] == 4 and damaged["resume"]["tier"] == "local", damaged
         assert len(damaged["warnings"]) == 1 and "shard-00001" in damaged["warnings"][0], damaged
+
+
+def test_rank_lost_during_the_peer_copy_fails_every_survivor_and_commits_nothing(run):
+    killed = run["copy_kill"]
+    assert killed[3].exitcode == -signal.SIGKILL, killed[3].describe()
+    for r in killed[:3]:
+        assert r.ok, r.describe()
+        message = r.value["outcome"]
+        # every survivor, not only the victim's partner, sees the loss itself, not a timeout
+        assert message.startswith("CollectiveError: peer copy of"), message
+        assert "lost contact" in message and "committed on no node" in message, message
+        assert "timed out" not in message.lower(), message
+    # rank 3's files reached node 0 in part at most: step 4 has files but no manifest anywhere
+    assert run["copy_kill_step4"], run["copy_kill_step4"]
+    for names in run["copy_kill_step4"].values():
+        assert "manifest.json" not in names, names
+    restart = run["copy_kill_restart"]
+    for r in restart:
+        assert r.ok and r.value["outcome"] == "saved", r.describe()
+        assert r.value["start"] == 2 and r.value["resume"]["tier"] == "local", r.value
+    # bit-exact against the run the kill interrupted (its state after step 4, every rank)
+    before = _records(os.path.join(run["root"], "copy-kill"), "state", range(4))
+    assert [r.value["state"] for r in restart] == before

@@ -30,6 +30,7 @@ fails a checksum while loading on any rank, gives way to the next; every rank de
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +48,16 @@ from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityE
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
+from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
 
 log = logging.getLogger(__name__)
 
 COPY_PIECE = 8 << 20
+
+#: Numbers the resumes' fetches (the same on every rank): each gets a loss flag of its own.
+FETCHES = itertools.count()
 
 
 @dataclass
@@ -144,8 +149,13 @@ class NodeTier:
             return run_transfers(plan, self.rank, here, entries, chunk, self.group,
                                  room=lambda n: ensure_room(self.tier, self.storage, n, "peer copy"))
 
+        def left_behind() -> str:
+            return f"step {save.step} is committed on no node; resume takes an earlier checkpoint"
+
+        save_id = save.writer.save_id
         try:
-            agree(copy, f"peer copy of {here.url}", self.group)
+            watched_agree(copy, f"peer copy of {here.url}", self.group,
+                          LossFlag.for_group(self.group, f"peer-copy/{save_id}"), left_behind)
         except CollectiveError as e:
             if not failed_with(e, InsufficientSpaceError):
                 raise
@@ -162,7 +172,8 @@ class NodeTier:
                 for name in prune(self.storage, self.tier.keep):
                     log.info("local tier: removed %s", self.storage.url_of(name))
 
-        agree(commit, f"local commit of {here.url}", self.group)
+        watched_agree(commit, f"local commit of {here.url}", self.group,
+                      LossFlag.for_group(self.group, f"node-commit/{save_id}"))
         if self.rank == 0:
             log.info("local tier: committed step %d on %d node(s) (%d peer cop%s)", save.step,
                      nodes.count, len(plan), "y" if len(plan) == 1 else "ies")
@@ -229,9 +240,12 @@ class NodeTier:
                 put_manifest(here, data)
             return n
 
+        flag = LossFlag.for_group(None, f"fetch/{save_id}/{next(FETCHES)}")
         try:
-            agree(fetch, f"assembly of local step {step}")
+            watched_agree(fetch, f"assembly of local step {step}", None, flag)
         except CollectiveError as e:
+            if lost_contact(e):
+                raise
             return f"fetching from peers failed: {e}"
         return here.url, len(plan)
 
