@@ -122,3 +122,39 @@ def test_quota_and_enospc_are_a_full_tier(tmp_path):
     err = StorageError("disk")
     err.__cause__ = OSError(errno.ENOSPC, "No space left on device")
     assert is_full(err) and not is_full(StorageError("other"))
+
+
+def test_direct_read_fills_each_target_and_checks_every_chunk_it_touches(tmp_path):
+    import random
+
+    from shardckpt.errors import IntegrityError
+    from shardckpt.format.integrity import crc32c
+    from shardckpt.format.manifest import FileEntry
+    from shardckpt.training.direct_load import read_into
+
+    cs, size = 64, 64 * 9 + 17  # a short last chunk
+    data = bytes(random.Random(0).randrange(256) for _ in range(size))
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    chunks = tuple(crc32c(data[i:i + cs]) for i in range(0, size, cs))
+    entry = FileEntry("f", "shard", size, 0, crc32c(data), chunks, 0)
+    # inside one chunk, across boundaries, touching, a gap of whole chunks, to the end
+    ranges = [(3, 10), (60, 130), (130, 140), (400, 420), (500, size)]
+    targets = [bytearray(b - a) for a, b in ranges]
+    read_into(str(path), "f", entry, cs,
+              [(a, b, memoryview(t)) for (a, b), t in zip(ranges, targets, strict=True)])
+    assert [bytes(t) for t in targets] == [data[a:b] for a, b in ranges]
+    overlap = [bytearray(20), bytearray(20)]  # the same bytes wanted twice
+    read_into(str(path), "f", entry, cs, [(100, 120, memoryview(overlap[0])),
+                                          (110, 130, memoryview(overlap[1]))])
+    assert bytes(overlap[0]) == data[100:120] and bytes(overlap[1]) == data[110:130]
+    # a flipped bit outside the wanted bytes, in a chunk a range touches, is still caught
+    bad = bytearray(data)
+    bad[135] ^= 1
+    path.write_bytes(bytes(bad))
+    with pytest.raises(IntegrityError, match=r"bytes \[128, 192\) fail their CRC32C"):
+        read_into(str(path), "f", entry, cs, [(129, 131, memoryview(bytearray(2)))])
+    read_into(str(path), "f", entry, cs, [(3, 10, memoryview(bytearray(7)))])  # chunk 0 is whole
+    path.write_bytes(data[:-1])
+    with pytest.raises(IntegrityError, match="the manifest records"):
+        read_into(str(path), "f", entry, cs, [(3, 10, memoryview(bytearray(7)))])

@@ -61,6 +61,7 @@ from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
 from shardckpt.checkpoint.tiers import LocalTier
 from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
+from shardckpt.training.direct_load import load_direct
 from shardckpt.training.tiers import LocalSave, NodeTier, resume_tiers
 
 log = logging.getLogger(__name__)
@@ -436,13 +437,18 @@ class Checkpointer:
         return 0
 
     def load(self, url: str, strict: bool = True, weights_only: bool = False,
-             storage_options: Mapping[str, Any] | None = None) -> LoadResult:
+             storage_options: Mapping[str, Any] | None = None, direct: bool = False) -> LoadResult:
         """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
-        ``storage_options`` (default: the run's; ``{}`` for a node-local directory)."""
+        ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
+        ``url`` is a directory on this machine; read its shards straight into the engine's
+        (:mod:`shardckpt.training.direct_load`)."""
         self.wait()  # a save in flight reads the state a load would overwrite
         options = self.storage_options if storage_options is None else storage_options
-        res = load(self.engine, url, strict=strict, weights_only=weights_only,
-                   storage_options=options)
+        if direct and not weights_only:
+            res = load_direct(self.engine, url, strict=strict)
+        else:
+            res = load(self.engine, url, strict=strict, weights_only=weights_only,
+                       storage_options=options)
         extras = run_extras(res.manifest, url)
         app = extras.app or {}
         absent = [name for name in self.app_state if name not in app]

@@ -302,7 +302,7 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
                 continue
             source = "the durable tier"
         try:
-            ckpt.load(url, strict=strict, storage_options={} if is_local else None)
+            ckpt.load(url, strict=strict, storage_options={} if is_local else None, direct=is_local)
         except CollectiveError as e:
             ranks = failed_with(e, IntegrityError)
             if not ranks:

@@ -1,0 +1,178 @@
+"""Load a checkpoint whose files are on this machine (the local tier) straight into the engine's
+shards: each needed span of a shard file is read with ``readinto`` into the shard's own memory
+(no intermediate buffer, no second copy), and every chunk it touches is checked against its
+CRC32C on the way (the bytes of a touched chunk that no shard wants go through one scratch
+buffer). The file's safetensors header is checked against the manifest first, as every read
+does (:meth:`~shardckpt.checkpoint.reader.CheckpointReader.check_file`).
+
+:func:`load_direct` does what :func:`shardckpt.training.save_load.load` does for a checkpoint of
+flat groups loaded with its optimizer state into CPU shards (any reshard plan); any other case
+(chunked tensors, weights only, state in offload files, device tensors, a weights-only
+checkpoint) goes through :func:`~shardckpt.training.save_load.load` itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+from collections.abc import Sequence
+
+from shardckpt.checkpoint.collective import agree, rank_and_world
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.errors import IntegrityError
+from shardckpt.format.integrity import crc32c
+from shardckpt.format.manifest import FileEntry
+from shardckpt.format.reshard_plan import plan_reshard
+from shardckpt.storage.local import local_path
+from shardckpt.training.optim_info import load_optimizer_info
+from shardckpt.training.save_load import LoadResult, Sharded, load
+
+log = logging.getLogger(__name__)
+
+
+def _cpu_bytes(t: Any) -> memoryview | None:
+    """A writable byte view of CPU tensor ``t``'s own memory, or None where there is none."""
+    import torch
+
+    if getattr(t, "device", None) is None or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _readinto(f: Any, view: memoryview, pos: int, url: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(f, [view[done:]], pos + done)
+        if n <= 0:
+            raise IntegrityError(f"{url}: ends at byte {pos + done}, short of its recorded size")
+        done += n
+
+
+def read_into(path: str, url: str, entry: FileEntry, chunk_size: int,
+              pieces: Sequence[tuple[int, int, memoryview]]) -> None:
+    """Fill each target of ``pieces`` ((start, end, target), non-overlapping byte ranges of
+    ``entry``) from the local file ``path``, checking the CRC32C of every chunk touched."""
+    if os.path.getsize(path) != entry.size:
+        raise IntegrityError(f"{url}: {os.path.getsize(path)} bytes, the manifest records {entry.size}")
+    ordered = sorted(pieces, key=lambda p: p[0])
+    if any(p[1] > q[0] for p, q in itertools.pairwise(ordered)):  # bytes wanted twice: one at a time
+        for piece in ordered:
+            read_into(path, url, entry, chunk_size, [piece])
+        return
+    scratch = bytearray(chunk_size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        i, n = 0, len(ordered)
+        while i < n:
+            # one run of touched chunks: pieces whose chunks overlap or touch
+            c0 = ordered[i][0] // chunk_size
+            c1 = -(-ordered[i][1] // chunk_size)
+            j = i + 1
+            while j < n and ordered[j][0] // chunk_size <= c1:
+                c1 = max(c1, -(-ordered[j][1] // chunk_size))
+                j += 1
+            _read_run(fd, url, entry, chunk_size, c0, c1, ordered[i:j], scratch)
+            i = j
+    finally:
+        os.close(fd)
+
+
+def _read_run(fd: int, url: str, entry: FileEntry, cs: int, c0: int, c1: int,
+              pieces: Sequence[tuple[int, int, memoryview]], scratch: bytearray) -> None:
+    end = min(entry.size, c1 * cs)
+    pos = c0 * cs
+    segments: list[tuple[int, memoryview]] = []  # (file offset, where its bytes go)
+    for a, b, target in pieces:
+        while pos < a:  # a gap: through the scratch buffer, a chunk at most at a time
+            k = min(a, (pos // cs + 1) * cs) - pos
+            segments.append((pos, memoryview(scratch)[:k]))
+            pos += k
+        segments.append((a, target[:b - a]))
+        pos = b
+    while pos < end:
+        k = min(end, (pos // cs + 1) * cs) - pos
+        segments.append((pos, memoryview(scratch)[:k]))
+        pos += k
+    chunk, crc = c0, 0
+    for off, view in segments:
+        _readinto(fd, view, off, url)
+        at = 0
+        while at < len(view):  # the running CRC of each chunk, closed at its boundary
+            stop = min(len(view) - at, (chunk + 1) * cs - (off + at))
+            crc = crc32c(view[at:at + stop], crc)
+            at += stop
+            if off + at == min(entry.size, (chunk + 1) * cs):
+                if crc != entry.chunk_crc32c[chunk]:
+                    raise IntegrityError(
+                        f"{url}: bytes [{chunk * cs}, {min(entry.size, (chunk + 1) * cs)}) fail "
+                        f"their CRC32C check (recorded {entry.chunk_crc32c[chunk]:08x}, read "
+                        f"{crc:08x}); the file is corrupted")
+                chunk, crc = chunk + 1, 0
+
+
+def load_direct(model: Sharded, url: str, strict: bool = True) -> LoadResult:
+    """:func:`~shardckpt.training.save_load.load` of the local checkpoint ``url`` into ``model``
+    on every rank, reading straight into its shards where it can (see the module docstring)."""
+    rank, _ = rank_and_world()
+    reader = CheckpointReader(url, {})
+    m = reader.manifest
+    shards = model.local_shards()
+    views = {(g, k): _cpu_bytes(t) for g, kinds in shards.items() for k, t in kinds.items()}
+    plain = ("model" in m.components and m.optimizer is not None
+             and getattr(model, "optimizer", None) is not None
+             and all(v is not None for v in views.values())
+             and not any(hasattr(t, "write_bytes") for kinds in shards.values() for t in kinds.values()))
+    if plain:
+        src = m.components["model"]
+        src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
+        plain = all(set(kinds) <= src_kinds.get(g, set()) for g, kinds in shards.items()
+                    if g in {gr.name for gr in model.layout.groups})
+    if not plain or local_path(reader.storage.url) is None:
+        return load(model, reader, strict=strict)
+    counter = {"bytes": 0}
+
+    def work() -> dict[str, Any]:
+        src = m.components["model"]
+        plan = plan_reshard(src.layout, model.layout, strict=strict)
+        my_shard = model.layout.mesh.shard_rank(rank)
+        by_file: dict[str, tuple[FileEntry, list[tuple[int, int, memoryview]]]] = {}
+        for c in plan.for_dst_shard(my_shard):
+            for kind, tensor in shards[c.dst_group].items():
+                entry, a, b = reader.state_range(c.src_shard, c.src_group, kind, c.src_offset,
+                                                 c.src_offset + c.numel)
+                k = tensor.element_size()
+                view = views[(c.dst_group, kind)]
+                assert view is not None
+                by_file.setdefault(entry.path, (entry, []))[1].append(
+                    (a, b, view[c.dst_offset * k:(c.dst_offset + c.numel) * k]))
+                counter["bytes"] += b - a
+        for entry, pieces in by_file.values():
+            holder, rel = reader.files.locate(entry.path)
+            read_into(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
+        if src.buffers:
+            bufs = {}
+            for spec in src.buffers:
+                slot, data = reader.read_buffer(spec.fqn)
+                bufs[spec.fqn] = _tensor(slot.dtype, slot.shape, data)
+            model.load_buffers(bufs)
+        assert m.optimizer is not None
+        load_optimizer_info(model, m.optimizer, strict)
+        model.refresh_params()
+        return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
+                "mismatched": list(plan.mismatched)}
+
+    out, _ = agree(work, f"load of {url}")
+    assert out is not None
+    return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
+                      m, counter["bytes"], reader)
+
+
+def _tensor(dtype: str, shape: Sequence[int], data: memoryview) -> Any:
+    import torch
+
+    dt = getattr(torch, dtype)
+    if not len(data):
+        return torch.empty(tuple(shape), dtype=dt)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).reshape(tuple(shape))
