@@ -130,7 +130,7 @@ def test_direct_read_fills_each_target_and_checks_every_chunk_it_touches(tmp_pat
     from shardckpt.errors import IntegrityError
     from shardckpt.format.integrity import crc32c
     from shardckpt.format.manifest import FileEntry
-    from shardckpt.training.direct_load import read_into
+    from shardckpt.storage.local import read_local_into as read_into
 
     cs, size = 64, 64 * 9 + 17  # a short last chunk
     data = bytes(random.Random(0).randrange(256) for _ in range(size))

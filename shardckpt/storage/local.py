@@ -4,19 +4,21 @@ directories, memory-mapped reads on POSIX, free space checked before a large wri
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import shutil
 import stat
 import uuid
 from typing import Any, ClassVar
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from shardckpt.errors import IntegrityError, StorageError
+from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import confined, places
 from shardckpt.storage.backends import Backend, conflict_error
 from shardckpt.storage.options import BackendOptions, Tuning, fsspec_option_names
 from shardckpt.storage.retry import NotFoundError, RetryPolicy, map_error, mapped_errors
-from shardckpt.storage.writer import LocalSink, Sink
+from shardckpt.storage.writer import LocalSink, Sink, crc32c
 
 
 #: URL prefixes of the local file system.
@@ -304,3 +306,78 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ------------------------------------------- straight into the caller's memory (local files)
+
+
+def _readinto(f: Any, view: memoryview, pos: int, url: str) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(f, [view[done:]], pos + done)
+        if n <= 0:
+            raise IntegrityError(f"{url}: ends at byte {pos + done}, short of its recorded size")
+        done += n
+
+
+def read_local_into(path: str, url: str, entry: FileEntry, chunk_size: int,
+                    pieces: Sequence[tuple[int, int, memoryview]]) -> None:
+    """Fill each target of ``pieces`` ((start, end, target), non-overlapping byte ranges of
+    ``entry``) from the local file ``path``, checking the CRC32C of every chunk touched."""
+    if os.path.getsize(path) != entry.size:
+        raise IntegrityError(f"{url}: {os.path.getsize(path)} bytes, the manifest records {entry.size}")
+    ordered = sorted(pieces, key=lambda p: p[0])
+    if any(p[1] > q[0] for p, q in itertools.pairwise(ordered)):  # bytes wanted twice: one at a time
+        for piece in ordered:
+            read_local_into(path, url, entry, chunk_size, [piece])
+        return
+    scratch = bytearray(chunk_size)
+    f = open_regular(path, url)  # a regular file, opened without blocking on a FIFO
+    fd = f.fileno()
+    try:
+        i, n = 0, len(ordered)
+        while i < n:
+            # one run of touched chunks: pieces whose chunks overlap or touch
+            c0 = ordered[i][0] // chunk_size
+            c1 = -(-ordered[i][1] // chunk_size)
+            j = i + 1
+            while j < n and ordered[j][0] // chunk_size <= c1:
+                c1 = max(c1, -(-ordered[j][1] // chunk_size))
+                j += 1
+            _read_run(fd, url, entry, chunk_size, c0, c1, ordered[i:j], scratch)
+            i = j
+    finally:
+        f.close()
+
+
+def _read_run(fd: int, url: str, entry: FileEntry, cs: int, c0: int, c1: int,
+              pieces: Sequence[tuple[int, int, memoryview]], scratch: bytearray) -> None:
+    end = min(entry.size, c1 * cs)
+    pos = c0 * cs
+    segments: list[tuple[int, memoryview]] = []  # (file offset, where its bytes go)
+    for a, b, target in pieces:
+        while pos < a:  # a gap: through the scratch buffer, a chunk at most at a time
+            k = min(a, (pos // cs + 1) * cs) - pos
+            segments.append((pos, memoryview(scratch)[:k]))
+            pos += k
+        segments.append((a, target[:b - a]))
+        pos = b
+    while pos < end:
+        k = min(end, (pos // cs + 1) * cs) - pos
+        segments.append((pos, memoryview(scratch)[:k]))
+        pos += k
+    chunk, crc = c0, 0
+    for off, view in segments:
+        _readinto(fd, view, off, url)
+        at = 0
+        while at < len(view):  # the running CRC of each chunk, closed at its boundary
+            stop = min(len(view) - at, (chunk + 1) * cs - (off + at))
+            crc = crc32c(view[at:at + stop], crc)
+            at += stop
+            if off + at == min(entry.size, (chunk + 1) * cs):
+                if crc != entry.chunk_crc32c[chunk]:
+                    raise IntegrityError(
+                        f"{url}: bytes [{chunk * cs}, {min(entry.size, (chunk + 1) * cs)}) fail "
+                        f"their CRC32C check (recorded {entry.chunk_crc32c[chunk]:08x}, read "
+                        f"{crc:08x}); the file is corrupted")
+                chunk, crc = chunk + 1, 0
