@@ -97,7 +97,7 @@ def mutate(doc: Any, rng: random.Random, edits: int = 1) -> Any:
         paths = list(_paths(out))
         path = rng.choice(paths)
         if not path:  # the root itself
-            out = rng.choice(HOSTILE + (Deep(5000),))
+            out = copy.deepcopy(rng.choice(HOSTILE + (Deep(5000),)))  # never the shared value
             continue
         parent, key = _get(out, path[:-1]), path[-1]
         op = rng.random()
@@ -113,8 +113,8 @@ def mutate(doc: Any, rng: random.Random, edits: int = 1) -> Any:
             parent[key] = parent[key] * rng.choice((-1, 2**40, 10**4000)) + rng.choice((0, 1, -1))
         elif op < 0.5 and isinstance(parent[key], str):
             parent[key] = parent[key] + rng.choice(("\n", "\ud800", "/..", "\x00", "x" * 5000))
-        else:
-            parent[key] = rng.choice(HOSTILE)
+        else:  # a copy: a later edit of this case may change what it inserts
+            parent[key] = copy.deepcopy(rng.choice(HOSTILE))
     return out
 
 
