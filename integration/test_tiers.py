@@ -1,7 +1,7 @@
 """The node-local tier with peer copies on gloo: 2 ranks on 2 simulated nodes (``{node}`` paths;
 the node logic with several ranks a node is covered by ``tests/test_tiers.py`` and the benchmark).
 
-One run, six launches, shared by every test here (module-scoped):
+One run, seven launches, shared by every test here (module-scoped):
 
 1. ``first``: train steps 1-8 saving (local every 2, durable every 4) up to step 6, record the
    state after step 8 (fp32 masters, Adam moments, optimizer steps, the next random numbers),
@@ -17,7 +17,11 @@ One run, six launches, shared by every test here (module-scoped):
 5. ``copy_kill`` (4 ranks on 2 nodes, a directory of its own): rank 3 is SIGKILLed in the middle
    of sending its step-4 files to its peer; every survivor fails that save with "lost contact"
    (the group's timeout is longer than the launch's, so waiting for it would fail the test), and
-   no node commits step 4; ``copy_kill_restart`` resumes step 2 and trains to 4, bit-exact.
+   no node commits step 4; ``copy_kill_restart`` resumes step 2 and trains to 4, bit-exact;
+6. ``frozen`` (2 ranks on 2 nodes, a directory of its own): a frozen base and a small adapter,
+   local every step, durable every 2 up to 6: the durable copies of 4 and 6 reference step 2's
+   frozen files instead of copying them, through watched agreements; the ranks then resume from
+   the durable step 6 alone, bit-exact.
 """
 
 from __future__ import annotations
@@ -200,6 +204,67 @@ def job_copy_kill(rank: int, world: int, root: str, phase: str) -> dict:
     return out
 
 
+class Tuned:
+    """A frozen base (two 64x64 layers) and a small trainable adapter (built lazily: torch is
+    imported in the ranks only)."""
+
+    @staticmethod
+    def build(pm):
+        import torch
+        from torch import nn
+
+        from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4, bias=False))
+        model[0].requires_grad_(False)
+        model[1].requires_grad_(False)
+        engine = ZeroEngine(model, process_mesh=pm, deterministic=True)
+        return engine, ShardedAdamW(engine, decay_param_groups(engine, 0.0), lr=1e-2)
+
+    @staticmethod
+    def step(engine, opt, i: int, rank: int) -> None:
+        import torch
+
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(100 * i + rank))
+        engine(x).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def job_frozen(rank: int, world: int, root: str) -> dict:
+    """Local tier every step (keep 3), durable every 2 (keep 2) up to step 6; record the state after 6 and
+    every agreement the tier made (watched or not); then resume from the durable tier alone."""
+    import shardckpt.training.tiers as tiers_mod
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.runtime import init_distributed
+    from shardckpt.training.checkpointer import Checkpointer
+
+    seen: list = []
+    watched = tiers_mod.watched_agree
+
+    def record(fn, what, group, flag, *args, **kwargs):
+        seen.append([what, flag is not None])
+        return watched(fn, what, group, flag, *args, **kwargs)
+    tiers_mod.watched_agree = record
+    pm = init_distributed(timeout_s=PG_TIMEOUT)
+    engine, opt = Tuned.build(pm)
+    tier = LocalTier(path=f"{root}/local/node{{node}}", every=1, keep=3, peers=1, ranks_per_node=1)
+    ckpt = Checkpointer(f"{root}/durable", engine, local=tier, durable_every=2, keep_last=2)
+    for i in range(1, 7):
+        Tuned.step(engine, opt, i, pm.rank)
+        ckpt.save(i)
+    ckpt.close()
+    out: dict = {"state": _digest(engine, opt), "agreements": seen}
+    engine2, opt2 = Tuned.build(pm)
+    again = Checkpointer(f"{root}/durable", engine2)
+    out["start"] = again.resume()
+    out["resume"] = again.last_resume
+    out["resumed"] = _digest(engine2, opt2)
+    again.close()
+    return out
+
+
 def _launch(root: str, phase: str, world: int = 2):
     return run_ranks(job, world, args=(root, phase), timeout_s=120, pg_timeout_s=PG_TIMEOUT)
 
@@ -236,6 +301,8 @@ def run(tmp_path_factory):
                               if os.path.isdir(os.path.join(kill, "local", n, "step-00000004"))}
     out["copy_kill_restart"] = run_ranks(job_copy_kill, 4, args=(kill, "restart"), timeout_s=120,
                                          pg_timeout_s=PG_TIMEOUT)
+    out["frozen"] = run_ranks(job_frozen, 2, args=(os.path.join(root, "frozen"),), timeout_s=120,
+                              pg_timeout_s=PG_TIMEOUT)
     return out
 
 
@@ -325,3 +392,49 @@ def test_rank_lost_during_the_peer_copy_fails_every_survivor_and_commits_nothing
     # bit-exact against the run the kill interrupted (its state after step 4, every rank)
     before = _records(os.path.join(run["root"], "copy-kill"), "state", range(4))
     assert [r.value["state"] for r in restart] == before
+
+
+def _doc(path: str) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def test_durable_copy_references_the_previous_durable_frozen_files(run):
+    from shardckpt.checkpoint.verify import verify
+
+    root = os.path.join(run["root"], "frozen")
+    for r in run["frozen"]:
+        assert r.ok, r.describe()
+    durable = os.path.join(root, "durable")
+    # keep_last=2 keeps 4 and 6, and 2 too: both reference its frozen files
+    assert sorted(n for n in os.listdir(durable) if n.startswith("step-")) == \
+        ["step-00000002", "step-00000004", "step-00000006"]
+    first = [f for f in _doc(os.path.join(durable, "step-00000002"))["files"] if f["role"] == "frozen"]
+    assert len(first) == 2 and not any(f["path"].startswith("../") for f in first), first
+    for step in ("step-00000004", "step-00000006"):
+        here = os.path.join(durable, step)
+        doc = _doc(here)
+        frozen = [f for f in doc["files"] if f["role"] == "frozen"]
+        # references to step 2's files (step 6 copies step 4's reference: no chain), each entry
+        # as step 2 recorded it but for its path
+        assert frozen == [{**f, "path": f"../step-00000002/{f['path']}"} for f in first], frozen
+        # no frozen byte written below the durable checkpoint
+        assert not [n for _, _, fs in os.walk(here) for n in fs if n.startswith("frozen-")]
+        # the durable manifest is the node's but for those paths (and what they change)
+        local = _doc(os.path.join(root, "local", "node0", step))
+        mine = {f["index"]: f for f in local["files"] if f["role"] == "frozen"}
+        assert [f if f["role"] != "frozen" else {**f, "path": mine[f["index"]]["path"]}
+                for f in doc["files"]] == local["files"]
+        drop = {"files", "manifest_crc32c"}
+        assert {k: v for k, v in doc.items() if k not in drop} == \
+            {k: v for k, v in local.items() if k not in drop}
+        result = verify(here)
+        assert result.ok, result.problems
+    # every agreement of the durable copies was watched (a lost rank fails every survivor)
+    for r in run["frozen"]:
+        durable_agreements = [a for a in r.value["agreements"] if durable in a[0]]
+        assert len(durable_agreements) == 3 * 3, r.value["agreements"]
+        assert all(watched for _, watched in durable_agreements), durable_agreements
+        # and a resume from the durable tier alone is bit-exact
+        assert r.value["start"] == 6, r.value
+        assert r.value["resumed"] == r.value["state"]

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from shardckpt.checkpoint.tiers import (
-    LocalTier, Nodes, commit_node, committed_steps, ensure_room, fetch_plan, holdings, is_full,
-    node_storage, prune,
+    LocalTier, Nodes, commit_node, committed_steps, durable_references, ensure_room, fetch_plan,
+    holdings, is_full, node_storage, prune,
 )
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, InsufficientSpaceError
 
@@ -158,3 +158,44 @@ def test_direct_read_fills_each_target_and_checks_every_chunk_it_touches(tmp_pat
     path.write_bytes(data[:-1])
     with pytest.raises(IntegrityError, match="the manifest records"):
         read_into(str(path), "f", entry, cs, [(3, 10, memoryview(bytearray(7)))])
+
+
+def test_durable_references_name_the_latest_durable_frozen_files_that_are_still_there(tmp_path):
+    """What a durable copy references instead of copying: the frozen files of the run's latest
+    committed checkpoint with the same entries, only while they are there with their size."""
+    import torch
+    from torch import nn
+
+    from shardckpt.checkpoint.run_dir import CheckpointManager
+    from shardckpt.runtime import ZeroEngine
+    from shardckpt.storage import Storage
+    from shardckpt.training.save_load import save
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+    engine = ZeroEngine(model)
+    run = tmp_path / "run"
+    first = save(engine, str(run / "step-00000002"))
+    CheckpointManager(str(run)).mark_committed(2)
+    local = save(engine, str(tmp_path / "node0" / "step-00000004"))  # a node's copy: own files
+    dst = Storage(str(run / "step-00000004"))
+    old = first.frozen_file(0)
+    new = local.frozen_file(0)
+    assert durable_references(dst, local) == {new.path: f"../step-00000002/{old.path}"}
+    # an entry that is a reference already stays as it is
+    assert durable_references(dst, _with_path(local, new.path, f"../step-00000002/{old.path}")) == {}
+    # no latest checkpoint, or its frozen bytes differ, or its file is gone: copied whole
+    assert durable_references(Storage(str(tmp_path / "elsewhere" / "step-00000004")), local) == {}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    changed = save(ZeroEngine(model), str(tmp_path / "node1" / "step-00000004"))
+    assert durable_references(dst, changed) == {}
+    os.remove(run / "step-00000002" / old.path)
+    assert durable_references(dst, local) == {}
+
+
+def _with_path(m, path: str, to: str):
+    from dataclasses import replace
+
+    return replace(m, files=tuple(replace(f, path=to) if f.path == path else f for f in m.files))

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
 
-from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.checkpoint.references import RunFiles, frozen_stand_ins, parent_of
+from shardckpt.checkpoint.run_dir import STEP_DIR, CheckpointManager, step_dir
 from shardckpt.errors import (
     CommitConflictError, ConfigError, IncompleteCheckpointError, InsufficientSpaceError, ShardckptError,
 )
@@ -337,6 +339,39 @@ def prune(storage: Storage, keep: int) -> list[str]:
             continue
         removed.append(n)
     return removed
+
+
+def durable_references(dst: Storage, m: Manifest) -> dict[str, str]:
+    """For a durable copy of local checkpoint ``m`` into ``dst`` (a step directory of the run):
+    its frozen files that the run's latest committed durable checkpoint holds with the same bytes
+    (:func:`~shardckpt.checkpoint.references.frozen_stand_ins`) and that are still there with
+    their size, path -> the reference to write instead. Empty where there is no such checkpoint
+    or it cannot be read (the files are then copied whole)."""
+    run = parent_of(dst)
+    name = dst.url.rstrip("/").rpartition("/")[2]
+    if run is None or not STEP_DIR.match(name):
+        return {}
+    try:
+        latest = CheckpointManager(run).read_latest()
+        if latest is None or latest == name or not STEP_DIR.match(latest):
+            return {}
+        prev = read_manifest(run.child(latest))
+    except ShardckptError as e:
+        log.info("%s: the run's latest checkpoint is unreadable (%s); copying the frozen files",
+                 dst.url, e)
+        return {}
+    files = RunFiles(dst)
+    out = {}
+    sizes = {f.path: f.size for f in m.files}
+    for path, ref in frozen_stand_ins(m, prev, latest).items():
+        try:
+            there = files.size(ref) == sizes[path]
+        except (NotFoundError, ShardckptError) as e:
+            log.info("%s: not referencing %s (%s); copying the frozen file", dst.url, ref, e)
+            continue
+        if there:
+            out[path] = ref
+    return out
 
 
 def step_url(tier: LocalTier, node: int, step: int) -> str:

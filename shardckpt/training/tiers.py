@@ -13,7 +13,10 @@ Save (every ``LocalTier.every`` steps), on every rank:
    the node to ``keep`` checkpoints;
 3. where the durable tier is due too: each rank streams its own files from the node directory to
    the durable URL (their CRC32Cs compared with what was written: no second copy of device
-   memory, and nothing that changed on the node is committed), and rank 0 commits there.
+   memory, and nothing that changed on the node is committed), and rank 0 commits there; a
+   frozen file the run's latest durable checkpoint holds with the same entry is referenced
+   there (docs/FORMAT.md section 15) instead of copied. Its agreements, like the peer copy's,
+   fail every survivor at once when a rank is lost.
 
 A node out of room (``quota_bytes``, or ENOSPC) turns the tier off with one warning; saves then
 go to the durable tier alone, and a durable save due at that step still happens (from memory
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Mapping
 
@@ -40,8 +43,8 @@ from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.run_dir import Found, step_dir
 from shardckpt.checkpoint.tiers import (
-    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, committed_steps, ensure_room,
-    fetch_plan, files_needed, held_whole, holdings, node_storage, prune, put_manifest,
+    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, committed_steps, durable_references,
+    ensure_room, fetch_plan, files_needed, held_whole, holdings, node_storage, prune, put_manifest,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
@@ -182,14 +185,32 @@ class NodeTier:
     def copy_to_durable(self, save: LocalSave, url: str,
                         storage_options: Mapping[str, Any] | None) -> Manifest:
         """Commit ``save`` at ``url`` from the node directories: each rank streams the files it
-        wrote, checked against what it wrote; rank 0 commits (collective on the tier's group)."""
+        wrote, checked against what it wrote; rank 0 commits (collective on the tier's group).
+        A frozen file whose entry equals the frozen file of the run's latest committed durable
+        checkpoint is not copied: the durable manifest references that file (rank 0 decides, from
+        the manifests and the referenced files' sizes, reading none of their bytes). A rank lost
+        on the way fails every survivor at once (:func:`watched_agree`)."""
         dst = as_storage(url, storage_options)
         writer = CheckpointWriter(dst, save.writer.spec, save.writer.save_id)
         here = self.storage.child(step_dir(save.step))
         chunk = save.writer.spec.chunk_size
+        save_id = save.writer.save_id
+
+        def watched(fn: Any, what: str, key: str) -> list[dict[str, Any]]:
+            flag = LossFlag.for_group(self.group, f"{key}/{save_id}")
+            return watched_agree(fn, what, self.group, flag)[1]
+
+        def plan() -> dict[str, str] | None:
+            if self.rank:
+                return None
+            return durable_references(dst, save.writer.manifest(save.entries))
+
+        refs: dict[str, str] = {}  # set by the plan, before the copy runs
 
         def copy() -> None:
             for e in save.by_rank.get(self.rank, []):
+                if e.path in refs:
+                    continue  # referenced in the previous durable checkpoint: not a byte read
                 with dst.writer(e.path, chunk) as w:
                     for piece in iter_file_chunks(here, e.path, COPY_PIECE):
                         w.write(piece)
@@ -198,11 +219,15 @@ class NodeTier:
                     raise IntegrityError(f"{here.url_of(e.path)} no longer holds what was written "
                                          f"(size or CRC32C differ); {dst.url} is not committed")
 
-        entries = save.entries
         with writer.lease(hold=self.rank == 0):
-            agree(copy, f"save to {url}", self.group)
-            agree(lambda: writer.commit(entries).save_id if self.rank == 0 else None,
-                  f"commit of {url}", self.group)
+            refs = watched(plan, f"durable copy plan of {url}", "durable-plan")[0]["payload"] or {}
+            entries = [replace(e, path=refs[e.path]) if e.path in refs else e for e in save.entries]
+            watched(copy, f"save to {url}", "durable-copy")
+            watched(lambda: writer.commit(entries).save_id if self.rank == 0 else None,
+                    f"commit of {url}", "durable-commit")
+        if self.rank == 0 and refs:
+            log.info("durable copy of step %d: %d frozen file(s) referenced in the previous "
+                     "checkpoint, not copied", save.step, len(refs))
         return writer.manifest(entries)
 
     # ---------------------------------------------------------------------------- resume
