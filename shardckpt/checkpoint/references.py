@@ -19,10 +19,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from typing import Any
 
 from shardckpt.errors import IncompleteCheckpointError, ManifestError
-from shardckpt.format.manifest import FROZEN_ROLE, FileEntry, Manifest, reference_of
+from shardckpt.format.manifest import FROZEN_ROLE, FileEntry, Manifest, frozen_part, reference_of
 from shardckpt.storage import Storage, crc32c
 from shardckpt.storage.checked import read_checked
 from shardckpt.storage.links import check_inside
@@ -163,7 +162,7 @@ def frozen_stand_ins(m: Manifest, prev: Manifest, step: str) -> dict[str, str]:
     (names, units, dtypes, numel, padding, parameters, state kinds); each entry the same size,
     header size, CRC32C and chunk CRC32Cs. Pure: whether the file is still there is the caller's."""
     if (not (m.frozen and prev.frozen) or m.mesh != prev.mesh or m.chunk_size != prev.chunk_size
-            or frozen_groups(m) != frozen_groups(prev)):
+            or frozen_part(m.components) != frozen_part(prev.components)):
         return {}
     theirs = {f.index: f for f in prev.files if f.role == FROZEN_ROLE}
     out = {}
@@ -173,16 +172,6 @@ def frozen_stand_ins(m: Manifest, prev: Manifest, step: str) -> dict[str, str]:
                 and (f.size, f.header_size, f.crc32c, tuple(f.chunk_crc32c))
                 == (old.size, old.header_size, old.crc32c, tuple(old.chunk_crc32c))):
             out[f.path] = reference_to(old, step)
-    return out
-
-
-def frozen_groups(m: Manifest) -> list[Any]:
-    """Each frozen group of ``m`` (component, group, its parameters' specs, its state kinds)."""
-    out: list[Any] = []
-    for name, c in m.components.items():
-        for g in c.layout.groups:
-            if not g.requires_grad:
-                out.append((name, g, tuple(c.layout.group_params(g)), tuple(c.states[g.name])))
     return out
 
 

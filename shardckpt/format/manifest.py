@@ -241,6 +241,17 @@ def has_frozen_groups(components: Mapping[str, Component]) -> bool:
     return any(not g.requires_grad for c in components.values() for g in c.layout.groups)
 
 
+def frozen_part(components: Mapping[str, Component]) -> list[Any]:
+    """What must match for a frozen file of one checkpoint to stand for another's: each frozen
+    group (component, group, its parameters' specs, its state kinds)."""
+    out: list[Any] = []
+    for name, c in components.items():
+        for g in c.layout.groups:
+            if not g.requires_grad:
+                out.append((name, g, tuple(c.layout.group_params(g)), tuple(c.states[g.name])))
+    return out
+
+
 def _group_slots(components: Mapping[str, Component], mesh: Mesh, version: tuple[int, int],
                  keep: Callable[[FlatGroup], bool]) -> list[TensorSlot]:
     out: list[TensorSlot] = []

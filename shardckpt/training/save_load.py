@@ -27,6 +27,7 @@ from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
     FROZEN_ROLE, MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
+    frozen_part,
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState
 from shardckpt.training.optim_info import load_optimizer_info
@@ -224,7 +225,7 @@ class SaveJob:
                      self.url, prev, e)
             return None
         if (not m.frozen or m.mesh != spec.mesh or m.chunk_size != spec.chunk_size
-                or _frozen_part(m.components) != _frozen_part(spec.components)):
+                or frozen_part(m.components) != frozen_part(spec.components)):
             return None
         return m.frozen_file(shard), step
 
@@ -426,18 +427,6 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
         return LoadResult((), (), (), m, 0, counter["reader"])
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       counter["manifest"], counter["bytes"], counter["reader"])
-
-
-def _frozen_part(components: Mapping[str, Component]) -> list[Any]:
-    """What must match for a frozen file of one checkpoint to stand for another's: each frozen
-    group (name, unit, dtype, numel, padding, parameters) with its parameters' specs and its
-    state kinds."""
-    out: list[Any] = []
-    for name, c in components.items():
-        for g in c.layout.groups:
-            if not g.requires_grad:
-                out.append((name, g, tuple(c.layout.group_params(g)), tuple(c.states[g.name])))
-    return out
 
 
 def fresh_optimizer_state(model: Sharded) -> None:
