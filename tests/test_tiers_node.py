@@ -199,3 +199,24 @@ def _with_path(m, path: str, to: str):
     from dataclasses import replace
 
     return replace(m, files=tuple(replace(f, path=to) if f.path == path else f for f in m.files))
+
+
+def test_spans_cover_every_byte_of_the_chunks_in_order_with_no_span_over_the_cap():
+    from shardckpt.storage.checked import spans
+
+    cs, size = 64, 64 * 9 + 17
+    targets = [bytearray(7), bytearray(70), bytearray(size - 500)]
+    pieces = [(3, 10, memoryview(targets[0])), (60, 130, memoryview(targets[1])),
+              (500, size, memoryview(targets[2]))]
+    scratch = memoryview(bytearray(cs))
+    for cap in (None, 5, 64):
+        out = spans(size, cs, 0, 10, pieces, scratch, cap=cap)
+        offsets = [off for off, _ in out]
+        assert offsets[0] == 0 and sum(len(v) for _, v in out) == size
+        assert all(a + len(v) == b for (a, v), (b, _) in zip(out, out[1:]))  # contiguous, in order
+        assert all(len(v) <= (cap or size) for _, v in out)
+        for _, v in out:  # a gap never crosses a chunk boundary; a target's span is its own bytes
+            assert v.obj is scratch.obj or any(v.obj is t for t in targets)
+    # a run of chunks in the middle: from chunk 1 to the end of chunk 2 only
+    mid = spans(size, cs, 1, 3, [(100, 140, memoryview(bytearray(40)))], scratch)
+    assert [(off, len(v)) for off, v in mid] == [(64, 36), (100, 40), (140, 52)]

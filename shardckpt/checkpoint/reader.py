@@ -73,6 +73,14 @@ class CheckpointReader:
         header that agrees cannot mislead, whatever its chunk's checksum; one that disagrees is
         read again with its chunks CRC-checked, so that damage is reported as damage.
         """
+        self._check_head(entry, None)
+
+    def check_header_bytes(self, entry: FileEntry, head: bytes) -> None:
+        """:meth:`check_file` of ``entry`` with its first ``entry.data_start`` bytes in hand
+        (taken from elsewhere, their chunks' CRC32C checked): nothing is read."""
+        self._check_head(entry, head)
+
+    def _check_head(self, entry: FileEntry, given: bytes | None) -> None:
         if entry.role not in ("shard", "buffers", CHUNKS_ROLE, FROZEN_ROLE):
             return
         with self._headers_lock:
@@ -81,9 +89,9 @@ class CheckpointReader:
         if not done:
             url = self.files.url_of(entry.path)
             want = expected_slots(self.manifest, entry, self.slots, self.buffer_slots, self.frozen_slots)
-            head = self.files.read(entry.path, 0, entry.data_start)
+            head = self.files.read(entry.path, 0, entry.data_start) if given is None else given
             problems = check_header(url, entry, head, entry.size, want)
-            if problems:  # raises IntegrityError naming the chunk if the bytes are damaged
+            if problems and given is None:  # raises IntegrityError naming the chunk if damaged
                 head = bytes(self.files.read_checked(entry, self.manifest.chunk_size, 0, entry.data_start))
                 problems = check_header(url, entry, head, entry.size, want)
             err = IntegrityError("; ".join(problems)) if problems else None
@@ -100,14 +108,17 @@ class CheckpointReader:
             raise ManifestError(f"{self.storage.url_of(MANIFEST_NAME)}: no state {kind!r} for "
                                 f"group {group!r}") from None
 
-    def state_range(self, shard: int, group: str, kind: str, start: int, end: int) -> tuple[FileEntry, int, int]:
+    def state_range(self, shard: int, group: str, kind: str, start: int, end: int,
+                    check: bool = True) -> tuple[FileEntry, int, int]:
         """File and absolute byte range of elements ``[start, end)`` of a shard's state (the
-        file's header checked against the manifest first, see :meth:`check_file`)."""
+        file's header checked against the manifest first, see :meth:`check_file`, unless
+        ``check`` is false: the caller checks it, with :meth:`check_header_bytes`)."""
         s = self.slot(group, kind)
         n = itemsize(s.dtype)
         entry = (self.manifest.shard_file(shard) if s.name in self.slots
                  else self.manifest.frozen_file(shard))
-        self.check_file(entry)
+        if check:
+            self.check_file(entry)
         base = entry.data_start + s.begin
         if not 0 <= start <= end <= s.shape[0]:
             raise IntegrityError(f"{self.files.url_of(entry.path)}: elements [{start}, {end}) are "

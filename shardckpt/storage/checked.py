@@ -135,3 +135,63 @@ def _first_bad_chunk(view: memoryview, entry: FileEntry, chunk_size: int, c0: in
         if got != entry.chunk_crc32c[i]:
             return i, got
     return None
+
+
+# --------------------------------------------- spans of a file straight into the caller's memory
+
+
+def spans(size: int, chunk_size: int, c0: int, c1: int, pieces: Sequence[tuple[int, int, memoryview]],
+          scratch: memoryview, cap: int | None = None) -> list[tuple[int, memoryview]]:
+    """Where each byte of chunks ``[c0, c1)`` of a file of ``size`` bytes goes, in file order:
+    ``(file offset, destination)`` spans, each piece's target for its range ((start, end,
+    target), non-overlapping, sorted, inside the chunks) and ``scratch`` for the bytes between
+    (a chunk at most at a time). With ``cap``, no span is longer than ``cap`` bytes. Pure."""
+    cs = chunk_size
+    end = min(size, c1 * cs)
+    pos = c0 * cs
+    out: list[tuple[int, memoryview]] = []
+
+    def gap_to(stop: int) -> None:
+        nonlocal pos
+        while pos < stop:
+            k = min(stop, (pos // cs + 1) * cs) - pos
+            if cap is not None:
+                k = min(k, cap)
+            out.append((pos, scratch[:k]))
+            pos += k
+
+    for a, b, target in pieces:
+        gap_to(a)
+        step = b - a if cap is None else cap
+        for x in range(a, b, max(step, 1)):
+            out.append((x, target[x - a:min(b, x + step) - a]))
+        pos = b
+    gap_to(end)
+    return out
+
+
+class ChunkCheck:
+    """The running CRC32C of a file's chunks as their bytes arrive in order (from chunk ``c0``),
+    each compared with ``entry``'s record once whole: :meth:`feed` raises
+    :class:`IntegrityError` naming ``url`` and the bytes of the first chunk that fails."""
+
+    def __init__(self, entry: FileEntry, chunk_size: int, url: str, c0: int = 0) -> None:
+        self.entry, self.cs, self.url = entry, chunk_size, url
+        self.chunk, self.crc = c0, 0
+
+    def feed(self, off: int, view: memoryview) -> None:
+        """Bytes ``[off, off + len(view))`` of the file, right after the ones fed before."""
+        cs, size = self.cs, self.entry.size
+        at = 0
+        while at < len(view):  # the running CRC of each chunk, closed at its boundary
+            stop = min(len(view) - at, (self.chunk + 1) * cs - (off + at))
+            self.crc = crc32c(view[at:at + stop], self.crc)
+            at += stop
+            if off + at == min(size, (self.chunk + 1) * cs):
+                i = self.chunk
+                if self.crc != self.entry.chunk_crc32c[i]:
+                    raise IntegrityError(
+                        f"{self.url}: bytes [{i * cs}, {min(size, (i + 1) * cs)}) fail their "
+                        f"CRC32C check (recorded {self.entry.chunk_crc32c[i]:08x}, read "
+                        f"{self.crc:08x}); the file is corrupted")
+                self.chunk, self.crc = i + 1, 0

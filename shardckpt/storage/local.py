@@ -16,9 +16,10 @@ from shardckpt.errors import IntegrityError, StorageError
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import confined, places
 from shardckpt.storage.backends import Backend, conflict_error
+from shardckpt.storage.checked import ChunkCheck, spans
 from shardckpt.storage.options import BackendOptions, Tuning, fsspec_option_names
 from shardckpt.storage.retry import NotFoundError, RetryPolicy, map_error, mapped_errors
-from shardckpt.storage.writer import LocalSink, Sink, crc32c
+from shardckpt.storage.writer import LocalSink, Sink
 
 
 #: URL prefixes of the local file system.
@@ -352,32 +353,7 @@ def read_local_into(path: str, url: str, entry: FileEntry, chunk_size: int,
 
 def _read_run(fd: int, url: str, entry: FileEntry, cs: int, c0: int, c1: int,
               pieces: Sequence[tuple[int, int, memoryview]], scratch: bytearray) -> None:
-    end = min(entry.size, c1 * cs)
-    pos = c0 * cs
-    segments: list[tuple[int, memoryview]] = []  # (file offset, where its bytes go)
-    for a, b, target in pieces:
-        while pos < a:  # a gap: through the scratch buffer, a chunk at most at a time
-            k = min(a, (pos // cs + 1) * cs) - pos
-            segments.append((pos, memoryview(scratch)[:k]))
-            pos += k
-        segments.append((a, target[:b - a]))
-        pos = b
-    while pos < end:
-        k = min(end, (pos // cs + 1) * cs) - pos
-        segments.append((pos, memoryview(scratch)[:k]))
-        pos += k
-    chunk, crc = c0, 0
-    for off, view in segments:
+    check = ChunkCheck(entry, cs, url, c0)
+    for off, view in spans(entry.size, cs, c0, c1, pieces, memoryview(scratch)):
         _readinto(fd, view, off, url)
-        at = 0
-        while at < len(view):  # the running CRC of each chunk, closed at its boundary
-            stop = min(len(view) - at, (chunk + 1) * cs - (off + at))
-            crc = crc32c(view[at:at + stop], crc)
-            at += stop
-            if off + at == min(entry.size, (chunk + 1) * cs):
-                if crc != entry.chunk_crc32c[chunk]:
-                    raise IntegrityError(
-                        f"{url}: bytes [{chunk * cs}, {min(entry.size, (chunk + 1) * cs)}) fail "
-                        f"their CRC32C check (recorded {entry.chunk_crc32c[chunk]:08x}, read "
-                        f"{crc:08x}); the file is corrupted")
-                chunk, crc = chunk + 1, 0
+        check.feed(off, view)

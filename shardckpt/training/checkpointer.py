@@ -52,14 +52,14 @@ import logging
 import threading
 from concurrent.futures import Future
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
-from shardckpt.checkpoint.tiers import LocalTier
+from shardckpt.checkpoint.tiers import LocalTier, Transfer
 from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
 from shardckpt.training.direct_load import load_direct
 from shardckpt.training.tiers import LocalSave, NodeTier, resume_tiers
@@ -314,7 +314,8 @@ class Checkpointer:
         return True
 
     def _finish_tiers(self, tier: NodeTier, written: LocalSave, durable: bool) -> Manifest:
-        m = tier.commit(written)
+        local = tier.commit(written)
+        m = local
         if durable:
             step = written.step
             try:
@@ -323,12 +324,14 @@ class Checkpointer:
                 if self.rank == 0 and self.manager.is_committed(step):
                     self.manager.mark_committed(step)
                 raise
+            finally:
+                if local is None:  # the peer copy found no room: nothing committed locally
+                    tier.discard(written.step)
             if self.rank == 0:
                 self.manager.mark_committed(step)
-        if m is None:  # the peer copy found no room: nothing committed locally
+        elif local is None:
             tier.discard(written.step)
-            return written.writer.manifest(written.entries)
-        return m
+        return m if m is not None else written.writer.manifest(written.entries)
 
     def _before_step(self, *_: Any) -> None:
         self._staged.wait()
@@ -437,15 +440,17 @@ class Checkpointer:
         return 0
 
     def load(self, url: str, strict: bool = True, weights_only: bool = False,
-             storage_options: Mapping[str, Any] | None = None, direct: bool = False) -> LoadResult:
+             storage_options: Mapping[str, Any] | None = None, direct: bool = False,
+             peers: Sequence[Transfer] = (), flag_key: str | None = None) -> LoadResult:
         """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
         ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
-        ``url`` is a directory on this machine; read its shards straight into the engine's
-        (:mod:`shardckpt.training.direct_load`)."""
+        ``url`` is a directory on this machine; read its shards straight into the engine's, and
+        take the shard files ``peers`` names from other ranks' directories on the way
+        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag)."""
         self.wait()  # a save in flight reads the state a load would overwrite
         options = self.storage_options if storage_options is None else storage_options
         if direct and not weights_only:
-            res = load_direct(self.engine, url, strict=strict)
+            res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key)
         else:
             res = load(self.engine, url, strict=strict, weights_only=weights_only,
                        storage_options=options)

@@ -6,9 +6,15 @@ buffer). The file's safetensors header is checked against the manifest first, as
 does (:meth:`~shardckpt.checkpoint.reader.CheckpointReader.check_file`).
 
 :func:`load_direct` does what :func:`shardckpt.training.save_load.load` does for a checkpoint of
-flat groups loaded with its optimizer state into CPU shards (any reshard plan); any other case
-(chunked tensors, weights only, state in offload files, device tensors, a weights-only
-checkpoint) goes through :func:`~shardckpt.training.save_load.load` itself.
+flat groups loaded with its optimizer state into CPU shards (any reshard plan,
+:func:`direct_ready`); any other case (chunked tensors, weights only, state in offload files,
+device tensors, a weights-only checkpoint) goes through :func:`~shardckpt.training.save_load.load`
+itself.
+
+Shard files this machine lacks can come from peers in the same pass (``peers``, transfers every
+rank walks alike): the sender streams the file from its node's directory, the receiver takes its
+bytes straight into its shards (:func:`~shardckpt.training.peer_copy.receive_into`, every chunk's
+CRC32C checked as it arrives), and nothing is written to the receiver's disk.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import logging
 from typing import Any
 from collections.abc import Sequence
 
-from shardckpt.checkpoint.collective import agree, rank_and_world
+from shardckpt.checkpoint.collective import rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.format.manifest import FileEntry
+from shardckpt.checkpoint.tiers import Transfer
+from shardckpt.errors import ShardckptError
+from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.storage.local import local_path, read_local_into
+from shardckpt.training.abandon import LossFlag, watched_agree
 from shardckpt.training.optim_info import load_optimizer_info
+from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import LoadResult, Sharded, load
 
 log = logging.getLogger(__name__)
@@ -37,24 +47,39 @@ def _cpu_bytes(t: Any) -> memoryview | None:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def load_direct(model: Sharded, url: str, strict: bool = True) -> LoadResult:
+def direct_ready(model: Sharded, m: Manifest) -> bool:
+    """Whether :func:`load_direct` reads ``m`` straight into ``model``'s shards (flat groups
+    with optimizer state into CPU shards of their own memory, every kind the model holds saved)."""
+    shards = model.local_shards()
+    if not ("model" in m.components and m.optimizer is not None
+            and getattr(model, "optimizer", None) is not None
+            and all(_cpu_bytes(t) is not None for kinds in shards.values() for t in kinds.values())
+            and not any(hasattr(t, "write_bytes") for kinds in shards.values() for t in kinds.values())):
+        return False
+    src = m.components["model"]
+    src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
+    return all(set(kinds) <= src_kinds.get(g, set()) for g, kinds in shards.items()
+               if g in {gr.name for gr in model.layout.groups})
+
+
+def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[Transfer] = (),
+                flag_key: str | None = None) -> LoadResult:
     """:func:`~shardckpt.training.save_load.load` of the local checkpoint ``url`` into ``model``
-    on every rank, reading straight into its shards where it can (see the module docstring)."""
+    on every rank, reading straight into its shards where it can (see the module docstring).
+    ``peers``: shard files sent from one rank's ``url`` to another's memory on the way (the same
+    list on every rank; only where :func:`direct_ready` holds on every rank); ``flag_key`` names
+    the load for :class:`~shardckpt.training.abandon.LossFlag`, so that a rank lost during the
+    transfers fails every survivor at once."""
     rank, _ = rank_and_world()
     reader = CheckpointReader(url, {})
     m = reader.manifest
     shards = model.local_shards()
     views = {(g, k): _cpu_bytes(t) for g, kinds in shards.items() for k, t in kinds.items()}
-    plain = ("model" in m.components and m.optimizer is not None
-             and getattr(model, "optimizer", None) is not None
-             and all(v is not None for v in views.values())
-             and not any(hasattr(t, "write_bytes") for kinds in shards.values() for t in kinds.values()))
-    if plain:
-        src = m.components["model"]
-        src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
-        plain = all(set(kinds) <= src_kinds.get(g, set()) for g, kinds in shards.items()
-                    if g in {gr.name for gr in model.layout.groups})
-    if not plain or local_path(reader.storage.url) is None:
+    plain = direct_ready(model, m) and local_path(reader.storage.url) is not None
+    if not plain:
+        if peers:
+            raise ShardckptError(f"{url}: shard files from peers need a direct load, and this "
+                                 "engine's shards cannot take one")
         return load(model, reader, strict=strict)
     counter = {"bytes": 0}
 
@@ -63,17 +88,29 @@ def load_direct(model: Sharded, url: str, strict: bool = True) -> LoadResult:
         plan = plan_reshard(src.layout, model.layout, strict=strict)
         my_shard = model.layout.mesh.shard_rank(rank)
         by_file: dict[str, tuple[FileEntry, list[tuple[int, int, memoryview]]]] = {}
+        mine = {t.path for t in peers if t.dst == rank}  # from peers: their headers checked below
         for c in plan.for_dst_shard(my_shard):
             for kind, tensor in shards[c.dst_group].items():
                 entry, a, b = reader.state_range(c.src_shard, c.src_group, kind, c.src_offset,
-                                                 c.src_offset + c.numel)
+                                                 c.src_offset + c.numel, check=False)
                 k = tensor.element_size()
                 view = views[(c.dst_group, kind)]
                 assert view is not None
                 by_file.setdefault(entry.path, (entry, []))[1].append(
                     (a, b, view[c.dst_offset * k:(c.dst_offset + c.numel) * k]))
                 counter["bytes"] += b - a
+        if peers:
+            entries = {f.path: f for f in m.files}
+            heads = {p: bytearray(entries[p].data_start) for p in mine}
+            into = {p: [(0, len(heads[p]), memoryview(heads[p])),
+                        *(by_file[p][1] if p in by_file else [])] for p in mine}
+            run_transfers(peers, rank, reader.storage, entries, m.chunk_size, None, into=into)
+            for p in sorted(mine):
+                reader.check_header_bytes(entries[p], bytes(heads[p]))
         for entry, pieces in by_file.values():
+            if entry.path in mine:
+                continue
+            reader.check_file(entry)
             holder, rel = reader.files.locate(entry.path)
             read_local_into(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
         if src.buffers:
@@ -88,7 +125,8 @@ def load_direct(model: Sharded, url: str, strict: bool = True) -> LoadResult:
         return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
                 "mismatched": list(plan.mismatched)}
 
-    out, _ = agree(work, f"load of {url}")
+    flag = LossFlag.for_group(None, flag_key) if peers and flag_key else None
+    out, _ = watched_agree(work, f"load of {url}", None, flag)
     assert out is not None
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       m, counter["bytes"], reader)

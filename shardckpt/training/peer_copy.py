@@ -6,30 +6,44 @@ at it, and the list cannot deadlock. One transfer: the sender offers the file's 
 answers whether it takes it (its size as recorded, room for it), then the bytes go in pieces of
 :data:`PIECE` bytes; the receiver streams them into a temporary name through the checksumming
 writer, compares size and CRC32C (per chunk and whole) with the manifest's entry, and only then
-renames the file into place. A refused or damaged transfer is remembered, the others go on, and
-the receiver raises at the end (inside the caller's agreement, so every rank sees it).
+renames the file into place. A refused, damaged or unwritable transfer (a full disk) is
+remembered, its remaining pieces are still taken (so the two ranks stay in step), the others go
+on, and the receiver raises at the end (inside the caller's agreement, so every rank sees it).
+
+A file can also go straight into the receiver's memory (:func:`receive_into`, a load from
+peers): the receiver then answers the offer with the spans it wants, in file order (each
+target of its load, and a scratch buffer for the bytes between), the sender sends span by span,
+and every chunk's CRC32C is checked as it arrives; nothing is written to disk.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
-from shardckpt.checkpoint.tiers import Transfer
+from shardckpt.checkpoint.tiers import Transfer, is_full
 from shardckpt.errors import InsufficientSpaceError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import Storage
+from shardckpt.storage.checked import ChunkCheck, spans
 
 log = logging.getLogger(__name__)
 
 #: Bytes per message: memory for one transfer is one piece on each side.
 PIECE = 64 << 20
 
+#: The receiver's answers to an offer: refused, the whole file in pieces, the spans it names.
+REFUSE, WHOLE, SPANS = 0, 1, 2
+
+Pieces = Sequence[tuple[int, int, memoryview]]
+
 
 def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
-    """Offer ``entry`` (in ``storage``) to ``dst``; send it in pieces if it is taken."""
+    """Offer ``entry`` (in ``storage``) to ``dst``; send it if it is taken, in pieces of
+    :data:`PIECE` bytes or in the spans the receiver names."""
     import torch
     import torch.distributed as dist
 
@@ -44,28 +58,34 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
         dist.send(torch.tensor([size], dtype=torch.int64), dst, group=group)
         answer = torch.zeros(1, dtype=torch.int64)
         dist.recv(answer, dst, group=group)
-        if f is None or not int(answer.item()):
+        how = int(answer.item())
+        if how == SPANS:
+            count = torch.zeros(1, dtype=torch.int64)
+            dist.recv(count, dst, group=group)
+            lengths = torch.zeros(int(count.item()), dtype=torch.int64)
+            if lengths.numel():
+                dist.recv(lengths, dst, group=group)
+            sizes = lengths.tolist()
+        else:
+            sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
+        if how == REFUSE:
             return
-        buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
-        left = size
-        while left > 0:
-            n = min(left, buf.numel())
+        buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
+        for n in sizes:
             view = buf[:n]
-            got = f.readinto(view.numpy().data)
+            got = f.readinto(view.numpy().data) if f is not None else 0
             if got != n:
                 view.zero_()  # the receiver's checksum refuses it
             dist.send(view, dst, group=group)
-            left -= n
     finally:
         if f is not None:
             f.close()
 
 
-def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, group: Any,
-                 room: Callable[[int], None]) -> tuple[str, bool] | None:
-    """Take ``entry`` from ``src`` into ``storage`` (under its path, renamed into place once
-    whole and checked); ``room(nbytes)`` raises where there is none. Returns None, or a problem
-    and whether it is a lack of room."""
+def _offer(storage: Storage, entry: FileEntry, src: int, group: Any,
+           room: Callable[[int], None]) -> tuple[str, bool] | None:
+    """Take ``src``'s offer of ``entry``: None where it can be taken, else the problem (and
+    whether it is a lack of room), the offer then refused."""
     import torch
     import torch.distributed as dist
 
@@ -81,21 +101,46 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
             room(size)
         except InsufficientSpaceError as e:
             problem = (str(e), True)
-    dist.send(torch.tensor([0 if problem else 1], dtype=torch.int64), src, group=group)
+    if problem:
+        dist.send(torch.tensor([REFUSE], dtype=torch.int64), src, group=group)
+    return problem
+
+
+def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, group: Any,
+                 room: Callable[[int], None]) -> tuple[str, bool] | None:
+    """Take ``entry`` from ``src`` into ``storage`` (under its path, renamed into place once
+    whole and checked); ``room(nbytes)`` raises where there is none. Returns None, or a problem
+    and whether it is a lack of room."""
+    import torch
+    import torch.distributed as dist
+
+    problem = _offer(storage, entry, src, group, room)
     if problem:
         return problem
+    dist.send(torch.tensor([WHOLE], dtype=torch.int64), src, group=group)
+    size = entry.size
     staged = storage.staging_name(entry.path, uuid.uuid4().hex[:12])
     buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
-    with storage.writer(staged, chunk_size) as w:
-        left = size
-        while left > 0:
-            n = min(left, buf.numel())
-            view = buf[:n]
-            dist.recv(view, src, group=group)
-            w.write(view.numpy())
-            left -= n
-        got_size, crc, chunks = w.close()
-    if (got_size, crc, tuple(chunks)) != (entry.size, entry.crc32c, tuple(entry.chunk_crc32c)):
+    w = storage.writer(staged, chunk_size)
+    failed: BaseException | None = None
+    for x in range(0, size, PIECE):
+        view = buf[:min(PIECE, size - x)]
+        dist.recv(view, src, group=group)
+        if failed is None:
+            try:
+                w.write(view.numpy())
+            except (OSError, ShardckptError) as e:  # the rest is still taken, then dropped
+                failed = e
+                w.abort()
+    if failed is None:
+        try:
+            got = w.close()
+        except (OSError, ShardckptError) as e:
+            failed = e
+    if failed is not None:
+        return (f"{storage.url_of(entry.path)}: the copy from rank {src} could not be written "
+                f"({failed}); not kept", is_full(failed))
+    if (got[0], got[1], tuple(got[2])) != (entry.size, entry.crc32c, tuple(entry.chunk_crc32c)):
         storage.rm(staged)
         return (f"{storage.url_of(entry.path)}: the copy from rank {src} does not match its "
                 "manifest entry (size or CRC32C); not kept", False)
@@ -103,20 +148,66 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     return None
 
 
+def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, group: Any,
+                 pieces: Pieces) -> tuple[str, bool] | None:
+    """Take ``entry`` from ``src`` straight into memory: each target of ``pieces`` ((start, end,
+    target), byte ranges of the file) gets its bytes, every chunk of the file is checked against
+    its CRC32C as it arrives; nothing is written (``storage`` names the file in messages).
+    Returns None, or the problem (the targets then hold bytes that must not be used)."""
+    import torch
+    import torch.distributed as dist
+
+    problem = _offer(storage, entry, src, group, lambda n: None)
+    if problem:
+        return problem
+    url = storage.url_of(entry.path)
+    ordered = sorted(pieces, key=lambda p: p[0])
+    whole: bytearray | None = None
+    if any(p[1] > q[0] for p, q in itertools.pairwise(ordered)):  # bytes wanted twice
+        whole = bytearray(entry.size)
+        ordered = [(0, entry.size, memoryview(whole))]
+    scratch = memoryview(bytearray(min(chunk_size, PIECE)))
+    plan = spans(entry.size, chunk_size, 0, -(-entry.size // chunk_size), ordered, scratch, cap=PIECE)
+    dist.send(torch.tensor([SPANS], dtype=torch.int64), src, group=group)
+    dist.send(torch.tensor([len(plan)], dtype=torch.int64), src, group=group)
+    if plan:
+        dist.send(torch.tensor([len(v) for _, v in plan], dtype=torch.int64), src, group=group)
+    check = ChunkCheck(entry, chunk_size, f"{url} (from rank {src})")
+    bad: str | None = None
+    for off, view in plan:
+        dist.recv(torch.frombuffer(view, dtype=torch.uint8), src, group=group)
+        if bad is None:
+            try:
+                check.feed(off, view)
+            except IntegrityError as e:  # the rest is still taken, then dropped
+                bad = str(e)
+    if bad is not None:
+        return bad, False
+    if whole is not None:
+        for a, b, target in pieces:
+            target[:b - a] = whole[a:b]
+    return None
+
+
 def run_transfers(plan: Sequence[Transfer], rank: int, storage: Storage,
                   entries: Mapping[str, FileEntry], chunk_size: int, group: Any,
-                  room: Callable[[int], None] = lambda n: None) -> int:
+                  room: Callable[[int], None] = lambda n: None,
+                  into: Mapping[str, Pieces] | None = None) -> int:
     """Do this rank's part of ``plan`` (the same list, in the same order, on every rank), with
-    ``storage`` this rank's node directory of the checkpoint. Raises
-    :class:`~shardckpt.errors.IntegrityError` naming what this rank could not take (after every
-    transfer has run). Returns the number of files received."""
+    ``storage`` this rank's node directory of the checkpoint; a file this rank receives whose
+    path ``into`` names goes straight into those pieces (:func:`receive_into`), not to disk.
+    Raises :class:`~shardckpt.errors.IntegrityError` naming what this rank could not take (after
+    every transfer has run). Returns the number of files received."""
     problems: list[tuple[str, bool]] = []
     received = 0
     for t in plan:
         if t.src == rank:
             send_file(storage, entries[t.path], t.dst, group)
         elif t.dst == rank:
-            problem = receive_file(storage, entries[t.path], chunk_size, t.src, group, room)
+            if into is not None and t.path in into:
+                problem = receive_into(storage, entries[t.path], chunk_size, t.src, group, into[t.path])
+            else:
+                problem = receive_file(storage, entries[t.path], chunk_size, t.src, group, room)
             if problem is None:
                 received += 1
             else:

@@ -25,9 +25,11 @@ where the local write failed, from the node directories where only the peer copy
 Resume: every rank lists its node's directory; the candidates are the local steps with a manifest
 on some node and the durable committed ones, newest first (local first at equal steps). A local
 step is taken where every file each rank's load reads (its reshard plan's source shards, the
-buffers, its rank state on the same world size) is whole on some node: missing ones are fetched
-from the nodes that hold them into the rank's node directory, checked, then loaded from there
-(every chunk's CRC32C checked again as it is read). A candidate that cannot be assembled, or
+buffers, its rank state on the same world size) is whole on some node: a missing shard file
+that one rank of its node alone reads goes from a node that holds it straight into that rank's
+shards during the load (every chunk's CRC32C checked as it arrives, nothing written); any other
+missing file is fetched into the rank's node directory, checked, then loaded from there (every
+chunk's CRC32C checked again as it is read). A candidate that cannot be assembled, or
 fails a checksum while loading on any rank, gives way to the next; every rank decides alike.
 """
 
@@ -35,9 +37,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
 from shardckpt.checkpoint.reader import as_storage
@@ -52,6 +55,7 @@ from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEnt
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
+from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
 
@@ -61,6 +65,18 @@ COPY_PIECE = 8 << 20
 
 #: Numbers the resumes' fetches (the same on every rank): each gets a loss flag of its own.
 FETCHES = itertools.count()
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """A local step made loadable: this node's URL of it, the files taken from peers in all
+    (to disk, or in ``peers`` straight into memory during the load), and the loss flag's key
+    for that load."""
+
+    url: str
+    fetched: int
+    peers: list[Transfer]
+    flag_key: str
 
 
 @dataclass
@@ -238,11 +254,14 @@ class NodeTier:
                            "survey of the checkpoint tiers")
         return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]
 
-    def assemble(self, step: int, save_id: str, held: list[Any], layout: Any,
-                 world_size: int) -> tuple[str, int] | str:
+    def assemble(self, step: int, save_id: str, held: list[Any], layout: Any, world_size: int,
+                 direct: Callable[[Manifest], bool] = lambda m: False) -> Assembled | str:
         """Make local ``step`` loadable from every rank's node directory (collective): the
         manifest and the files each rank's load reads, fetched from other nodes where missing.
-        Returns (this node's URL of it, files fetched in all), or why it cannot be done."""
+        Where ``direct(manifest)`` holds on every rank (the load reads straight into the
+        engine's shards), a missing shard file that one rank of its node alone reads is not
+        fetched here: the load takes it from the peer into memory (:attr:`Assembled.peers`).
+        Returns what was done, or why it cannot be done."""
         nodes = self.nodes
         holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
         here = self.storage.child(step_dir(step))
@@ -251,16 +270,23 @@ class NodeTier:
         m = parse(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
         shard = layout.mesh.shard_rank(self.rank)
         mine = sorted(f.path for f in files_needed(m, layout, shard, self.rank, world_size))
-        _, reports = agree(lambda: mine, f"files needed from local step {step}")
-        needs = {r: rep["payload"] for r, rep in enumerate(reports)}
+        _, reports = agree(lambda: {"needs": mine, "direct": bool(direct(m))},
+                           f"files needed from local step {step}")
+        needs = {r: rep["payload"]["needs"] for r, rep in enumerate(reports)}
         by_node = {nodes.node_of(r): held_whole(held[r], step, m) for r in range(world_size)}
         plan, lost = fetch_plan(nodes, needs, by_node)
         if lost:
             return f"{len(lost)} file(s) are whole on no node ({', '.join(lost[:3])})"
         entries = {f.path: f for f in m.files}
+        readers = Counter((nodes.node_of(r), p) for r, paths in needs.items() for p in paths)
+        peers: list[Transfer] = []
+        if all(rep["payload"]["direct"] for rep in reports):
+            peers = [t for t in plan if entries[t.path].role in ("shard", "frozen")
+                     and readers[(nodes.node_of(t.dst), t.path)] == 1]
+        files = [t for t in plan if t not in peers]
 
         def fetch() -> int:
-            n = run_transfers(plan, self.rank, here, entries, m.chunk_size, None)
+            n = run_transfers(files, self.rank, here, entries, m.chunk_size, None)
             if self.rank == nodes.leader(self.node) and not here.exists(MANIFEST_NAME):
                 put_manifest(here, data)
             return n
@@ -272,7 +298,7 @@ class NodeTier:
             if lost_contact(e):
                 raise
             return f"fetching from peers failed: {e}"
-        return here.url, len(plan)
+        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}")
 
 
 def planned_bytes(job: SaveJob) -> int:
@@ -301,15 +327,16 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
     passed: list[str] = []
     damaged: list[str] = []
     for step, is_local, save_id in candidates:
-        fetched = 0
+        fetched, peers, flag_key = 0, [], None
         if is_local:
-            got = node.assemble(step, save_id, held, ckpt.engine.layout, world)
+            got = node.assemble(step, save_id, held, ckpt.engine.layout, world,
+                                direct=lambda m: direct_ready(ckpt.engine, m))
             if isinstance(got, str):
                 passed.append(f"local step {step}: {got}")
                 if rank == 0:
                     log.warning("local tier: step %d cannot be assembled: %s", step, got)
                 continue
-            url, fetched = got
+            url, fetched, peers, flag_key = got.url, got.fetched, got.peers, got.flag_key
             source = (f"the local tier, {fetched} file(s) from peers" if fetched
                       else "the local tier, each rank's own node")
         else:
@@ -327,7 +354,8 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
                 continue
             source = "the durable tier"
         try:
-            ckpt.load(url, strict=strict, storage_options={} if is_local else None, direct=is_local)
+            ckpt.load(url, strict=strict, storage_options={} if is_local else None, direct=is_local,
+                      peers=peers, flag_key=flag_key)
         except CollectiveError as e:
             ranks = failed_with(e, IntegrityError)
             if not ranks:
