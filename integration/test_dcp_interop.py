@@ -16,8 +16,10 @@ losses of the next steps equal the source runtime's own continuation to the rela
 ZeroEngine/FSDP2 comparison (test_runtime_fsdp2.py) states for fp32.
 
 The first model, optimizer and state layout are those of integration/test_dcp_fsdp2.py; the
-Llama jobs are in testing/dcp_llama.py. Each launch serves several directions (one job loads what
-earlier ones saved at another world size).
+Llama jobs are in testing/dcp_llama.py. The launches are shared with test_dcp_fsdp2.py
+(testing/dcp_runs.py: one launch per world size and stage, several scenarios run one after another
+in it, one stage loading what an earlier one saved at another world size); each test asserts on
+its scenarios' results.
 """
 
 from __future__ import annotations
@@ -30,90 +32,39 @@ import pytest
 import torch
 
 from testing.ckpts import flat_state
-from testing.dcp_llama import (
-    FROZEN, LLAMA_STEPS, engine_job, engine_save_job, fsdp2_from_flat_job, fsdp2_llama_job,
-    hsdp_job, two_ranks_job,
-)
-from testing.fsdp2_dcp import (
-    STEPS, build, compare_with_reference, full_state, load_job, state, tp_tensor, train_step,
-)
-from testing.ranks import run_distributed
+from testing.dcp_llama import LLAMA_STEPS
+from testing.dcp_runs import Runs, shared_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
-def stock_save_job(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Train, save with DCP's own FileSystemWriter to ``root/stock``, write the reference."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-
-    model, opt, _ = build(world, 0)
-    for s in range(STEPS):
-        train_step(model, opt, s, rank)
-    dcp.save(state(model, opt, world, 0), checkpoint_id=f"{root}/stock")
-    flat, groups = full_state(model, opt)
-    full_tp = tp_tensor(world, 0).full_tensor()
-    if rank == 0:
-        flat["tp.w"] = full_tp
-        save_file(flat, f"{root}/reference.safetensors")
-        Path(root, "reference.json").write_text(json.dumps(groups))
-    return {"next_loss": train_step(model, opt, STEPS, rank)}
-
-
-def stock_load_job(rank: int, world: int, path: str, ref: str) -> dict[str, Any]:
-    """Stock ``dcp.load(checkpoint_id=path)`` into a fresh FSDP2 model; compare; train a step."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    model, opt, _ = build(world, 1)
-    train_step(model, opt, 99, rank)
-    sd = state(model, opt, world, 1)
-    dcp.load(sd, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return compare_with_reference(model, opt, sd, ref, rank)
-
-
-def three_ranks_job(rank: int, world: int, root: str) -> dict[str, Any]:
-    """The import through ShardckptReader, then the export with stock ``dcp.load``."""
-    return {"reader": load_job(rank, world, f"{root}/ck", root),
-            "stock": stock_load_job(rank, world, f"{root}/exported", root)}
-
-
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
-    """A stock DCP checkpoint from 2 FSDP2 ranks, imported, and exported back."""
-    from shardckpt.interop.dcp.export import export_dcp
-    from shardckpt.interop.dcp.import_ import import_dcp
-
-    root = str(tmp_path_factory.mktemp("interop"))
-    out = run_distributed(stock_save_job, 2, args=(root,), timeout_s=300)
-    import_dcp(f"{root}/stock", f"{root}/ck")
-    export_dcp(f"{root}/ck", f"{root}/exported")
-    return root, [r["next_loss"] for r in out]
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return shared_runs(request, tmp_path_factory)
 
 
-def test_imported_stock_checkpoint_loads_through_shardckpt_reader(
-        imported: tuple[str, list[float]]) -> None:
+def test_imported_stock_checkpoint_loads_through_shardckpt_reader(runs: Runs) -> None:
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.checkpoint.verify import verify
 
-    root, _ = imported
+    runs.ran("stock-save")  # saved from 2 FSDP2 ranks with stock DCP, imported, exported back
+    root = runs.dir("interop")
     m = CheckpointReader(f"{root}/ck").manifest
     assert m.chunked is not None and len(m.files) == 2 and verify(f"{root}/ck")
     assert [(c.offsets, c.sizes) for c in m.chunked.tensors["tp.w"].chunks] == \
         [((0, 0), (5, 4)), ((0, 4), (5, 3))]
-    for r in run_distributed(three_ranks_job, 3, args=(root,), timeout_s=300):
+    for r in runs["three"]:
         assert r["reader"]["differ"] == [] and r["reader"]["groups"], r
         assert r["stock"]["differ"] == [] and r["stock"]["groups"], r
 
 
 @pytest.mark.parametrize("world", [1, 2])  # 3: in the job of the test above
-def test_exported_checkpoint_loads_with_stock_dcp(imported: tuple[str, list[float]],
-                                                  world: int) -> None:
-    root, next_losses = imported
+def test_exported_checkpoint_loads_with_stock_dcp(runs: Runs, world: int) -> None:
+    next_losses = [r["next_loss"] for r in runs["stock-save"]]
+    root = runs.dir("interop")
     assert sorted(p.name for p in Path(root, "exported").iterdir()) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    out = run_distributed(stock_load_job, world, args=(f"{root}/exported", root), timeout_s=300)
+    out = runs[f"stock-load-{world}"]
     for r in out:
         assert r["differ"] == [] and r["groups"], r
     if world == 2:  # same ranks, same batches: training continues exactly where it stopped
@@ -173,76 +124,56 @@ def assert_same_engine_state(a: str, b: str) -> None:
             assert same_bits(flat_state(a, p.fqn, kind), flat_state(b, p.fqn, kind)), (p.fqn, kind)
 
 
-@pytest.fixture(scope="module")
-def llama_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, list[float]]]:
+def llama_fsdp2(runs: Runs) -> tuple[str, dict[str, list[float]]]:
     """FSDP2 on 2 ranks saved with stock DCP and through ShardckptWriter, without (``llama``)
     and with frozen parameters (``frozen``); their next losses."""
-    root = str(tmp_path_factory.mktemp("llama"))
-    return root, run_distributed(fsdp2_llama_job, 2, args=(root,), timeout_s=300)[0]
+    return runs.dir("llama"), runs["llama"][0]
 
 
-@pytest.fixture(scope="module")
-def engine_from_fsdp2(llama_fsdp2: tuple[str, dict[str, list[float]]]) -> dict[str, list[float]]:
+def engine_from_fsdp2(runs: Runs) -> dict[str, list[float]]:
     """ZeroEngine on 3 ranks loads ``llama`` imported for 3 ranks (``flat``) and, without a
     conversion, ``llama-chunked``; saves each again (``...-resaved``); next losses by way."""
-    from shardckpt.interop.dcp.to_flat import import_dcp_flat
-
-    root, _ = llama_fsdp2
-    m = import_dcp_flat(f"{root}/llama", f"{root}/flat", 3)
-    comp = m.components["model"]
+    out = runs["engine"][0]
+    comp = runs.host["flat"].components["model"]  # what the import for 3 ranks returned
     assert comp.aliases == {"lm_head.weight": "model.embed_tokens.weight"} and not comp.buffers
-    ckpts = [(f"{root}/flat", "flat"), (f"{root}/llama-chunked", "chunked")]
-    return run_distributed(engine_job, 3, args=(ckpts,), timeout_s=300)[0]
+    return out
 
 
-def test_fsdp2_stock_checkpoint_imports_for_zero_engine_at_3_ranks(
-        llama_fsdp2: tuple[str, dict[str, list[float]]],
-        engine_from_fsdp2: dict[str, list[float]]) -> None:
-    root, fsdp2 = llama_fsdp2
+def test_fsdp2_stock_checkpoint_imports_for_zero_engine_at_3_ranks(runs: Runs) -> None:
+    root, fsdp2 = llama_fsdp2(runs)
+    ours = engine_from_fsdp2(runs)["flat"]
     assert_engine_state_is_reference(root, f"{root}/flat")
     assert_engine_state_is_reference(root, f"{root}/flat-resaved")
-    ours = engine_from_fsdp2["flat"]
     assert ours == pytest.approx(fsdp2["llama"], rel=1e-6), (ours, fsdp2)
 
 
-def test_zero_engine_loads_fsdp2_chunked_checkpoint_at_3_ranks(
-        llama_fsdp2: tuple[str, dict[str, list[float]]],
-        engine_from_fsdp2: dict[str, list[float]]) -> None:
-    root, fsdp2 = llama_fsdp2
+def test_zero_engine_loads_fsdp2_chunked_checkpoint_at_3_ranks(runs: Runs) -> None:
+    root, fsdp2 = llama_fsdp2(runs)
+    ours = engine_from_fsdp2(runs)["chunked"]
     assert_engine_state_is_reference(root, f"{root}/llama-chunked-resaved")
-    ours = engine_from_fsdp2["chunked"]
     assert ours == pytest.approx(fsdp2["llama"], rel=1e-6), (ours, fsdp2)
 
 
 # ------------------------------- ZeroEngine -> FSDP2 through ShardckptReader (no conversion step)
 
 
-@pytest.fixture(scope="module")
-def zero_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[float]]:
+def zero_saved(runs: Runs) -> tuple[str, list[float]]:
     """A ZeroEngine checkpoint from 2 ranks, its DCP export, and the engine's next losses."""
-    from shardckpt.interop.dcp.export import export_dcp
-
-    root = str(tmp_path_factory.mktemp("zero"))
-    theirs = run_distributed(engine_save_job, 2, args=(root,), timeout_s=300)[0]
-    export_dcp(f"{root}/zero", f"{root}/zero-exported")
-    return root, theirs
+    return runs.dir("zero"), runs["zero-save"][0]
 
 
-@pytest.fixture(scope="module")
-def fsdp2_from_zero(zero_saved: tuple[str, list[float]]) -> dict[str, Any]:
+def fsdp2_from_zero(runs: Runs) -> dict[str, Any]:
     """FSDP2 on 3 ranks loads ``zero`` through ShardckptReader and saves it with stock DCP
     (``fsdp2-3``), then loads ``zero-exported`` with stock DCP; param groups and next losses."""
-    root, _ = zero_saved
-    return run_distributed(fsdp2_from_flat_job, 3, args=(root,), timeout_s=300)[0]
+    return runs["fsdp2-from-zero"][0]
 
 
 @pytest.mark.parametrize("via", ["reader", "export"])
-def test_zero_engine_checkpoint_loads_into_fsdp2_at_3_ranks(
-        zero_saved: tuple[str, list[float]], fsdp2_from_zero: dict[str, Any], via: str) -> None:
+def test_zero_engine_checkpoint_loads_into_fsdp2_at_3_ranks(runs: Runs, via: str) -> None:
     from shardckpt.checkpoint.reader import CheckpointReader
 
-    root, theirs = zero_saved
-    out = fsdp2_from_zero[via]
+    root, theirs = zero_saved(runs)
+    out = fsdp2_from_zero(runs)[via]
     m = CheckpointReader(f"{root}/zero").manifest
     assert_fsdp2_state_is_engine(f"{root}/fsdp2-loaded-{via}.safetensors", f"{root}/zero")
     assert [(g["params"], g["weight_decay"], g["lr"], g["betas"]) for g in out["groups"]] == \
@@ -254,27 +185,25 @@ def test_zero_engine_checkpoint_loads_into_fsdp2_at_3_ranks(
 # ---------------------------- 3 -> 2 both ways and frozen parameters (one 2-rank launch), HSDP
 
 
-def test_three_to_two_ranks_both_ways_and_frozen_parameters(
-        llama_fsdp2: tuple[str, dict[str, list[float]]], engine_from_fsdp2: dict[str, list[float]],
-        zero_saved: tuple[str, list[float]], fsdp2_from_zero: dict[str, Any]) -> None:
+def test_three_to_two_ranks_both_ways_and_frozen_parameters(runs: Runs) -> None:
+    """After the 3-rank launch, FSDP2's 3-rank save was imported for 2 ranks
+    (``fsdp2-3-flat``) and ``frozen`` imported with FROZEN frozen (``frozen-flat``)."""
     from safetensors.torch import load_file
 
-    from shardckpt.interop.dcp.to_flat import import_dcp_flat
-
-    root, fsdp2 = llama_fsdp2
-    zroot, _ = zero_saved
-    import_dcp_flat(f"{zroot}/fsdp2-3", f"{zroot}/fsdp2-3-flat", 2)
-    m = import_dcp_flat(f"{root}/frozen", f"{root}/frozen-flat", 2, frozen=[FROZEN])
+    root, fsdp2 = llama_fsdp2(runs)
+    zroot, _ = zero_saved(runs)
+    from_fsdp2, from_zero = engine_from_fsdp2(runs), fsdp2_from_zero(runs)
+    m = runs.host["frozen-flat"]  # what the import of ``frozen`` for 2 ranks returned
     frozen = sorted(f for g in m.components["model"].layout.groups if not g.requires_grad
                     for f in g.params)
     assert len(frozen) == 3 and not m.components["model"].buffers, frozen
-    out = run_distributed(two_ranks_job, 2, args=(root, zroot), timeout_s=300)[0]
+    out = runs["two"][0]
     # ZeroEngine at 3 -> FSDP2 at 2
     assert_fsdp2_state_is_engine(f"{root}/fsdp2-2-loaded.safetensors", f"{root}/flat-resaved")
-    assert out["fsdp2"] == pytest.approx(engine_from_fsdp2["flat"], rel=1e-6)
+    assert out["fsdp2"] == pytest.approx(from_fsdp2["flat"], rel=1e-6)
     # FSDP2 at 3 -> ZeroEngine at 2
     assert_engine_state_is_reference(zroot, f"{zroot}/fsdp2-3-flat-resaved", "fsdp2-3")
-    assert out["zero"] == pytest.approx(fsdp2_from_zero["reader"]["losses"], rel=1e-6)
+    assert out["zero"] == pytest.approx(from_zero["reader"]["losses"], rel=1e-6)
     # frozen parameters: loaded bit for bit, through the import and as chunks; unchanged by steps
     want = load_file(f"{root}/frozen-reference.safetensors")
     for ckpt in ("frozen-flat", "frozen-chunked"):
@@ -284,10 +213,9 @@ def test_three_to_two_ranks_both_ways_and_frozen_parameters(
             assert same_bits(flat_state(f"{root}/{ckpt}-after", f, "master"), want[f"model.{f}"])
 
 
-def test_hsdp_2x2_fsdp2_and_zero_engine_replicate_2_both_ways(
-        zero_saved: tuple[str, list[float]]) -> None:
-    root, _ = zero_saved
-    out = run_distributed(hsdp_job, 4, args=(root,), timeout_s=300)[0]
+def test_hsdp_2x2_fsdp2_and_zero_engine_replicate_2_both_ways(runs: Runs) -> None:
+    root, _ = zero_saved(runs)
+    out = runs["hsdp"][0]
     assert_same_engine_state(f"{root}/zero", f"{root}/zero-hsdp")
     # ZeroEngine replicate 2 -> FSDP2 (2, 2)
     assert_fsdp2_state_is_engine(f"{root}/fsdp2-hsdp.safetensors", f"{root}/zero-hsdp")
