@@ -1,8 +1,9 @@
 """Optimizer offload (``"cpu"``, ``"nvme"``) on real gloo process groups: masters and moments
 bit for bit equal to the resident run at stages 1, 2 and 3, with the step after backward or
 overlapping it; checkpoints saved and loaded with offload on or off; async saves from a
-snapshot of the offload files (2 ranks). The shared job of each world size runs these cases
-(parity at 1 to 4 ranks); a report is a list of problems (empty = pass).
+snapshot of the offload files (2 ranks). The cases run in the job of each world size that
+``integration/test_save_load.py`` runs too (:mod:`testing.save_runs`: one launch per size for
+both modules; parity at 1 to 4 ranks); a report is a list of problems (empty = pass).
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from testing.ranks import case_suite, check_case
 from testing.engines import shard_state
+from testing.ranks import check_case, run_cases, selected_modules
+from testing.save_runs import register, world_reports
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1)
@@ -225,8 +228,19 @@ def cases_for(world: int) -> list[str]:
     return {1: ["parity", "checkpoint"], 2: list(CASES)}.get(world, ["parity"])
 
 
-reports = case_suite(__name__, CASES, cases_for, [1, 2, 3, 4], timeout_s=240, pg_timeout_s=150,
-                     case_pg_timeout_s=120)
+def run(rank: int, world: int, root: str, names: list[str]) -> dict[str, Any]:
+    """This module's part of the job of each world size."""
+    return run_cases(CASES, names, timeout_s=120)
+
+
+register(__name__, "run", cases_for)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda n: f"world{n}")
+def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+            ) -> dict[str, list[Any]]:
+    return world_reports(__name__, request.param, tmp_path_factory,
+                         selected_modules(request.session))
 
 
 def test_offload_cpu_and_nvme_bit_exact_at_every_stage(reports):

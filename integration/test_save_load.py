@@ -5,6 +5,12 @@ ranks, a 2 x 2 HSDP mesh and another unit policy load it into freshly (different
 engines and compare every local shard with the checkpoint's tensors reassembled independently;
 the 2-rank job trains 5 more steps and compares with plain PyTorch started from the same state.
 Reads go through a counting fsspec filesystem.
+
+One launch per world size, shared by every test here (module-scoped) and with
+``integration/test_offload_runtime.py`` (:mod:`testing.save_runs`): the 4-rank job runs first,
+saves, then loads on 4 ranks and on the 2 x 2 mesh, then saves from a 2 x 2 mesh of its own; the
+3-rank job loads with either unit policy; the 2- and 1-rank jobs load. Each scenario reports on
+its own (a scenario that raises reports its traceback; the job goes on).
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import torch
 from testing.engines import llama_batches, llama_engine, train_llama
 from testing.fsspec_probes import CountingFS, RecordingFS, register
 from testing.models import LLAMA
-from testing.ranks import run_distributed
+from testing.ranks import selected_modules
 from testing.reference import compare_shards, optimizer_tensors, reference_train
+from testing import save_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SAVED_STEPS = 3
 MORE_STEPS = 5
 CHUNK = 4096
@@ -123,11 +130,71 @@ def continue_reference(engine, reader, cfg, world: int) -> list[str]:
 # ---------------------------------------------------------------------------------- tests
 
 
+#: a load's test id -> (world, replicate, unit policy, train MORE_STEPS more steps)
+LOADS = {"w1": (1, 1, "layers", False), "w2+5steps": (2, 1, "layers", True),
+         "w3": (3, 1, "layers", False), "w4": (4, 1, "layers", False),
+         "hsdp2x2": (4, 2, "layers", False), "w3-other-policy": (3, 1, "mlp_attn", False)}
+
+
+def _scenario(fn, *args) -> dict:
+    """``fn(*args)``, or the traceback it raised (the job goes on with its next scenario)."""
+    import traceback
+
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported to the test of this scenario
+        return {"error": traceback.format_exc()}
+
+
+def names_for(world: int) -> list[str]:
+    """The scenarios of the job of ``world`` ranks, in the order they run."""
+    loads = [name for name, (w, *_) in LOADS.items() if w == world]
+    return ["save", *loads, "hsdp_save"] if world == 4 else loads
+
+
+def run(rank: int, world: int, root: str, names: list[str]) -> dict:
+    """This module's part of the job of each world size: its scenarios one after another in
+    one process group (on 4 ranks the save, then the loads, then the save from a 2 x 2 mesh)."""
+    import torch.distributed as dist
+
+    out = {}
+    for name in names:
+        if name == "save":
+            out[name] = _scenario(job_save, rank, world, root)
+        elif name == "hsdp_save":
+            out[name] = _scenario(job_save_hsdp, rank, world, root)
+        else:
+            _, replicate, policy, more = LOADS[name]
+            out[name] = _scenario(job_load, rank, world, root, replicate, policy, more)
+        dist.barrier()
+    return out
+
+
+save_runs.register(__name__, "run", names_for)
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> str:
-    root = str(tmp_path_factory.mktemp("saveload"))
-    run_distributed(job_save, 4, args=(root,), timeout_s=120)
-    return root
+def runs(request, tmp_path_factory) -> tuple[str, dict[str, list[dict]]]:
+    """The checkpoints' root, and each scenario's per-rank reports."""
+    reports: dict[str, list[dict]] = {}
+    for world in (4, 3, 2, 1):
+        reports.update(save_runs.world_reports(__name__, world, tmp_path_factory,
+                                               selected_modules(request.session)))
+    return save_runs.session_root(tmp_path_factory), reports
+
+
+def reported(runs, name: str) -> list[dict]:
+    """The per-rank reports of scenario ``name``; fails with any rank's traceback."""
+    out = runs[1][name]
+    errors = [o["error"] for o in out if "error" in o]
+    assert not errors, errors[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(runs) -> str:
+    reported(runs, "save")
+    return runs[0]
 
 
 def test_saved_checkpoint_passes_offline_tools(saved):
@@ -146,12 +213,11 @@ def test_saved_checkpoint_passes_offline_tools(saved):
     assert diff(f"{saved}/ck4", f"{saved}/ck3").equal
 
 
-@pytest.mark.parametrize("world,replicate,policy,more", [
-    (1, 1, "layers", False), (2, 1, "layers", True), (3, 1, "layers", False),
-    (4, 1, "layers", False), (4, 2, "layers", False), (3, 1, "mlp_attn", False),
-], ids=["w1", "w2+5steps", "w3", "w4", "hsdp2x2", "w3-other-policy"])
-def test_load_anywhere(saved, world, replicate, policy, more):
-    out = run_distributed(job_load, world, args=(saved, replicate, policy, more), timeout_s=150)
+@pytest.mark.parametrize("name", list(LOADS))
+def test_load_anywhere(runs, saved, name):
+    world, replicate, policy, more = LOADS[name]
+    out = reported(runs, name)
+    assert len(out) == world
     problems = [p for o in out for p in o["problems"]]
     assert not problems, problems
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(f"{saved}/ck4") for f in fs
@@ -199,16 +265,17 @@ def job_save_hsdp(rank: int, world: int, root: str) -> dict:
             "shard": pm.shard_rank, "replica": pm.replicate_rank}
 
 
-def test_save_from_hsdp_writes_each_shard_once_spread_over_replicas(tmp_path):
+def test_save_from_hsdp_writes_each_shard_once_spread_over_replicas(runs):
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.checkpoint.verify import verify
 
-    out = run_distributed(job_save_hsdp, 4, args=(str(tmp_path),), timeout_s=120)
-    m = CheckpointReader(f"{tmp_path}/hsdp").manifest
+    out = reported(runs, "hsdp_save")
+    root = runs[0]
+    m = CheckpointReader(f"{root}/hsdp").manifest
     assert dict(m.mesh.axes) == {"dp_replicate": 2, "dp_shard": 2}
     shards = [f for f in m.files if f.role == "shard"]
     assert sorted(f.index for f in shards) == [0, 1]
-    result = verify(f"{tmp_path}/hsdp")
+    result = verify(f"{root}/hsdp")
     assert result, result.problems
     # what each rank actually opened for writing: every shard once, spread over both replicas
     by_file: dict[str, list[tuple[int, int]]] = {}
