@@ -1,4 +1,11 @@
-"""The training-loop API: async save, application state, resume on another world size."""
+"""The training-loop API: async save, application state, resume on another world size.
+
+One launch of 2 ranks runs every scenario in turn (module-scoped ``run``), each in a directory of
+its own: an async save (slowed writes, an injected write error); application state saved after
+3 steps, then resumed on the same 2 ranks; two saves, rank 1's newest shard damaged, and a resume
+that falls back past it; last, rank 0 alone in a new group of 1 resumes the application state
+resharded for one rank. Each test asserts on its part.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import time
 import pytest
 import torch
 
+from testing.ckpt_runs import coordinator, new_world
 from testing.engines import llama_batches, llama_engine, train_llama
 from testing.fsspec_probes import SlowFS, register_all
 from testing.ranks import run_distributed
@@ -15,16 +23,14 @@ from testing.ranks import run_distributed
 pytestmark = pytest.mark.slow
 
 
-def job_async(rank: int, world: int, root: str) -> dict:
+def _async(pm, root: str) -> dict:
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
-    from shardckpt.runtime import init_distributed
 
     register_all()
-    pm = init_distributed(timeout_s=60)
     cfg, engine, opt = llama_engine(pm, seed=0)
-    data = llama_batches(cfg, pm.rank, world)
+    data = llama_batches(cfg, pm.rank, pm.world_size)
     out: dict = {}
     # 1. snapshot isolation and overlap: writes are slowed down, training goes on meanwhile
     os.environ["SHARDCKPT_TEST_WRITE_DELAY"] = "0.05"
@@ -64,38 +70,24 @@ def job_async(rank: int, world: int, root: str) -> dict:
     mgr = CheckpointManager(f"{root}/run")
     out["latest"] = mgr.read_latest()
     out["resume_step"] = mgr.resume_point(full_verify=True).step
+    fail.close()
     ckpt.close()
     return out
-
-
-def test_async_save(tmp_path):
-    from shardckpt.checkpoint.run_dir import step_dir
-
-    out = run_distributed(job_async, 2, args=(str(tmp_path),), timeout_s=150)
-    for o in out:
-        assert o["snapshot_problems"] == [], o["snapshot_problems"]
-        assert o["in_flight_after_step"], "the write finished before the next step did"
-        assert o["step_done"] < o["write_done"]
-        assert o["error"] and "ENOSPC" in o["error"] or "No space left" in (o["error"] or ""), o["error"]
-        assert o["latest"] == step_dir(1) and o["resume_step"] == 1
-    assert not os.path.exists(tmp_path / "run" / step_dir(2) / "manifest.json")
 
 
 # --------------------------------------------------------------------- application state
 
 
-def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int) -> dict:
+def _app_state(pm, run: str, steps: int, micro_batch: int) -> dict:
     from torch.optim.lr_scheduler import LambdaLR
 
     from shardckpt.training.checkpointer import Checkpointer, JsonState
-    from shardckpt.runtime import init_distributed
     from shardckpt.runtime.data import SyntheticCorpus, TokenBatches
 
-    pm = init_distributed(timeout_s=60)
     cfg, engine, opt = llama_engine(pm, seed=0)
     sched = LambdaLR(opt, lambda s: 0.5 ** s)
     data = TokenBatches(SyntheticCorpus(cfg.vocab_size, seed=1), seq_len=16, micro_batch=micro_batch,
-                        rank=pm.rank, world_size=world)
+                        rank=pm.rank, world_size=pm.world_size)
     user = JsonState({"note": "hello", "evals": []})
     ckpt = Checkpointer(run, engine, app_state={"scheduler": sched, "data": data, "user": user}, seed=11)
     start = ckpt.resume()
@@ -113,56 +105,46 @@ def job_app_state(rank: int, world: int, run: str, steps: int, micro_batch: int)
     ckpt.save(start + steps)
     out["lr_at_end"] = sched.get_last_lr()
     out["rand_after_save"] = torch.rand(3).tolist()
+    ckpt.close()
     return out
-
-
-def test_app_state_round_trip_and_resume_on_other_world_size(tmp_path):
-    from shardckpt.checkpoint.run_dir import step_dir
-    from shardckpt.tools.reshard import reshard
-
-    run2, run1 = str(tmp_path / "run2"), str(tmp_path / "run1")
-    first = run_distributed(job_app_state, 2, args=(run2, 3, 2), timeout_s=120)
-    assert first[0]["start"] == 0
-    # same world size: everything, RNG included, continues where it stopped
-    same = run_distributed(job_app_state, 2, args=(run2, 1, 2), timeout_s=120)
-    for a, b in zip(first, same):
-        assert b["start"] == 3
-        assert b["lr_at_start"] == a["lr_at_end"] == [3e-3 * 0.5 ** 3] * 2
-        assert b["samples_at_start"]["samples_seen"] == 3 * 4
-        assert b["user_at_start"] == {"note": "hello", "evals": [0, 1, 2]}
-        assert b["rand_after_resume"] == a["rand_after_save"]
-    # another world size: app state carries over; RNG re-seeded from seed + rank
-    reshard(f"{run2}/{step_dir(3)}", f"{run1}/{step_dir(3)}", to=1)
-    other = run_distributed(job_app_state, 1, args=(run1, 1, 4), timeout_s=120)[0]
-    assert other["start"] == 3 and other["lr_at_start"] == first[0]["lr_at_end"]
-    assert other["samples_at_start"]["samples_seen"] == 12
-    torch.manual_seed(11 + 0)
-    assert other["rand_after_resume"] == torch.rand(3).tolist()
 
 
 # ------------------------------------------------------------------ resume past a damaged one
 
 
-def job_save_steps(rank: int, world: int, run: str, steps: list) -> dict:
+def _save_steps(pm, run: str, steps: list) -> None:
     from shardckpt.training.checkpointer import Checkpointer
-    from shardckpt.runtime import init_distributed
 
-    pm = init_distributed(timeout_s=60)
     cfg, engine, opt = llama_engine(pm, seed=0)
-    data = llama_batches(cfg, pm.rank, world)
+    data = llama_batches(cfg, pm.rank, pm.world_size)
     ckpt = Checkpointer(run, engine, keep_last=None)
     for step in steps:
         train_llama(engine, opt, data, range(step - 1, step))
         ckpt.save(step)
-    return {}
+    ckpt.close()
 
 
-def job_resume(rank: int, world: int, run: str) -> dict:
+def _flip_a_bit(run: str) -> int:
+    """Flip one bit of rank 1's shard of step 2 (the size still checks out); the step a resume
+    without the checksums would take."""
+    from shardckpt.checkpoint.run_dir import CheckpointManager
+
+    mgr = CheckpointManager(run)
+    shard1 = next(os.path.join(d, f) for d, _, fs in os.walk(mgr.url_for(2)) for f in fs
+                  if f.startswith("shard-00001-"))
+    with open(shard1, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 1]))
+    return mgr.resume_point().step
+
+
+def _resume(pm, run: str) -> dict:
     import logging
 
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.training.checkpointer import Checkpointer
-    from shardckpt.runtime import init_distributed
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -170,9 +152,11 @@ def job_resume(rank: int, world: int, run: str) -> dict:
     logger = logging.getLogger("shardckpt")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    pm = init_distributed(timeout_s=60)
-    _, engine, opt = llama_engine(pm, seed=5)
-    step = Checkpointer(run, engine).resume()
+    try:
+        _, engine, opt = llama_engine(pm, seed=5)
+        step = Checkpointer(run, engine).resume()
+    finally:
+        logger.removeHandler(handler)
     reader = CheckpointReader(f"{run}/step-{step:08d}")
     differ = [f"{g}.{k}" for g, kinds in engine.local_shards().items() for k, t in kinds.items()
               if bytes(reader.read_state(pm.shard_rank, g, k)) != t.numpy().tobytes()]
@@ -182,22 +166,82 @@ def job_resume(rank: int, world: int, run: str) -> dict:
                      if r.name == "shardckpt.training.checkpointer"]}
 
 
-def test_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path):
+# ------------------------------------------------------------------------------ the launch
+
+
+def job(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from shardckpt.checkpoint.run_dir import step_dir
+    from shardckpt.runtime import init_distributed
+    from shardckpt.tools.reshard import reshard
+
+    store = coordinator()
+    pm = init_distributed(timeout_s=60)
+    out: dict = {"async": _async(pm, f"{root}/async")}
+    run2, run1 = f"{root}/app/run2", f"{root}/app/run1"
+    out["first"] = _app_state(pm, run2, 3, 2)
+    out["same"] = _app_state(pm, run2, 1, 2)
+    damaged = f"{root}/damaged/run"
+    _save_steps(pm, damaged, [1, 2])
+    dist.barrier()
+    if rank == 0:
+        out["resume_point_after_flip"] = _flip_a_bit(damaged)
+    dist.barrier()
+    out["resume"] = _resume(pm, damaged)
+    # another world size: app state carries over; RNG re-seeded from seed + rank
+    if new_world(store, "world1", 1, rank):
+        reshard(f"{run2}/{step_dir(3)}", f"{run1}/{step_dir(3)}", to=1)
+        out["other"] = _app_state(init_distributed(timeout_s=60), run1, 1, 4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("checkpointer"))
+    return {"root": root,
+            "out": run_distributed(job, 2, args=(root,), timeout_s=400, pg_timeout_s=60)}
+
+
+def test_async_save(run):
+    from shardckpt.checkpoint.run_dir import step_dir
+
+    for o in (r["async"] for r in run["out"]):
+        assert o["snapshot_problems"] == [], o["snapshot_problems"]
+        assert o["in_flight_after_step"], "the write finished before the next step did"
+        assert o["step_done"] < o["write_done"]
+        assert o["error"] and "ENOSPC" in o["error"] or "No space left" in (o["error"] or ""), o["error"]
+        assert o["latest"] == step_dir(1) and o["resume_step"] == 1
+    assert not os.path.exists(os.path.join(run["root"], "async", "run", step_dir(2), "manifest.json"))
+
+
+def test_app_state_round_trip_and_resume_on_other_world_size(run):
+    first = [r["first"] for r in run["out"]]
+    same = [r["same"] for r in run["out"]]
+    assert first[0]["start"] == 0
+    # same world size: everything, RNG included, continues where it stopped
+    for a, b in zip(first, same, strict=True):
+        assert b["start"] == 3
+        assert b["lr_at_start"] == a["lr_at_end"] == [3e-3 * 0.5 ** 3] * 2
+        assert b["samples_at_start"]["samples_seen"] == 3 * 4
+        assert b["user_at_start"] == {"note": "hello", "evals": [0, 1, 2]}
+        assert b["rand_after_resume"] == a["rand_after_save"]
+    # another world size: app state carries over; RNG re-seeded from seed + rank
+    other = run["out"][0]["other"]
+    assert "other" not in run["out"][1]
+    assert other["start"] == 3 and other["lr_at_start"] == first[0]["lr_at_end"]
+    assert other["samples_at_start"]["samples_seen"] == 12
+    torch.manual_seed(11 + 0)
+    assert other["rand_after_resume"] == torch.rand(3).tolist()
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(run):
     from shardckpt.checkpoint.run_dir import CheckpointManager, step_dir
 
-    run = str(tmp_path / "run")
-    run_distributed(job_save_steps, 2, args=(run, [1, 2]), timeout_s=120)
-    mgr = CheckpointManager(run)
-    shard1 = next(os.path.join(d, f) for d, _, fs in os.walk(mgr.url_for(2)) for f in fs
-                  if f.startswith("shard-00001-"))
-    with open(shard1, "r+b") as f:  # one flipped bit in rank 1's shard: the size still checks out
-        f.seek(-100, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-100, os.SEEK_END)
-        f.write(bytes([b[0] ^ 1]))
-    assert mgr.resume_point().step == 2
-    out = run_distributed(job_resume, 2, args=(run,), timeout_s=120)
-    for rank, o in enumerate(out):
+    mgr = CheckpointManager(f"{run['root']}/damaged/run")
+    assert run["out"][0]["resume_point_after_flip"] == 2
+    out = [r["resume"] for r in run["out"]]
+    for o in out:
         assert o["step"] == 1 and o["differ"] == [] and o["opt_steps"] == [1, 1], o
     infos = [m for level, m in out[0]["logs"] if level == "INFO"]
     warnings = [m for level, m in out[0]["logs"] if level == "WARNING"]

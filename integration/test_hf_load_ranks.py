@@ -17,6 +17,10 @@ A folder with a missing file, a truncated file, a header whose offsets run past 
 the masters cannot take or a mis-shaped tensor gives every rank the same error naming the file and
 the tensor; stages 1 and 2 load the same logits; and a checkpoint made
 offline by ``import_hf`` on another world size starts a run the same way.
+
+One launch of 4 ranks runs it all: HSDP 2 x 2 in the launcher's group, then ranks 0-2 in a new
+group of 3. The ranks never import ``transformers``: the test process computes its logits and
+the plain fine-tunes once (one thread, as the ranks run), and the ranks compare against those.
 """
 
 from __future__ import annotations
@@ -26,24 +30,33 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import datetime  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from testing.ranks import run_distributed
+from testing.ckpt_runs import coordinator, new_world  # noqa: E402
+from testing.ranks import run_distributed  # noqa: E402
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
+
+PG_TIMEOUT_S = 300
 
 VARIANTS = {"tied-fp32": (True, "float32"), "untied-bf16": (False, "bfloat16"),
             "tied-bf16": (True, "bfloat16"), "untied-fp32": (False, "float32")}
 VOCAB, STEPS = 128, 2
+#: The token batches whose logits are compared with transformers': the variants', the stages'
+#: and the import's.
+LOGITS_AT, STAGES_AT, IMPORT_AT = 99, 3, 5
+WORLDS = {"world3": (3, False), "hsdp2x2": (4, True)}
 #: Damage -> (what the error must name besides the file).
 BROKEN = {"missing": "missing", "truncated": "data_offsets", "offsets": "data_offsets",
           "dtype": "int32", "shape": "[64, 32]"}
@@ -72,7 +85,24 @@ def _recording_fs() -> Any:
     return Recording
 
 
+def _transformers() -> Any:
+    """transformers, in the test process only (the ranks never import it)."""
+    return pytest.importorskip("transformers")
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread, as the launcher gives every rank (bit-exact comparisons)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def save_tiny(path: Path, tied: bool, dtype: str) -> None:
+    transformers = _transformers()
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                    tie_word_embeddings=tied)
@@ -98,17 +128,31 @@ def _engine(pm: Any, path: str, stage: int = 3) -> Any:
                       init_fn=skip_weight_init, stage=stage)
 
 
+def _hf_logits(path: str, step: int) -> Any:
+    """transformers' own load and forward of ``tokens(step, 0)``, in fp32."""
+    hf = _transformers().LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(tokens(step, 0)).logits
+
+
+def _expected(folder: str) -> dict[str, Any]:
+    """The logits of transformers that the ranks compare with, by ``{variant}/{step}``."""
+    from safetensors.torch import load_file
+
+    return load_file(f"{folder}/expected-logits.safetensors")
+
+
 def _stages(pm: Any, folder: str) -> list[str]:
     """Stages 1 and 2 (parameters whole on every rank between steps) load the same weights."""
     from shardckpt.training.hf_load import load_hf
 
     path, problems = f"{folder}/untied-bf16", []
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = _expected(folder)[f"untied-bf16/{STAGES_AT}"]
     for stage in (1, 2):
         engine = _engine(pm, path, stage)
         load_hf(engine, path)
         with torch.no_grad():
-            if not torch.equal(engine(tokens(3, 0)), hf(tokens(3, 0)).logits):
+            if not torch.equal(engine(tokens(STAGES_AT, 0)), hf):
                 problems.append(f"stage {stage}: logits differ from transformers'")
     return problems
 
@@ -117,7 +161,7 @@ def _reference(path: str, world: int) -> Any:
     """Plain PyTorch data parallelism on one process, from transformers' own load."""
     from shardckpt.runtime.models.llama import causal_lm_loss
 
-    ref = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = _transformers().LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     named = list(ref.named_parameters())
     opt = torch.optim.AdamW([p for _, p in named], lr=1e-2, weight_decay=0.1, foreach=False)
     for step in range(STEPS):
@@ -150,10 +194,8 @@ def _variant(pm: Any, folder: str, name: str, out: str) -> dict[str, Any]:
     nbytes = rec.nbytes
     if result.missing or result.unexpected:
         problems.append(f"missing {result.missing}, unexpected {result.unexpected}")
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        ids = tokens(99, 0)
-        if not torch.equal(engine(ids), hf(ids).logits):
+        if not torch.equal(engine(tokens(LOGITS_AT, 0)), _expected(folder)[f"{name}/{LOGITS_AT}"]):
             problems.append("logits differ from transformers'")
     opt = ShardedAdamW(engine, lr=1e-2, weight_decay=0.1)
     for step in range(STEPS):
@@ -162,18 +204,10 @@ def _variant(pm: Any, folder: str, name: str, out: str) -> dict[str, Any]:
         opt.zero_grad()
     url = f"{out}/{name}-{pm.mesh.describe().replace(' ', '')}"
     save(engine, url)
-    if pm.rank == 0:
-        from safetensors.torch import load_file
-
+    if pm.rank == 0:  # the test compares it with the plain PyTorch fine-tune
         consolidate(url, f"{url}-hf", dtype="fp32")
-        got = {}
-        for f in Path(f"{url}-hf").glob("*.safetensors"):
-            got.update(load_file(str(f)))
-        ref = _reference(path, pm.world_size)
-        problems += [f"{n} differs from the plain PyTorch fine-tune" for n, p in ref.items()
-                     if n not in got or not torch.equal(got[n], p)]
     return {"problems": problems, "bytes": nbytes, "shard": pm.shard_rank,
-            "replica": pm.mesh.replicate_rank(pm.rank)}
+            "replica": pm.mesh.replicate_rank(pm.rank), "consolidated": f"{url}-hf"}
 
 
 def _broken(pm: Any, folder: str) -> dict[str, str]:
@@ -198,11 +232,9 @@ def _from_import(pm: Any, folder: str, imported: str) -> list[str]:
 
     engine = _engine(pm, f"{folder}/untied-bf16")
     load(engine, imported)
-    hf = transformers.LlamaForCausalLM.from_pretrained(f"{folder}/untied-bf16",
-                                                       dtype=torch.float32).eval()
     problems = []
     with torch.no_grad():
-        if not torch.equal(engine(tokens(5, 0)), hf(tokens(5, 0)).logits):
+        if not torch.equal(engine(tokens(IMPORT_AT, 0)), _expected(folder)[f"untied-bf16/{IMPORT_AT}"]):
             problems.append("logits after load of the import differ from transformers'")
     opt = ShardedAdamW(engine, lr=1e-2)
     causal_lm_loss(engine(tokens(0, pm.rank)), tokens(0, pm.rank)).backward()
@@ -212,16 +244,30 @@ def _from_import(pm: Any, folder: str, imported: str) -> list[str]:
     return problems
 
 
-def _job(rank: int, world: int, folder: str, out: str, hsdp: bool, imported: str) -> dict[str, Any]:
-    from shardckpt.format.layout import Mesh
-    from shardckpt.runtime.mesh import ProcessMesh
-
-    pm = ProcessMesh.from_process_group(Mesh.hsdp(2, world // 2) if hsdp else Mesh.for_world(world))
+def _report(pm: Any, folder: str, out: str, imported: str) -> dict[str, Any]:
     report: dict[str, Any] = {name: _variant(pm, folder, name, out) for name in VARIANTS}
     report["broken"] = _broken(pm, folder)
     report["import"] = _from_import(pm, folder, imported)
     report["stages"] = _stages(pm, folder)
     return report
+
+
+def _job(rank: int, world: int, folder: str, out: str, imported: str) -> dict[str, Any]:
+    """HSDP 2 x 2 on the launcher's 4 ranks, then ranks 0-2 in a new group of 3."""
+    import torch.distributed as dist
+
+    from shardckpt.format.layout import Mesh
+    from shardckpt.runtime.mesh import ProcessMesh
+
+    store = coordinator()
+    reports = {"hsdp2x2": _report(ProcessMesh.from_process_group(Mesh.hsdp(2, world // 2)),
+                                  folder, out, imported)}
+    if new_world(store, "world3", 3, rank):
+        dist.init_process_group("gloo", init_method="env://",
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        reports["world3"] = _report(ProcessMesh.from_process_group(Mesh.for_world(3)), folder,
+                                    out, imported)
+    return reports
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +283,24 @@ def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         shutil.copytree(root / "tied-fp32", root / f"broken-{kind}")
         damage(root / f"broken-{kind}" / victim, kind)
     import_hf(str(root / "untied-bf16"), str(root / "imported"), ranks=3)
+    from safetensors.torch import save_file
+
+    with _one_thread():
+        expected = {f"{name}/{LOGITS_AT}": _hf_logits(str(root / name), LOGITS_AT)
+                    for name in VARIANTS}
+        for step in (STAGES_AT, IMPORT_AT):
+            expected[f"untied-bf16/{step}"] = _hf_logits(str(root / "untied-bf16"), step)
+    save_file(expected, str(root / "expected-logits.safetensors"))
     return {"root": str(root), "victim": victim}
+
+
+@pytest.fixture(scope="module")
+def run(hf_folders: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = hf_folders["root"]
+    out = str(tmp_path_factory.mktemp("hf-runs"))
+    values = run_distributed(_job, 4, args=(root, out, f"{root}/imported"), timeout_s=600,
+                             pg_timeout_s=PG_TIMEOUT_S)
+    return {name: [v[name] for v in values if name in v] for name in WORLDS}
 
 
 def damage(f: Path, kind: str) -> None:
@@ -281,17 +344,27 @@ def _data_bytes(folder: Path) -> tuple[int, int]:
     return tensors, meta
 
 
-@pytest.mark.parametrize("world,hsdp", [(3, False), (4, True)], ids=["world3", "hsdp2x2"])
-def test_start_from_hf_weights(hf_folders: dict[str, Any], tmp_path: Path, world: int,
-                               hsdp: bool) -> None:
+@pytest.mark.parametrize("mesh", list(WORLDS))
+def test_start_from_hf_weights(hf_folders: dict[str, Any], run: dict[str, Any],
+                               mesh: str) -> None:
+    from safetensors.torch import load_file
+
     root = Path(hf_folders["root"])
-    reports = run_distributed(_job, world, args=(str(root), str(tmp_path), hsdp,
-                                                 str(root / "imported")),
-                              timeout_s=600, pg_timeout_s=300)
+    world, hsdp = WORLDS[mesh]
+    reports = run[mesh]
+    assert len(reports) == world
     shards = world // 2 if hsdp else world
     for name in VARIANTS:
         per_rank = [r[name] for r in reports]
         assert all(not r["problems"] for r in per_rank), {name: [r["problems"] for r in per_rank]}
+        got = {}
+        for f in Path(per_rank[0]["consolidated"]).glob("*.safetensors"):
+            got.update(load_file(str(f)))
+        with _one_thread():
+            ref = _reference(str(root / name), world)
+        assert got, per_rank[0]["consolidated"]
+        differ = [n for n, p in ref.items() if n not in got or not torch.equal(got[n], p)]
+        assert not differ, f"{name}: {differ} differ from the plain PyTorch fine-tune"
         tensor_bytes, meta = _data_bytes(root / name)
         if name.startswith("tied"):  # transformers saves the tied head once
             assert "lm_head.weight" not in json.loads(
