@@ -59,6 +59,8 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
         answer = torch.zeros(1, dtype=torch.int64)
         dist.recv(answer, dst, group=group)
         how = int(answer.item())
+        if how == REFUSE:
+            return
         if how == SPANS:
             count = torch.zeros(1, dtype=torch.int64)
             dist.recv(count, dst, group=group)
@@ -68,8 +70,6 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
             sizes = lengths.tolist()
         else:
             sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
-        if how == REFUSE:
-            return
         buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
         for n in sizes:
             view = buf[:n]
