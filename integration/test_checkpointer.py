@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from testing.ckpt_runs import coordinator, new_world
+from testing.ckpt_runs import coordinator, flip_bit, new_world
 from testing.engines import llama_batches, llama_engine, train_llama
 from testing.fsspec_probes import SlowFS, register_all
 from testing.ranks import run_distributed
@@ -130,13 +130,7 @@ def _flip_a_bit(run: str) -> int:
     from shardckpt.checkpoint.run_dir import CheckpointManager
 
     mgr = CheckpointManager(run)
-    shard1 = next(os.path.join(d, f) for d, _, fs in os.walk(mgr.url_for(2)) for f in fs
-                  if f.startswith("shard-00001-"))
-    with open(shard1, "r+b") as f:
-        f.seek(-100, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-100, os.SEEK_END)
-        f.write(bytes([b[0] ^ 1]))
+    flip_bit(mgr.url_for(2), "shard-00001-")
     return mgr.resume_point().step
 
 

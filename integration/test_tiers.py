@@ -34,6 +34,7 @@ import signal
 
 import pytest
 
+from testing.ckpt_runs import flip_bit, record
 from testing.engines import tiny_engine, tiny_step
 from testing.ranks import run_ranks
 
@@ -66,13 +67,6 @@ def _capture():
     return records
 
 
-def _save_record(root: str, name: str, rank: int, value: dict) -> None:
-    path = os.path.join(root, f"{name}-{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f)
-    os.replace(path + ".tmp", path)
-
-
 def job(rank: int, world: int, root: str, phase: str) -> dict:
     from shardckpt.checkpoint.tiers import LocalTier
     from shardckpt.runtime import init_distributed
@@ -98,14 +92,7 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
             {k: v for k, v in plain.items() if k != "rand"}
         # one flipped bit in node 0's copy of rank 1's shard: the size still checks out, the
         # checksums do not; the previous local step (4) is taken instead
-        step6 = f"{root}/local/node0/step-{start:08d}"
-        shard1 = next(os.path.join(d, f) for d, _, fs in os.walk(step6) for f in fs
-                      if f.startswith("shard-00001-"))
-        with open(shard1, "r+b") as f:
-            f.seek(-100, os.SEEK_END)
-            b = f.read(1)
-            f.seek(-100, os.SEEK_END)
-            f.write(bytes([b[0] ^ 1]))
+        flip_bit(f"{root}/local/node0/step-{start:08d}", "shard-00001-")
         again = Checkpointer(durable, engine, local=tier)
         out["damaged"] = {"step": again.resume(), "resume": again.last_resume,
                           "warnings": [r.getMessage() for r in records if r.levelname == "WARNING"
@@ -116,7 +103,7 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
         if phase == "first" and i <= 6:
             ckpt.save(i)
     ckpt.wait()
-    _save_record(root, phase, rank, _digest(engine, opt))
+    record(root, phase, rank, _digest(engine, opt))
     if phase in ("first", "restart"):
         if phase == "first" and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -142,7 +129,7 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
             out["outcome"] = f"{type(e).__name__}: {e}"
         # leave at once: a survivor that waited for the others would keep a rank that is still
         # in a collective with it from seeing the loss until the group's timeout
-        _save_record(root, f"{phase}-outcome", rank, out)
+        record(root, f"{phase}-outcome", rank, out)
         os._exit(0)
     # peers: the tier is full from here on (quota 1 byte): durable-only saves
     ckpt.save(REF_STEP)
@@ -188,7 +175,7 @@ def job_copy_kill(rank: int, world: int, root: str, phase: str) -> dict:
         tiny_step(engine, opt, i, pm.rank)
         if phase == "kill" and i == 4:
             ckpt.wait()
-            _save_record(root, "state", rank, _digest(engine, opt))
+            record(root, "state", rank, _digest(engine, opt))
             if rank == 3:  # the offer is taken, then the first piece of the file never comes
                 dist.send = _send_once_then_die(dist.send, 1)
         if phase == "kill":
