@@ -2,6 +2,8 @@
 
     python bench/_disk_limit.py SRC DST_FILE NBYTES [--timing FILE]
 
+(:func:`streams` is the other limit the benchmarks quote: N parallel writers and readers.)
+
 Reads NBYTES from SRC in 16 MiB ``readinto`` calls, writes them to DST_FILE and fsyncs it: the
 least work any tool does to move the same bytes, with the page cache as warm as the tool's own run
 finds it. Writeback is started every 8 MiB (``sync_file_range``, as shardckpt's writer does) so the
@@ -80,6 +82,67 @@ def copy(src: list[tuple[str, int, int | None]], dst: str, nbytes: int) -> int:
                 break
         os.fsync(w.fileno())
     return nbytes - left
+
+
+def _advise_dontneed(path: str) -> bool:
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
+def streams(folder: str, nbytes: int, n: int) -> dict[str, object]:
+    """The disk's limit with ``n`` parallel streams: ``n`` threads each write ``nbytes / n`` to a
+    file of their own in 16 MiB ``os.write`` calls (which release the GIL) and fsync it; then,
+    after ``POSIX_FADV_DONTNEED`` on every file, each thread reads its file back in 16 MiB
+    ``readinto`` calls. Seconds and GB/s of each phase (the read may include page-cache hits
+    where the kernel keeps pages despite the advice). The files are removed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f"stream-{i:02d}.bin") for i in range(n)]
+    sizes = [nbytes // n + (1 if i < nbytes % n else 0) for i in range(n)]
+    block = os.urandom(BLOCK)
+
+    def write(i: int) -> None:
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = sizes[i]
+            while left > 0:
+                left -= os.write(fd, block[:min(BLOCK, left)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(i: int) -> int:
+        buf, got = memoryview(bytearray(BLOCK)), 0
+        with open(paths[i], "rb", buffering=0) as f:
+            while (k := f.readinto(buf)):
+                got += k
+        return got
+
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(write, range(n)))
+            write_s = time.perf_counter() - t0
+            advised = all([_advise_dontneed(p) for p in paths])
+            t0 = time.perf_counter()
+            got = sum(pool.map(read, range(n)))
+            read_s = time.perf_counter() - t0
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.remove(p)
+    if got != nbytes:
+        raise RuntimeError(f"{folder}: read {got} of {nbytes} bytes back")
+    return {"streams": n, "bytes": nbytes, "write_fsync_s": write_s, "read_s": read_s,
+            "write_gbs": nbytes / write_s / 1e9, "read_gbs": nbytes / read_s / 1e9,
+            "fadvise_dontneed": advised}
 
 
 def main() -> None:
