@@ -17,13 +17,12 @@ world size (``DistributedSampler`` deals them out rank by rank).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from testing.logs import warnings_of
 
 GLOBAL_BATCH = 8
 SAMPLES = 32                      # 4 steps per epoch
@@ -113,23 +112,6 @@ def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: boo
     if s3 is not None:
         out.update(_through_s3(trainer, module, loader, s3[0]))
     return out
-
-
-@contextmanager
-def warnings_of(logger: str) -> Iterator[list[str]]:
-    """The messages of the warnings ``logger`` (and those below it) logs meanwhile."""
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            got.append(record.getMessage())
-
-    handler, log = Keep(logging.WARNING), logging.getLogger(logger)
-    log.addHandler(handler)
-    try:
-        yield got
-    finally:
-        log.removeHandler(handler)
 
 
 #: ``ModelCheckpoint.state_key`` of the two callbacks of a resumed run.
