@@ -72,14 +72,15 @@ def restored_trainer_state(text: str, run: CheckpointManager, source: str) -> st
     (outside it, ``..``, a URL elsewhere) is named in a warning."""
     try:
         doc = json.loads(text)
-    except ValueError as e:
-        raise ManifestError(f"{source}: extras.app.trainer.trainer_state is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"{source}: extras.app.trainer.trainer_state is not JSON "
+                            f"Trainer can read: {e}") from None
     if not isinstance(doc, dict):
         raise ManifestError(f"{source}: extras.app.trainer.trainer_state is not a JSON object")
     best = doc.get("best_model_checkpoint")
     if best is not None:
         ours = {f.url for f in run.committed()}
-        if best in ours:
+        if isinstance(best, str) and best in ours:
             log.info("%s: best_model_checkpoint %s is not handed to Trainer (shardckpt's retention "
                       "keeps the checkpoints)", source, best)
         else:
