@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,6 +52,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> Iterator
     after_kill = sorted(p.name for p in (work / "ckpts").iterdir())
     shutil.copytree(work / "ckpts", work / "ckpts-1rank")
     shutil.copytree(work / "ckpts", work / "ckpts-kept")
+    hostile = _plant_hostile_paths(work, bucket, s3[1])
     with ThreadPoolExecutor(2) as pool:
         two = pool.submit(run_distributed, job.resume, 2,
                           args=(str(work), str(work / "ckpts"), s3), timeout_s=300)
@@ -58,9 +60,34 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> Iterator
                           args=(str(work), str(work / "ckpts-1rank")), timeout_s=300)
         resumed = {2: two.result(), 1: one.result()}
     yield {"work": work, "s3": s3, "killed": killed, "after_kill": after_kill, "resumed": resumed,
+           "hostile": hostile,
            "reference": json.loads((work / "reference.json").read_text()),
            "before_kill": json.loads((work / "killed.json").read_text())}
     moto_server.delete_bucket(bucket)
+
+
+def _plant_hostile_paths(work: Any, bucket: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoints both resumes start from, rewritten by a hostile author: their
+    ``ModelCheckpoint`` states name, as paths to delete at the next save, a sentinel directory
+    outside the run (absolute; the 1-rank resume), two through ``<dirpath>/..`` (the 1-rank
+    resume: ``kth_best_model_path`` and ``last_model_path``) and an ``s3://`` one (the 2-rank
+    resume, whose strategy holds the bucket's storage options: ``best_model_path``)."""
+    one = os.path.realpath(work / "ckpts-1rank")
+    sentinels = {name: work / name for name in ("sentinel-abs", "sentinel-kth", "sentinel-last")}
+    for d in sentinels.values():
+        d.mkdir()
+        (d / "keep").write_text("not the run's")
+    s3_sentinel = f"s3://{bucket}/sentinel"
+    Storage(s3_sentinel, options).put("keep", b"not the run's")
+    paths = {"abs": str(sentinels["sentinel-abs"]), "kth": f"{one}/../sentinel-kth",
+             "last": f"{one}/../sentinel-last", "s3": s3_sentinel}
+    job.plant_paths(work / "ckpts-1rank" / "last.ckpt", {
+        job.TOPK_KEY: {"dirpath": one, "best_k_models": {f"{one}/epoch=1-step=8.ckpt": 8.0, paths["kth"]: 4.0},
+                       "kth_best_model_path": paths["kth"], "kth_value": 4.0,
+                       "last_model_path": paths["last"]},
+        job.TOP1_KEY: {"dirpath": f"{one}-top1", "best_model_path": paths["abs"]}})
+    job.plant_paths(work / "ckpts" / "last.ckpt", {job.TOP1_KEY: {"best_model_path": s3_sentinel}})
+    return {"paths": paths, "dirs": list(sentinels.values()), "s3": s3_sentinel}
 
 
 def test_both_ranks_were_killed_after_the_epoch_1_save(runs: dict[str, Any]) -> None:
@@ -138,6 +165,50 @@ def test_state_that_is_not_json_is_refused_on_every_rank(runs: dict[str, Any]) -
             assert "hyper_parameters.loss_fn" in r["save_refused"]
             assert "torch.nn.modules.loss.MSELoss" in r["save_refused"]
     assert not (runs["work"] / "refused.ckpt" / "manifest.json").exists()
+
+
+def test_paths_read_from_a_checkpoint_are_never_deleted(runs: dict[str, Any]) -> None:
+    """Each hostile path survived the save that followed the resume (Lightning would have had
+    the strategy delete those under ``..`` and the URL), and each was dropped with a warning;
+    the resumes trained on, and the 1-rank run kept its own checkpoints."""
+    hostile = runs["hostile"]
+    for d in hostile["dirs"]:
+        assert (d / "keep").read_text() == "not the run's", d
+    url, options = runs["s3"]
+    assert Storage(hostile["s3"], options).read("keep") == b"not the run's"
+    (one,) = runs["resumed"][1]
+    for what in ("abs", "kth", "last"):
+        assert any(hostile["paths"][what] in w and "dropped" in w for w in one["warnings"]), what
+    two = runs["resumed"][2][0]
+    assert any(hostile["s3"] in w and "dropped" in w for w in two["warnings"]), two["warnings"]
+    # nothing of the run went either (without the planted last_model_path, Lightning names its
+    # next last save last-v1.ckpt and leaves last.ckpt)
+    ckpts = {p.name for p in (runs["work"] / "ckpts-1rank").iterdir()}
+    assert {"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"} <= ckpts
+    assert sorted(p.name for p in (runs["work"] / "ckpts-1rank-top1").iterdir()) == ["epoch=2-step=12.ckpt"]
+
+
+def test_remove_checkpoint_deletes_only_what_the_listing_finds(tmp_path: Any, caplog: Any) -> None:
+    """The strategy's delete, in process: only a committed checkpoint directly below one of the
+    run's directories; a ``..`` path, a path outside, a directory without a manifest and a URL
+    elsewhere are kept, with a warning."""
+    from testing.ckpts import make_ckpt
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    for name in ("a.ckpt", "b.ckpt"):
+        make_ckpt(run, name)
+    make_ckpt(outside, "c.ckpt")
+    (run / "loose").mkdir()
+    (run / "loose" / "x").write_text("no manifest")
+    within = [str(run)]
+    for path in (f"{run}/../outside/c.ckpt", str(outside / "c.ckpt"), f"{run}/loose", f"{run}/..",
+                 "memory://elsewhere/a.ckpt", f"{run}/a.ckpt/..", f"{run}//a.ckpt"):
+        caplog.clear()
+        assert remove_checkpoint(path, within=within) is False, path
+        assert "not a committed checkpoint listed" in caplog.text, path
+    assert (outside / "c.ckpt" / "manifest.json").exists() and (run / "loose" / "x").exists()
+    assert remove_checkpoint(f"{run}/a.ckpt", within=within) is True
+    assert sorted(p.name for p in run.iterdir()) == ["b.ckpt", "loose"]
 
 
 @pytest.mark.s3

@@ -195,3 +195,104 @@ def test_shardckpt_config_keeps_every_torchtitan_setting() -> None:
     assert ours.storage_options == {"anon": False} and ours.full_verify and not ours.allow_pickle
     with pytest.raises(ConfigError, match="CheckpointManager.Config"):
         shardckpt_config({"folder": "x"})
+
+
+# ------------------------------------------------- the data loader's pickled state, one process
+
+
+class _Plant:
+    """Unpickled, it creates a file (what a hostile checkpoint's code would do, harmlessly)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+class _HostileLoader:
+    """A writer's data loader whose state is torchtitan's layout with a pickle that runs code."""
+
+    def __init__(self, marker: str) -> None:
+        import pickle
+
+        self.payload = pickle.dumps(_Plant(marker))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dp_rank_0": self.payload, "world_size": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise AssertionError("only written")
+
+
+def _loader() -> Any:
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from testing.titan_job import Tokens
+
+    return ParallelAwareDataloader(Tokens(0), dp_rank=0, dp_world_size=1, batch_size=2)
+
+
+def _with_loader(folder: Path, loader: Any, **config: Any) -> Any:
+    from torch import nn
+
+    from shardckpt.integrations.torchtitan import ShardckptCheckpointManager
+
+    return ShardckptCheckpointManager.Config(enable=True, folder=str(folder), interval=10,
+                                             **config).build(
+        dataloader=loader, model_parts=[nn.Linear(2, 2)], optimizers=None, lr_schedulers=None,
+        states={"train_state": _TrainState(10)}, sd_adapter=None, base_folder="")
+
+
+def _save_step_10(folder: Path, loader: Any) -> None:
+    m = _with_loader(folder, loader)
+    try:
+        m.save(10)
+    finally:
+        m.close()
+
+
+def test_a_data_loader_pickle_that_names_code_is_refused(tmp_path: Path) -> None:
+    """A checkpoint that verifies, whose dp_rank_0 bytes are a pickle that opens a file:
+    the resume is one UnsafePickleError naming the value and the global (io.open), and nothing ran."""
+    from shardckpt.errors import UnsafePickleError
+
+    marker = tmp_path / "ran"
+    _save_step_10(tmp_path / "run", _HostileLoader(str(marker)))
+    ok(cli("verify", str(tmp_path / "run" / "step-00000010")))
+    m = _with_loader(tmp_path / "run", _loader())
+    try:
+        with pytest.raises(UnsafePickleError) as e:
+            m.load()
+    finally:
+        m.close()
+    msg = str(e.value)
+    assert "dp_rank_0" in msg and "global io.open" in msg and "pickle.loads" in msg, msg
+    assert "allow_pickle=True" in msg and "step-00000010" in msg, msg
+    assert not marker.exists()
+
+
+def test_a_plain_data_loader_state_resumes_and_allow_pickle_warns_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """torchtitan's own loader state (a pickle of plain data) resumes without the opt-in, at the
+    position saved; with allow_pickle=True it loads too, and says so once per manager."""
+    import torch
+
+    first = _loader()
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    _save_step_10(tmp_path / "run", first)
+    expected = next(batches)
+    for allow in (False, True):
+        caplog.clear()
+        loader = _loader()
+        m = _with_loader(tmp_path / "run", loader, allow_pickle=allow)
+        try:
+            assert m.load() is True and m.load() is True  # twice: warned once
+        finally:
+            m.close()
+        got = next(iter(loader))
+        assert torch.equal(got[0]["input"], expected[0]["input"]) and torch.equal(got[1], expected[1])
+        warned = [r for r in caplog.records if "allow_pickle=True" in r.getMessage()]
+        assert len(warned) == (1 if allow else 0), [r.getMessage() for r in warned]

@@ -12,7 +12,9 @@ Three launches, shared by every test here (module-scoped):
 2. 2 ranks: the FSDP2 run resumed from its S3 checkpoint-2; the killed run resumed with
    ``resume_from_checkpoint=True`` after an uncommitted ``checkpoint-99`` was planted beside it;
 3. 1 rank, beside 2: the killed run's checkpoint-4 and the FSDP2 checkpoint-2 resumed on one
-   rank (twice the per-device batch: the same global batch), and ``from_pretrained`` of
+   rank (twice the per-device batch: the same global batch); then, from copies of that run's
+   checkpoints rewritten by a hostile author, three resumes with a planted
+   ``best_model_checkpoint`` and one with a planted ``rng_bytes``; and ``from_pretrained`` of
    ``shardckpt consolidate`` of the reference's checkpoint-8.
 """
 
@@ -81,7 +83,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str
     one = {"results": str(root / "r3"), "runs": [
         {**DDP, "batch": 4, "output_dir": str(root / "one"), "resume": str(root / "copy/checkpoint-4")},
         {**FSDP, "fsdp": False, "batch": 4, "storage_options": opts, "output_dir": str(root / "one-fsdp"),
-         "resume": f"{s3['run_url']}/checkpoint-2"}],
+         "resume": f"{s3['run_url']}/checkpoint-2"},
+        *_hostile_runs(root, bucket, opts)],
         "pretrained": [str(root / "cons"), "pretrained.safetensors"]}
     began = time.monotonic()
     with ThreadPoolExecutor(2) as pool:  # independent jobs, side by side
@@ -89,6 +92,38 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str
             assert all(r.ok for r in results), [r.describe() for r in results if not r.ok]
     print(f"trainer jobs: {first_s:.1f} s, then {time.monotonic() - began:.1f} s side by side")
     return {"root": root, "bucket": bucket, "opts": opts}
+
+
+#: Planted as best_model_checkpoint in the hostile resumes (by name; the paths are in the run).
+HOSTILE_BEST = {"outside": "{root}/sentinel", "dotdot": "{root}/hostile-dotdot/../sentinel",
+                "url": "s3://{bucket}/sentinel"}
+#: What the hostile manifest says rank 0's RNG document holds: 3 GiB.
+HOSTILE_RNG_BYTES = 3 << 30
+
+
+def _hostile_runs(root: Path, bucket: str, opts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Resumes on 1 rank (after the ``one`` run has written ``one/checkpoint-6`` and ``-8``)
+    from checkpoints a hostile author rewrote: ``best_model_checkpoint`` naming a directory
+    outside the run (absolute, through ``..``, an ``s3://`` URL) with ``save_total_limit=1``,
+    which makes Trainer delete every other ``checkpoint-*`` at the end of ``train()``; and
+    ``rng_bytes`` claiming 3 GiB."""
+    from shardckpt.storage import Storage
+
+    (root / "sentinel").mkdir()
+    (root / "sentinel" / "keep").write_text("not the run's")
+    Storage(f"s3://{bucket}/sentinel", opts).put("keep", b"not the run's")
+    runs: list[dict[str, Any]] = [
+        {**DDP, "batch": 4, "save_total_limit": 1, "output_dir": str(root / f"hostile-{name}"),
+         "resume": True, "plant": {"copy": str(root / "one/checkpoint-6"),
+                                   "to": str(root / f"hostile-{name}/checkpoint-6"), "app": {},
+                                   "trainer_state": {"best_model_checkpoint":
+                                                         best.format(root=root, bucket=bucket)}}}
+        for name, best in HOSTILE_BEST.items()]
+    runs.append({**DDP, "batch": 4, "output_dir": str(root / "hostile-rng"), "resume": True,
+                 "expect_error": True,
+                 "plant": {"copy": str(root / "one/checkpoint-8"), "to": str(root / "hostile-rng/checkpoint-8"),
+                           "app": {"rng_bytes": [HOSTILE_RNG_BYTES]}, "trainer_state": {}}})
+    return runs
 
 
 def _losses(root: Path, run: str) -> list[list[float]]:
@@ -175,6 +210,40 @@ def test_fsdp2_sharded_on_s3_resumes(runs: dict[str, Any]) -> None:
     (one,) = _losses(root, "r3/1")
     mean = [(a + b) / 2 for a, b in zip(*first, strict=True)][2:]
     assert one == pytest.approx(mean, rel=ONE_RANK_LOSS_RTOL, abs=0)
+
+
+def test_a_path_read_from_a_checkpoint_never_decides_a_delete(runs: dict[str, Any]) -> None:
+    """After a resume whose stored best_model_checkpoint names a directory outside the run
+    (absolute, or through ``..``), with ``save_total_limit=1``: the run's newest checkpoint
+    survives Trainer's end of training, retention kept it alone, the directory is untouched, and
+    a warning named the path."""
+    from shardckpt.checkpoint.verify import verify
+
+    from shardckpt.storage import Storage
+
+    root, bucket = runs["root"], runs["bucket"]
+    for i, (name, best) in enumerate(HOSTILE_BEST.items(), start=2):
+        run = root / f"hostile-{name}"
+        assert sorted(os.listdir(run)) == ["checkpoint-8"], name
+        assert list(verify(str(run / "checkpoint-8")).problems) == []
+        record = json.loads((root / f"r3/{i}/rank-0.json").read_text())
+        assert record["global_step"] == 8
+        assert any(best.format(root=root, bucket=bucket) in w and "dropped" in w
+                   for w in record["warnings"]), record
+        stored = json.loads(json.loads((run / "checkpoint-8/manifest.json").read_text())
+                            ["extras"]["app"]["trainer"]["trainer_state"])
+        assert stored["best_model_checkpoint"] is None
+    assert (root / "sentinel" / "keep").read_text() == "not the run's"
+    assert Storage(f"s3://{bucket}/sentinel", runs["opts"]).read("keep") == b"not the run's"
+
+
+def test_rng_is_sized_by_what_is_stored(runs: dict[str, Any]) -> None:
+    """A manifest whose rng_bytes claims 3 GiB for rank 0: one clear error naming the manifest,
+    the entry and both lengths, before anything is allocated."""
+    record = json.loads((runs["root"] / "r3/5/rank-0.json").read_text())
+    error = record["error"]
+    assert "hostile-rng/checkpoint-8/manifest.json" in error
+    assert f"rng_bytes[0] is {HOSTILE_RNG_BYTES}" in error and "rng.rank-00000" in error
 
 
 def test_consolidated_checkpoint_loads_with_from_pretrained(runs: dict[str, Any]) -> None:

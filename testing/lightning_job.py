@@ -22,6 +22,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from testing.logs import warnings_of
+
 GLOBAL_BATCH = 8
 SAMPLES = 32                      # 4 steps per epoch
 EPOCHS = 3
@@ -92,6 +94,8 @@ def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: boo
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, monitor="step", mode="max", save_top_k=2,
                                          save_last=True))
+    if ckpt_dir is not None and resume_from is not None:  # keeps only its newest: best_model_path
+        callbacks.append(ModelCheckpoint(dirpath=f"{ckpt_dir}-top1", save_top_k=1))
     trainer = L.Trainer(accelerator="cpu", devices=world, max_epochs=EPOCHS, logger=False,
                         strategy=ShardckptModelParallelStrategy(
                             data_parallel_size=world, tensor_parallel_size=1,
@@ -100,13 +104,34 @@ def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: boo
                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
     torch.manual_seed(0)
     module, loader = Tiny(), DataLoader(data, batch_size=GLOBAL_BATCH // world, shuffle=False)
-    trainer.fit(module, loader, ckpt_path=resume_from)
-    out = {"losses": losses, **seen, "end_step": trainer.global_step}
+    with warnings_of("shardckpt") as warned:
+        trainer.fit(module, loader, ckpt_path=resume_from)
+    out = {"losses": losses, **seen, "end_step": trainer.global_step, "warnings": warned}
     if ckpt_dir is not None:
         out["save_refused"] = _save_refused(trainer, workdir)
     if s3 is not None:
         out.update(_through_s3(trainer, module, loader, s3[0]))
     return out
+
+
+#: ``ModelCheckpoint.state_key`` of the two callbacks of a resumed run.
+TOPK_KEY = ("ModelCheckpoint{'monitor': 'step', 'mode': 'max', 'every_n_train_steps': 0, "
+            "'every_n_epochs': 1, 'train_time_interval': None}")
+TOP1_KEY = TOPK_KEY.replace("'monitor': 'step', 'mode': 'max'", "'monitor': None, 'mode': 'min'")
+
+
+def plant_paths(ckpt: Path, states: dict[str, dict[str, Any]]) -> None:
+    """What a hostile author does: rewrite the ``ModelCheckpoint`` states of the committed
+    checkpoint ``ckpt`` (each key of ``states`` updated, or added, with its entries), manifest
+    checksum and all."""
+    from shardckpt.format.integrity import seal
+
+    doc = json.loads((ckpt / "manifest.json").read_text())
+    stored = doc["extras"]["app"]["lightning"]["state"]["callbacks"]
+    assert TOPK_KEY in stored, sorted(stored)
+    for key, entries in states.items():
+        stored[key] = {**stored.get(key, stored[TOPK_KEY]), **entries}
+    (ckpt / "manifest.json").write_bytes(seal(doc))
 
 
 def _local_weights(module: Any) -> Any:

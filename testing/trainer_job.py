@@ -40,13 +40,35 @@ def dataset() -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def plant(copy: str, to: str, app: dict[str, Any], trainer_state: dict[str, Any]) -> None:
+    """What a hostile author does: the committed checkpoint ``copy`` copied to ``to`` with
+    entries of its ``extras.app.trainer`` and of the trainer state in it replaced (manifest
+    checksum and all)."""
+    import shutil
+
+    from shardckpt.format.integrity import seal
+
+    shutil.copytree(copy, to)
+    doc = json.loads((Path(to) / "manifest.json").read_text())
+    record = doc["extras"]["app"]["trainer"]
+    record.update(app)
+    record["trainer_state"] = json.dumps({**json.loads(record["trainer_state"]), **trainer_state})
+    (Path(to) / "manifest.json").write_bytes(seal(doc))
+
+
 def train(spec: dict[str, Any], out: Path) -> None:
-    """One Trainer run (``spec``); its records go to ``out``."""
+    """One Trainer run (``spec``); its records go to ``out``. ``spec["plant"]``: the arguments of
+    :func:`plant`, done first; ``spec["expect_error"]``: a shardckpt error of the run is
+    recorded (``error``), not raised."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import LlamaForCausalLM, TrainerCallback, TrainingArguments
+    from shardckpt.errors import ShardckptError
     from shardckpt.integrations.transformers import ShardckptTrainer
+    from testing.logs import warnings_of
 
     out.mkdir(parents=True, exist_ok=True)
+    if spec.get("plant"):
+        plant(**spec["plant"])
     args = TrainingArguments(
         output_dir=spec["output_dir"], max_steps=spec["steps"], save_strategy="steps",
         save_steps=spec["save_steps"], save_total_limit=spec.get("save_total_limit"),
@@ -83,9 +105,16 @@ def train(spec: dict[str, Any], out: Path) -> None:
 
     trainer = Recording(model=model, args=args, train_dataset=dataset(), callbacks=[KillAfterSave()],
                         shardckpt_url=spec.get("run_url"), storage_options=spec.get("storage_options"))
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    with warnings_of("shardckpt") as warned:
+        try:
+            trainer.train(resume_from_checkpoint=spec.get("resume"))
+        except ShardckptError as e:
+            if not spec.get("expect_error"):
+                raise
+            (out / f"rank-{rank}.json").write_text(json.dumps({"error": str(e)}))
+            return
     (out / f"rank-{rank}.json").write_text(json.dumps({
-        "losses": losses, "global_step": trainer.state.global_step,
+        "losses": losses, "global_step": trainer.state.global_step, "warnings": warned,
         "world_size": trainer.args.world_size, "lr": trainer.lr_scheduler.get_last_lr()}))
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     if rank == 0:

@@ -327,3 +327,153 @@ def test_deepspeed_files_follow_links_only_inside_the_folder(tmp_path: Path) -> 
     (src / RANK0).unlink()
     (src / RANK0).symlink_to(os.path.relpath(inside, src / TAG))
     ok(cli("import", "deepspeed", str(src), str(tmp_path / "ok"), "--ranks", "2"))
+
+
+# ------------------------------------------- the integrations' app state, written by a hostile author
+
+
+def _dcp_save(path: Path, state: dict[str, Any], extras: dict[str, Any] | None = None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from shardckpt.interop.dcp.storage import ShardckptWriter
+
+    dcp.save(state, storage_writer=ShardckptWriter(str(path), extras=extras))
+
+
+def _with_persistent_id() -> bytes:
+    import io
+    import pickle
+
+    class P(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return "storage-0" if obj == "x" else None
+
+    buf = io.BytesIO()
+    P(buf).dump({"a": "x"})
+    return buf.getvalue()
+
+
+class _RunsCode:
+    def __reduce__(self) -> Any:
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize("payload, named", [
+    (lambda: __import__("pickle").dumps(_RunsCode()), "posix.system"),
+    (lambda: __import__("pickle").dumps(__import__("collections").OrderedDict(a=1)), "collections.OrderedDict"),
+    (lambda: b"\x80\x04K\x01", "not a whole pickle"),
+    (lambda: _with_persistent_id(), "persistent id"),
+])
+def test_bytes_a_consumer_unpickles_are_refused_unless_plain(tmp_path: Path, payload: Any, named: str) -> None:
+    """A DCP value holding bytes that name a global (or are no whole pickle) is refused by
+    PlainBytesLoadPlanner with one UnsafePickleError naming the value; nothing runs."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardckpt.errors import UnsafePickleError
+    from shardckpt.interop.dcp.plain_bytes import PlainBytesLoadPlanner
+    from shardckpt.interop.dcp.storage import ShardckptReader
+    from shardckpt.interop.plain_pickle import plain_pickle_problem
+
+    data = payload()
+    assert named in (plain_pickle_problem(data) or ""), plain_pickle_problem(data)
+    _dcp_save(tmp_path / "ck", {"loader": {"dp_rank_0": data, "world_size": 1}})
+    target = {"loader": {"dp_rank_0": b"", "world_size": 0}}
+    planner = PlainBytesLoadPlanner("ck", "the loader", "trust it with allow_pickle")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as e:  # DCP's wrapping, one failure per rank
+        dcp.load(target, storage_reader=ShardckptReader(str(tmp_path / "ck")), planner=planner)
+    (refused, _), = e.value.failures.values()
+    assert isinstance(refused, UnsafePickleError) and "'loader.dp_rank_0'" in str(refused)
+    assert named in str(refused) and target["loader"]["dp_rank_0"] == b""
+
+
+def test_plain_pickled_state_loads_through(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from shardckpt.interop.dcp.plain_bytes import PlainBytesLoadPlanner
+    from shardckpt.interop.dcp.storage import ShardckptReader
+
+    state = {"_num_yielded": 3, "fetcher_state": {"ended": False}, "buf": [1, 2.5, None, (3, "x")],
+             "seen": {1, 2}, "raw": b"\x00"}
+    _dcp_save(tmp_path / "ck", {"loader": {"dp_rank_0": pickle.dumps(state), "world_size": 1}})
+    target = {"loader": {"dp_rank_0": b"", "world_size": 0}}
+    dcp.load(target, storage_reader=ShardckptReader(str(tmp_path / "ck")),
+             planner=PlainBytesLoadPlanner("ck", "the loader", ""))
+    assert pickle.loads(target["loader"]["dp_rank_0"]) == state and target["loader"]["world_size"] == 1
+
+
+def _trainer_ckpt(root: Path, rng: bytes) -> Path:
+    from shardckpt.format.records import RunExtras
+
+    ck = root / "checkpoint-8"
+    app = {"version": 1, "world_size": 1, "rng_bytes": [len(rng)], "model_only": True,
+           "trainer_state": json.dumps({"global_step": 8, "best_model_checkpoint": None})}
+    _dcp_save(ck, {"rng": {"rank-00000": torch.frombuffer(bytearray(rng), dtype=torch.uint8)}},
+              RunExtras(step=8, app={"trainer": app}).to_doc())
+    return ck
+
+
+def _rewrite(ck: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    from shardckpt.format.integrity import seal
+
+    doc = json.loads((ck / MANIFEST_NAME).read_text())
+    edit(doc)
+    (ck / MANIFEST_NAME).write_bytes(seal(doc))
+
+
+def test_trainer_rng_length_comes_from_the_stored_tensor(tmp_path: Path) -> None:
+    """rng_bytes that disagree with the stored tensor (3 GiB claimed), a tensor whose recorded
+    shape runs past its file, and a file cut short: each one ManifestError naming what is
+    wrong; the honest checkpoint gives the stored length."""
+    from shardckpt.errors import ManifestError
+    from shardckpt.integrations.trainer_checks import read_trainer_record, rng_lengths
+
+    ck = _trainer_ckpt(tmp_path, b'{"python": 1}')
+    app = read_trainer_record(str(ck))
+    assert rng_lengths(str(ck), None, app["rng_bytes"]) == [13]
+    with pytest.raises(ManifestError, match=r"rng_bytes\[0\] is 3221225472, but rng.rank-00000 .* holds 13 bytes"):
+        rng_lengths(str(ck), None, [3 << 30])
+
+    def grow(doc: dict[str, Any]) -> None:
+        t = next(t for t in doc["chunked"]["tensors"] if t["fqn"] == "rng.rank-00000")
+        t["shape"], t["chunks"][0]["sizes"] = [3 << 30], [3 << 30]
+        t["chunks"][0]["end"] = t["chunks"][0]["begin"] + (3 << 30)
+    honest = (ck / MANIFEST_NAME).read_bytes()
+    _rewrite(ck, grow)
+    with pytest.raises(ManifestError, match=r"chunks\[0\]: bytes \[0, 3221225472\) .* past its end"):
+        rng_lengths(str(ck), None, [3 << 30])
+    (ck / MANIFEST_NAME).write_bytes(honest)
+    doc = json.loads(honest)
+    shard = ck / next(t for t in doc["chunked"]["tensors"] if t["fqn"] == "rng.rank-00000")["chunks"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(ManifestError, match=rf"{shard.name}: \d+ bytes \(the manifest records \d+\)"):
+        rng_lengths(str(ck), None, [13])
+
+
+def test_trainer_state_never_hands_trainer_a_path(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """best_model_checkpoint is dropped from what Trainer reads: with a warning naming it when it
+    is not a committed checkpoint of the run (outside, through .., a URL), quietly otherwise."""
+    from shardckpt.errors import ManifestError
+    from shardckpt.integrations.trainer_checks import restored_trainer_state
+    from shardckpt.integrations.transformers import TrainerRun
+
+    run = tmp_path / "run"
+    make_ckpt(run, "checkpoint-4")
+    (tmp_path / "outside").mkdir()
+    trainer_run = TrainerRun(str(run))
+    for best in (str(tmp_path / "outside"), f"{run}/../outside", "s3://bucket/other/checkpoint-4",
+                 f"{run}/checkpoint-9", 7, ["x"]):
+        caplog.clear()
+        text = restored_trainer_state(json.dumps({"global_step": 4, "best_model_checkpoint": best}),
+                                      trainer_run, "ck")
+        assert json.loads(text) == {"global_step": 4, "best_model_checkpoint": None}
+        assert "dropped" in caplog.text and repr(best) in caplog.text, best
+    caplog.clear()
+    text = restored_trainer_state(json.dumps({"best_model_checkpoint": f"{run}/checkpoint-4"}), trainer_run, "ck")
+    assert json.loads(text)["best_model_checkpoint"] is None and "dropped" not in caplog.text
+    for bad in ("[1]", "{", '"x"'):
+        with pytest.raises(ManifestError, match="trainer_state"):
+            restored_trainer_state(bad, trainer_run, "ck")

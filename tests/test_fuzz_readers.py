@@ -605,3 +605,129 @@ def test_import_deepspeed_fuzzed(tmp_path: Path) -> None:
         run_command(["import", "deepspeed", str(src), str(dst), "--ranks", "2"], root, dst,
                     f"import deepspeed: seed {seed}, case {i} ({name}/{f.name})")
         shutil.rmtree(root)
+
+
+# ------------------------------------------------ the integrations' app state (Lightning, Trainer, torchtitan)
+
+
+TOPK = "ModelCheckpoint{'monitor': 'step', 'mode': 'max'}"
+
+
+def lightning_state(run: str) -> dict[str, Any]:
+    return {"epoch": 1, "global_step": 8, "hyper_parameters": {"betas": {"$tuple": [0.9, 0.95]}},
+            "callbacks": {TOPK: {
+                "monitor": "step", "best_model_score": 8.0, "best_model_path": f"{run}/a.ckpt",
+                "current_score": 8.0, "dirpath": run, "kth_value": 4.0,
+                "best_k_models": {f"{run}/a.ckpt": 8.0, f"{run}/b.ckpt": 4.0},
+                "kth_best_model_path": f"{run}/b.ckpt", "last_model_path": f"{run}/a.ckpt"}}}
+
+
+def test_lightning_state_fuzzed(tiny: Path, tmp_path: Path) -> None:
+    """Lightning's state as a manifest carries it (``extras.app.lightning``), mutated: reading
+    it is a value or one ShardckptError, and of the ModelCheckpoint paths it names, whatever is
+    not a committed checkpoint of the callback's directory is dropped and never deleted."""
+    from types import SimpleNamespace
+
+    from shardckpt.checkpoint.reader import read_manifest
+    from shardckpt.integrations.lightning import join_state, lightning_doc
+    from shardckpt.integrations.lightning_paths import PATH_FIELDS, confine_restored, remove_checkpoint
+    from shardckpt.storage import Storage
+
+    run = tmp_path / "run"
+    for name in ("a.ckpt", "b.ckpt"):
+        shutil.copytree(tiny, run / name)
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "keep").write_text("x")
+    cb = SimpleNamespace(state_key=TOPK, dirpath=str(run), mode="max")
+    base = json.loads((tiny / MANIFEST_NAME).read_text())
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny, ck)
+    seed = SEED + 95
+    hostile = [str(tmp_path / "victim"), f"{run}/../victim", "memory://elsewhere/victim", f"{run}/a.ckpt/.."]
+
+    def read(case: Any) -> None:
+        doc = {**base, "extras": {**base.get("extras", {}), "app": {"lightning": {"version": 1, "state": case}}}}
+        (ck / MANIFEST_NAME).write_bytes(sealed(doc))
+        state = join_state(lightning_doc(read_manifest(Storage(str(ck))), str(ck)), {}, str(ck))
+        if not isinstance(state, dict):
+            return
+        for p in confine_restored(state, [cb], None, str(ck)):
+            assert remove_checkpoint(p, within=[str(run)]) is False, p
+        kept = state.get("callbacks", {}).get(TOPK) if isinstance(state.get("callbacks"), dict) else None
+        if isinstance(kept, dict):
+            for fld in PATH_FIELDS:
+                assert kept.get(fld) in (None, "", f"{run}/a.ckpt", f"{run}/b.ckpt"), (fld, kept.get(fld))
+
+    cases = list(mutations(lightning_state(str(run)), seed, 150))
+    rng = random.Random(seed)
+    for i in range(150, 190):  # the attack itself: hostile paths where Lightning keeps paths
+        doc = lightning_state(str(run))
+        entry = doc["callbacks"][TOPK]
+        entry[rng.choice(PATH_FIELDS)] = rng.choice(hostile)
+        entry["best_k_models"][rng.choice(hostile)] = rng.choice([1.0, 9.0, "x", None])
+        cases.append((i, doc))
+    total, refused = check_all(iter(cases), read, "lightning state", seed)
+    assert total == 190 and refused < total
+    assert (tmp_path / "victim" / "keep").exists()
+    assert sorted(os.listdir(run)) == ["a.ckpt", "b.ckpt"]
+
+
+def test_trainer_record_fuzzed(tiny: Path, tmp_path: Path) -> None:
+    """``extras.app.trainer`` and the trainer state inside it, mutated: the record's checks and
+    the state Trainer would read give a value or one ShardckptError; that state never names a
+    best checkpoint."""
+    from shardckpt.integrations.trainer_checks import read_trainer_record, restored_trainer_state, rng_lengths
+    from shardckpt.integrations.transformers import TrainerRun
+
+    base = json.loads((tiny / MANIFEST_NAME).read_text())
+    run = tmp_path / "run"
+    shutil.copytree(tiny, run / "checkpoint-8")
+    ck = run / "checkpoint-8"
+    trainer_run = TrainerRun(str(run))
+    state = {"global_step": 8, "best_model_checkpoint": str(ck), "log_history": [{"loss": 1.5}],
+             "stateful_callbacks": {"TrainerControl": {"args": {}}}}
+    record = {"version": 1, "world_size": 1, "rng_bytes": [13], "model_only": False,
+              "trainer_state": json.dumps(state), "lr_scheduler": {"last_epoch": 8}, "scaler": None}
+    seed = SEED + 96
+
+    def read(case: Any) -> None:
+        doc = {**base, "extras": {**base.get("extras", {}), "app": {"trainer": case}}}
+        (ck / MANIFEST_NAME).write_bytes(sealed(doc))
+        app = read_trainer_record(str(ck))
+        text = restored_trainer_state(app["trainer_state"], trainer_run, str(ck))
+        assert json.loads(text).get("best_model_checkpoint") is None
+        rng_lengths(str(ck), None, app["rng_bytes"])  # not a DCP checkpoint: refused, named
+
+    cases = list(mutations(record, seed, 120))
+    cases += [(120 + i, {**record, "trainer_state": dumps(c)}) for i, c in mutations(state, seed + 1, 80)]
+    total, refused = check_all(iter(cases), read, "trainer record", seed)
+    assert total == 200 and refused == total  # tiny holds no RNG tensor: every case ends refused
+
+
+def test_pickled_loader_state_fuzzed() -> None:
+    """torchtitan's data-loader bytes, mutated (structure and bytes): the plain-data check
+    returns, never raises, and whatever it admits unpickles without looking a global up."""
+    import pickle
+
+    from shardckpt.interop.plain_pickle import plain_pickle_problem
+
+    class NoGlobals(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            raise AssertionError(f"admitted bytes name {module}.{name}")
+
+    state = {"_num_yielded": 3, "_sampler_iter_yielded": 3, "fetcher_state": {"fetcher_ended": False},
+             "dataset_state": {"sample_idx": 6, "token_buffer": [1, 2, 3]}, "_iterator_finished": False}
+    seed = SEED + 97
+    rng = random.Random(seed)
+    cases = [pickle.dumps(c, protocol=rng.choice([0, 2, 4, 5])) for _, c in mutations(state, seed, 150)
+             if not isinstance(c, Deep)]
+    raw = pickle.dumps(state)
+    cases += [mutate_bytes(raw, rng) for _ in range(300)]
+    admitted = 0
+    for i, data in enumerate(cases):
+        problem = expect_clean(lambda d=data: plain_pickle_problem(d), f"loader bytes: seed {seed}, case {i}")
+        assert problem is None
+        if plain_pickle_problem(data) is None:
+            admitted += 1
+            NoGlobals(io.BytesIO(data)).load()
+    assert 0 < admitted < len(cases)

@@ -37,22 +37,25 @@ path Lightning names (``epoch=1-step=40.ckpt/``, ``last.ckpt/``), written throug
 
 Saving to a path that holds a committed checkpoint (``last.ckpt`` every epoch) replaces its
 manifest only if it is unchanged since the save began, then removes the replaced save's files.
-``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k`` / ``save_last``) deletes the manifest
-first, then the directory, through :meth:`~shardckpt.storage.Storage.remove_inside` confined to
-the checkpoint's parent directory, and never the newest good checkpoint there (latest commit,
-then highest step, among those whose files are all present at their recorded sizes; where
-several tie, one may go while another stays).
+``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k`` / ``save_last``) deletes only a
+committed checkpoint that the listing of a ``ModelCheckpoint``'s own ``dirpath`` finds directly
+below it (a path read from a checkpoint is never a delete target: see
+:mod:`~shardckpt.integrations.lightning_paths`), manifest first, then the directory, through
+:meth:`~shardckpt.storage.Storage.remove_inside`, and never the newest good checkpoint there
+(latest commit, then highest step, among those whose files are all present at their recorded
+sizes; where several tie, one may go while another stays).
 
 ``load_checkpoint`` reads the JSON, loads every tensor into the model's and optimizers' own
 state dicts (DCP reshards: another world size loads), puts model and optimizer state in place with
-``set_model_state_dict`` / ``set_optimizer_state_dict``, and hands Lightning the rest of the dict.
+``set_model_state_dict`` / ``set_optimizer_state_dict``, and hands Lightning the rest of the dict,
+less any ``ModelCheckpoint`` path that is not a committed checkpoint in that callback's own
+directory (dropped, with a warning).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import posixpath
 from typing import Any
 from collections.abc import Mapping
 
@@ -60,10 +63,10 @@ import torch
 
 from shardckpt.checkpoint.collective import agree, same_error
 from shardckpt.checkpoint.reader import read_manifest
-from shardckpt.checkpoint.run_dir import CheckpointManager, Found
-from shardckpt.errors import CollectiveError, ConfigError, LinkRefusedError, ManifestError, ShardckptError
+from shardckpt.errors import CollectiveError, ConfigError, ManifestError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.format.records import RunExtras, run_extras
+from shardckpt.integrations.lightning_paths import confine_restored, newest_good, remove_checkpoint
 from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 from shardckpt.storage import Storage
 
@@ -208,63 +211,6 @@ def lightning_doc(m: Manifest, source: str) -> Any:
     return entry["state"]
 
 
-# ------------------------------------------------------------------------------- retention
-
-
-def _split_url(url: str) -> tuple[str, str]:
-    url = url.rstrip("/")
-    parent, name = posixpath.split(url)
-    if not name or not parent:
-        raise ConfigError(f"{url!r} names no checkpoint inside a directory")
-    return parent, name
-
-
-def newest_good(parent: Storage) -> list[str]:
-    """Names of the newest good checkpoints directly below ``parent``: committed, every file
-    present at its recorded size, and latest by commit time, then step (several only where
-    they tie)."""
-    manager = CheckpointManager(parent)
-    best: tuple[str, int] | None = None
-    names: list[str] = []
-    for name in parent.ls(""):
-        if not parent.exists(f"{name}/{MANIFEST_NAME}"):
-            continue
-        try:
-            m = read_manifest(parent.child(name))
-            step = run_extras(m).step or 0
-        except ShardckptError:
-            continue
-        if manager.check(Found(step, name, parent.url_of(name))):
-            continue
-        rank = (m.created_at, step)
-        if best is None or rank > best:
-            best, names = rank, [name]
-        elif rank == best:
-            names.append(name)
-    return names
-
-
-def remove_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
-    """Delete the checkpoint at ``url`` (manifest first, then its directory), confined to its
-    parent directory and never following a link; True if it was deleted. The newest good
-    checkpoint in that directory is kept (logged) unless another as new remains; so is one behind
-    a symbolic link."""
-    parent_url, name = _split_url(url)
-    parent = Storage(parent_url, storage_options)
-    newest = newest_good(parent)
-    if newest == [name]:
-        log.warning("kept %s: it is the newest good checkpoint in %s", url, parent_url)
-        return False
-    try:
-        parent.remove_inside(f"{name}/{MANIFEST_NAME}")
-        removed = parent.remove_inside(name, recursive=True)
-    except LinkRefusedError as e:
-        log.warning("kept %s: %s", url, e)
-        return False
-    log.info("removed %s", url)
-    return removed
-
-
 # ------------------------------------------------------------------------------ the strategy
 
 
@@ -379,12 +325,19 @@ class ShardckptStrategyMixin:
         set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
         for o, s in zip(optimizers, state.pop("optimizer_states", []), strict=False):
             set_optimizer_state_dict(self.model, o, optim_state_dict=s)
+        confine_restored(state, self._checkpoint_callbacks(), options, url)
         return state
 
+    def _checkpoint_callbacks(self) -> list[Any]:
+        trainer = getattr(self.lightning_module, "trainer", None)
+        return list(getattr(trainer, "checkpoint_callbacks", None) or [])
+
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0 deletes (:func:`remove_checkpoint`); the others do nothing."""
+        """Rank 0 deletes (:func:`remove_checkpoint`), only a committed checkpoint listed in a
+        ``ModelCheckpoint``'s own directory; the others do nothing."""
         if self.is_global_zero:
-            remove_checkpoint(str(filepath), self.storage_options)
+            dirs = [cb.dirpath for cb in self._checkpoint_callbacks() if isinstance(cb.dirpath, str)]
+            remove_checkpoint(str(filepath), self.storage_options, within=dirs)
 
 
 def _optimizer_template(model: Any, optimizer: Any) -> dict[str, Any]:

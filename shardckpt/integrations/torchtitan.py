@@ -20,9 +20,12 @@ What it overrides (torchtitan's seams; its files are untouched):
   :class:`~shardckpt.interop.dcp.storage.ShardckptWriter`: CRC32C on every byte, the create-only
   ``manifest.json`` as the commit, fsspec URLs with shardckpt's retries.
 - ``dcp_load``: every load reads through :class:`~shardckpt.interop.dcp.storage.ShardckptReader`
-  with :class:`~shardckpt.interop.dcp.storage.WeightsOnlyLoadPlanner` (values that are not
-  tensors load only as ``torch.load(weights_only=True)`` allows; ``allow_pickle=True`` for runs
-  whose every writer you trust).
+  with :class:`~shardckpt.interop.dcp.plain_bytes.PlainBytesLoadPlanner`: values that are not
+  tensors load only as ``torch.load(weights_only=True)`` allows, and ``bytes`` among them (the
+  data loader's ``dp_rank_<r>``, which torchtitan hands to ``pickle.loads``) only if they are a
+  pickle of plain data that names no class or function; anything else is one
+  :class:`~shardckpt.errors.UnsafePickleError` naming the value, before any state sees it.
+  ``allow_pickle=True`` (warned once) is for runs whose every writer you trust.
 - ``_create_checkpoint_id``: ``<folder>/step-00000100``, so that the folder is a shardckpt run
   directory (:mod:`shardckpt.checkpoint.run_dir`): ``latest``, and every ``shardckpt`` command
   (``verify``, ``inspect``, ``reshard``, ``consolidate``, ``clean``) on it or on a step.
@@ -55,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.run_dir import STEP_DIR, CheckpointManager as RunDir, step_dir
-from shardckpt.errors import ConfigError, IncompleteCheckpointError, ShardckptError
+from shardckpt.errors import ConfigError, IncompleteCheckpointError, ShardckptError, UnsafePickleError
 from shardckpt.format.records import RunExtras
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,10 @@ HOOKS = ("dcp_save", "dcp_load", "_create_checkpoint_id", "_find_load_step",
 TITAN_STEP = re.compile(r"^step-([0-9]+)\Z")
 
 _built: dict[str, type] = {}
+
+PICKLE_HINT = ("If every writer of this folder is trusted, set checkpoint.allow_pickle=True "
+               "(shardckpt_config(..., allow_pickle=True)), which runs whatever code they name; "
+               "or leave the data loader out with exclude_from_loading=['dataloader']")
 
 
 def __getattr__(name: str) -> Any:
@@ -177,7 +184,10 @@ def _build_manager() -> type:
     MODEL, AsyncMode = checkpointer.MODEL, checkpointer.AsyncMode
     CheckpointManager: Any = checkpointer.CheckpointManager
 
-    from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter, WeightsOnlyLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardckpt.interop.dcp.plain_bytes import PlainBytesLoadPlanner
+    from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 
     missing = [h for h in HOOKS if not callable(getattr(CheckpointManager, h, None))]
     if missing:
@@ -198,8 +208,9 @@ def _build_manager() -> type:
             """Whether resume reads every checksum of a checkpoint before picking it."""
 
             allow_pickle: bool = False
-            """Whether values load as DCP loads them (``torch.load(weights_only=False)``):
-            only for a folder whose every writer you trust."""
+            """Whether values load as DCP loads them (``torch.load(weights_only=False)``) and
+            the data loader's pickled state is handed on unread: only for a folder whose every
+            writer you trust (warned once). Without it, that state must be plain data."""
 
             def __post_init__(self) -> None:
                 CheckpointManager.Config.__post_init__(self)
@@ -213,6 +224,7 @@ def _build_manager() -> type:
                 return
             self.storage_options = dict(config.storage_options)
             self.full_verify, self.allow_pickle = config.full_verify, config.allow_pickle
+            self.pickle_warned = False
             self.run = RunDir(self.folder, self.keep_latest_k or None, self.storage_options)
             # torchtitan's purge thread deletes what it lists; ours moves ``latest`` and keeps
             # the newest committed checkpoints, in the same attributes so that close() ends it
@@ -276,8 +288,20 @@ def _build_manager() -> type:
                 return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             reader = ShardckptReader(checkpoint_id, self.storage_options,
                                      allow_pickle=self.allow_pickle)
-            planner = None if self.allow_pickle else WeightsOnlyLoadPlanner()
-            dcp.load(state_dict, storage_reader=reader, planner=planner)
+            if self.allow_pickle and not self.pickle_warned:
+                self.pickle_warned = True
+                log.warning("%s: allow_pickle=True: values load with torch.load(weights_only=False) "
+                            "and the data loader unpickles its state as stored; any code they name "
+                            "runs. Only for a folder whose every writer you trust", self.folder)
+            planner = None if self.allow_pickle else PlainBytesLoadPlanner(
+                str(checkpoint_id), "torchtitan's data loader", PICKLE_HINT)
+            try:
+                dcp.load(state_dict, storage_reader=reader, planner=planner)
+            except CheckpointException as e:  # the refusal itself, not DCP's wrapping of it
+                unsafe = [x for x, _ in e.failures.values() if isinstance(x, UnsafePickleError)]
+                if unsafe:
+                    raise unsafe[0] from e
+                raise
             # the model's entries are flattened into state_dict: hand them to the model
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)

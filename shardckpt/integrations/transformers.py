@@ -31,13 +31,17 @@ serializes itself, loaded back with ``torch.load(weights_only=True)``.
 Resume: ``resume_from_checkpoint=True`` takes the newest committed checkpoint under the run that
 passes :meth:`~shardckpt.checkpoint.run_dir.CheckpointManager.check` (directories without a
 manifest are skipped, whatever their step); a path or URL names one. Trainer reads the trainer
-state from a local copy of ``trainer_state.json`` made for the run and removed after it. On
+state from a local copy of ``trainer_state.json`` made for the run and removed after it, without
+``best_model_checkpoint`` (:mod:`~shardckpt.integrations.trainer_checks`: Trainer would delete
+by it; a path there that is not a committed checkpoint of the run is named in a warning). On
 another world size the model, optimizer, scheduler and trainer state load (DCP reshards); the
 per-rank RNG states do not (logged).
 
 Retention: ``save_total_limit`` keeps that many committed checkpoints, never the newest, deletes
 only below the run (``Storage.remove_inside``), manifest first; directories without a manifest
-(an interrupted save, Trainer's own checkpoints) are neither counted nor deleted.
+(an interrupted save, Trainer's own checkpoints) are neither counted nor deleted. The live
+``state.best_model_checkpoint`` stays None (each save records the best committed checkpoint's
+URL in its ``trainer_state``), so Trainer's own end-of-training deletion never runs.
 
 Not supported (refused when the Trainer is built): ``load_best_model_at_end`` and
 ``push_to_hub``.
@@ -58,11 +62,14 @@ from typing import Any
 from collections.abc import Mapping
 
 from shardckpt.checkpoint.collective import all_gather_bytes, broadcast_bytes, rank_and_world
-from shardckpt.checkpoint.reader import as_storage, read_manifest
+from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.run_dir import CheckpointManager, Found
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, ManifestError
 from shardckpt.format.manifest import MANIFEST_NAME
-from shardckpt.format.records import RunExtras, run_extras
+from shardckpt.format.records import RunExtras
+from shardckpt.integrations.trainer_checks import (
+    APP_VERSION, read_trainer_record, restored_trainer_state, rng_lengths, rng_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +79,6 @@ __all__ = ["ShardckptTrainerMixin", "TrainerRun", "CHECKPOINT_DIR", "read_traine
 #: Trainer's checkpoint directory names (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``).
 CHECKPOINT_DIR = re.compile(r"^checkpoint-([0-9]+)\Z")
 TRAINER_STATE_NAME = "trainer_state.json"
-#: Version of ``extras["app"]["trainer"]``; a reader refuses a newer one.
-APP_VERSION = 1
 
 
 class TrainerRun(CheckpointManager):
@@ -169,8 +174,8 @@ class ShardckptTrainerMixin:
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()
         run = self.shardckpt_run
-        if state.best_global_step and run.is_committed(int(state.best_global_step)):
-            state.best_model_checkpoint = run.url_for(int(state.best_global_step))
+        best = state.best_global_step  # recorded, never live: Trainer deletes by it (trainer_checks)
+        best_url = run.url_for(int(best)) if best and run.is_committed(int(best)) else None
         _export_callback_states(trainer)
         rank, world = rank_and_world()
         model_only = bool(trainer.args.save_only_model)
@@ -186,7 +191,8 @@ class ShardckptTrainerMixin:
         state_dict["rng"] = {f"rank-{rank:05d}": torch.frombuffer(bytearray(rng_blob), dtype=torch.uint8)}
         app = {"version": APP_VERSION, "world_size": world, "rng_bytes": lengths,
                "model_only": model_only,
-               "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
+               "trainer_state": json.dumps({**dataclasses.asdict(state), "best_model_checkpoint": best_url},
+                                           sort_keys=True),
                "lr_scheduler": _json_checked(trainer.lr_scheduler, "the LR scheduler"),
                "scaler": _json_checked(getattr(trainer.accelerator, "scaler", None), "the gradient scaler")}
         config = getattr(getattr(trainer.model, "config", None), "to_dict", None)
@@ -209,10 +215,11 @@ class ShardckptTrainerMixin:
         if url is None:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         app = read_trainer_record(url, self.shardckpt_storage_options)
+        text = restored_trainer_state(app["trainer_state"], self.shardckpt_run, url)
         stub = tempfile.mkdtemp(prefix="shardckpt-resume-")
         try:
             with open(os.path.join(stub, TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
-                f.write(app["trainer_state"])
+                f.write(text)
             self._shardckpt_resume = _Resume(url, app, stub)
             log.info("resuming from %s", url)
             return super().train(stub, *args, **kwargs)  # type: ignore[misc]
@@ -301,8 +308,9 @@ class ShardckptTrainerMixin:
             msd, osd = get_state_dict(trainer.model, trainer.optimizer)
             state_dict = {"model": msd, "optim": osd}
         same_world = r.app["world_size"] == world
-        if same_world:
-            state_dict["rng"] = {f"rank-{rank:05d}": torch.zeros(r.app["rng_bytes"][rank], dtype=torch.uint8)}
+        if same_world:  # sized by what is stored, checked against rng_bytes before anything is allocated
+            n = rng_lengths(r.url, self.shardckpt_storage_options, r.app["rng_bytes"])[rank]
+            state_dict["rng"] = {f"rank-{rank:05d}": torch.empty(n, dtype=torch.uint8)}
         reader = ShardckptReader(r.url, self.shardckpt_storage_options)
         dcp.load(state_dict, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
         if r.app["model_only"]:
@@ -318,7 +326,7 @@ class ShardckptTrainerMixin:
             try:
                 r.rng = json.loads(blob)
             except ValueError as e:
-                raise ManifestError(f"{r.url}: rng.rank-{rank:05d} is not a JSON document: {e}") from e
+                raise ManifestError(f"{r.url}: {rng_name(rank)} is not a JSON document: {e}") from e
 
 
 def __getattr__(name: str) -> Any:
@@ -335,35 +343,6 @@ def __getattr__(name: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-def read_trainer_record(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``extras["app"]["trainer"]`` of the checkpoint at ``url``, checked."""
-    storage = as_storage(url, storage_options)
-    m = read_manifest(storage)
-    where = storage.url_of(MANIFEST_NAME)
-    app = (run_extras(m, where).app or {}).get("trainer")
-    if not isinstance(app, dict):
-        raise ManifestError(f"{where}: extras.app.trainer is missing; this checkpoint was not "
-                            "written by a Trainer through shardckpt")
-    version = app.get("version")
-    if not isinstance(version, int) or version > APP_VERSION:
-        raise ManifestError(f"{where}: extras.app.trainer.version is {version!r}; this shardckpt "
-                            f"reads up to {APP_VERSION}")
-    problems = []
-    if not isinstance(app.get("trainer_state"), str):
-        problems.append("trainer_state is not a string")
-    if not isinstance(app.get("world_size"), int) or app["world_size"] < 1:
-        problems.append("world_size is not a positive integer")
-    lengths = app.get("rng_bytes")
-    if not (isinstance(lengths, list) and all(isinstance(n, int) and n >= 0 for n in lengths)
-            and len(lengths) == app.get("world_size")):
-        problems.append("rng_bytes is not one length per rank")
-    if not isinstance(app.get("model_only"), bool):
-        problems.append("model_only is not a boolean")
-    if problems:
-        raise ManifestError(f"{where}: extras.app.trainer: {'; '.join(problems)}")
-    return app
-
 
 def _json_checked(obj: Any, what: str) -> Any:
     """``obj.state_dict()`` as JSON data (None for None); a clear error where it is not JSON."""
