@@ -71,23 +71,36 @@ def diff(
     b: str = typer.Argument(..., help="Second checkpoint (path or fsspec URL)."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time."),
     limit: int = typer.Option(50, "--limit", help="Rows shown in the table (JSON lists all)."),
+    atol: float | None = typer.Option(None, "--atol", min=0.0, help="Absolute tolerance: elements "
+                                      "with |a - b| <= atol + rtol·|b| count as equal (runs on "
+                                      "different world sizes differ in the last bits)."),
+    rtol: float | None = typer.Option(None, "--rtol", min=0.0, help="Relative tolerance (see "
+                                      "--atol; numpy.isclose's rule). Default: bit for bit."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
-    """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal."""
+    """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal (bit
+    for bit, or within --atol/--rtol)."""
+    from shardckpt.tools.diff import Tolerance
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_diff
 
     opts = parse_storage_options(storage_option)
     buffer_bytes = parse_bytes(buffer, "--buffer")
+    tol = None if atol is None and rtol is None else Tolerance(atol or 0.0, rtol or 0.0)
     with job_from_environment() as job:  # under torchrun: this process compares its share
-        r = run_diff(a, b, opts, buffer_bytes, job, functools.partial(progress, description="diff"))
+        r = run_diff(a, b, opts, buffer_bytes, job, functools.partial(progress, description="diff"),
+                     tol)
     if job is not None and not job.is_root:
         if not r.equal:
             raise typer.Exit(EXIT_FAILED)
         return
     if json_out:
         echo_json(r.to_dict())
+    elif r.equal and r.tolerance is not None:
+        typer.echo(f"equal within atol {r.tolerance.atol:g}, rtol {r.tolerance.rtol:g}: "
+                   f"{r.compared} tensors, {r.elements:,} elements per side; {r.identical} bit "
+                   f"for bit, {r.close} within the tolerance")
     elif r.equal:
         typer.echo(f"equal: {r.compared} tensors, {r.elements:,} elements per side, bit for bit")
     else:
@@ -97,7 +110,9 @@ def diff(
         shown = r.differences[:limit]
         many = any(d.component != "model" for d in shown)  # a component column only if needed
         total = r.compared + sum(d.status != "different" for d in r.differences)
-        table = Table(title=f"{len(r.differences)} of {total} tensors differ")
+        within = "" if r.tolerance is None else \
+            f" beyond atol {r.tolerance.atol:g}, rtol {r.tolerance.rtol:g}"
+        table = Table(title=f"{len(r.differences)} of {total} tensors differ{within}")
         detail = any(d.detail for d in shown)
         cols = (["component"] if many else []) + ["tensor", "kind", "status", "numel", "differing",
                                                   "max abs diff"] + (["detail"] if detail else [])

@@ -115,7 +115,8 @@ def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: in
 
 
 def run_diff(a: str | Storage, b: str | Storage, storage_options: Mapping[str, Any] | None,
-             buffer_bytes: int, job: Job | None, progress: OpenProgress) -> DiffResult:
+             buffer_bytes: int, job: Job | None, progress: OpenProgress,
+             tolerance: Any = None) -> DiffResult:
     """:func:`shardckpt.tools.diff.run_diff` of ``a`` and ``b``, each opened once; its total is
     the bytes the plan compares."""
     from shardckpt.checkpoint.job import Job, open_readers
@@ -126,9 +127,9 @@ def run_diff(a: str | Storage, b: str | Storage, storage_options: Mapping[str, A
     ra, rb = open_readers(job, [a, b], storage_options, "diff: opening the checkpoints")
     plan = df.plan_diff(ra.manifest, rb.manifest)
     if not alone:
-        return df.run_diff(ra, rb, plan, buffer_bytes, _ignore, job)
+        return df.run_diff(ra, rb, plan, buffer_bytes, _ignore, job, tolerance)
     with progress(plan.total_bytes) as tick:
-        return df.run_diff(ra, rb, plan, buffer_bytes, tick, job)
+        return df.run_diff(ra, rb, plan, buffer_bytes, tick, job, tolerance)
 
 
 def run_import(importer: Callable[..., Manifest], *args: Any, job: Job | None,
