@@ -33,6 +33,10 @@ def consolidate(
         None, "--copy-from", help="Model folder (path or fsspec URL) whose tokenizer and generation "
                                   "files (and config.json, if the checkpoint has none) are copied."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time (bounds memory)."),
+    keep_buffers: bool = typer.Option(False, "--keep-buffers", help="Also write the persistent "
+                                      "buffers (left out by default: transformers reports one its "
+                                      "class lacks as UNEXPECTED); for models that keep them, "
+                                      "such as BatchNorm statistics."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
@@ -48,7 +52,7 @@ def consolidate(
     with job_from_environment() as job:  # under torchrun: this process's share of the files
         r = run_consolidate(where.storage, dst, dtype, size, component, prefix, optimizer, overwrite, copy_from,
                             opts, buffer_bytes, job,
-                            functools.partial(progress, description="consolidate"))
+                            functools.partial(progress, description="consolidate"), keep_buffers)
     if job is not None and not job.is_root:
         return
     if json_out:
@@ -56,12 +60,17 @@ def consolidate(
                    "component": r.component, "tensors": r.tensors, "total_size": r.total_size,
                    "files": [{"name": n, "size": s} for n, s in r.files],
                    "optimizer_files": [{"name": n, "size": s} for n, s in r.optimizer_files],
-                   "omitted_aliases": dict(r.omitted_aliases), "bytes_read": r.bytes_read,
+                   "omitted_aliases": dict(r.omitted_aliases),
+                   "left_out_buffers": list(r.left_out_buffers), "bytes_read": r.bytes_read,
                    "bytes_written": r.bytes_written, "seconds": round(r.seconds, 3)})
     else:
         extra = f" + {len(r.optimizer_files)} optimizer files" if r.optimizer_files else ""
         echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "
                    f"files{extra}, {human_bytes(r.bytes_written)} in {r.seconds:.2f} s")
+        if r.left_out_buffers:
+            names = ", ".join(r.left_out_buffers[:3]) + (", ..." if len(r.left_out_buffers) > 3 else "")
+            echo(f"note: {len(r.left_out_buffers)} persistent buffer(s) left out ({names}); "
+                 "--keep-buffers writes them", err=True)
 
 
 @app.command()

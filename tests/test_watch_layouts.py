@@ -208,7 +208,7 @@ def test_reshard_from_is_checked_in_the_pipeline(tmp_path: Path) -> None:
         parse_pipeline(doc)
 
 
-def test_job_argv_passes_the_from_guard(tmp_path: Path) -> None:
+def test_job_argv_passes_the_from_guard_and_keep_buffers(tmp_path: Path) -> None:
     from shardckpt.watch.job import job_argv
     from shardckpt.watch.steps import StepContext
     from shardckpt.storage import Storage
@@ -219,6 +219,13 @@ def test_job_argv_passes_the_from_guard(tmp_path: Path) -> None:
                       Storage(str(tmp_path)), {}, lambda n: True)
     argv = job_argv(ctx)
     assert argv[argv.index("--from") + 1] == "4"
+    spec = parse_pipeline({"name": "t", "watch": "run", "steps": [
+        {"kind": "consolidate", "dst": "/o/{name}", "keep_buffers": True, "processes": 2}]}).steps[0]
+    ctx.spec = spec
+    assert "--keep-buffers" in job_argv(ctx)
+    with pytest.raises(ConfigError, match="keep_buffers = 1: expected true or false"):
+        parse_pipeline({"name": "t", "watch": "run", "steps": [
+            {"kind": "consolidate", "dst": "/o/{name}", "keep_buffers": 1}]})
 
 
 # ------------------------------------------------------------------------ a failed torchrun job

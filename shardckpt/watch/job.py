@@ -103,6 +103,8 @@ def job_argv(ctx: StepContext, python: str = sys.executable) -> list[str]:
                  str(spec.max_shard_size or DEFAULT_MAX_SHARD_SIZE), "--overwrite", "--json"]
         if spec.copy_from is not None:
             argv += ["--copy-from", spec.copy_from]
+        if spec.keep_buffers:
+            argv.append("--keep-buffers")
     elif spec.kind != "verify":
         raise ValueError(f"a {spec.kind} step does not run as a job")
     for key, value in ctx.storage_options.items():

@@ -90,7 +90,8 @@ def run_consolidate(ctx: StepContext) -> dict[str, Any]:
 
     r = consolidate(ctx.src.url, ctx.dst or "", dtype=ctx.spec.dtype, overwrite=True,
                     max_shard_size=ctx.spec.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-                    storage_options=ctx.storage_options, copy_from=ctx.spec.copy_from)
+                    storage_options=ctx.storage_options, copy_from=ctx.spec.copy_from,
+                    keep_buffers=ctx.spec.keep_buffers)
     return {"output": ctx.dst, "bytes": r.bytes_written, "identity": ctx.manifest.save_id}
 
 
