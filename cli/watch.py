@@ -60,15 +60,7 @@ def watch(
     from shardckpt.watch.config import load_pipeline
     from shardckpt.watch.status import pipeline_status, status_lines
 
-    if json_out and not status:
-        fail("--json goes with --status", EXIT_USAGE)
-    if status and (once or serve is not None):
-        fail("--status prints and exits; it does not combine with --once or --serve", EXIT_USAGE)
-    if step is not None and redrive is None:
-        fail("--step goes with --redrive", EXIT_USAGE)
-    if redrive is not None and (status or once or serve is not None):
-        fail("--redrive runs one checkpoint and exits; it does not combine with --status, "
-             "--once or --serve", EXIT_USAGE)
+    _check_flags(json_out, status, once, serve, redrive, step, quiet, verbose)
     p = load_pipeline(pipeline)
     if status:
         doc = pipeline_status(p)
@@ -78,18 +70,11 @@ def watch(
             for line in status_lines(doc):
                 echo(line)
         return
-    if quiet and verbose:
-        fail("--quiet and --verbose contradict each other", EXIT_USAGE)
     logging.basicConfig(level=logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
     w = Watcher(p)
     if redrive is not None:
-        from shardckpt.watch.redrive import redrive as run_redrive
-
-        outcome = run_redrive(w, redrive, step)
-        echo(f"{redrive}: {outcome.done} step(s) done, {outcome.dead} dead-lettered again")
-        if outcome.dead or outcome.unreadable or outcome.held or outcome.skipped:
-            raise typer.Exit(EXIT_FAILED)
+        _redrive(w, redrive, step)
         return
     server = None
     if serve is not None:
@@ -107,17 +92,48 @@ def watch(
     if received:
         echo(f"stopped on {received[0]}", err=True)
     if once:
-        unreadable = f", {report.unreadable} waiting behind an unreadable record (see the log)" \
-            if report.unreadable else ""
-        skipped = f", {report.skipped} removed before processing (skipped)" if report.skipped else ""
-        echo(f"{report.done} step(s) done, {report.dead} dead-lettered, {report.held} checkpoint(s) "
-             f"held by another watcher, {report.uncommitted} not committed{unreadable}{skipped}")
-        if not report.found and not allow_empty:
-            echo("error: no checkpoint to watch (see the warning above); pass --allow-empty "
-                 "where an empty run is expected", err=True)
-            raise typer.Exit(EXIT_FAILED)
-        if report.dead or report.unreadable:
-            raise typer.Exit(EXIT_FAILED)
+        _report_once(report, allow_empty)
+
+
+def _check_flags(json_out: bool, status: bool, once: bool, serve: int | None, redrive: str | None,
+                 step: str | None, quiet: bool, verbose: bool) -> None:
+    """The combinations of ``watch``'s flags that mean nothing: a usage error each."""
+    if json_out and not status:
+        fail("--json goes with --status", EXIT_USAGE)
+    if status and (once or serve is not None):
+        fail("--status prints and exits; it does not combine with --once or --serve", EXIT_USAGE)
+    if step is not None and redrive is None:
+        fail("--step goes with --redrive", EXIT_USAGE)
+    if redrive is not None and (status or once or serve is not None):
+        fail("--redrive runs one checkpoint and exits; it does not combine with --status, "
+             "--once or --serve", EXIT_USAGE)
+    if quiet and verbose:
+        fail("--quiet and --verbose contradict each other", EXIT_USAGE)
+
+
+def _redrive(w: Any, checkpoint: str, step: str | None) -> None:
+    """``--redrive``: run the dead-lettered step again; exit 1 unless every step is done."""
+    from shardckpt.watch.redrive import redrive
+
+    outcome = redrive(w, checkpoint, step)
+    echo(f"{checkpoint}: {outcome.done} step(s) done, {outcome.dead} dead-lettered again")
+    if outcome.dead or outcome.unreadable or outcome.held or outcome.skipped:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _report_once(report: Any, allow_empty: bool) -> None:
+    """The summary line of ``--once``, and its exit status."""
+    unreadable = f", {report.unreadable} waiting behind an unreadable record (see the log)" \
+        if report.unreadable else ""
+    skipped = f", {report.skipped} removed before processing (skipped)" if report.skipped else ""
+    echo(f"{report.done} step(s) done, {report.dead} dead-lettered, {report.held} checkpoint(s) "
+         f"held by another watcher, {report.uncommitted} not committed{unreadable}{skipped}")
+    if not report.found and not allow_empty:
+        echo("error: no checkpoint to watch (see the warning above); pass --allow-empty "
+             "where an empty run is expected", err=True)
+        raise typer.Exit(EXIT_FAILED)
+    if report.dead or report.unreadable:
+        raise typer.Exit(EXIT_FAILED)
 
 
 @contextmanager

@@ -69,8 +69,7 @@ log = logging.getLogger(__name__)
 # and ShardckptTrainer, built on first use (module __getattr__)
 __all__ = ["ShardckptTrainerMixin", "TrainerRun", "CHECKPOINT_DIR", "read_trainer_record"]
 
-#: Trainer's checkpoint directory names (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``):
-#: the rule every reader of a run shares (:mod:`shardckpt.checkpoint.run_names`).
+#: Trainer's checkpoint directory names (``PREFIX_CHECKPOINT_DIR``): :mod:`~shardckpt.checkpoint.run_names`.
 CHECKPOINT_DIR = TRAINER_DIR
 TRAINER_STATE_NAME = "trainer_state.json"
 #: Version of ``extras["app"]["trainer"]``; a reader refuses a newer one.
