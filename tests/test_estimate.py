@@ -273,6 +273,28 @@ def test_offload_device_bytes_against_a_hand_derived_table(precision: str) -> No
                     assert (got.host_bytes, got.disk_bytes) == (3 * 12 * unit / s + grads, moved)
 
 
+def test_zeropp_against_a_hand_derived_table() -> None:
+    """Ψ = 1e9 on 4 nodes × 4, paper (fp16 params and grads), blocks of 256, 4-bit gradients:
+    a gather moves 2Ψ, quantized Ψ(1 + 4/256) = 1.015625Ψ; the gradient reduce-scatter 2Ψ,
+    quantized Ψ(0.5 + 4/256) = 0.515625Ψ in-node and a quarter of that across nodes."""
+    g = 1e9
+    want = {  # variant: (cross-node, in-node, hpZ secondary) bytes per rank per step
+        "zero3": (6 * g, 0.0, 0.0),
+        "qwz": (2 * 1.015625 * g + 2 * g, 0.0, 0.0),
+        "hpz": (2 * g + 2 * g, 2 * g, 0.5 * g),
+        "qgz": (4 * g + 0.515625 * g / 4, 0.515625 * g, 0.0),
+        "zeropp": (1.015625 * g + 0.515625 * g / 4, 2 * g + 0.515625 * g, 0.5 * g),
+    }
+    rows = {z.variant: z for z in zeropp_traffic(10**9, 16, 4, precision="paper")}
+    for variant, (cross, local, secondary) in want.items():
+        z = rows[variant]
+        assert (z.cross_node_bytes, z.in_node_bytes, z.secondary_bytes) == \
+            pytest.approx((cross, local, secondary), rel=1e-12), variant
+        assert z.vs_zero3 == pytest.approx(6 * g / cross, rel=1e-12)
+    one_node = {z.variant: z for z in zeropp_traffic(10**9, 4, 4, precision="paper")}
+    assert all(z.cross_node_bytes == 0 for z in one_node.values())  # nothing leaves the node
+
+
 def test_cli_offload_70b_on_64_reports_zero_offload_figures() -> None:
     """The issue's case: 70B on 64 ranks, paper precision: 4Ψ/N = 4.375 GB at ZeRO-3, and
     ZeRO-1/2 keep the 2Ψ/N shard beside their replicated copy (the note says so)."""
