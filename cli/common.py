@@ -174,10 +174,12 @@ def console(stderr: bool = False) -> Any:
 def checkpoint_location(url: str, storage_options: dict[str, Any]) -> Any:
     """The checkpoint ``url`` names (a :class:`shardckpt.checkpoint.run_dir.Resolved`: its URL
     and the storage open on it, which the command reads through): a run directory resolves to
-    the checkpoint its ``latest`` names, and stderr says so."""
-    from shardckpt.checkpoint.run_dir import resolve_checkpoint
+    the checkpoint its ``latest`` names, and stderr says so; a run directory of another layout,
+    or a foreign checkpoint, is one error saying what it is and what to run
+    (:func:`shardckpt.checkpoint.locate.locate_checkpoint`)."""
+    from shardckpt.checkpoint.locate import locate_checkpoint
 
-    resolved = resolve_checkpoint(url, storage_options)
+    resolved = locate_checkpoint(url, storage_options)
     if resolved.note:
         echo(resolved.note, err=True)
     return resolved

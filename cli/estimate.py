@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from .app import app
-from .common import console, guarded
+from .common import console, echo, guarded
 from shardckpt.errors import ConfigError
 
 if TYPE_CHECKING:  # the estimator is imported when `estimate` runs, not when any command starts
@@ -43,7 +43,10 @@ COMM_CONVENTION = (
 
 OFFLOAD_CONVENTION = (
     "bytes per rank: the per-element optimizer state and an fp32 master copy ((4 + optim)·Ψ/S) "
-    "leave the device, which keeps its weight shard and gradients; cpu holds them in host "
+    "leave the device, which keeps its gradients and its weight shard in the compute dtype "
+    "(p·Ψ/S, what the gathers read): at ZeRO-3 with held params (paper) that shard is the "
+    "params, so fp16 params + grads = 4Ψ/S; with fsdp2-bf16 bf16 shard + fp32 grads = 6Ψ/S; "
+    "at ZeRO-1/2 the shard (p·Ψ/S) sits beside the replicated compute copy; cpu holds them in host "
     "memory, nvme on disk with a host window of three groups of the largest unit "
     "(--largest-unit); host memory also holds the fp32 gradient shards copied in backward "
     "(4·Ψ/S), or one buffer of the largest unit's with --overlap-step"
@@ -53,6 +56,23 @@ OFFLOAD_CONVENTION = (
 def _usage(option: str, value: object, reason: str) -> ConfigError:
     """A usage error naming the command-line flag; ``guarded`` prints it and exits with 2."""
     return ConfigError(f"{_FLAG.get(option, option)} {value}: {reason}")
+
+
+#: Below this, a count typed without a unit is more likely "70" meant as 70B than a model.
+BARE_COUNT_WARN_BELOW = 1_000_000
+
+
+def _count(text: str, flag: str) -> int:
+    """A parameter count; one warning on stderr when it has no unit and is small (``--params
+    70`` is 70 parameters, not 70 billion)."""
+    from shardckpt.format.quantities import parse_count
+
+    value = parse_count(text, flag)  # a QuantityError is the usage error as it stands
+    bare = text.strip().replace("_", "")
+    if bare.isdigit() and value < BARE_COUNT_WARN_BELOW:
+        echo(f"warning: {flag} {text.strip()} means {value:,} parameters (no unit); for "
+             f"{value} billion write {flag} {value}B (units: K, M, B, T)", err=True)
+    return value
 
 
 def _whole(option: str, text: str) -> int:
@@ -98,7 +118,6 @@ def estimate(
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with
     --ranks-per-node the ZeRO++ traffic (GB = 1e9 B)."""
-    from shardckpt.format.quantities import parse_count
     from shardckpt.tools.estimate import (GB, EstimateError, estimate_all, offload_split,
                                           precision_preset, zeropp_traffic)
 
@@ -107,8 +126,8 @@ def estimate(
              "block_size": block_size, "grad_bits": grad_bits, "offload": offload}
     zpp: tuple[ZeroPPTraffic, ...] = ()
     off: list[OffloadSplit] = []
-    psi = parse_count(params, "--params")  # a QuantityError is the usage error as it stands
-    unit = parse_count(largest_unit, "--largest-unit") if largest_unit is not None else None
+    psi = _count(params, "--params")
+    unit = _count(largest_unit, "--largest-unit") if largest_unit is not None else None
     try:
         n, r = _whole("ranks", ranks), _whole("replicate", replicate)
         prec = precision_preset(precision)

@@ -33,6 +33,10 @@ def consolidate(
         None, "--copy-from", help="Model folder (path or fsspec URL) whose tokenizer and generation "
                                   "files (and config.json, if the checkpoint has none) are copied."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time (bounds memory)."),
+    keep_buffers: bool = typer.Option(False, "--keep-buffers", help="Also write the persistent "
+                                      "buffers (left out by default: transformers reports one its "
+                                      "class lacks as UNEXPECTED); for models that keep them, "
+                                      "such as BatchNorm statistics."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
 ) -> None:
@@ -48,7 +52,7 @@ def consolidate(
     with job_from_environment() as job:  # under torchrun: this process's share of the files
         r = run_consolidate(where.storage, dst, dtype, size, component, prefix, optimizer, overwrite, copy_from,
                             opts, buffer_bytes, job,
-                            functools.partial(progress, description="consolidate"))
+                            functools.partial(progress, description="consolidate"), keep_buffers)
     if job is not None and not job.is_root:
         return
     if json_out:
@@ -56,12 +60,17 @@ def consolidate(
                    "component": r.component, "tensors": r.tensors, "total_size": r.total_size,
                    "files": [{"name": n, "size": s} for n, s in r.files],
                    "optimizer_files": [{"name": n, "size": s} for n, s in r.optimizer_files],
-                   "omitted_aliases": dict(r.omitted_aliases), "bytes_read": r.bytes_read,
+                   "omitted_aliases": dict(r.omitted_aliases),
+                   "left_out_buffers": list(r.left_out_buffers), "bytes_read": r.bytes_read,
                    "bytes_written": r.bytes_written, "seconds": round(r.seconds, 3)})
     else:
         extra = f" + {len(r.optimizer_files)} optimizer files" if r.optimizer_files else ""
         echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "
                    f"files{extra}, {human_bytes(r.bytes_written)} in {r.seconds:.2f} s")
+        if r.left_out_buffers:
+            names = ", ".join(r.left_out_buffers[:3]) + (", ..." if len(r.left_out_buffers) > 3 else "")
+            echo(f"note: {len(r.left_out_buffers)} persistent buffer(s) left out ({names}); "
+                 "--keep-buffers writes them", err=True)
 
 
 @app.command()
@@ -71,23 +80,36 @@ def diff(
     b: str = typer.Argument(..., help="Second checkpoint (path or fsspec URL)."),
     buffer: str = typer.Option("64MB", "--buffer", help="Bytes held in memory at a time."),
     limit: int = typer.Option(50, "--limit", help="Rows shown in the table (JSON lists all)."),
+    atol: float | None = typer.Option(None, "--atol", min=0.0, help="Absolute tolerance: elements "
+                                      "with |a - b| <= atol + rtol·|b| count as equal (runs on "
+                                      "different world sizes differ in the last bits)."),
+    rtol: float | None = typer.Option(None, "--rtol", min=0.0, help="Relative tolerance (see "
+                                      "--atol; numpy.isclose's rule). Default: bit for bit."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
-    """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal."""
+    """Compare A and B tensor by tensor, whatever their world sizes; exit 0 only if equal (bit
+    for bit, or within --atol/--rtol)."""
+    from shardckpt.tools.diff import Tolerance
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_diff
 
     opts = parse_storage_options(storage_option)
     buffer_bytes = parse_bytes(buffer, "--buffer")
+    tol = None if atol is None and rtol is None else Tolerance(atol or 0.0, rtol or 0.0)
     with job_from_environment() as job:  # under torchrun: this process compares its share
-        r = run_diff(a, b, opts, buffer_bytes, job, functools.partial(progress, description="diff"))
+        r = run_diff(a, b, opts, buffer_bytes, job, functools.partial(progress, description="diff"),
+                     tol)
     if job is not None and not job.is_root:
         if not r.equal:
             raise typer.Exit(EXIT_FAILED)
         return
     if json_out:
         echo_json(r.to_dict())
+    elif r.equal and r.tolerance is not None:
+        typer.echo(f"equal within atol {r.tolerance.atol:g}, rtol {r.tolerance.rtol:g}: "
+                   f"{r.compared} tensors, {r.elements:,} elements per side; {r.identical} bit "
+                   f"for bit, {r.close} within the tolerance")
     elif r.equal:
         typer.echo(f"equal: {r.compared} tensors, {r.elements:,} elements per side, bit for bit")
     else:
@@ -97,7 +119,9 @@ def diff(
         shown = r.differences[:limit]
         many = any(d.component != "model" for d in shown)  # a component column only if needed
         total = r.compared + sum(d.status != "different" for d in r.differences)
-        table = Table(title=f"{len(r.differences)} of {total} tensors differ")
+        within = "" if r.tolerance is None else \
+            f" beyond atol {r.tolerance.atol:g}, rtol {r.tolerance.rtol:g}"
+        table = Table(title=f"{len(r.differences)} of {total} tensors differ{within}")
         detail = any(d.detail for d in shown)
         cols = (["component"] if many else []) + ["tensor", "kind", "status", "numel", "differing",
                                                   "max abs diff"] + (["detail"] if detail else [])

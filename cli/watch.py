@@ -27,8 +27,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def watch(
     pipeline: str = typer.Argument(..., help="The pipeline's TOML file (see README: Pipelines)."),
     once: bool = typer.Option(False, "--once", help="Process the committed checkpoints there are, "
-                              "then exit (for cron and CI); exit 1 if a step was dead-lettered "
-                              "or a checkpoint waits behind an unreadable record."),
+                              "then exit (for cron and CI); exit 1 if a step was dead-lettered, "
+                              "a checkpoint waits behind an unreadable record, or there is no "
+                              "checkpoint at all (unless --allow-empty)."),
     status: bool = typer.Option(False, "--status", help="Print each checkpoint and its steps' "
                                 "states, then exit."),
     json_out: bool = typer.Option(False, "--json", help="With --status: print JSON."),
@@ -36,6 +37,17 @@ def watch(
                                         help="Serve the status (HTML at /, /status.json, /metrics "
                                              "for Prometheus) on 127.0.0.1:PORT while watching."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings only."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log DEBUG too: a failed torchrun "
+                                 "job's tracebacks and torchrun's failure report."),
+    allow_empty: bool = typer.Option(False, "--allow-empty", help="With --once: exit 0 when the "
+                                     "watched prefix holds no checkpoint (it warns either way)."),
+    redrive: str | None = typer.Option(None, "--redrive", metavar="CHECKPOINT",
+                                       help="Run the dead-lettered step of CHECKPOINT (a name "
+                                            "such as step-00000100) again, then exit; its .dead "
+                                            "record is kept beside as <key>.dead.<n>."),
+    step: str | None = typer.Option(None, "--step", metavar="STEP",
+                                    help="With --redrive: the step to run again (2-reshard, "
+                                         "reshard or 2) where the checkpoint has several."),
 ) -> None:
     """Verify, reshard, consolidate, copy and prune every checkpoint of a run, each step exactly once.
 
@@ -48,10 +60,7 @@ def watch(
     from shardckpt.watch.config import load_pipeline
     from shardckpt.watch.status import pipeline_status, status_lines
 
-    if json_out and not status:
-        fail("--json goes with --status", EXIT_USAGE)
-    if status and (once or serve is not None):
-        fail("--status prints and exits; it does not combine with --once or --serve", EXIT_USAGE)
+    _check_flags(json_out, status, once, serve, redrive, step, quiet, verbose)
     p = load_pipeline(pipeline)
     if status:
         doc = pipeline_status(p)
@@ -61,9 +70,12 @@ def watch(
             for line in status_lines(doc):
                 echo(line)
         return
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+    logging.basicConfig(level=logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
     w = Watcher(p)
+    if redrive is not None:
+        _redrive(w, redrive, step)
+        return
     server = None
     if serve is not None:
         from shardckpt.watch.http import serve as start_server
@@ -80,12 +92,48 @@ def watch(
     if received:
         echo(f"stopped on {received[0]}", err=True)
     if once:
-        unreadable = f", {report.unreadable} waiting behind an unreadable record (see the log)" \
-            if report.unreadable else ""
-        echo(f"{report.done} step(s) done, {report.dead} dead-lettered, {report.held} checkpoint(s) "
-             f"held by another watcher, {report.uncommitted} not committed{unreadable}")
-        if report.dead or report.unreadable:
-            raise typer.Exit(EXIT_FAILED)
+        _report_once(report, allow_empty)
+
+
+def _check_flags(json_out: bool, status: bool, once: bool, serve: int | None, redrive: str | None,
+                 step: str | None, quiet: bool, verbose: bool) -> None:
+    """The combinations of ``watch``'s flags that mean nothing: a usage error each."""
+    if json_out and not status:
+        fail("--json goes with --status", EXIT_USAGE)
+    if status and (once or serve is not None):
+        fail("--status prints and exits; it does not combine with --once or --serve", EXIT_USAGE)
+    if step is not None and redrive is None:
+        fail("--step goes with --redrive", EXIT_USAGE)
+    if redrive is not None and (status or once or serve is not None):
+        fail("--redrive runs one checkpoint and exits; it does not combine with --status, "
+             "--once or --serve", EXIT_USAGE)
+    if quiet and verbose:
+        fail("--quiet and --verbose contradict each other", EXIT_USAGE)
+
+
+def _redrive(w: Any, checkpoint: str, step: str | None) -> None:
+    """``--redrive``: run the dead-lettered step again; exit 1 unless every step is done."""
+    from shardckpt.watch.redrive import redrive
+
+    outcome = redrive(w, checkpoint, step)
+    echo(f"{checkpoint}: {outcome.done} step(s) done, {outcome.dead} dead-lettered again")
+    if outcome.dead or outcome.unreadable or outcome.held or outcome.skipped:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _report_once(report: Any, allow_empty: bool) -> None:
+    """The summary line of ``--once``, and its exit status."""
+    unreadable = f", {report.unreadable} waiting behind an unreadable record (see the log)" \
+        if report.unreadable else ""
+    skipped = f", {report.skipped} removed before processing (skipped)" if report.skipped else ""
+    echo(f"{report.done} step(s) done, {report.dead} dead-lettered, {report.held} checkpoint(s) "
+         f"held by another watcher, {report.uncommitted} not committed{unreadable}{skipped}")
+    if not report.found and not allow_empty:
+        echo("error: no checkpoint to watch (see the warning above); pass --allow-empty "
+             "where an empty run is expected", err=True)
+        raise typer.Exit(EXIT_FAILED)
+    if report.dead or report.unreadable:
+        raise typer.Exit(EXIT_FAILED)
 
 
 @contextmanager

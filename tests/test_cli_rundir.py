@@ -38,7 +38,7 @@ def test_every_command_uses_latest_and_says_so(run: Path, tmp_path: Path) -> Non
     r = cli("verify", str(run))
     assert r.exit_code == 0 and r.stderr == NOTE, (r.output, r.exception)
     assert r.stdout.startswith(f"ok: {run}/step-00000200")
-    r = cli("consolidate", str(run), str(tmp_path / "hf"))
+    r = cli("consolidate", str(run), str(tmp_path / "hf"), "--keep-buffers")
     assert r.exit_code == 0 and r.stderr == NOTE, (r.output, r.exception)
     prov = json.loads((tmp_path / "hf" / "shardckpt_consolidated.json").read_text())
     assert prov["source"] == f"{run}/step-00000200" and prov["step"] == 200

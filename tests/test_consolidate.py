@@ -81,7 +81,7 @@ def test_same_bytes_for_every_world_size_and_mesh(ckpts: dict, tmp_path: Path) -
 
 def test_fp32_equals_synth_values_exactly(ckpts: dict, tmp_path: Path) -> None:
     src = ckpts[(7, 1)]
-    consolidate(src, str(tmp_path / "o"), dtype="fp32")
+    consolidate(src, str(tmp_path / "o"), dtype="fp32", keep_buffers=True)
     got = tensors(tmp_path / "o")
     want = expected_params(src)
     assert "model.frozen_scale" in got  # frozen params are included
@@ -94,7 +94,7 @@ def test_fp32_equals_synth_values_exactly(ckpts: dict, tmp_path: Path) -> None:
 
 def test_bf16_output_is_torch_rne_bit_for_bit(ckpts: dict, tmp_path: Path) -> None:
     src = ckpts[(4, 1)]
-    r = consolidate(src, str(tmp_path / "o"))  # bf16 is the default
+    r = consolidate(src, str(tmp_path / "o"), keep_buffers=True)  # bf16 is the default
     assert r.dtype == "bfloat16"
     got = tensors(tmp_path / "o")
     for fqn, (_, v) in expected_params(src).items():
@@ -185,8 +185,8 @@ def write_mixed(dst: str, ranks: int) -> None:
 def test_frozen_bf16_and_non_float_buffers(tmp_path: Path) -> None:
     write_mixed(str(tmp_path / "m2"), 2)
     write_mixed(str(tmp_path / "m5"), 5)
-    consolidate(str(tmp_path / "m5"), str(tmp_path / "f32"), dtype="fp32")
-    consolidate(str(tmp_path / "m2"), str(tmp_path / "b16"))
+    consolidate(str(tmp_path / "m5"), str(tmp_path / "f32"), dtype="fp32", keep_buffers=True)
+    consolidate(str(tmp_path / "m2"), str(tmp_path / "b16"), keep_buffers=True)
     f32, b16 = tensors(tmp_path / "f32"), tensors(tmp_path / "b16")
     frozen = f32_to_bf16_bits(synth.values(SEED, "a.frozen", "master", 0, 63)).view(np.int16).reshape(7, 9)
     np.testing.assert_array_equal(b16["a.frozen"], frozen)  # bf16 stays bf16, bit for bit
@@ -209,7 +209,8 @@ def test_split_by_max_shard_size(ckpts: dict, tmp_path: Path) -> None:
     k = len(r.files)
     assert k >= 3 and [n for n, _ in r.files] == [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
     got = tensors(tmp_path / "o")
-    assert set(index["weight_map"]) == set(expected_params(ckpts[(3, 1)])) | {BUFFER}
+    assert set(index["weight_map"]) == set(expected_params(ckpts[(3, 1)]))  # buffers left out
+    assert r.left_out_buffers == (BUFFER,)
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in got.values()) == r.total_size
     for name, size in r.files:
         assert (tmp_path / "o" / name).stat().st_size == size

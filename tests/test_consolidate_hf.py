@@ -143,3 +143,40 @@ def test_buffer_is_a_size_in_bytes_as_in_reshard(tmp_path: Path) -> None:
     a = one_line_error(cli("consolidate", src, str(tmp_path / "c"), "--buffer", "lots"), code=2)
     b = one_line_error(cli("reshard", src, str(tmp_path / "c"), "--to", "1", "--buffer", "lots"), code=2)
     assert a == b == "error: --buffer lots: expected a size in bytes such as 65536, 64KiB, 32MB or 1GiB"
+
+
+def test_persistent_buffers_are_left_out_unless_kept(tmp_path: Path) -> None:
+    """A training model that keeps buffers the Hugging Face class lacks (a step counter) or
+    recomputes (rotary ``inv_freq``, made persistent here): by default they are left out, so
+    ``from_pretrained`` reports nothing UNEXPECTED and gives the same logits; --keep-buffers
+    writes them, for classes that keep theirs."""
+    from shardckpt.runtime import ZeroEngine
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.runtime.mesh import ProcessMesh
+    from shardckpt.training.save_load import save
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    rotary = model.model.rotary_emb
+    inv_freq = rotary._buffers.pop("inv_freq")
+    rotary.register_buffer("inv_freq", inv_freq, persistent=True)
+    model.register_buffer("step_count", torch.zeros(1), persistent=True)
+    engine = ZeroEngine(model, policy=LLAMA_POLICY, process_mesh=ProcessMesh.single(), deterministic=True)
+    src = str(tmp_path / "ck")
+    save(engine, src, extras={"step": 1, "hf_config": cfg.to_hf_config()})
+    r = ok(cli("consolidate", src, str(tmp_path / "hf"), "--dtype", "fp32"))
+    assert r.stderr == ("note: 2 persistent buffer(s) left out (step_count, "
+                        "model.rotary_emb.inv_freq); --keep-buffers writes them\n")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                                     output_loading_info=True)
+    assert (info["unexpected_keys"], info["missing_keys"]) == (set(), set())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, engine(tokens))
+    ok(cli("consolidate", src, str(tmp_path / "kept"), "--dtype", "fp32", "--keep-buffers"))
+    index = json.loads((tmp_path / "kept" / "model.safetensors.index.json").read_text())
+    assert {"step_count", "model.rotary_emb.inv_freq"} <= set(index["weight_map"])
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "kept"),
+                                                                output_loading_info=True)
+    assert info["unexpected_keys"] == {"step_count"}  # what the default spares a user

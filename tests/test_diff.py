@@ -142,3 +142,26 @@ def test_cli_exit_codes(base: Path, tmp_path: Path) -> None:
     assert doc["equal"] is False and doc["differences"][0]["differing"] == 1
     res = runner.invoke(app, ["diff", str(base / "n3"), str(tmp_path / "nothing")])
     assert res.exit_code == 1 and "nothing: no such checkpoint" in res.output
+
+
+def test_cli_tolerance_for_runs_on_other_world_sizes(base: Path, tmp_path: Path) -> None:
+    """Two runs on 3 and 5 ranks that differ in the last bits of a weight (another reduction
+    order) are equal within --atol / --rtol, and a difference beyond them is still one."""
+    runner = CliRunner()
+    fqn = "model.norm.weight"
+    write_ckpt(str(tmp_path / "t"), 5, tweak=(fqn, "master", 3, 1e-6))
+    a, b = str(base / "n3"), str(tmp_path / "t")
+    res = runner.invoke(app, ["diff", a, b])
+    assert res.exit_code == 1 and fqn in res.output  # bit for bit by default
+    res = runner.invoke(app, ["diff", a, b, "--atol", "1e-5"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("equal within atol 1e-05, rtol 0:") and "1 within the tolerance" in res.stdout
+    res = runner.invoke(app, ["diff", a, b, "--rtol", "1e-3"])  # |b| is about 1: rtol covers it
+    assert res.exit_code == 0, res.output
+    doc = json.loads(runner.invoke(app, ["diff", a, b, "--atol", "1e-5", "--json"]).stdout)
+    assert (doc["equal"], doc["close"], doc["tolerance"]) == (True, 1, {"atol": 1e-5, "rtol": 0.0})
+    assert doc["identical"] == doc["compared"] - 1
+    res = runner.invoke(app, ["diff", a, b, "--atol", "1e-8"])
+    assert res.exit_code == 1 and "beyond atol 1e-08, rtol 0" in res.stdout and fqn in res.stdout
+    res = runner.invoke(app, ["diff", a, b, "--atol", "-1"])
+    assert res.exit_code == 2

@@ -220,7 +220,7 @@ def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
     cpu, nvme = offload_split(z3, "cpu"), offload_split(z3, "nvme")
     moved = (4 + 8) * PSI / 64  # fp32 master copy + two Adam moments, this rank's shard
     # the device keeps the bf16 weight shard alone: the optimizer state and (4 - 2) bytes of
-    # the fp32 master leave it
+    # the fp32 master leave it (fsdp2-bf16: the compute copy is gathered per unit)
     assert cpu.device_bytes == nvme.device_bytes == z3.model_state_bytes - (8 + 2) * PSI / 64
     grads = 4 * PSI / 64  # host copies of every group's reduced fp32 gradient shard
     assert (cpu.host_bytes, cpu.disk_bytes) == (moved + grads, 0.0)
@@ -237,6 +237,83 @@ def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
         offload_split(z3, "gpu")
     with pytest.raises(EstimateError, match="ZeRO"):
         offload_split(estimate(PSI, "ddp", 64), "cpu")
+
+
+#: Device bytes per rank with the optimizer offloaded, derived by hand: (a, b) for a·Ψ + b·Ψ/S.
+#: paper (fp16 params and grads held): at ZeRO-3 the fp16 params shard is what the device
+#: computes from, so params + grads = 4Ψ/S (ZeRO-Offload's figure); at ZeRO-1/2 the replicated
+#: fp16 copy, the grads, and the fp16 shard the all-gathers read (2Ψ/S) beside it.
+#: fsdp2-bf16 (the runtime's bf16 policy): bf16 shard (2) + fp32 grads (4) at ZeRO-3, as the
+#: runtime measures (tests/test_offload_single.py). fp32 presets: the weights are the master,
+#: which stays; only the optimizer state leaves.
+OFFLOAD_DEVICE = {
+    "paper": {"zero1": (4, 2), "zero2": (2, 4), "zero3": (0, 4), "hsdp": (0, 4)},
+    "fsdp2-bf16": {"zero1": (6, 2), "zero2": (2, 6), "zero3": (0, 6), "hsdp": (0, 6)},
+    "fp32": {"zero1": (8, 0), "zero2": (4, 4), "zero3": (0, 8), "hsdp": (0, 8)},
+    "fsdp2-fp32": {"zero1": (8, 4), "zero2": (4, 8), "zero3": (0, 8), "hsdp": (0, 8)},
+}
+
+
+@pytest.mark.parametrize("precision", sorted(OFFLOAD_DEVICE))
+def test_offload_device_bytes_against_a_hand_derived_table(precision: str) -> None:
+    psi, n, r, unit = 64 * 10**9, 64, 4, 10**9
+    for strategy, (a, b) in OFFLOAD_DEVICE[precision].items():
+        row = estimate(psi, strategy, n, replicate=r if strategy == "hsdp" else 1,
+                       precision=precision, largest_unit=unit)
+        s = row.shard
+        for mode in ("cpu", "nvme"):
+            for overlap in (False, True):
+                got = offload_split(row, mode, overlap)
+                assert got.device_bytes == a * psi + b * psi / s, (precision, strategy, mode)
+                grads = 4 * (unit if overlap else psi) / s  # host copies of the fp32 grads
+                moved = 12 * psi / s                        # fp32 master + two Adam moments
+                if mode == "cpu":
+                    assert (got.host_bytes, got.disk_bytes) == (moved + grads, 0.0)
+                else:
+                    assert (got.host_bytes, got.disk_bytes) == (3 * 12 * unit / s + grads, moved)
+
+
+def test_zeropp_against_a_hand_derived_table() -> None:
+    """Ψ = 1e9 on 4 nodes × 4, paper (fp16 params and grads), blocks of 256, 4-bit gradients:
+    a gather moves 2Ψ, quantized Ψ(1 + 4/256) = 1.015625Ψ; the gradient reduce-scatter 2Ψ,
+    quantized Ψ(0.5 + 4/256) = 0.515625Ψ in-node and a quarter of that across nodes."""
+    g = 1e9
+    want = {  # variant: (cross-node, in-node, hpZ secondary) bytes per rank per step
+        "zero3": (6 * g, 0.0, 0.0),
+        "qwz": (2 * 1.015625 * g + 2 * g, 0.0, 0.0),
+        "hpz": (2 * g + 2 * g, 2 * g, 0.5 * g),
+        "qgz": (4 * g + 0.515625 * g / 4, 0.515625 * g, 0.0),
+        "zeropp": (1.015625 * g + 0.515625 * g / 4, 2 * g + 0.515625 * g, 0.5 * g),
+    }
+    rows = {z.variant: z for z in zeropp_traffic(10**9, 16, 4, precision="paper")}
+    for variant, (cross, local, secondary) in want.items():
+        z = rows[variant]
+        assert (z.cross_node_bytes, z.in_node_bytes, z.secondary_bytes) == \
+            pytest.approx((cross, local, secondary), rel=1e-12), variant
+        assert z.vs_zero3 == pytest.approx(6 * g / cross, rel=1e-12)
+    one_node = {z.variant: z for z in zeropp_traffic(10**9, 4, 4, precision="paper")}
+    assert all(z.cross_node_bytes == 0 for z in one_node.values())  # nothing leaves the node
+
+
+def test_cli_offload_70b_on_64_reports_zero_offload_figures() -> None:
+    """The issue's case: 70B on 64 ranks, paper precision: 4Ψ/N = 4.375 GB at ZeRO-3, and
+    ZeRO-1/2 keep the 2Ψ/N shard beside their replicated copy (the note says so)."""
+    doc = json.loads(run_cli("-p", "70B", "-n", "64", "--offload", "cpu", "--json").stdout)
+    device = {o["strategy"]: o["device_bytes"] for o in doc["offload"]["strategies"]}
+    psi = 70e9
+    assert device == {"zero1": 4 * psi + 2 * psi / 64, "zero2": 2 * psi + 4 * psi / 64,
+                      "zero3": 4 * psi / 64}
+    note = doc["offload"]["convention"]
+    assert "4Ψ/S" in note and "beside the replicated compute copy" in note
+
+
+def test_cli_params_without_a_unit_warns() -> None:
+    r = run_cli("-p", "70", "-n", "8")
+    assert r.exit_code == 0, r.output
+    assert "--params 70 means 70 parameters" in r.stderr and "70B" in r.stderr
+    for fine in ("70B", "7e10", "125M", "5_000_000"):
+        r = run_cli("-p", fine, "-n", "8")
+        assert r.exit_code == 0 and "warning" not in r.stderr, (fine, r.stderr)
 
 
 def test_cli_offload_rows() -> None:

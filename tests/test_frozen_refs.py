@@ -388,3 +388,25 @@ def test_fuzzed_frozen_entries_are_refused_or_read(run: dict[str, Any]) -> None:
 
         refused += expect_clean(attempt, f"frozen entry, seed {FUZZ_SEED}, case {k}") is not None
     assert refused > 250, refused
+
+
+def test_watch_retain_keeps_a_referenced_derived_output(run: dict[str, Any], tmp_path: Path) -> None:
+    """retain prunes what earlier steps derived from a checkpoint it removes, except a derived
+    checkpoint that a kept one beside it references (here: a copy of the frozen run)."""
+    from shardckpt.tools.synth import synthesize
+    from shardckpt.watch.retain import retain
+
+    root = tmp_path / "run"
+    for step in (1, 2):  # the watched run: plain checkpoints
+        synthesize(str(root / f"step-{step:08d}"), 3000, 1, step=step)
+    derived = tmp_path / "derived"
+    shutil.copytree(run["root"], derived)  # its step 2 references step 1's frozen files
+    plain = tmp_path / "plain"
+    for step in (1, 2):
+        synthesize(str(plain / f"step-{step:08d}"), 3000, 1, step=step)
+    steps = (StepSpec(1, "copy", str(derived / "{name}")), StepSpec(2, "copy", str(plain / "{name}")))
+    facts = retain(Storage(str(root)), 2, 1, steps, {}, lambda name: True)
+    assert facts["removed"] == [STEP1] and not (root / STEP1).exists()
+    assert facts["derived"] == [str(plain / STEP1)] and not (plain / STEP1).exists()
+    assert facts["referenced"] == [str(derived / STEP1)] and (derived / STEP1 / MANIFEST_NAME).exists()
+    assert verify(str(derived / STEP2))

@@ -325,3 +325,24 @@ def test_qwz_with_bf16_compute_and_offload_is_refused(tmp_path):
     engine = _engine(3, offload_optimizer="cpu", zeropp=ZeroPP(qwz=True), **BF16)
     with pytest.raises(ConfigError, match="qwZ with offload_optimizer and a compute dtype"):
         _adamw(engine)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_offloaded_device_bytes_are_what_the_estimator_says(tmp_path, bf16):
+    """The device bytes the engine holds with the optimizer offloaded (each storage once,
+    gradients held) are ``shardckpt estimate --offload``'s for the same model, stage and
+    precision, at every stage."""
+    from shardckpt.format.footprint_levers import offload_split
+
+    for stage in (1, 2, 3):
+        kw = BF16 if bf16 else {}
+        torch.manual_seed(0)
+        engine = _engine(stage, offload_optimizer="cpu", **kw)
+        opt = _adamw(engine)
+        tokens = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+        causal_lm_loss(engine(tokens), tokens).backward()
+        opt.step()
+        held = engine.model_state_bytes()
+        assert held["optim"] == 0
+        assert sum(held.values()) == offload_split(engine.estimate(), "cpu").device_bytes, (stage, held)
+        engine.close()

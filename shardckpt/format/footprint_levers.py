@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardckpt.format.footprint_math import (
-    Estimate, EstimateError, check_count, fields_dict, precision_preset,
+    SHARDED, Estimate, EstimateError, check_count, fields_dict, precision_preset,
 )
 
 # ------------------------------------------------------------------------------------ ZeRO++
@@ -113,8 +113,14 @@ OFFLOAD_WINDOW_GROUPS = 3
 class OffloadSplit:
     """Model-state bytes per rank with the optimizer offloaded (shardckpt's runtime:
     ``offload_optimizer``): the per-element optimizer state and an fp32 master copy, ``(4 +
-    optim) · Ψ / S``, leave the device, which keeps its weight shard (in the compute dtype,
-    ``p · Ψ / S``, when that is narrower than the master's) and gradients. ``cpu``: host memory
+    optim) · Ψ / S``, leave the device, which keeps its gradients and its weight shard, in the
+    compute dtype (``p · Ψ / S``) when that is narrower than the master's: the shard the
+    all-gathers read and the host step casts the master into. Where the precision holds
+    sharded parameters (``paper`` at ZeRO-3: fp16 params and grads, 4Ψ/N as in ZeRO-Offload),
+    that shard *is* the params kind and is not counted twice; where the compute copy is
+    gathered per unit (``fsdp2-bf16`` at ZeRO-3: the shard and fp32 grads, 6Ψ/N) or replicated
+    (ZeRO-1/2: the whole copy and, beside it, the shard, as the runtime keeps them), the shard
+    is added. ``cpu``: host memory
     holds them; ``nvme``: the disk does, and host memory holds the streaming window of
     :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest unit's shard (0 when ``largest_unit`` is
     unknown). Host memory also holds the reduced fp32
@@ -139,12 +145,15 @@ def offload_split(row: Estimate, mode: str, overlap_step: bool = False) -> Offlo
         raise EstimateError("offload", mode, f"unknown; known: {', '.join(OFFLOAD_MODES)}")
     if row.strategy == "ddp":
         raise EstimateError("strategy", "ddp", "offload applies to ZeRO-1/2/3 and HSDP")
-    optim, master, p = row.kind("optim"), row.kind("master"), row.kind("params").bytes_per_param
+    optim, master, params = row.kind("optim"), row.kind("master"), row.kind("params")
+    p = params.bytes_per_param
     per_param = 4 + optim.bytes_per_param  # fp32 master copy + per-element state
     moved = per_param * row.params / row.shard
     device = row.model_state_bytes - optim.bytes
     if p < master.bytes_per_param:  # the device keeps the compute-dtype shard alone
-        device -= master.bytes - p * row.params / row.shard
+        device -= master.bytes
+        if params.placement != SHARDED:  # else the held params shard is that shard already
+            device += p * row.params / row.shard
     unit = (row.largest_unit or 0) / row.shard
     grads = 4 * unit if overlap_step else 4 * row.params / row.shard
     if mode == "cpu":

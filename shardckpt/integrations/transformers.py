@@ -54,7 +54,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from collections.abc import Mapping
 from shardckpt.checkpoint.collective import all_gather_bytes, broadcast_bytes, rank_and_world
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.run_dir import CheckpointManager, Found
+from shardckpt.checkpoint.run_names import TRAINER_DIR
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, ManifestError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.records import RunExtras
@@ -76,8 +76,8 @@ log = logging.getLogger(__name__)
 # and ShardckptTrainer, built on first use (module __getattr__)
 __all__ = ["ShardckptTrainerMixin", "TrainerRun", "CHECKPOINT_DIR", "read_trainer_record"]
 
-#: Trainer's checkpoint directory names (``transformers.trainer_utils.PREFIX_CHECKPOINT_DIR``).
-CHECKPOINT_DIR = re.compile(r"^checkpoint-([0-9]+)\Z")
+#: Trainer's checkpoint directory names (``PREFIX_CHECKPOINT_DIR``): :mod:`~shardckpt.checkpoint.run_names`.
+CHECKPOINT_DIR = TRAINER_DIR
 TRAINER_STATE_NAME = "trainer_state.json"
 
 

@@ -37,6 +37,23 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
 
 
+#: A call still retrying after this long says so as a warning, then at most every
+#: :data:`NOTICE_EVERY_S` seconds (before, retries are logged at INFO).
+NOTICE_AFTER_S = 3.0
+NOTICE_EVERY_S = 10.0
+
+
+def attempts_until(policy: RetryPolicy, seconds: float) -> int:
+    """The most attempts that fit in ``seconds`` with ``policy``'s backoff (each pause at its
+    shortest jitter): the N of "n/N" in the log (the deadline is what ends the retries)."""
+    n, t, backoff = 1, 0.0, policy.initial_backoff_s
+    while t + 0.5 * backoff < seconds and n < 100_000:
+        t += 0.5 * backoff
+        backoff = min(backoff * 2, policy.max_backoff_s)
+        n += 1
+    return n
+
+
 #: What a backend's :meth:`classify` answers: retry the call, or fail at once.
 Verdict = Literal["retry", "permanent"]
 
@@ -130,9 +147,13 @@ def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
     deadline; map errors.
 
     ``deadline`` (``time.monotonic()`` seconds) lets several calls share one; by default it is
-    the policy's ``deadline_s`` from now. Backoff is capped, exponential and jittered.
+    the policy's ``deadline_s`` from now. Backoff is capped, exponential and jittered. Each
+    retry is logged, at INFO while the call is young, then as a WARNING (on stderr where nothing
+    else handles the log) once it has been retrying for :data:`NOTICE_AFTER_S`, at most every
+    :data:`NOTICE_EVERY_S`: ``retrying read of s3://b/x (7/31, deadline 120 s, 104 s left): ...``
+    rather than minutes of silence.
     """
-    t0 = time.monotonic()
+    t0 = told = time.monotonic()
     end = deadline if deadline is not None else t0 + policy.deadline_s
     backoff = policy.initial_backoff_s
     attempt = 0
@@ -145,9 +166,14 @@ def retry_call(policy: RetryPolicy, what: str, url: str, fn: Callable[[], T],
         except Exception as e:  # noqa: BLE001 - mapped below, never swallowed
             pause = backoff * (0.5 + random.random() / 2)
             transient = classify(e) == "retry"
-            if transient and time.monotonic() + pause < end:
-                log.info("%s of %s failed (%s); retry %d in %.2fs", what, url, describe_error(e),
-                         attempt, pause)
+            now = time.monotonic()
+            if transient and now + pause < end:
+                loud = now - t0 >= NOTICE_AFTER_S and now - told >= NOTICE_EVERY_S
+                told = now if loud else told
+                log.log(logging.WARNING if loud else logging.INFO,
+                        "retrying %s of %s (%d/%d, deadline %.0f s, %.0f s left): %s", what, url,
+                        attempt, attempts_until(policy, end - t0), end - t0, end - now,
+                        describe_error(e))
                 time.sleep(pause)
                 backoff = min(backoff * 2, policy.max_backoff_s)
                 continue

@@ -14,7 +14,9 @@ Output in ``DST`` (component ``model`` by default):
 * ``--optimizer``: ``optimizer-0000i-of-0000K.safetensors`` with ``"<fqn>.<kind>"`` in fp32, and
   ``optimizer.safetensors.index.json`` whose metadata adds the optimizer name and param groups
   (``params``, ``hparams``, ``step``).
-* ``shardckpt_consolidated.json``: provenance (source, save id, step, dtype, omitted aliases).
+* ``shardckpt_consolidated.json``: provenance (source, save id, step, dtype, omitted aliases,
+  the persistent buffers left out: written only with ``keep_buffers``, see
+  :func:`~shardckpt.tools.consolidate_plan.plan_consolidation`).
 
 Replacing an earlier consolidation never leaves DST without a loadable one: the new weights are
 written beside the old ones under names the old index does not use, the index is replaced in one
@@ -97,6 +99,7 @@ class ConsolidateResult:
     bytes_read: int
     bytes_written: int
     seconds: float
+    left_out_buffers: tuple[str, ...] = ()        # persistent buffers not written
 
 
 def _index(files: Sequence[OutFile], extra: Mapping[str, Any] | None = None) -> bytes:
@@ -319,7 +322,8 @@ def commit_target(reader: CheckpointReader, plan: ConsolidationPlan, target: Tar
                   "component": plan.component, "dtype": plan.dtype,
                   "files": [f.name for f in model_files],
                   "optimizer_files": [f.name for f in opt_files],
-                  "omitted_aliases": dict(plan.omitted_aliases)}
+                  "omitted_aliases": dict(plan.omitted_aliases),
+                  "left_out_buffers": list(plan.left_out_buffers)}
     storage.put(PROVENANCE, json.dumps(provenance, indent=2).encode())
     keep = {f.name for f in model_files + opt_files} | {MODEL_INDEX, PROVENANCE}
     keep |= {OPTIMIZER_INDEX} if opt_files else set()
@@ -339,7 +343,8 @@ def result_of(reader: CheckpointReader, plan: ConsolidationPlan, target: Target,
                              tuple((f.name, f.size) for f in model_files),
                              tuple((f.name, f.size) for f in opt_files),
                              sum(len(f.tensors) for f in plan.files), sum(f.data_bytes for f in plan.files),
-                             dict(plan.omitted_aliases), bytes_read, written, secs)
+                             dict(plan.omitted_aliases), bytes_read, written, secs,
+                             plan.left_out_buffers)
 
 
 def consolidate(src: str | CheckpointReader, dst: str | Storage, dtype: str = "bfloat16",
@@ -347,7 +352,8 @@ def consolidate(src: str | CheckpointReader, dst: str | Storage, dtype: str = "b
                 optimizer: bool = False, storage_options: Mapping[str, Any] | None = None,
                 buffer_bytes: int = DEFAULT_BUFFER, progress: Callable[[int], None] | None = None,
                 overwrite: bool = False, copy_from: str | Storage | None = None,
-                prefix: str = "model.", job: Job | None = None) -> ConsolidateResult:
+                prefix: str = "model.", job: Job | None = None,
+                keep_buffers: bool = False) -> ConsolidateResult:
     """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module
     doc): the source opened once (unless ``src`` is a reader already), planned, then
     :func:`write_consolidation`."""
@@ -355,6 +361,6 @@ def consolidate(src: str | CheckpointReader, dst: str | Storage, dtype: str = "b
     reader = src if isinstance(src, CheckpointReader) else open_readers(
         job, [src], storage_options, "consolidate: opening the source")[0]
     plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer, reader.url,
-                              prefix)
+                              prefix, keep_buffers)
     return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes, progress,
                                copy_from, job)

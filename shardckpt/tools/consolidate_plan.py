@@ -69,6 +69,7 @@ class ConsolidationPlan:
     optimizer_meta: Mapping[str, Any] = field(default_factory=dict)
     omitted_aliases: Mapping[str, str] = field(default_factory=dict)
     hf_config: Mapping[str, Any] | None = None    # config.json to write, if the manifest has one
+    left_out_buffers: tuple[str, ...] = ()        # persistent buffers not written (keep_buffers)
 
     @property
     def output_bytes(self) -> int:
@@ -124,8 +125,13 @@ def pack_files(tensors: Sequence[OutTensor], max_shard_size: int, prefix: str) -
 
 def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                        component: str = "model", optimizer: bool = False, source: str = "",
-                       prefix: str = "model.") -> ConsolidationPlan:
+                       prefix: str = "model.", keep_buffers: bool = False) -> ConsolidationPlan:
     """Which tensors go to which output file, in which dtype, read from where. Pure.
+
+    The component's persistent buffers are left out (named in ``left_out_buffers``) unless
+    ``keep_buffers``: a buffer the training model kept and the Hugging Face class does not have
+    is one ``transformers`` reports UNEXPECTED, and one it recomputes (rotary ``inv_freq``)
+    needs no weights; models whose class keeps them (BatchNorm statistics) want them kept.
 
     A checkpoint of chunked tensors (no components) gives the tensors whose FQN starts with
     ``prefix``, named without it (``get_state_dict`` puts the model's under ``model.``)."""
@@ -155,8 +161,9 @@ def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int
     clash = [b.fqn for b in comp.buffers if b.fqn in names]
     if clash:
         raise ManifestError(f"{source}: buffers named like parameters: {', '.join(clash)}")
-    tensors += [OutTensor(b.fqn, b.shape, stored_as(b.dtype, out), Source(b.dtype, None, "buffer", 0, b.fqn))
-                for b in comp.buffers]
+    if keep_buffers:
+        tensors += [OutTensor(b.fqn, b.shape, stored_as(b.dtype, out),
+                              Source(b.dtype, None, "buffer", 0, b.fqn)) for b in comp.buffers]
     opt_files: tuple[OutFile, ...] = ()
     meta: dict[str, Any] = {}
     if optimizer:
@@ -174,7 +181,8 @@ def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int
         step = max((pg.step for pg in param_groups(m.optimizer, source or 'the manifest')), default=None)
     return ConsolidationPlan(source, m.save_id, step, component, out,
                              pack_files(tensors, max_shard_size, "model"), opt_files, meta,
-                             dict(comp.aliases), hf_config(m, out, source))
+                             dict(comp.aliases), hf_config(m, out, source),
+                             () if keep_buffers else tuple(b.fqn for b in comp.buffers))
 
 
 def _plan_chunked(m: Manifest, out: str, max_shard_size: int, prefix: str, optimizer: bool,

@@ -7,7 +7,8 @@ layout) and compared bit for bit; memory is bounded by ``buffer_bytes``, not by 
 
 Invariants:
 
-* ``DiffResult.equal`` is True only if every matched tensor is bit-identical in the same dtype,
+* ``DiffResult.equal`` is True only if every matched tensor is bit-identical (or, with a
+  tolerance, within it) in the same dtype,
   nothing is one-sided (component, parameter, state kind or buffer), no shape differs, and the
   metadata that shapes training (tied aliases, parameter dtypes and ``requires_grad``, optimizer
   name, each parameter's hyper-parameters and step) is the same. Extras (samples seen, user data)
@@ -15,6 +16,11 @@ Invariants:
 * For a differing tensor, ``differing`` counts elements whose bits differ (across dtypes: whose
   values differ, NaN equal to NaN) and ``max_abs_diff`` is the largest ``|a - b|`` in float64; a
   NaN on one side only counts as an infinite difference.
+* With a :class:`Tolerance` (``--atol`` / ``--rtol``: two runs on different world sizes reduce
+  gradients in another order and differ in the last bits), an element differs only where
+  ``|a - b| > atol + rtol * |b|`` (``numpy.isclose``'s rule; a one-sided NaN always differs),
+  ``differing`` counts those, and a tensor whose every element is within it is *close*:
+  counted in ``DiffResult.close``, not a difference. Dtypes that differ still are.
 
 Does not import torch.
 """
@@ -42,6 +48,20 @@ from shardckpt.storage import DEFAULT_BUFFER
 from shardckpt.tools.split import contiguous_split
 
 ONLY_A, ONLY_B, MISMATCH, DIFFERENT = "only_a", "only_b", "mismatch", "different"
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """``|a - b| <= atol + rtol * |b|`` counts as equal (``numpy.isclose``'s rule)."""
+
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("atol", "rtol"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} = {v!r}: expected a finite number >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +119,15 @@ class DiffResult:
     bytes_read: int = 0
     seconds: float = 0.0
     elements: int = 0                      # elements compared per side
+    close: int = 0                         # of the compared, within the tolerance, not identical
+    tolerance: Tolerance | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        tol = None if self.tolerance is None else {"atol": self.tolerance.atol,
+                                                   "rtol": self.tolerance.rtol}
         return {"a": self.a, "b": self.b, "equal": self.equal, "compared": self.compared,
-                "identical": self.identical, "elements": self.elements,
+                "identical": self.identical, "close": self.close, "tolerance": tol,
+                "elements": self.elements,
                 "differences": [d.to_dict() for d in self.differences],
                 "metadata": list(self.metadata), "bytes_read": self.bytes_read,
                 "seconds": round(self.seconds, 3)}
@@ -184,8 +209,10 @@ def plan_diff(ma: Manifest, mb: Manifest) -> DiffPlan:
 # ------------------------------------------------------------------------------------ compare
 
 
-def compare_bytes(a: bytes | memoryview, b: bytes | memoryview, dtype_a: str, dtype_b: str) -> tuple[int, float]:
-    """(differing elements, max |a - b|) of two equally long pieces; (0, 0.0) if bit-identical."""
+def compare_bytes(a: bytes | memoryview, b: bytes | memoryview, dtype_a: str, dtype_b: str,
+                  tolerance: Tolerance | None = None) -> tuple[int, float]:
+    """(differing elements, max |a - b|) of two equally long pieces; (0, 0.0) if bit-identical.
+    With ``tolerance``, only elements beyond it count as differing (the max is over all)."""
     if dtype_a == dtype_b:
         if a == b:
             return 0, 0.0
@@ -206,6 +233,9 @@ def compare_bytes(a: bytes | memoryview, b: bytes | memoryview, dtype_a: str, dt
     one_nan = np.isnan(va) != np.isnan(vb)
     d[one_nan] = np.inf
     d[np.isnan(d)] = 0.0  # both NaN (different payloads), or inf - inf of one sign
+    if tolerance is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            n = int(np.count_nonzero(~(d <= tolerance.atol + tolerance.rtol * np.abs(vb))))
     return n, float(d.max())
 
 
@@ -218,24 +248,27 @@ class DiffPart:
     elements: int
     bytes_read: int
     differences: tuple[TensorDiff, ...]
+    close: int = 0
 
     def to_doc(self) -> dict[str, Any]:
         return {"compared": self.compared, "identical": self.identical, "elements": self.elements,
-                "read": self.bytes_read, "diffs": [d.to_dict() for d in self.differences]}
+                "read": self.bytes_read, "diffs": [d.to_dict() for d in self.differences],
+                "close": self.close}
 
     @classmethod
     def from_doc(cls, doc: Mapping[str, Any]) -> DiffPart:
         diffs = tuple(TensorDiff(**{**d, "max_abs_diff": float(d["max_abs_diff"])})
                       for d in doc["diffs"])
-        return cls(doc["compared"], doc["identical"], doc["elements"], doc["read"], diffs)
+        return cls(doc["compared"], doc["identical"], doc["elements"], doc["read"], diffs,
+                   doc["close"])
 
 
 def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None = None,
              buffer_bytes: int = DEFAULT_BUFFER,
              progress: Callable[[int], None] | None = None,
-             job: Job | None = None) -> DiffResult:
+             job: Job | None = None, tolerance: Tolerance | None = None) -> DiffResult:
     """Compare every planned pair in aligned pieces, then the chunked tensors and blobs;
-    ``progress(nbytes)`` as pieces are compared.
+    ``progress(nbytes)`` as pieces are compared; ``tolerance``: see the module doc.
 
     Every process of ``job`` (one process alone: a job of one) calls it and compares a run of
     the planned pairs (balanced by bytes); rank 0 compares the chunked tensors too. Every
@@ -248,9 +281,9 @@ def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None =
     chunked = ra.manifest.chunked is not None or rb.manifest.chunked is not None
 
     def compare() -> list[dict[str, Any]]:
-        parts = [_compare_pairs(ra, rb, mine, buffer_bytes, progress)]
+        parts = [_compare_pairs(ra, rb, mine, buffer_bytes, progress, tolerance)]
         if job.is_root and chunked:
-            parts.append(_chunked_diff(ra, rb, buffer_bytes, progress))
+            parts.append(_chunked_diff(ra, rb, buffer_bytes, progress, tolerance))
         return [p.to_doc() for p in parts]
 
     parts = [DiffPart.from_doc(d) for r in job.agree(compare, "diff: comparing") for d in r]
@@ -258,11 +291,13 @@ def run_diff(ra: CheckpointReader, rb: CheckpointReader, plan: DiffPlan | None =
     return DiffResult(ra.url, rb.url, not differences and not plan.metadata,
                       sum(p.compared for p in parts), sum(p.identical for p in parts),
                       differences, plan.metadata, sum(p.bytes_read for p in parts),
-                      time.perf_counter() - t0, sum(p.elements for p in parts))
+                      time.perf_counter() - t0, sum(p.elements for p in parts),
+                      sum(p.close for p in parts), tolerance)
 
 
 def _compare_pairs(ra: CheckpointReader, rb: CheckpointReader, comparisons: Sequence[Comparison],
-                   buffer_bytes: int, progress: Callable[[int], None] | None) -> DiffPart:
+                   buffer_bytes: int, progress: Callable[[int], None] | None,
+                   tolerance: Tolerance | None = None) -> DiffPart:
     """Compare ``comparisons`` in aligned pieces read from both sides."""
     engine = PieceReader([ra, rb], buffer_bytes)
     stats = [[0, 0.0] for _ in comparisons]
@@ -271,7 +306,7 @@ def _compare_pairs(ra: CheckpointReader, rb: CheckpointReader, comparisons: Sequ
     try:
         for p in pieces:
             c = comparisons[p.index]
-            n, mx = compare_bytes(p.data[0], p.data[1], c.a.dtype, c.b.dtype)
+            n, mx = compare_bytes(p.data[0], p.data[1], c.a.dtype, c.b.dtype, tolerance)
             s = stats[p.index]
             s[0] += n
             s[1] = max(s[1], mx)
@@ -280,23 +315,27 @@ def _compare_pairs(ra: CheckpointReader, rb: CheckpointReader, comparisons: Sequ
     finally:
         pieces.close()  # type: ignore[attr-defined]
     diffs: list[TensorDiff] = []
+    close = 0
     for c, (count, worst) in zip(comparisons, stats, strict=True):
         if count or c.a.dtype != c.b.dtype:
             detail = f"dtype {c.a.dtype} vs {c.b.dtype}" if c.a.dtype != c.b.dtype else ""
             diffs.append(TensorDiff(c.component, c.name, c.kind, DIFFERENT, c.numel, int(count),
                                     float(worst), detail))
-    return DiffPart(len(comparisons), len(comparisons) - len(diffs),
-                    sum(c.numel for c in comparisons), engine.bytes_read, tuple(diffs))
+        elif worst:
+            close += 1
+    return DiffPart(len(comparisons), len(comparisons) - len(diffs) - close,
+                    sum(c.numel for c in comparisons), engine.bytes_read, tuple(diffs), close)
 
 
 def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
-                  progress: Callable[[int], None] | None) -> DiffPart:
+                  progress: Callable[[int], None] | None,
+                  tolerance: Tolerance | None = None) -> DiffPart:
     """Chunked tensors matched by FQN, compared on the boxes both sides' chunks share (in bands
     of at most half the buffer per side), and blobs matched by key, compared as opaque bytes."""
     sa, sb = ra.manifest.chunked, rb.manifest.chunked
     ta, tb = (dict(sa.tensors) if sa else {}), (dict(sb.tensors) if sb else {})
     diffs: list[TensorDiff] = []
-    compared = elements = nbytes = 0
+    compared = elements = nbytes = close = 0
     for fqn, a in ta.items():
         b = tb.get(fqn)
         if b is None or a.shape != b.shape:
@@ -306,13 +345,15 @@ def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
         compared, elements, n, mx = compared + 1, elements + a.numel, 0, 0.0
         for ca, cb, off, size in iter_pairs(a, b, max(1, buffer_bytes // 2)):
             xa, xb = read_box(ra, a, ca, off, size), read_box(rb, b, cb, off, size)
-            k, m = compare_bytes(xa, xb, a.dtype, b.dtype)
+            k, m = compare_bytes(xa, xb, a.dtype, b.dtype, tolerance)
             n, mx, nbytes = n + k, max(mx, m), nbytes + len(xa) + len(xb)
             if progress:
                 progress(len(xa) + len(xb))
         if n or a.dtype != b.dtype:
             detail = f"dtype {a.dtype} vs {b.dtype}" if a.dtype != b.dtype else ""
             diffs.append(TensorDiff("chunked", fqn, "tensor", DIFFERENT, a.numel, n, mx, detail))
+        elif mx:
+            close += 1
     diffs += [TensorDiff("chunked", f, "tensor", ONLY_B, t.numel) for f, t in tb.items() if f not in ta]
     ba, bb = (dict(sa.blobs) if sa else {}), (dict(sb.blobs) if sb else {})
     for key in list(ba) + [k for k in bb if k not in ba]:
@@ -324,13 +365,14 @@ def _chunked_diff(ra: CheckpointReader, rb: CheckpointReader, buffer_bytes: int,
         nbytes += len(xa) + len(xb)
         if xa != xb:
             diffs.append(TensorDiff("chunked", key, "blob", DIFFERENT, detail="opaque bytes differ"))
-    return DiffPart(compared, compared - len([d for d in diffs if d.status == DIFFERENT]), elements,
-                    nbytes, tuple(diffs))
+    return DiffPart(compared, compared - len([d for d in diffs if d.status == DIFFERENT]) - close,
+                    elements, nbytes, tuple(diffs), close)
 
 
 def diff(a: str | CheckpointReader, b: str | CheckpointReader,
          storage_options: Mapping[str, Any] | None = None, buffer_bytes: int = DEFAULT_BUFFER,
-         progress: Callable[[int], None] | None = None, job: Job | None = None) -> DiffResult:
+         progress: Callable[[int], None] | None = None, job: Job | None = None,
+         tolerance: Tolerance | None = None) -> DiffResult:
     """Compare checkpoints ``a`` and ``b`` by content (see the module doc): each opened once
     (unless it is a reader already), planned, then :func:`run_diff`."""
     job = job or Job.single()
@@ -339,4 +381,5 @@ def diff(a: str | CheckpointReader, b: str | CheckpointReader,
                   if urls else [])
     ra = a if isinstance(a, CheckpointReader) else next(opened)
     rb = b if isinstance(b, CheckpointReader) else next(opened)
-    return run_diff(ra, rb, plan_diff(ra.manifest, rb.manifest), buffer_bytes, progress, job)
+    return run_diff(ra, rb, plan_diff(ra.manifest, rb.manifest), buffer_bytes, progress, job,
+                    tolerance)

@@ -94,7 +94,7 @@ def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: in
                     component: str, prefix: str, optimizer: bool, overwrite: bool,
                     copy_from: str | None, storage_options: Mapping[str, Any] | None,
                     buffer_bytes: int, job: Job | None,
-                    progress: OpenProgress) -> ConsolidateResult:
+                    progress: OpenProgress, keep_buffers: bool = False) -> ConsolidateResult:
     """:func:`shardckpt.tools.consolidate.write_consolidation` of ``src`` into ``dst``, the source
     opened and planned once; its total is the bytes the plan reads."""
     from shardckpt.checkpoint.job import Job, open_readers
@@ -105,7 +105,7 @@ def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: in
     job = job or Job.single()
     reader, = open_readers(job, [src], storage_options, "consolidate: opening the source")
     plan = plan_consolidation(reader.manifest, dtype, max_shard_size, component, optimizer,
-                              src if isinstance(src, str) else reader.url, prefix)
+                              src if isinstance(src, str) else reader.url, prefix, keep_buffers)
     if not alone:
         return write_consolidation(reader, plan, dst, overwrite, storage_options, buffer_bytes,
                                    _ignore, copy_from, job)
@@ -115,7 +115,8 @@ def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: in
 
 
 def run_diff(a: str | Storage, b: str | Storage, storage_options: Mapping[str, Any] | None,
-             buffer_bytes: int, job: Job | None, progress: OpenProgress) -> DiffResult:
+             buffer_bytes: int, job: Job | None, progress: OpenProgress,
+             tolerance: Any = None) -> DiffResult:
     """:func:`shardckpt.tools.diff.run_diff` of ``a`` and ``b``, each opened once; its total is
     the bytes the plan compares."""
     from shardckpt.checkpoint.job import Job, open_readers
@@ -126,9 +127,9 @@ def run_diff(a: str | Storage, b: str | Storage, storage_options: Mapping[str, A
     ra, rb = open_readers(job, [a, b], storage_options, "diff: opening the checkpoints")
     plan = df.plan_diff(ra.manifest, rb.manifest)
     if not alone:
-        return df.run_diff(ra, rb, plan, buffer_bytes, _ignore, job)
+        return df.run_diff(ra, rb, plan, buffer_bytes, _ignore, job, tolerance)
     with progress(plan.total_bytes) as tick:
-        return df.run_diff(ra, rb, plan, buffer_bytes, tick, job)
+        return df.run_diff(ra, rb, plan, buffer_bytes, tick, job, tolerance)
 
 
 def run_import(importer: Callable[..., Manifest], *args: Any, job: Job | None,

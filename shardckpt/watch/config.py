@@ -19,10 +19,12 @@
     kind = "consolidate"
     dst = "s3://ckpt/hf/{name}"           # {name}: step-00000100, {step}: 100 ({step:06d} too)
     dtype = "bfloat16"
+    keep_buffers = false                  # true: also write the persistent buffers
     [[steps]]
     kind = "reshard"
     dst = "s3://ckpt/ws8/{name}"
     to = 8
+    from = 64                             # optional guard: the source's world size
     processes = 4                         # run as a torchrun job of 4 processes (default 1)
 
 ``processes`` (verify, reshard and consolidate only) runs the step as ``torchrun
@@ -58,8 +60,9 @@ _TOP = {"name", "watch", "state", "interval_s", "concurrency", "retries", "backo
         "lease_ttl_s", "storage_options", "steps"}
 _STEP_KEYS = {
     "verify": {"kind", "processes"},
-    "reshard": {"kind", "dst", "to", "replicate", "processes"},
-    "consolidate": {"kind", "dst", "dtype", "copy_from", "max_shard_size", "processes"},
+    "reshard": {"kind", "dst", "to", "from", "replicate", "processes"},
+    "consolidate": {"kind", "dst", "dtype", "copy_from", "max_shard_size", "keep_buffers",
+                    "processes"},
     "copy": {"kind", "dst"},
     "retain": {"kind", "keep"},
 }
@@ -82,6 +85,8 @@ class StepSpec:
     max_shard_size: int | None = None
     keep: int | None = None
     processes: int = 1              # > 1: run as a torchrun job of that many processes
+    from_: int | None = None        # reshard: the source's world size it must have (a guard)
+    keep_buffers: bool = False      # consolidate: also write the persistent buffers
 
     @property
     def key(self) -> str:
@@ -207,7 +212,9 @@ def _step(index: int, raw: Any, base: str, bad: Any) -> StepSpec:
         rep = int(_number(raw, "replicate", 1, lambda w: bad(f"{where}: {w}"), 1, integer=True))
         if to % rep:
             raise bad(f"{where}: to = {to} is not divisible by replicate = {rep}")
-        return StepSpec(index, kind, dst, to=to, replicate=rep, processes=procs)
+        src_n = None if "from" not in raw else \
+            int(_number(raw, "from", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
+        return StepSpec(index, kind, dst, to=to, replicate=rep, processes=procs, from_=src_n)
     if kind == "consolidate":
         dtype = raw.get("dtype", "bfloat16")
         if dtype not in _DTYPES:
@@ -217,8 +224,11 @@ def _step(index: int, raw: Any, base: str, bad: Any) -> StepSpec:
         mss = raw.get("max_shard_size")
         if mss is not None:
             mss = int(_number(raw, "max_shard_size", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
+        keep = raw.get("keep_buffers", False)
+        if not isinstance(keep, bool):
+            raise bad(f"{where}: keep_buffers = {keep!r}: expected true or false")
         return StepSpec(index, kind, dst, dtype=dtype, copy_from=copy_from, max_shard_size=mss,
-                        processes=procs)
+                        processes=procs, keep_buffers=keep)
     if kind == "retain":
         keep = int(_number(raw, "keep", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
         return StepSpec(index, kind, keep=keep)

@@ -18,7 +18,9 @@ the job's own one-line error (the first ``error:`` line its processes printed); 
 retried or dead-lettered as any other.
 
 Every line the job writes on stderr goes to the watcher's log, prefixed with the checkpoint and
-the step (``step-00000100 2-reshard: ...``); stdout carries the tool's JSON summary.
+the step (``step-00000100 2-reshard: ...``): progress at INFO, what explains a failure (error
+lines, tracebacks, torchrun's failure report) at DEBUG, so that a failed try's one-line reason
+comes first (:func:`_log_lines`); stdout carries the tool's JSON summary.
 
 What a kill does:
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -91,6 +94,8 @@ def job_argv(ctx: StepContext, python: str = sys.executable) -> list[str]:
     if spec.kind == "reshard":
         argv += [ctx.dst or "", "--to", str(spec.to), "--replicate", str(spec.replicate),
                  "--overwrite", "--json"]
+        if spec.from_ is not None:
+            argv += ["--from", str(spec.from_)]
     elif spec.kind == "consolidate":
         from shardckpt.tools.consolidate_plan import DEFAULT_MAX_SHARD_SIZE
 
@@ -98,6 +103,8 @@ def job_argv(ctx: StepContext, python: str = sys.executable) -> list[str]:
                  str(spec.max_shard_size or DEFAULT_MAX_SHARD_SIZE), "--overwrite", "--json"]
         if spec.copy_from is not None:
             argv += ["--copy-from", spec.copy_from]
+        if spec.keep_buffers:
+            argv.append("--keep-buffers")
     elif spec.kind != "verify":
         raise ValueError(f"a {spec.kind} step does not run as a job")
     for key, value in ctx.storage_options.items():
@@ -177,15 +184,39 @@ def _run(argv: list[str], where: str) -> tuple[int, str, list[str]]:
     return code, out, errors
 
 
+#: A line of a process's stderr as torchrun relays it: ``[rank3]: Traceback ...``.
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank[0-9]+\]:\s?")
+#: A torch / torchrun log line at error or warning level (``E1204 12:00:00.123 4567 file.py:89]``).
+_TORCH_LOG = re.compile(r"^[EWF][0-9]{4} [0-9:.]+ ")
+
+
 def _log_lines(stream: IO[bytes], where: str, errors: list[str]) -> None:
     """Log each line of the job's stderr; keep its processes' ``error:`` lines, or where none
-    printed one (killed first), the root cause torchrun reports (``rank 0 ... exitcode -9``)."""
+    printed one (killed first), the root cause torchrun reports (``rank 0 ... exitcode -9``).
+
+    What only explains a failure goes to DEBUG: the ``error:`` lines (the failed try's warning
+    says the first, as its one-line reason), Python tracebacks, and torchrun's failure report
+    (its error log lines, its ``ChildFailedError`` traceback and root-cause block); so a failed
+    job's first line in the log at INFO and above is its reason, and ``shardckpt watch
+    --verbose`` shows the rest. Other lines (progress) are logged at INFO as they come."""
     cause: list[str] = []
+    in_traceback = report = False
     for raw in stream:
         line = raw.decode("utf-8", "replace").rstrip("\r\n")
         if not line.strip():
             continue
-        log.info("%s: %s", where, printable(line))
+        bare = _RANK_PREFIX.sub("", line)
+        if bare.startswith("Traceback (most recent call last)"):
+            in_traceback = explains = True
+        elif in_traceback and bare[:1] not in (" ", "\t"):  # the exception's own line ends it
+            in_traceback = False
+            report = report or "ChildFailedError" in bare  # torchrun's report follows
+            explains = True
+        else:
+            explains = in_traceback or report or bare.startswith(("error: ", "Root Cause")) or \
+                _TORCH_LOG.match(bare) is not None
+        log.log(logging.DEBUG if explains else logging.INFO, "%s: %s", where,
+                printable(line))
         if line.startswith("error: "):
             errors.append(line[len("error: "):].strip())
         elif line.startswith("Root Cause") or cause:

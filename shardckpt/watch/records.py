@@ -1,6 +1,7 @@
 """Progress records of a pipeline, kept in the store beside its outputs.
 
-Below ``<state>/.watch/<pipeline>/<checkpoint>/`` (``<checkpoint>`` is ``step-XXXXXXXX``), for
+Below ``<state>/.watch/<pipeline>/<checkpoint>/`` (``<checkpoint>``: ``step-XXXXXXXX``,
+``checkpoint-<N>`` or Lightning's ``epoch=<E>-step=<N>.ckpt``, :func:`checkpoint_step`), for
 the step ``<i>-<kind>`` (``i`` counts from 1 in pipeline order):
 
 * ``<i>-<kind>.done``: the step finished; JSON with its times, bytes, output and the output's
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
+from shardckpt.checkpoint.run_names import STEP, checkpoint_name
 from shardckpt.errors import CommitConflictError, ShardckptError
 from shardckpt.format.parse_context import json_depth, no_duplicate_keys, reject_constant
 from shardckpt.storage.lease import LEASE_PREFIX, Lease, whoami, live_until
@@ -76,10 +78,14 @@ def printable(value: object, limit: int = 2000) -> str:
 
 
 def checkpoint_step(name: object) -> int | None:
-    """The step of a checkpoint directory name (the whole name: ``step-`` and 8 to 20 ASCII
-    digits); None for any other name, which the watch service ignores."""
-    m = _CHECKPOINT.fullmatch(name) if isinstance(name, str) else None
-    return int(m.group(1)) if m else None
+    """The step of a checkpoint directory name of any layout shardckpt writes
+    (:mod:`shardckpt.checkpoint.run_names`: ``step-`` and 8 to 20 ASCII digits, the Trainer's
+    ``checkpoint-<N>``, Lightning's ``...step=<N>....ckpt``); None for any other name, which the
+    watch service ignores."""
+    found = checkpoint_name(name)
+    if found is None or (found[0] is STEP and not _CHECKPOINT.fullmatch(str(name))):
+        return None
+    return found[1]
 
 
 def pipeline_dir(pipeline: str) -> str:
@@ -142,7 +148,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bytes": (_count, "a count"), "output": (_opt_text, "a string"),
     "identity": (_opt_text, "a string"), "source_save_id": (_opt_text, "a string"),
     "adopted": (_flag, "true or false"), "removed": (_names, "a list of names"),
-    "referenced": (_names, "a list of names"),
+    "referenced": (_names, "a list of names"), "derived": (_names, "a list of names"),
     "reason": (_text, "a string"),
 }
 _REQUIRED = {

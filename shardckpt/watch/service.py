@@ -1,7 +1,9 @@
 """``shardckpt watch``: run a pipeline of steps once for every checkpoint that commits under a run.
 
-The watcher lists the run directory (one LIST per interval), and for each ``step-XXXXXXXX``
-checkpoint with a ``manifest.json``, oldest first, runs the pipeline's steps in order. Each step
+The watcher lists the run directory (one LIST per interval), and for each checkpoint directory
+with a ``manifest.json``, of any layout shardckpt writes (``step-XXXXXXXX``, the Trainer's
+``checkpoint-<N>``, Lightning's ``epoch=<E>-step=<N>.ckpt``: one naming rule,
+:mod:`shardckpt.checkpoint.run_names`), oldest first, runs the pipeline's steps in order. Each step
 runs at most once per checkpoint, across restarts and across several watchers on one pipeline:
 
 1. a step starts only under a won create-only claim and a renewed lease
@@ -23,8 +25,11 @@ outputs' own create-only commits and the create-only records keep one result.
 A step whose record is unreadable (:func:`~shardckpt.watch.records.read_record`: planted, damaged,
 not a record) is neither run nor counted done; its checkpoint waits, and is looked at again each
 pass, until someone removes that record. Names in the run directory other than checkpoint names
-(:func:`~shardckpt.watch.records.checkpoint_step`: ``step-`` and ASCII digits, nothing after) are
-ignored, and what the log says of the store is one printable line.
+(:func:`~shardckpt.watch.records.checkpoint_step`) are ignored, and what the log says of the store
+is one printable line. A listing without any checkpoint name (the prefix missing or mistyped, a
+Lightning run saving only ``last.ckpt``) is warned about, once until one appears; a checkpoint
+removed after it was listed and before it was processed (a run's own retention) is logged as
+skipped, by name, and gets no record.
 
 :meth:`Watcher.stop` (``shardckpt watch`` calls it on SIGTERM or SIGINT) starts no further step:
 a step in flight runs to its end and is recorded (its output commits, then its record), and a
@@ -87,13 +92,16 @@ class Counters:
 @dataclass
 class PassReport:
     """One pass over the run: steps recorded done or dead by this watcher, checkpoints left to
-    another watcher (held), not yet committed, or waiting behind an unreadable record."""
+    another watcher (held), not yet committed, waiting behind an unreadable record, or removed
+    before they were processed (skipped); ``found``: checkpoint directories listed."""
 
     done: int = 0
     dead: int = 0
     held: int = 0
     uncommitted: int = 0
     unreadable: int = 0
+    skipped: int = 0
+    found: int = 0
 
 
 class Watcher:
@@ -109,6 +117,8 @@ class Watcher:
         self.stop_event = threading.Event()
         self._settled: set[str] = set()
         self._lock = threading.Lock()
+        self._warned_empty = False
+        self.found = 0  # checkpoint directories in the last listing
 
     # ---------------------------------------------------------------------------- loop
 
@@ -141,13 +151,15 @@ class Watcher:
         self.stop_event.set()
 
     def pending(self) -> list[tuple[int, str]]:
-        """(step, name) of the step directories not yet settled, oldest first: one LIST."""
-        out = []
-        for name in self.watch.ls(""):
-            step = checkpoint_step(name)
-            if step is not None and name not in self._settled:
-                out.append((step, name))
-        return sorted(out)
+        """(step, name) of the checkpoint directories not yet settled, oldest first: one LIST
+        (:attr:`found` counts them all; none at all is warned about, see :func:`empty_note`)."""
+        names = self.watch.ls("")
+        listed = [(step, n) for n in names if (step := checkpoint_step(n)) is not None]
+        self.found = len(listed)
+        if not listed and not self._warned_empty:
+            log.warning("%s", empty_note(self.watch, names))
+        self._warned_empty = not listed
+        return sorted((step, n) for step, n in listed if n not in self._settled)
 
     def process_pass(self) -> PassReport:
         report = PassReport()
@@ -156,7 +168,11 @@ class Watcher:
             if self.stop_event.is_set():
                 break
             if not self.watch.exists(f"{name}/{MANIFEST_NAME}"):
-                report.uncommitted += 1
+                if self.watch.exists(name):
+                    report.uncommitted += 1
+                else:
+                    report.skipped += 1
+                    log.warning("skipped %s: it was removed before it was processed", printable(name))
                 continue
             todo.append((step, name))
         if self.p.concurrency <= 1 or len(todo) <= 1:
@@ -171,6 +187,8 @@ class Watcher:
                 report.dead += r.dead
                 report.held += r.held
                 report.unreadable += r.unreadable
+                report.skipped += r.skipped
+        report.found = self.found
         if failed:  # after the other checkpoints had their turn: one bad one holds up no other
             for e in failed[1:]:
                 log.error("%s", printable(e, 1000))
@@ -216,8 +234,8 @@ class Watcher:
             if outcome == "held":
                 report.held += 1
                 return report
-            if outcome == "unreadable":
-                report.unreadable += 1
+            if outcome in ("unreadable", "skipped"):
+                setattr(report, outcome, getattr(report, outcome) + 1)
                 return report
             if outcome == "dead":
                 report.dead += 1
@@ -244,8 +262,9 @@ class Watcher:
 
     def run_step(self, spec: StepSpec, src: Storage, manifest: Manifest | ShardckptError,
                  name: str, step: int) -> str:
-        """Claim, run (with retries) and record one step: "done", "dead", "held", "stopped" or
-        "unreadable" (a record that fails its checks appeared meanwhile)."""
+        """Claim, run (with retries) and record one step: "done", "dead", "held", "stopped",
+        "unreadable" (a record that fails its checks appeared meanwhile) or "skipped" (the
+        checkpoint was removed; nothing is recorded)."""
         claim = watch_records.StepClaim(self.state, self.p.name, name, spec.key, self.p.lease_ttl_s)
         if not claim.try_claim():
             settled = claim.settled()
@@ -275,9 +294,14 @@ class Watcher:
                     raise manifest
                 ctx = watch_steps.StepContext(spec, src, manifest, name, step, self.watch,
                                               self.p.storage_options,
-                                              lambda n: self.is_settled(n, spec.index))
+                                              lambda n: self.is_settled(n, spec.index),
+                                              self.p.steps)
                 facts = watch_steps.adopt(ctx) or _execute(ctx)
             except Exception as e:  # noqa: BLE001 - any failure of a step is recorded, not fatal
+                if _removed(src):
+                    log.warning("skipped %s: it was removed before it was processed (%s left "
+                                "unrecorded)", name, spec.key)
+                    return "skipped"
                 reason = _one_line(e)
                 log.warning("%s %s (try %d of %d): %s", name, spec.key, attempt + 1,
                             self.p.retries + 1, reason)
@@ -315,6 +339,32 @@ def _read(src: Storage) -> Manifest | ShardckptError:
         return read_manifest(src)
     except ShardckptError as e:
         return e
+
+
+def _removed(src: Storage) -> bool:
+    """Whether the checkpoint at ``src`` is gone (its manifest removed: a run's own retention)."""
+    try:
+        return not src.exists(MANIFEST_NAME)
+    except ShardckptError:
+        return False
+
+
+def empty_note(watch: Storage, names: list[str]) -> str:
+    """Why a listing of the watched prefix holds no checkpoint, in one line."""
+    from shardckpt.checkpoint.run_names import LAYOUTS, stepless_checkpoints
+
+    expected = ", ".join(layout.example for layout in LAYOUTS)
+    url = printable(watch.url)
+    if not names:
+        return f"no checkpoint under {url}: it does not exist or is empty (checkpoint " \
+               f"directories are named like {expected})"
+    stepless = stepless_checkpoints(names)
+    if stepless:
+        return (f"no checkpoint under {url} whose name carries its step: {printable(stepless[0])} "
+                "is rewritten in place at every save; give ModelCheckpoint a filename with "
+                "{step} (its default, epoch={epoch}-step={step}, has it)")
+    return (f"no checkpoint under {url}: its {len(names)} entries have none of the names "
+            f"checkpoint directories have ({expected})")
 
 
 def _one_line(e: BaseException) -> str:

@@ -15,7 +15,8 @@ killed between the two), :func:`adopt` decides:
 * consolidate: when its index names files that all exist and its provenance names the source's
   save id and the requested dtype (the provenance is written just after the index; without it
   the output is rewritten, which replaces it safely);
-* verify and retain have no output of their own: they read or prune, and are run again.
+* verify and retain have no output of their own: they read or prune, and are run again
+  (retain also prunes the outputs earlier steps derived: :mod:`shardckpt.watch.retain`).
 
 An output that is not adopted is replaced (the step runs with ``overwrite``); a damaged or
 foreign output never gets a record.
@@ -32,7 +33,7 @@ from collections.abc import Callable, Mapping
 from shardckpt.checkpoint.reader import read_manifest
 
 from shardckpt.checkpoint.verify import verify
-from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
+from shardckpt.errors import IncompleteCheckpointError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from shardckpt.format.records import run_extras
 from shardckpt.storage import NotFoundError, Storage
@@ -52,11 +53,12 @@ class StepContext:
     spec: StepSpec
     src: Storage                    # the checkpoint
     manifest: Manifest              # its manifest, read when the checkpoint was found
-    checkpoint: str                 # step-XXXXXXXX
+    checkpoint: str                 # its name: step-XXXXXXXX, checkpoint-N, ...step=N.ckpt
     step: int
     watch: Storage                  # the run directory
     storage_options: Mapping[str, Any]
     is_settled: Callable[[str], bool]  # whether every earlier-step record of a checkpoint exists
+    steps: tuple[StepSpec, ...] = ()   # the pipeline's steps (retain prunes their outputs)
 
     @property
     def dst(self) -> str | None:
@@ -77,8 +79,8 @@ def run_verify(ctx: StepContext) -> dict[str, Any]:
 def run_reshard(ctx: StepContext) -> dict[str, Any]:
     from shardckpt.tools.reshard import reshard
 
-    r = reshard(ctx.src.url, ctx.dst or "", ctx.spec.to or 1, replicate=ctx.spec.replicate,
-                overwrite=True, storage_options=ctx.storage_options)
+    r = reshard(ctx.src.url, ctx.dst or "", ctx.spec.to or 1, from_=ctx.spec.from_,
+                replicate=ctx.spec.replicate, overwrite=True, storage_options=ctx.storage_options)
     return {"output": ctx.dst, "bytes": r.bytes_written, "identity": r.manifest.save_id}
 
 
@@ -88,7 +90,8 @@ def run_consolidate(ctx: StepContext) -> dict[str, Any]:
 
     r = consolidate(ctx.src.url, ctx.dst or "", dtype=ctx.spec.dtype, overwrite=True,
                     max_shard_size=ctx.spec.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-                    storage_options=ctx.storage_options, copy_from=ctx.spec.copy_from)
+                    storage_options=ctx.storage_options, copy_from=ctx.spec.copy_from,
+                    keep_buffers=ctx.spec.keep_buffers)
     return {"output": ctx.dst, "bytes": r.bytes_written, "identity": ctx.manifest.save_id}
 
 
@@ -119,42 +122,13 @@ def run_copy(ctx: StepContext) -> dict[str, Any]:
 
 
 def run_retain(ctx: StepContext) -> dict[str, Any]:
-    """Remove committed checkpoints older than the newest ``keep`` (up to this one) whose every
-    earlier step is settled, never the newest committed one or the one ``latest`` names. The
-    manifest goes first, so that a half-removed checkpoint never looks committed. Nothing outside
-    the run directory is touched: a checkpoint directory that is a symbolic link (or lies behind
-    one) is left alone and reported in ``links``, never followed or removed. A checkpoint whose
-    frozen files a checkpoint that stays references is kept and reported in ``referenced``."""
-    from shardckpt.checkpoint.run_dir import CheckpointManager
+    """Prune the run's old checkpoints and the outputs this pipeline's earlier steps derived
+    from them (:mod:`shardckpt.watch.retain`)."""
+    from shardckpt.watch.retain import retain
 
-    manager = CheckpointManager(ctx.watch.url, storage_options=ctx.storage_options)
-    every = manager.committed()
-    committed = [f for f in every if f.step <= ctx.step]
-    protect = {f.name for f in every[-1:]} | {manager.read_latest() or ""}
-    removed: list[str] = []
-    links: list[dict[str, str]] = []
-    doomed = [f for f in committed[:-(ctx.spec.keep or 1)]
-              if f.name not in protect and ctx.is_settled(f.name)]
-    gone = {f.name for f in doomed}
-    needed = manager.referenced([f.name for f in every if f.name not in gone])
-    referenced = [f.name for f in doomed if f.name in needed]
-    for name in referenced:
-        log.info("retain keeps %s: a kept checkpoint references its frozen files",
-                 manager.storage.url_of(name))
-    for f in doomed:
-        if f.name in needed:
-            continue
-        try:
-            manager.storage.remove_inside(f"{f.name}/{MANIFEST_NAME}")
-            manager.storage.remove_inside(f.name, recursive=True)
-        except LinkRefusedError as e:
-            log.warning("retain: %s", e)
-            links.append({"path": e.link, "target": e.target})
-            continue
-        log.info("retain removed %s", f.url)
-        removed.append(f.name)
-    return {"removed": removed, "bytes": 0, **({"links": links} if links else {}),
-            **({"referenced": referenced} if referenced else {})}
+    earlier = tuple(s for s in ctx.steps if s.index < ctx.spec.index)
+    return retain(ctx.watch, ctx.step, ctx.spec.keep or 1, earlier, ctx.storage_options,
+                  ctx.is_settled)
 
 
 STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {

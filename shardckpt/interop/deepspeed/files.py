@@ -237,6 +237,22 @@ def folder_name(tag: str) -> bool:
             and tag.isprintable())
 
 
+def tag_folder_source(storage: Storage, tag: str | None) -> tuple[Storage, str | None]:
+    """(checkpoint folder, tag) for ``storage`` given as the source: a *tag folder* (the folder
+    that holds the rank files, ``.../global_step100``: a common habit) stands for its parent and
+    its own name as the tag, where no tag was named and it has no ``latest`` of its own. Anything
+    else comes back as it is. The parent becomes the folder links must stay inside."""
+    if tag is not None or storage.exists("latest"):
+        return storage, tag
+    if not any(_OPTIM.fullmatch(n) for n in storage.ls("")):
+        return storage, tag
+    parent, name = storage.url.rstrip("/").rsplit("/", 1) if "/" in storage.url.rstrip("/") \
+        else ("", storage.url)
+    if not parent or not folder_name(name):
+        return storage, tag
+    return Storage(parent, storage.storage_options), name
+
+
 def find_files(storage: Storage, tag: str | None) -> tuple[str, list[str], list[str]]:
     """(tag, optim files by rank, model files) of the checkpoint at ``storage``; one error naming
     the missing file or the world sizes that disagree."""

@@ -44,7 +44,7 @@ from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.interop.deepspeed.files import (
     MODEL_FILE, Segment, Staged, check_world, find_files, load_pt, segments_12, segments_3,
-    shape_of,
+    shape_of, tag_folder_source,
 )
 from shardckpt.interop.foreign import check_link, escaped, shown, source_root
 from shardckpt.errors import ConfigError, IntegrityError, ShardckptError
@@ -282,7 +282,7 @@ def _read_models(storage: Storage, models: list[str], world: int,
 def read_deepspeed(location: str | Storage, staged: Staged, tag: str | None = None,
                    storage_options: Mapping[str, Any] | None = None) -> DeepSpeedSource:
     """Read a DeepSpeed checkpoint one file at a time, staging its numbers in ``staged``."""
-    storage = as_storage(location, storage_options)
+    storage, tag = tag_folder_source(as_storage(location, storage_options), tag)
     tag, optim, models = find_files(storage, tag)
     world, url = len(optim), storage.url_of(tag)
     root = source_root(storage)

@@ -26,7 +26,7 @@ class DeepSpeedImporter:
     Config = DeepSpeedConfig
     help = "Write a DeepSpeed ZeRO-1/2/3 checkpoint (weights, Adam state, buffers) for --ranks ranks."
     source_help = ("Folder DeepSpeed's engine.save_checkpoint wrote (holds 'latest' and the tag "
-                   "folders; path or fsspec URL).")
+                   "folders), or one tag folder (global_step100); path or fsspec URL.")
     ranks_help = None
     default_units = BLOCK_UNITS
 
@@ -38,10 +38,10 @@ class DeepSpeedImporter:
     def describe_source(self, src: Any, storage_options: Mapping[str, Any] | None = None,
                         config: ImporterConfig | None = None) -> SourceInfo:
         from shardckpt.checkpoint.reader import as_storage
-        from shardckpt.interop.deepspeed.files import find_files
+        from shardckpt.interop.deepspeed.files import find_files, tag_folder_source
 
         tag = config.tag if isinstance(config, DeepSpeedConfig) else None
-        storage = as_storage(src, storage_options)
+        storage, tag = tag_folder_source(as_storage(src, storage_options), tag)
         tag, optim, models = find_files(storage, tag)
         files = tuple(models) + tuple(optim)
         return SourceInfo(self.name, storage.url, files, file_bytes(storage, files), None,
