@@ -310,11 +310,27 @@ def commit_node(storage: Storage, m: Manifest, held: Iterable[FileEntry]) -> Non
 
 
 def put_manifest(storage: Storage, data: bytes) -> None:
-    """A committed step's manifest, fetched from another node, into this node's directory."""
+    """A committed step's manifest, as the ranks agreed on it, into this node's directory: where
+    the node has a copy that differs (damaged: every node's copy is the same bytes), that copy
+    is moved aside to ``manifest.json.damaged-<n>``, with a warning, and replaced."""
     try:
         storage.create_only(MANIFEST_NAME, data)
+        return
     except CommitConflictError:
         pass
+    try:
+        if commit_steps.current_manifest(storage) == data:
+            return
+    except ShardckptError:
+        pass  # unreadable: damaged as well
+    n = 1
+    while storage.exists(f"{MANIFEST_NAME}.damaged-{n}"):
+        n += 1
+    aside = f"{MANIFEST_NAME}.damaged-{n}"
+    if storage.rename(MANIFEST_NAME, aside):
+        log.warning("local tier: %s differs from the other nodes' copy (damaged); moved aside to %s "
+                    "and replaced by that copy", storage.url_of(MANIFEST_NAME), storage.url_of(aside))
+        storage.create_only(MANIFEST_NAME, data)
 
 
 def prune(storage: Storage, keep: int) -> list[str]:

@@ -44,9 +44,9 @@ from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
 from shardckpt.checkpoint.reader import as_storage
-from shardckpt.checkpoint.run_dir import Found, step_dir
+from shardckpt.checkpoint.run_dir import CheckpointManager, Found, step_dir
 from shardckpt.checkpoint.tiers import (
-    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, committed_steps, durable_references,
+    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references,
     ensure_room, fetch_plan, files_needed, held_whole, holdings, node_storage, prune, put_manifest,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
@@ -55,7 +55,6 @@ from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEnt
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
-from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
 
@@ -70,13 +69,14 @@ FETCHES = itertools.count()
 @dataclass(frozen=True)
 class Assembled:
     """A local step made loadable: this node's URL of it, the files taken from peers in all
-    (to disk, or in ``peers`` straight into memory during the load), and the loss flag's key
-    for that load."""
+    (to disk, or in ``peers`` straight into memory during the load), the loss flag's key
+    for that load, and the step's manifest."""
 
     url: str
     fetched: int
     peers: list[Transfer]
     flag_key: str
+    manifest: Manifest  # the one the ranks agreed on, read once
 
 
 @dataclass
@@ -248,11 +248,29 @@ class NodeTier:
 
     # ---------------------------------------------------------------------------- resume
 
-    def survey(self, durable: list[int]) -> tuple[list[Any], list[int]]:
-        """Every rank's node holdings and rank 0's durable committed steps (collective)."""
-        _, reports = agree(lambda: {"held": holdings(self.storage), "durable": durable},
-                           "survey of the checkpoint tiers")
+    def survey(self, manager: CheckpointManager) -> tuple[list[Any], list[int]]:
+        """Every rank's node holdings and the durable committed steps rank 0 lists (collective)."""
+        def survey() -> dict[str, Any]:
+            durable = [f.step for f in manager.committed()] if self.rank == 0 else []
+            return {"held": holdings(self.storage), "durable": durable}
+
+        _, reports = agree(survey, "survey of the checkpoint tiers")
         return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]
+
+    def check_durable(self, manager: CheckpointManager, step: int, full_verify: bool) -> str:
+        """What rank 0 finds wrong with durable ``step`` ("" if nothing; collective)."""
+        def check() -> str:
+            if self.rank:
+                return ""
+            problems = manager.check(Found(step, step_dir(step), manager.url_for(step)), full_verify)
+            return problems[0] if problems else ""
+
+        try:
+            return str(agree(check, f"check of {manager.url_for(step)}")[1][0]["payload"])
+        except CollectiveError as e:
+            if lost_contact(e):
+                raise
+            return str(e)
 
     def assemble(self, step: int, save_id: str, held: list[Any], layout: Any, world_size: int,
                  direct: Callable[[Manifest], bool] = lambda m: False) -> Assembled | str:
@@ -265,8 +283,19 @@ class NodeTier:
         nodes = self.nodes
         holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
         here = self.storage.child(step_dir(step))
-        data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES) if self.rank == holder else None
-        data = broadcast_bytes(data, holder)
+        read: list[bytes] = []
+
+        def read_manifest() -> None:  # inside the agreement: a read that fails fails everywhere
+            if self.rank == holder:
+                read.append(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
+                parse(read[0], here.url_of(MANIFEST_NAME))
+        try:
+            agree(read_manifest, f"read of local step {step}'s manifest")
+        except CollectiveError as e:
+            if lost_contact(e):
+                raise
+            return f"its manifest on rank {holder}'s node cannot be read: {e}"
+        data = broadcast_bytes(read[0] if read else None, holder)
         m = parse(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
         shard = layout.mesh.shard_rank(self.rank)
         mine = sorted(f.path for f in files_needed(m, layout, shard, self.rank, world_size))
@@ -287,8 +316,8 @@ class NodeTier:
 
         def fetch() -> int:
             n = run_transfers(files, self.rank, here, entries, m.chunk_size, None)
-            if self.rank == nodes.leader(self.node) and not here.exists(MANIFEST_NAME):
-                put_manifest(here, data)
+            if self.rank == nodes.leader(self.node):
+                put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
             return n
 
         flag = LossFlag.for_group(None, f"fetch/{save_id}/{next(FETCHES)}")
@@ -298,7 +327,7 @@ class NodeTier:
             if lost_contact(e):
                 raise
             return f"fetching from peers failed: {e}"
-        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}")
+        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
 
 
 def planned_bytes(job: SaveJob) -> int:
@@ -309,73 +338,3 @@ def planned_bytes(job: SaveJob) -> int:
     n += sum(t.numel() * t.element_size() for t in job.rank_state.values())
     n += sum(t.numel() * t.element_size() for t in job.buffers.values())
     return n
-
-
-def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> int:
-    """Load the newest checkpoint that can be assembled from the local tier (own copies, then
-    peers' copies) or is committed durably; every rank alike. Returns its step, or 0."""
-    from shardckpt.checkpoint.collective import is_distributed
-
-    rank, world = ckpt.rank, ckpt.world_size
-    manager = ckpt.manager
-    durable = [f.step for f in manager.committed()] if rank == 0 else []
-    held, durable = node.survey(durable)
-    per_node = [held[node.nodes.leader(n)] for n in range(node.nodes.count)]
-    local = committed_steps(per_node)
-    candidates = sorted([(s, 1, sid) for s, sid in local] + [(s, 0, "") for s in durable],
-                        reverse=True)
-    passed: list[str] = []
-    damaged: list[str] = []
-    for step, is_local, save_id in candidates:
-        fetched, peers, flag_key = 0, [], None
-        if is_local:
-            got = node.assemble(step, save_id, held, ckpt.engine.layout, world,
-                                direct=lambda m: direct_ready(ckpt.engine, m))
-            if isinstance(got, str):
-                passed.append(f"local step {step}: {got}")
-                if rank == 0:
-                    log.warning("local tier: step %d cannot be assembled: %s", step, got)
-                continue
-            url, fetched, peers, flag_key = got.url, got.fetched, got.peers, got.flag_key
-            source = (f"the local tier, {fetched} file(s) from peers" if fetched
-                      else "the local tier, each rank's own node")
-        else:
-            url = manager.url_for(step)
-            problem = ""
-            if rank == 0:
-                problems = manager.check(Found(step, step_dir(step), url), full_verify)
-                problem = problems[0] if problems else ""
-            if is_distributed():
-                problem = broadcast_bytes(problem.encode() if rank == 0 else None, 0).decode()
-            if problem:
-                passed.append(f"durable step {step}: {problem}")
-                if rank == 0:
-                    log.warning("skipping %s: %s", url, problem)
-                continue
-            source = "the durable tier"
-        try:
-            ckpt.load(url, strict=strict, storage_options={} if is_local else None, direct=is_local,
-                      peers=peers, flag_key=flag_key)
-        except CollectiveError as e:
-            ranks = failed_with(e, IntegrityError)
-            if not ranks:
-                raise
-            damaged.append(f"{url}: {e.failures[ranks[0]]}")
-            passed.append(f"{url}: fails its checksums")
-            if rank == 0:
-                log.warning("%s fails its checksums on rank(s) %s (%s); trying the next "
-                            "checkpoint (nothing is deleted)", url, ranks, e.failures[ranks[0]])
-            continue
-        if rank == 0:
-            why = f" (passed over: {'; '.join(passed)})" if passed else ""
-            log.info("resumed from %s at step %d: %s%s", source, step, url, why)
-        ckpt.last_resume = {"tier": "local" if is_local else "durable", "step": step,
-                            "fetched": fetched, "url": url}
-        return step
-    if damaged:
-        raise IntegrityError(f"{manager.url} and the local tier: no checkpoint loads; "
-                             f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
-    if rank == 0:
-        log.info("no checkpoint in the local tier or below %s; starting at step 0", manager.url)
-    ckpt.last_resume = {"tier": None, "step": 0, "fetched": 0, "url": None}
-    return 0

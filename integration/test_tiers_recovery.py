@@ -1,0 +1,187 @@
+"""Recovery on the node-local tier, 2 ranks on 2 simulated nodes (``{node}`` paths) on gloo: what
+a resume does with damage it can work around, and that a run can save again the step it passed
+over. One launch; the ranks save steps 1-3 (local every step, durable at 3), then each case
+damages the checkpoints (rank 0, every rank waiting) and resumes in a fresh engine:
+
+* ``manifest``: node 1's ``manifest.json`` of step 3 is damaged, node 0's intact, every file
+  whole: the ranks resume step 3 with node 0's copy (which replaces node 1's), bit-exact;
+* ``own_copy``: one bit of node 1's own shard file of step 3 is flipped, its copy on node 0
+  intact: the ranks resume step 3 with that copy, bit-exact, and the warning names the file;
+* ``passed_over``: every copy of a shard of step 3 (both nodes) and the durable step 3 are
+  damaged: the ranks resume step 2, train step 3 and save it again (local and durable); every
+  node and the durable tier hold the passed-over step 3 aside; a last resume takes the new
+  step 3, bit-exact.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from testing.ckpt_runs import flip_bit
+from testing.engines import tiny_engine, tiny_step
+from testing.ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+PG_TIMEOUT = 30
+
+
+def _digest(engine, opt) -> dict:
+    import hashlib
+
+    import torch
+
+    out = {f"{g}.{k}": hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
+           for g, kinds in sorted(engine.local_shards().items()) for k, t in sorted(kinds.items())}
+    out["opt_steps"] = [g["step"] for g in opt.optimizer_metadata()["param_groups"]]
+    out["rand"] = torch.rand(2).tolist()  # the RNG state, restored from the rank files
+    return out
+
+
+def _damage_manifest(root: str) -> None:
+    path = f"{root}/local/node1/step-00000003/manifest.json"
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0x20
+        f.seek(0)
+        f.write(data)
+
+
+def _damage_every_copy(root: str) -> None:
+    for node in ("node0", "node1"):
+        flip_bit(f"{root}/local/{node}/step-00000003", "shard-00000-")
+    flip_bit(f"{root}/durable/step-00000003", "shard-00000-")
+
+
+def _node1_step3(root: str) -> dict:
+    """What node 1's step 3 holds beside its files, and whether its manifest is node 0's."""
+    here = f"{root}/local/node1/step-00000003"
+    with open(f"{here}/manifest.json", "rb") as a, \
+            open(f"{root}/local/node0/step-00000003/manifest.json", "rb") as b:
+        same = a.read() == b.read()
+    return {"names": sorted(n for n in os.listdir(here) if n.startswith("manifest")), "same": same}
+
+
+def job(rank: int, world: int, root: str) -> dict:
+    import logging
+
+    import torch.distributed as dist
+
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.runtime import init_distributed
+    from shardckpt.training.checkpointer import Checkpointer
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("shardckpt").addHandler(handler)
+    logging.getLogger("shardckpt").setLevel(logging.INFO)
+    pm = init_distributed(timeout_s=PG_TIMEOUT)
+    tier = LocalTier(path=f"{root}/local/node{{node}}", every=1, keep=3, peers=1, ranks_per_node=1)
+
+    def fresh():
+        engine, opt = tiny_engine(pm)
+        return engine, opt, Checkpointer(f"{root}/durable", engine, local=tier, durable_every=3,
+                                         keep_last=3)
+
+    engine, opt, ckpt = fresh()
+    for i in (1, 2, 3):
+        tiny_step(engine, opt, i, pm.rank)
+        ckpt.save(i)
+    ckpt.close()
+    saved = _digest(engine, opt)
+    out: dict = {}
+    for name, damage in (("manifest", _damage_manifest), ("own_copy", None),
+                         ("passed_over", _damage_every_copy)):
+        if rank == 0 and damage is not None:
+            damage(root)
+        if rank == 0 and name == "own_copy":
+            out["flipped"] = flip_bit(f"{root}/local/node1/step-00000003", "shard-00001-")
+        dist.barrier()
+        seen = len(records)
+        try:
+            engine, opt, ckpt = fresh()
+            case: dict = {"start": ckpt.resume(), "resume": ckpt.last_resume}
+            case["same"] = _digest(engine, opt) == saved
+            if name == "passed_over":  # the step passed over is saved again, locally and durably
+                tiny_step(engine, opt, 3, pm.rank)
+                ckpt.save(3)
+                ckpt.wait()
+                saved = _digest(engine, opt)
+                ckpt.close()
+                engine, opt, ckpt = fresh()
+                case["again"] = ckpt.resume()
+                case["again_same"] = _digest(engine, opt) == saved
+            ckpt.close()
+        except Exception as e:  # noqa: BLE001 - what the test inspects
+            case = {"error": f"{type(e).__name__}: {e}"}
+        case["warnings"] = [r.getMessage() for r in records[seen:] if r.levelname == "WARNING"]
+        if name == "manifest" and rank == 0:
+            case["node1"] = _node1_step3(root)
+        out[name] = case
+        if "error" in case:
+            break  # the group may be broken: later cases would only wait for its timeout
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("recovery"))
+    results = run_ranks(job, 2, args=(root,), timeout_s=300, pg_timeout_s=PG_TIMEOUT)
+    return {"root": root, "ranks": results}
+
+
+def _case(run, name: str) -> list[dict]:
+    out = []
+    for r in run["ranks"]:
+        assert r.ok, r.describe()
+        assert name in r.value, r.value
+        out.append(r.value[name])
+    return out
+
+
+def test_a_damaged_manifest_on_one_node_uses_the_intact_copy(run):
+    for c in _case(run, "manifest"):
+        assert "error" not in c, c
+        assert c["start"] == 3 and c["resume"]["tier"] == "local", c
+        assert c["same"], c  # bit-exact: masters, moments, optimizer steps, RNG
+    # node 1's damaged copy is kept beside the intact one that replaced it
+    node1 = _case(run, "manifest")[0]["node1"]
+    assert node1 == {"names": ["manifest.json", "manifest.json.damaged-1"], "same": True}, node1
+
+
+def test_a_damaged_own_copy_is_replaced_by_its_peer_copy_file_by_file(run):
+    flipped = run["ranks"][0].value["flipped"]
+    name = os.path.basename(flipped)
+    for c in _case(run, "own_copy"):
+        assert "error" not in c, c
+        assert c["start"] == 3 and c["resume"]["tier"] == "local", c  # the same step
+        assert c["resume"]["fetched"] >= 1, c  # that one file, from node 0
+        assert c["same"], c
+    warned = [w for w in _case(run, "own_copy")[1]["warnings"] if name in w and "moved aside" in w]
+    assert warned, _case(run, "own_copy")[1]["warnings"]
+    # the damaged copy is kept beside (since put aside with its step by the last case)
+    assert glob.glob(f"{run['root']}/local/node1/**/{name}.damaged-1", recursive=True)
+
+
+def test_a_passed_over_step_is_put_aside_on_every_node_and_tier_and_saved_again(run):
+    for c in _case(run, "passed_over"):
+        assert "error" not in c, c
+        assert c["start"] == 2 and c["resume"]["tier"] == "local", c
+        assert c["same"] is False  # step 2, not the state after step 3
+        assert c["again"] == 3 and c["again_same"], c
+    root = run["root"]
+    for where in ("local/node0", "local/node1", "durable"):
+        notes = glob.glob(f"{root}/{where}/passed-over/step-00000003.*/passed-over.json")
+        assert len(notes) == 1, (where, os.listdir(f"{root}/{where}"))
+        with open(notes[0]) as f:
+            why = json.load(f)["why"]
+        assert "checksums" in why, (where, why)
+        assert os.path.exists(f"{root}/{where}/step-00000003/manifest.json")  # the new save
+    # one warning per place (node 1's from its leader, rank 1), each saying why
+    said = [w for c in _case(run, "passed_over") for w in c["warnings"] if "was passed over at resume" in w]
+    assert len(said) == 3 and all("checksums" in w for w in said), said
