@@ -66,6 +66,90 @@ def _node1_step3(root: str) -> dict:
     return {"names": sorted(n for n in os.listdir(here) if n.startswith("manifest")), "same": same}
 
 
+def _tuned(pm):
+    """A frozen base (two 64x64 layers) and a small trainable adapter, and its AdamW."""
+    import torch
+    from torch import nn
+
+    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4, bias=False))
+    model[0].requires_grad_(False)
+    model[1].requires_grad_(False)
+    engine = ZeroEngine(model, process_mesh=pm, deterministic=True)
+    return engine, ShardedAdamW(engine, decay_param_groups(engine, 0.0), lr=1e-2)
+
+
+def _tuned_step(engine, opt, i: int, rank: int) -> None:
+    import torch
+
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(100 * i + rank))
+    engine(x).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def frozen_job(rank: int, pm, root: str) -> dict:
+    """Local saves of steps 1-3 (keep 2, durable at 3) of a model with a frozen base, counting the
+    bytes written to frozen files below the node directories per save; a resume from the local
+    tier; then node 1's directory is lost and a resume takes every file it needs from node 0."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.storage.writer import LocalSink
+    from shardckpt.training.checkpointer import Checkpointer
+
+    tier = LocalTier(path=f"{root}/local/node{{node}}", every=1, keep=2, peers=1, ranks_per_node=1)
+    written = {"frozen": 0, "files": 0}
+    write, init = LocalSink.write, LocalSink.__init__
+
+    def counted_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if "/local/" in self.path and "frozen-" in self.path:
+            written["files"] += 1
+
+    def counted(self, view):
+        if "/local/" in self.path and "frozen-" in self.path:
+            written["frozen"] += len(view)
+        return write(self, view)
+    LocalSink.write, LocalSink.__init__ = counted, counted_init
+
+    def fresh():
+        engine, opt = _tuned(pm)
+        return engine, opt, Checkpointer(f"{root}/durable", engine, local=tier, durable_every=3,
+                                         keep_last=2)
+    try:
+        engine, opt, ckpt = fresh()
+        out: dict = {"per_save": []}
+        for i in (1, 2, 3):
+            _tuned_step(engine, opt, i, rank)
+            before = dict(written)
+            ckpt.save(i)
+            ckpt.wait()
+            out["per_save"].append({k: written[k] - before[k] for k in written})
+        ckpt.close()
+    finally:
+        LocalSink.write, LocalSink.__init__ = write, init
+    state = _digest(engine, opt)
+    for name in ("local", "peers"):
+        if name == "peers":
+            dist.barrier()
+            out["steps"] = {n: sorted(d for d in os.listdir(f"{root}/local/{n}") if d.startswith("step-"))
+                            for n in ("node0", "node1")}
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(f"{root}/local/node1")  # node 1 lost its memory
+            dist.barrier()
+        engine, opt, ckpt = fresh()
+        out[name] = {"start": ckpt.resume(), "resume": ckpt.last_resume}
+        out[name]["same"] = _digest(engine, opt) == state
+        ckpt.close()
+    return out
+
+
 def job(rank: int, world: int, root: str) -> dict:
     import logging
 
@@ -81,6 +165,10 @@ def job(rank: int, world: int, root: str) -> dict:
     logging.getLogger("shardckpt").addHandler(handler)
     logging.getLogger("shardckpt").setLevel(logging.INFO)
     pm = init_distributed(timeout_s=PG_TIMEOUT)
+    try:
+        frozen = frozen_job(rank, pm, f"{root}/frozen")
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        frozen = {"error": f"{type(e).__name__}: {e}"}
     tier = LocalTier(path=f"{root}/local/node{{node}}", every=1, keep=3, peers=1, ranks_per_node=1)
 
     def fresh():
@@ -94,7 +182,7 @@ def job(rank: int, world: int, root: str) -> dict:
         ckpt.save(i)
     ckpt.close()
     saved = _digest(engine, opt)
-    out: dict = {}
+    out: dict = {"frozen": frozen}
     for name, damage in (("manifest", _damage_manifest), ("own_copy", None),
                          ("passed_over", _damage_every_copy)):
         if rank == 0 and damage is not None:
@@ -185,3 +273,33 @@ def test_a_passed_over_step_is_put_aside_on_every_node_and_tier_and_saved_again(
     # one warning per place (node 1's from its leader, rank 1), each saying why
     said = [w for c in _case(run, "passed_over") for w in c["warnings"] if "was passed over at resume" in w]
     assert len(said) == 3 and all("checksums" in w for w in said), said
+
+
+def test_local_saves_reference_unchanged_frozen_files_instead_of_writing_them(run):
+    from shardckpt.checkpoint.verify import verify
+
+    root = f"{run['root']}/frozen"
+    for c in _case(run, "frozen"):
+        assert "error" not in c, c
+        # the first save writes this rank's frozen file and its peer's copy; the next two none
+        first, *later = c["per_save"]
+        assert first["frozen"] > 0 and first["files"] == 2, c["per_save"]
+        assert later == [{"frozen": 0, "files": 0}] * 2, c["per_save"]
+        for name in ("local", "peers"):  # each node's own copies, then node 0's for node 1
+            assert c[name]["start"] == 3 and c[name]["resume"]["tier"] == "local", c[name]
+            assert c[name]["same"], c[name]  # bit-exact
+        assert c["peers"]["resume"]["fetched"] > 0, c["peers"]
+        # keep=2 keeps steps 2 and 3, and step 1 too: they reference its frozen files
+        assert c["steps"] == {n: ["step-00000001", "step-00000002", "step-00000003"]
+                              for n in ("node0", "node1")}, c["steps"]
+    for node, steps in (("node0", ("step-00000002", "step-00000003")), ("node1", ("step-00000003",))):
+        local = f"{root}/local/{node}"  # node 1: as the resume from peers left it
+        for step in steps:
+            assert not [n for _, _, fs in os.walk(f"{local}/{step}") for n in fs if "frozen-" in n]
+            with open(f"{local}/{step}/manifest.json") as f:
+                frozen = [e["path"] for e in json.load(f)["files"] if e["role"] == "frozen"]
+            assert len(frozen) == 2 and all(p.startswith("../step-00000001/") for p in frozen), frozen
+    # the durable copy of step 3 holds the frozen files themselves (no durable step 1 to name)
+    durable = f"{root}/durable/step-00000003"
+    assert len([n for _, _, fs in os.walk(durable) for n in fs if n.startswith("frozen-")]) == 2
+    assert verify(durable).ok

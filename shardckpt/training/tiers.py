@@ -43,15 +43,19 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
+from shardckpt.checkpoint.node_files import below_node, held_whole, newest_committed, prune
 from shardckpt.checkpoint.reader import as_storage
+from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.run_dir import CheckpointManager, Found, step_dir
 from shardckpt.checkpoint.tiers import (
     HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references,
-    ensure_room, fetch_plan, files_needed, held_whole, holdings, node_storage, prune, put_manifest,
+    ensure_room, fetch_plan, files_needed, holdings, node_storage, put_manifest,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
-from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest
+from shardckpt.format.manifest import (
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, frozen_file_name,
+)
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
@@ -118,8 +122,22 @@ class NodeTier:
     def write(self, job: SaveJob, step: int) -> LocalSave | None:
         """Write this rank's files of ``job`` into the node directory (collective on the
         tier's group); None where a node is full (the tier is then off)."""
-        save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
-                                  self.group).decode()
+        def plan() -> dict[str, Any]:  # the save id; each node's newest committed step
+            newest = None
+            if job.spec.frozen_files:
+                try:
+                    newest = newest_committed(self.storage)
+                except ShardckptError as e:
+                    log.info("local tier: %s cannot be listed (%s); writing the frozen files",
+                             self.storage.url, e)
+            return {"save_id": new_save_id() if self.rank == 0 else None, "newest": newest}
+
+        _, plans = agree(plan, f"plan of the local save of step {step}", self.group)
+        save_id = plans[0]["payload"]["save_id"]
+        newest = plans[0]["payload"]["newest"]
+        if newest is not None and newest[0] < step and all(p["payload"]["newest"] == newest for p in plans):
+            # committed on every node: its frozen files are where this save's would go
+            job.previous = self.url_for(newest[0])
         job.writer = writer = CheckpointWriter(as_storage(job.url), job.spec, save_id)
 
         def write() -> list[dict[str, Any]]:
@@ -158,8 +176,10 @@ class NodeTier:
         """Copy each rank's files to its peers, then commit on every node (collective; may run in
         a background thread). None where a node had no room for the copies (the tier is off)."""
         nodes, peers = self.nodes, self.tier.peers
+        # a frozen file referenced in the previous step is on the peers' nodes already
         plan = sorted((Transfer(e.path, r, p) for r, files in save.by_rank.items() for e in files
-                       for p in nodes.peers_of(r, peers)), key=lambda t: (t.src, t.dst, t.path))
+                       for p in nodes.peers_of(r, peers) if not e.is_reference),
+                      key=lambda t: (t.src, t.dst, t.path))
         entries = {e.path: e for e in save.entries}
         here = self.storage.child(step_dir(save.step))
         chunk = save.writer.spec.chunk_size
@@ -184,6 +204,8 @@ class NodeTier:
         mine = set(nodes.ranks_of(self.node))
         held = [e for r in mine for e in save.by_rank.get(r, [])]
         held += [entries[t.path] for t in plan if t.dst in mine]
+        held += [e for r, files in save.by_rank.items() for e in files if e.is_reference
+                 and r not in mine and mine & set(nodes.peers_of(r, peers))]
 
         def commit() -> None:
             if self.rank == nodes.leader(self.node):
@@ -216,28 +238,34 @@ class NodeTier:
             flag = LossFlag.for_group(self.group, f"{key}/{save_id}")
             return watched_agree(fn, what, self.group, flag)[1]
 
+        # a frozen file the node references in an earlier local step is the durable copy's own
+        S, files = save.writer.spec.mesh.shard_degree, RunFiles(here)
+        own = {e.path: replace(e, path=frozen_file_name(save_id, e.index or 0, S))
+               if e.is_reference else e for e in save.entries}
+
         def plan() -> dict[str, str] | None:
             if self.rank:
                 return None
-            return durable_references(dst, save.writer.manifest(save.entries))
+            return durable_references(dst, save.writer.manifest(own.values()))
 
         refs: dict[str, str] = {}  # set by the plan, before the copy runs
 
         def copy() -> None:
             for e in save.by_rank.get(self.rank, []):
-                if e.path in refs:
+                d = own[e.path]
+                if d.path in refs:
                     continue  # referenced in the previous durable checkpoint: not a byte read
-                with dst.writer(e.path, chunk) as w:
-                    for piece in iter_file_chunks(here, e.path, COPY_PIECE):
+                with dst.writer(d.path, chunk) as w:
+                    for piece in iter_file_chunks(*files.locate(e.path), COPY_PIECE):
                         w.write(piece)
                     got = w.close()
                 if (got[0], got[1], tuple(got[2])) != (e.size, e.crc32c, tuple(e.chunk_crc32c)):
-                    raise IntegrityError(f"{here.url_of(e.path)} no longer holds what was written "
+                    raise IntegrityError(f"{files.url_of(e.path)} no longer holds what was written "
                                          f"(size or CRC32C differ); {dst.url} is not committed")
 
         with writer.lease(hold=self.rank == 0):
             refs = watched(plan, f"durable copy plan of {url}", "durable-plan")[0]["payload"] or {}
-            entries = [replace(e, path=refs[e.path]) if e.path in refs else e for e in save.entries]
+            entries = [replace(e, path=refs[e.path]) if e.path in refs else e for e in own.values()]
             watched(copy, f"save to {url}", "durable-copy")
             watched(lambda: writer.commit(entries).save_id if self.rank == 0 else None,
                     f"commit of {url}", "durable-commit")
@@ -311,11 +339,15 @@ class NodeTier:
         peers: list[Transfer] = []
         if all(rep["payload"]["direct"] for rep in reports):
             peers = [t for t in plan if entries[t.path].role in ("shard", "frozen")
-                     and readers[(nodes.node_of(t.dst), t.path)] == 1]
-        files = [t for t in plan if t not in peers]
+                     and not entries[t.path].is_reference and readers[(nodes.node_of(t.dst), t.path)] == 1]
+        files = [t for t in plan if t not in peers and not entries[t.path].is_reference]
+        # a referenced file goes where the referenced step holds it, below the node's directory
+        refs = [replace(t, path=below_node(t.path)) for t in plan if entries[t.path].is_reference]
+        below = {below_node(p): replace(e, path=below_node(p)) for p, e in entries.items() if e.is_reference}
 
         def fetch() -> int:
             n = run_transfers(files, self.rank, here, entries, m.chunk_size, None)
+            n += run_transfers(refs, self.rank, self.storage, below, m.chunk_size, None)
             if self.rank == nodes.leader(self.node):
                 put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
             return n
