@@ -90,6 +90,13 @@ def _tuned_step(engine, opt, i: int, rank: int) -> None:
     opt.zero_grad()
 
 
+def _frozen_of(step: str) -> dict:
+    """The frozen entries a local step's manifest names, and the frozen files below it."""
+    with open(f"{step}/manifest.json") as f:
+        named = [e["path"] for e in json.load(f)["files"] if e["role"] == "frozen"]
+    return {"named": named, "files": [n for _, _, fs in os.walk(step) for n in fs if "frozen-" in n]}
+
+
 def frozen_job(rank: int, pm, root: str) -> dict:
     """Local saves of steps 1-3 (keep 2, durable at 3) of a model with a frozen base, counting the
     bytes written to frozen files below the node directories per save; a resume from the local
@@ -139,6 +146,8 @@ def frozen_job(rank: int, pm, root: str) -> dict:
             dist.barrier()
             out["steps"] = {n: sorted(d for d in os.listdir(f"{root}/local/{n}") if d.startswith("step-"))
                             for n in ("node0", "node1")}
+            out["frozen_of"] = {f"{n}/{d}": _frozen_of(f"{root}/local/{n}/{d}")
+                                for n in ("node0", "node1") for d in ("step-00000002", "step-00000003")}
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(f"{root}/local/node1")  # node 1 lost its memory
@@ -146,6 +155,14 @@ def frozen_job(rank: int, pm, root: str) -> dict:
         engine, opt, ckpt = fresh()
         out[name] = {"start": ckpt.resume(), "resume": ckpt.last_resume}
         out[name]["same"] = _digest(engine, opt) == state
+        if name == "peers":  # node 1 lacks node 0's frozen file of step 1: this save writes it
+            _tuned_step(engine, opt, 4, rank)
+            ckpt.save(4)
+            ckpt.wait()
+            state = _digest(engine, opt)
+            ckpt.close()
+            engine, opt, ckpt = fresh()
+            out["after"] = {"start": ckpt.resume(), "same": _digest(engine, opt) == state}
         ckpt.close()
     return out
 
@@ -289,16 +306,17 @@ def test_local_saves_reference_unchanged_frozen_files_instead_of_writing_them(ru
             assert c[name]["start"] == 3 and c[name]["resume"]["tier"] == "local", c[name]
             assert c[name]["same"], c[name]  # bit-exact
         assert c["peers"]["resume"]["fetched"] > 0, c["peers"]
+        # the save after it writes the frozen files again (node 1 no longer held node 0's), and
+        # its resume is bit-exact
+        assert c["after"] == {"start": 4, "same": True}, c["after"]
         # keep=2 keeps steps 2 and 3, and step 1 too: they reference its frozen files
         assert c["steps"] == {n: ["step-00000001", "step-00000002", "step-00000003"]
                               for n in ("node0", "node1")}, c["steps"]
-    for node, steps in (("node0", ("step-00000002", "step-00000003")), ("node1", ("step-00000003",))):
-        local = f"{root}/local/{node}"  # node 1: as the resume from peers left it
-        for step in steps:
-            assert not [n for _, _, fs in os.walk(f"{local}/{step}") for n in fs if "frozen-" in n]
-            with open(f"{local}/{step}/manifest.json") as f:
-                frozen = [e["path"] for e in json.load(f)["files"] if e["role"] == "frozen"]
-            assert len(frozen) == 2 and all(p.startswith("../step-00000001/") for p in frozen), frozen
+        # steps 2 and 3 name step 1's frozen files on both nodes, and hold none of their own
+        for where, got in c["frozen_of"].items():
+            assert got["files"] == [], (where, got)
+            assert len(got["named"]) == 2 and all(p.startswith("../step-00000001/")
+                                                  for p in got["named"]), (where, got)
     # the durable copy of step 3 holds the frozen files themselves (no durable step 1 to name)
     durable = f"{root}/durable/step-00000003"
     assert len([n for _, _, fs in os.walk(durable) for n in fs if n.startswith("frozen-")]) == 2

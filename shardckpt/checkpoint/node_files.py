@@ -18,13 +18,13 @@ Rules (the local tier's, beside those of :mod:`shardckpt.checkpoint.tiers`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shardckpt.checkpoint.references import referenced_steps_in
+from shardckpt.checkpoint.references import RunFiles, referenced_steps_in
 from shardckpt.checkpoint.run_dir import STEP_DIR
 from shardckpt.errors import ShardckptError
-from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, reference_of
+from shardckpt.format.manifest import FROZEN_ROLE, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, reference_of
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import NotFoundError, Storage
 
@@ -38,9 +38,12 @@ def below_node(path: str) -> str:
     return path[3:] if path.startswith("../") else path
 
 
-def newest_committed(storage: Storage) -> list[Any] | None:
+def newest_committed(storage: Storage, shards: Iterable[int]) -> list[Any] | None:
     """``[step, save id]`` of the newest step with a manifest that parses in a node's directory,
-    or None (JSON, for an agreement of the ranks)."""
+    where the node holds that step's frozen files of shard ranks ``shards`` whole (the ones it
+    must hold: its ranks' own and its copies of other nodes'), else None (JSON, for an agreement
+    of the ranks). A node resumed from peers may hold a step without all of them: then the next
+    save writes and copies them again."""
     steps = sorted(((int(m.group(1)), n) for n in storage.ls("") if (m := STEP_DIR.match(n))),
                    reverse=True)
     for step, name in steps:
@@ -49,9 +52,14 @@ def newest_committed(storage: Storage) -> list[Any] | None:
         except NotFoundError:
             continue
         try:
-            return [step, parse(data, storage.url_of(f"{name}/{MANIFEST_NAME}")).save_id]
+            man = parse(data, storage.url_of(f"{name}/{MANIFEST_NAME}"))
+            files = RunFiles(storage.child(name))
+            frozen = {f.index: f for f in man.files if f.role == FROZEN_ROLE}
+            if all(s in frozen and files.size(frozen[s].path) == frozen[s].size for s in shards):
+                return [step, man.save_id]
         except ShardckptError:
-            return None  # the newest committed step is damaged here: reference nothing
+            pass  # damaged, or a file gone: reference nothing
+        return None
     return None
 
 

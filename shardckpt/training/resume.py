@@ -113,15 +113,22 @@ def resume_durable(ckpt: Any, full_verify: bool, strict: bool) -> int:
             continue
         if rank == 0:
             log.info("resumed from %s (step %d)", url, step)
-            put_aside_durable(manager, step, why)
+        _put_aside_run(manager, rank, step, why)
         return step
     if damaged:
         raise IntegrityError(f"{manager.url}: no committed checkpoint loads; "
                              f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
     if rank == 0:
         log.info("no committed checkpoint below %s; starting at step 0", manager.url)
-        put_aside_durable(manager, 0, why)
+    _put_aside_run(manager, rank, 0, why)
     return 0
+
+
+def _put_aside_run(manager: CheckpointManager, rank: int, above: int, why: dict[int, str]) -> None:
+    """:func:`put_aside_durable` on rank 0 while the others wait: none of them may write a step
+    that rank 0 is still moving away."""
+    agree(lambda: put_aside_durable(manager, above, why) if rank == 0 else None,
+          f"putting aside the checkpoints of {manager.url} newer than {step_dir(above)}")
 
 
 def _try_local(ckpt: Any, node: NodeTier, step: int, save_id: str, held: list[Any],

@@ -126,7 +126,7 @@ class NodeTier:
             newest = None
             if job.spec.frozen_files:
                 try:
-                    newest = newest_committed(self.storage)
+                    newest = newest_committed(self.storage, self.frozen_held(job.spec.mesh))
                 except ShardckptError as e:
                     log.info("local tier: %s cannot be listed (%s); writing the frozen files",
                              self.storage.url, e)
@@ -160,6 +160,15 @@ class NodeTier:
             return None
         by_rank = {r: [FileEntry.from_doc(d) for d in rep["payload"]] for r, rep in enumerate(reports)}
         return LocalSave(step, writer, by_rank)
+
+    def frozen_held(self, mesh: Any) -> list[int]:
+        """The shard ranks whose frozen file this rank's node keeps for it: its own (where it
+        writes one) and those of the ranks whose files it keeps copies of."""
+        peers = self.tier.peers
+        ranks = [self.rank] + [r for r in range(self.nodes.world_size)
+                               if self.rank in self.nodes.peers_of(r, peers)]
+        return sorted({mesh.shard_rank(r) for r in ranks
+                       if mesh.replicate_rank(r) == mesh.shard_rank(r) % mesh.replicate_degree})
 
     def discard(self, step: int) -> None:
         """Remove an uncommitted step from this node (its leader; every rank has stopped writing)."""
