@@ -5,8 +5,9 @@ damages the checkpoints (rank 0, every rank waiting) and resumes in a fresh engi
 
 * ``manifest``: node 1's ``manifest.json`` of step 3 is damaged, node 0's intact, every file
   whole: the ranks resume step 3 with node 0's copy (which replaces node 1's), bit-exact;
-* ``own_copy``: one bit of node 1's own shard file of step 3 is flipped, its copy on node 0
-  intact: the ranks resume step 3 with that copy, bit-exact, and the warning names the file;
+* ``own_copy``: one bit of node 1's own shard file of step 3 is flipped, and one of node 0's
+  rank file, their copies intact: the ranks resume step 3 with those copies, bit-exact, and the
+  warnings name the files;
 * ``passed_over``: every copy of a shard of step 3 (both nodes) and the durable step 3 are
   damaged: the ranks resume step 2, train step 3 and save it again (local and durable); every
   node and the durable tier hold the passed-over step 3 aside; a last resume takes the new
@@ -204,8 +205,9 @@ def job(rank: int, world: int, root: str) -> dict:
                          ("passed_over", _damage_every_copy)):
         if rank == 0 and damage is not None:
             damage(root)
-        if rank == 0 and name == "own_copy":
-            out["flipped"] = flip_bit(f"{root}/local/node1/step-00000003", "shard-00001-")
+        if rank == 0 and name == "own_copy":  # a shard file on node 1, a rank file on node 0
+            out["flipped"] = [flip_bit(f"{root}/local/node1/step-00000003", "shard-00001-"),
+                              flip_bit(f"{root}/local/node0/step-00000003", "rank-00000")]
         dist.barrier()
         seen = len(records)
         try:
@@ -260,17 +262,17 @@ def test_a_damaged_manifest_on_one_node_uses_the_intact_copy(run):
 
 
 def test_a_damaged_own_copy_is_replaced_by_its_peer_copy_file_by_file(run):
-    flipped = run["ranks"][0].value["flipped"]
-    name = os.path.basename(flipped)
     for c in _case(run, "own_copy"):
         assert "error" not in c, c
         assert c["start"] == 3 and c["resume"]["tier"] == "local", c  # the same step
-        assert c["resume"]["fetched"] >= 1, c  # that one file, from node 0
-        assert c["same"], c
-    warned = [w for w in _case(run, "own_copy")[1]["warnings"] if name in w and "moved aside" in w]
-    assert warned, _case(run, "own_copy")[1]["warnings"]
-    # the damaged copy is kept beside (since put aside with its step by the last case)
-    assert glob.glob(f"{run['root']}/local/node1/**/{name}.damaged-1", recursive=True)
+        assert c["resume"]["fetched"] >= 1, c  # those files, from the other node
+        assert c["same"], c  # the RNG state too, from node 1's copy of rank 0's file
+    for flipped, node in zip(run["ranks"][0].value["flipped"], (1, 0), strict=True):
+        name = os.path.basename(flipped)
+        warnings = _case(run, "own_copy")[node]["warnings"]  # said by a rank of that node
+        assert [w for w in warnings if name in w and "moved aside" in w], warnings
+        # the damaged copy is kept beside (since put aside with its step by the last case)
+        assert glob.glob(f"{run['root']}/local/node{node}/**/{name}.damaged-1", recursive=True)
 
 
 def test_a_passed_over_step_is_put_aside_on_every_node_and_tier_and_saved_again(run):

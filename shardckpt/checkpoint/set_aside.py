@@ -28,9 +28,9 @@ import logging
 from typing import NoReturn
 from collections.abc import Mapping
 
-from shardckpt.checkpoint.references import parent_of
+from shardckpt.checkpoint.references import RunFiles, parent_of
 from shardckpt.errors import CommitConflictError, IntegrityError, ShardckptError
-from shardckpt.format.manifest import MANIFEST_NAME
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.storage import NotFoundError, Storage, crc32c
 from shardckpt.storage import commit as _commit
 
@@ -162,3 +162,12 @@ def raise_damaged(damaged: list[tuple[Storage, str, str]]) -> NoReturn:
         said.append(f"{problem}" + (" (moved aside)" if moved else ""))
     cls = DamagedCopyError if moved_any else IntegrityError
     raise cls(f"{len(damaged)} file(s) of this node fail their checksums: " + "; ".join(said[:3]))
+
+
+def raise_damaged_role(files: RunFiles, m: Manifest, role: str, index: int | None,
+                       error: IntegrityError) -> NoReturn:
+    """:func:`raise_damaged` of the file of ``role`` (and ``index``) that ``m`` names, which a
+    local read found damaged (``error``)."""
+    entry = next(f for f in m.files if f.role == role and (index is None or f.index == index))
+    storage, rel = files.locate(entry.path)
+    raise_damaged([(storage, rel, str(error))])

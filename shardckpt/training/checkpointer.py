@@ -56,8 +56,9 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from shardckpt.checkpoint.collective import agree, is_distributed, rank_and_world
-from shardckpt.errors import CollectiveError, ConfigError, ShardckptError
+from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
+from shardckpt.checkpoint.set_aside import raise_damaged_role
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
 from shardckpt.checkpoint.tiers import LocalTier, Transfer
@@ -436,7 +437,12 @@ class Checkpointer:
             if not same_world:
                 return (None,)
             assert res.reader is not None  # the load's reader, flat groups and chunks alike
-            return (read_rank_state(res.reader, self.rank),)
+            try:
+                return (read_rank_state(res.reader, self.rank),)
+            except IntegrityError as e:
+                if not direct:
+                    raise
+                raise_damaged_role(res.reader.files, res.manifest, "rank", self.rank, e)
 
         # every rank reads its own file: agree, so that a damaged one fails all ranks alike
         held, _ = agree(rank_state, f"load of per-rank state from {url}")

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from shardckpt.checkpoint.collective import rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.tiers import Transfer
-from shardckpt.checkpoint.set_aside import raise_damaged
+from shardckpt.checkpoint.set_aside import raise_damaged, raise_damaged_role
 from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
@@ -127,7 +127,10 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
         if src.buffers:
             bufs = {}
             for spec in src.buffers:
-                slot, data = reader.read_buffer(spec.fqn)
+                try:
+                    slot, data = reader.read_buffer(spec.fqn)
+                except IntegrityError as e:  # this node's copy: moved aside, then raised
+                    raise_damaged_role(reader.files, m, "buffers", None, e)
                 bufs[spec.fqn] = _tensor(slot.dtype, slot.shape, data)
             model.load_buffers(bufs)
         assert m.optimizer is not None

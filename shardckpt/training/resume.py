@@ -167,7 +167,7 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
         fetched = 0
         if is_local:
             moved = ""  # what the attempts before found damaged (and moved aside)
-            for _ in range(node.nodes.count + 1):  # each time, one more node's copy moved aside
+            for _ in range(2 * node.nodes.count + 1):  # each time, one more own copy moved aside
                 outcome, detail = _try_local(ckpt, node, step, save_id, held, strict)
                 if outcome != "again":
                     break
