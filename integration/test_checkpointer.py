@@ -157,7 +157,7 @@ def _resume(pm, run: str) -> dict:
     return {"step": step, "differ": differ,
             "opt_steps": [g["step"] for g in opt.optimizer_metadata()["param_groups"]],
             "logs": [(r.levelname, r.getMessage()) for r in records
-                     if r.name == "shardckpt.training.checkpointer"]}
+                     if r.name in ("shardckpt.training.resume", "shardckpt.checkpoint.set_aside")]}
 
 
 # ------------------------------------------------------------------------------ the launch
@@ -240,7 +240,12 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(run):
     infos = [m for level, m in out[0]["logs"] if level == "INFO"]
     warnings = [m for level, m in out[0]["logs"] if level == "WARNING"]
     assert infos == [f"resumed from {mgr.url_for(1)} (step 1)"], out[0]["logs"]
-    assert len(warnings) == 1 and mgr.url_for(2) in warnings[0] and "rank(s) [1]" in warnings[0]
+    assert len(warnings) == 2 and mgr.url_for(2) in warnings[0] and "rank(s) [1]" in warnings[0]
+    # the passed-over step is put aside (renamed, nothing deleted), saying why, so that the run
+    # can save step 2 again; latest names the step resumed
+    assert "was passed over at resume" in warnings[1] and "fails its checksums" in warnings[1]
     assert out[1]["logs"] == []  # said once, by rank 0
-    assert [f.step for f in mgr.committed()] == [1, 2]  # nothing deleted
-    assert mgr.read_latest() == step_dir(2)
+    assert [f.step for f in mgr.committed()] == [1]
+    [aside] = os.listdir(os.path.join(run["root"], "damaged", "run", "passed-over"))
+    assert aside.startswith(step_dir(2) + ".") and aside in warnings[1]
+    assert mgr.read_latest() == step_dir(1)

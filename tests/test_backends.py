@@ -22,6 +22,7 @@ from shardckpt.errors import CommitConflictError, ConfigError
 from shardckpt.storage import BACKENDS, Storage, backend_class
 from shardckpt.storage.backend import resolve
 from shardckpt.storage.backends import Backend
+from shardckpt.storage.local import LocalBackend
 from shardckpt.storage.options import BackendOptions
 
 GENERIC_TRANSIENT: list[Callable[[], BaseException]] = [
@@ -94,6 +95,37 @@ class Contract:
         assert site.read("m.json") == b"version 2"
         site.replace_if("m.json", b"version 3", b"version 2")  # the new object's own tag
         assert site.read("m.json") == b"version 3"
+
+    def test_a_passed_over_step_is_put_aside_and_its_number_committed_again(self, site: Storage) -> None:
+        """Renamed in one step where the store can; elsewhere its manifest is recorded beside the
+        run and the next commit there replaces it by a conditional write, only while it is the
+        manifest recorded."""
+        import json
+
+        from shardckpt.checkpoint.set_aside import NOTE, PASSED_OVER, put_aside, supersede
+
+        old = json.dumps({"save_id": "20260101T000000Z-0000abcd", "x": 1}).encode()
+        site.put("step-00000002/20260101T000000Z-0000abcd/shard", b"bytes")
+        site.create_only("step-00000002/manifest.json", old)
+        url = put_aside(site, "step-00000002", "it fails its checksums (shard: chunk 0)")
+        aside = f"{PASSED_OVER}/step-00000002.20260101T000000Z-0000abcd"
+        assert url == site.url_of(aside)
+        assert "fails its checksums" in json.loads(site.read(f"{aside}/{NOTE}"))["why"]
+        step = site.child("step-00000002")
+        renamed = isinstance(site.backend, LocalBackend)
+        if renamed:  # the whole directory, at once: nothing of it is left in the way
+            assert not site.exists("step-00000002")
+            assert site.read(f"{aside}/20260101T000000Z-0000abcd/shard") == b"bytes"
+            step.create_only("manifest.json", b"new")
+        else:
+            assert site.read(f"{aside}/manifest.json") == old and step.read("manifest.json") == old
+            assert site.rename("step-00000002", "elsewhere") is False  # no rename: nothing done
+            assert put_aside(site, "step-00000002", "again") == url  # recorded once
+            assert supersede(step, b"new", "20260102T000000Z-0000beef") is True
+        assert step.read("manifest.json") == b"new"
+        # a manifest that no resume put aside is never replaced
+        assert supersede(step, b"newer", "20260103T000000Z-0000cafe") is False
+        assert step.read("manifest.json") == b"new"
 
     def test_classify_knows_its_transient_and_permanent_errors(self, site: Storage) -> None:
         classify = site.backend.classify

@@ -9,8 +9,9 @@ import pytest
 
 from shardckpt.checkpoint.tiers import (
     LocalTier, Nodes, commit_node, committed_steps, durable_references, ensure_room, fetch_plan,
-    holdings, is_full, node_storage, prune,
+    holdings, is_full, node_storage,
 )
+from shardckpt.checkpoint.node_files import prune
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, InsufficientSpaceError
 
 
@@ -104,6 +105,34 @@ def test_prune_keeps_the_newest_and_never_a_newer_uncommitted_step(tmp_path):
     removed = prune(node, keep=2)
     assert sorted(removed) == ["step-00000002", "step-00000003"]
     assert sorted(os.listdir(tmp_path / "n0")) == ["step-00000004", "step-00000006", "step-00000008"]
+
+
+def test_prune_keeps_a_step_whose_frozen_files_a_kept_step_references(tmp_path):
+    tier = LocalTier(path=str(tmp_path / "n{node}"), every=1)
+    node = node_storage(tier, 0)
+    ref = b'{"files": [{"path": "../step-00000002/20260101T000000Z-0000abcd/frozen-00000-of-00001.safetensors"}]}'
+    for step in (2, 3, 4, 5):
+        d = tmp_path / "n0" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_bytes(ref if step == 5 else b"{}")
+    assert prune(node, keep=2) == ["step-00000003"]
+    assert sorted(os.listdir(tmp_path / "n0")) == ["step-00000002", "step-00000004", "step-00000005"]
+
+
+def test_a_referenced_file_is_held_where_the_referenced_step_holds_it():
+    from shardckpt.checkpoint.node_files import held_whole
+    from shardckpt.format.manifest import FileEntry
+
+    ref = "../step-00000002/20260101T000000Z-0000abcd/frozen-00000-of-00001.safetensors"
+
+    class M:
+        files = (FileEntry("s/shard-00000-of-00001.safetensors", "shard", 10, 1, 0, (), 0),
+                 FileEntry(ref, "frozen", 20, 1, 0, (), 0))
+    held = {"4": {"files": {"s/shard-00000-of-00001.safetensors": 10}},
+            "2": {"files": {"20260101T000000Z-0000abcd/frozen-00000-of-00001.safetensors": 20}}}
+    assert held_whole(held, 4, M) == {"s/shard-00000-of-00001.safetensors", ref}
+    held["2"]["files"]["20260101T000000Z-0000abcd/frozen-00000-of-00001.safetensors"] = 19
+    assert held_whole(held, 4, M) == {"s/shard-00000-of-00001.safetensors"}
 
 
 def test_quota_and_enospc_are_a_full_tier(tmp_path):

@@ -11,8 +11,9 @@ copies of other nodes' files its ranks keep for them. Rules:
   after every rank has reported its files and their peer copies durable;
 * a step whose manifest exists on any node is committed: every file it names was durable on its
   writer's node and on its peers' nodes before any manifest was created;
-* a node keeps its newest ``keep`` committed steps; older steps, and uncommitted debris older
-  than its newest committed step, are removed at its next commit.
+* a node keeps its newest ``keep`` committed steps (and those they reference,
+  :mod:`.node_files`); older steps, and uncommitted debris older than its newest committed step,
+  are removed at its next commit.
 """
 
 from __future__ import annotations
@@ -229,12 +230,6 @@ def fetch_plan(nodes: Nodes, needs: Mapping[int, Iterable[str]],
     return sorted(plan, key=lambda t: (t.src, t.dst, t.path)), sorted(lost)
 
 
-def held_whole(held: Mapping[str, Any], step: int, m: Manifest) -> set[str]:
-    """The files of ``m`` one node's :func:`holdings` shows whole (their recorded size)."""
-    files = held.get(str(step), {}).get("files", {})
-    return {f.path for f in m.files if files.get(f.path) == f.size}
-
-
 # ------------------------------------------------------------------------- writing a node
 
 
@@ -310,35 +305,27 @@ def commit_node(storage: Storage, m: Manifest, held: Iterable[FileEntry]) -> Non
 
 
 def put_manifest(storage: Storage, data: bytes) -> None:
-    """A committed step's manifest, fetched from another node, into this node's directory."""
+    """A committed step's manifest, as the ranks agreed on it, into this node's directory: where
+    the node has a copy that differs (damaged: every node's copy is the same bytes), that copy
+    is moved aside to ``manifest.json.damaged-<n>``, with a warning, and replaced."""
     try:
         storage.create_only(MANIFEST_NAME, data)
+        return
     except CommitConflictError:
         pass
-
-
-def prune(storage: Storage, keep: int) -> list[str]:
-    """Keep a node's newest ``keep`` committed steps; remove older ones (manifest first, so a
-    half-removed step never looks committed) and uncommitted steps older than the newest
-    committed one. Returns the names removed."""
-    steps = sorted((int(m.group(1)), n) for n in storage.ls("") if (m := STEP_DIR.match(n)))
-    committed = [s for s, n in steps if storage.exists(f"{n}/{MANIFEST_NAME}")]
-    if not committed:
-        return []
-    kept = set(committed[-keep:])
-    newest = committed[-1]
-    removed = []
-    for s, n in steps:
-        if s in kept or (s not in committed and s > newest):
-            continue
-        try:
-            storage.remove_inside(f"{n}/{MANIFEST_NAME}")
-            storage.remove_inside(n, recursive=True)
-        except (NotFoundError, ShardckptError) as e:
-            log.warning("local tier: could not remove %s: %s", storage.url_of(n), e)
-            continue
-        removed.append(n)
-    return removed
+    try:
+        if commit_steps.current_manifest(storage) == data:
+            return
+    except ShardckptError:
+        pass  # unreadable: damaged as well
+    n = 1
+    while storage.exists(f"{MANIFEST_NAME}.damaged-{n}"):
+        n += 1
+    aside = f"{MANIFEST_NAME}.damaged-{n}"
+    if storage.rename(MANIFEST_NAME, aside):
+        log.warning("local tier: %s differs from the other nodes' copy (damaged); moved aside to %s "
+                    "and replaced by that copy", storage.url_of(MANIFEST_NAME), storage.url_of(aside))
+        storage.create_only(MANIFEST_NAME, data)
 
 
 def durable_references(dst: Storage, m: Manifest) -> dict[str, str]:

@@ -15,9 +15,7 @@ from typing import Any
 from collections.abc import Callable, Iterable, Mapping
 
 from shardckpt.storage import commit as _commit
-from shardckpt.errors import (
-    IncompleteCheckpointError, ShardckptError,
-)
+from shardckpt.errors import CommitConflictError, IncompleteCheckpointError, ShardckptError
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
 from shardckpt.format.layout import Mesh
 from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
@@ -30,6 +28,7 @@ from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.checkpoint.references import RunFiles, file_crc
+from shardckpt.checkpoint.set_aside import supersede
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +193,12 @@ class CheckpointWriter:
         self._check_references(m)
         _commit.sync_dirs(self.storage, self.save_id)
         if replacing is None:
-            self.storage.create_only(MANIFEST_NAME, data)
+            try:
+                self.storage.create_only(MANIFEST_NAME, data)
+            except CommitConflictError:
+                # a manifest that a resume passed over and put aside gives way to this save
+                if not supersede(self.storage, data, self.save_id):
+                    raise
         else:
             _commit.replace(self.storage, data, replacing, self.save_id)
         log.info("committed %s (%d files, %d bytes)", self.storage.url, len(m.files), m.total_bytes)

@@ -111,6 +111,10 @@ class StorageBackend(Protocol):
     def put(self, path: str, url: str, data: bytes) -> None:
         """Replace ``path`` with ``data``, atomically where the store allows."""
 
+    def rename(self, path: str, to: str, url: str) -> bool:
+        """Rename ``path`` (a file or directory) to ``to`` atomically; False where the store
+        cannot (nothing done)."""
+
     def rm(self, path: str, url: str, recursive: bool = False) -> None: ...
     def remove_inside(self, root: str, rel: str, root_url: str, recursive: bool) -> bool: ...
     def first_link(self, root: str, rel: str, root_url: str) -> tuple[str, str] | None: ...

@@ -247,6 +247,10 @@ class Backend:
     def put(self, path: str, url: str, data: bytes) -> None:
         self.call("write", url, lambda: self.fs.pipe_file(path, data))
 
+    def rename(self, path: str, to: str, url: str) -> bool:
+        """Object stores (and fsspec's generic filesystems) have no atomic rename of a prefix."""
+        return False
+
     def rm(self, path: str, url: str, recursive: bool = False) -> None:
         try:
             self.call("remove", url, lambda: self.fs.rm(path, recursive=recursive))

@@ -186,6 +186,13 @@ class Storage:
         """Replace ``rel`` with ``data`` atomically where the filesystem allows (local: rename)."""
         self.backend.put(self.full(rel), self.url_of(rel), data)
 
+    def rename(self, rel: str, to: str) -> bool:
+        """Give ``rel`` (a file or a whole directory) the new name ``to`` (which must not exist;
+        its parent is created) in one atomic step where the store has one (a local disk: one
+        ``rename``, then both parents synced); False, with nothing done, where it has none
+        (object stores)."""
+        return self.backend.rename(self.full(rel), self.full(to), self.url_of(rel))
+
     def rm(self, rel: str, recursive: bool = False) -> None:
         self.backend.rm(self.full(rel), self.url_of(rel), recursive)
 

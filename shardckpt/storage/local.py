@@ -219,6 +219,19 @@ class LocalBackend(Backend):
         with mapped_errors("write", url):
             _write_local(path, data, os.replace)
 
+    def rename(self, path: str, to: str, url: str) -> bool:
+        """One ``rename(2)``; ``to`` must not exist (a directory there, even empty, is refused)."""
+        def move() -> None:
+            parent = os.path.dirname(to)
+            os.makedirs(parent, exist_ok=True)
+            if os.path.lexists(to):
+                raise FileExistsError(errno.EEXIST, "already exists", to)
+            os.rename(path, to)
+            _fsync_dir(parent)
+            _fsync_dir(os.path.dirname(path))
+        self.call("rename", url, move)
+        return True
+
     def staging_name(self, rel: str, token: str) -> str:
         return f"{rel}.partial-{token}"
 

@@ -36,7 +36,8 @@ Tiers: with ``local=LocalTier(path=..., every=K, keep=2, peers=1)`` and ``durabl
 ``save(step)`` writes to each node's directory every K steps (peer copies and commit in the
 background), and commits the same checkpoint at ``run_url`` every M steps, copied from the node
 directories in the background; ``resume`` takes the newest checkpoint it can assemble from the
-local tier (own copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`).
+local tier (own copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`,
+:mod:`shardckpt.training.resume`); the newer checkpoints it passed over are put aside.
 Without ``local``, every ``save`` goes to ``run_url`` (or every M-th step with ``durable_every``).
 
 Hugging Face config: ``extras["hf_config"]`` of every save holds the model's ``config.json``
@@ -54,15 +55,17 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
+from shardckpt.checkpoint.collective import agree, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
+from shardckpt.checkpoint.set_aside import raise_damaged_role
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
 from shardckpt.checkpoint.tiers import LocalTier, Transfer
 from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
 from shardckpt.training.direct_load import load_direct
-from shardckpt.training.tiers import LocalSave, NodeTier, resume_tiers
+from shardckpt.training.resume import resume_durable, resume_tiers
+from shardckpt.training.tiers import LocalSave, NodeTier
 
 log = logging.getLogger(__name__)
 
@@ -398,59 +401,26 @@ class Checkpointer:
         checksum fails on any rank while loading, all of them fall back to the next older one
         alike (nothing is deleted). Raises if every candidate fails.
         """
-        from shardckpt.checkpoint.collective import broadcast_bytes
-
         if self.tier is not None:
             self.wait()
             return resume_tiers(self, self.tier, full_verify, strict)
-        candidates = self.manager.resume_points(full_verify) if self.rank == 0 else None
-
-        def next_step() -> int | None:  # rank 0 checks one candidate at a time, the others follow
-            choice = b""
-            if candidates is not None:
-                found = next(candidates, None)
-                choice = f"{found.step}".encode() if found is not None else b"-"
-            if is_distributed():
-                choice = broadcast_bytes(choice if self.rank == 0 else None, 0)
-            return None if choice == b"-" else int(choice.decode())
-
-        damaged: list[str] = []
-        while (step := next_step()) is not None:
-            url = self.manager.url_for(step)
-            try:
-                self.load(url, strict=strict)
-            except CollectiveError as e:
-                ranks = failed_with(e, IntegrityError)
-                if not ranks:
-                    raise
-                damaged.append(f"{url}: {e.failures[ranks[0]]}")
-                if self.rank == 0:
-                    log.warning("%s fails its checksums on rank(s) %s (%s); trying the previous "
-                                "committed checkpoint (nothing is deleted)", url, ranks,
-                                e.failures[ranks[0]])
-                continue
-            if self.rank == 0:
-                log.info("resumed from %s (step %d)", url, step)
-            return step
-        if damaged:
-            raise IntegrityError(f"{self.manager.url}: no committed checkpoint loads; "
-                                 f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
-        if self.rank == 0:
-            log.info("no committed checkpoint below %s; starting at step 0", self.manager.url)
-        return 0
+        return resume_durable(self, full_verify, strict)
 
     def load(self, url: str, strict: bool = True, weights_only: bool = False,
              storage_options: Mapping[str, Any] | None = None, direct: bool = False,
-             peers: Sequence[Transfer] = (), flag_key: str | None = None) -> LoadResult:
+             peers: Sequence[Transfer] = (), flag_key: str | None = None,
+             manifest: Manifest | None = None) -> LoadResult:
         """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
         ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
         ``url`` is a directory on this machine; read its shards straight into the engine's, and
         take the shard files ``peers`` names from other ranks' directories on the way
-        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag)."""
+        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag;
+        ``manifest``: the one the ranks agreed on, not read again)."""
         self.wait()  # a save in flight reads the state a load would overwrite
         options = self.storage_options if storage_options is None else storage_options
         if direct and not weights_only:
-            res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key)
+            res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key,
+                              manifest=manifest)
         else:
             res = load(self.engine, url, strict=strict, weights_only=weights_only,
                        storage_options=options)
@@ -467,7 +437,12 @@ class Checkpointer:
             if not same_world:
                 return (None,)
             assert res.reader is not None  # the load's reader, flat groups and chunks alike
-            return (read_rank_state(res.reader, self.rank),)
+            try:
+                return (read_rank_state(res.reader, self.rank),)
+            except IntegrityError as e:
+                if not direct:
+                    raise
+                raise_damaged_role(res.reader.files, res.manifest, "rank", self.rank, e)
 
         # every rank reads its own file: agree, so that a damaged one fails all ranks alike
         held, _ = agree(rank_state, f"load of per-rank state from {url}")

@@ -26,9 +26,11 @@ from collections.abc import Sequence
 from shardckpt.checkpoint.collective import rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.tiers import Transfer
-from shardckpt.errors import ShardckptError
+from shardckpt.checkpoint.set_aside import raise_damaged, raise_damaged_role
+from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
+from shardckpt.storage import Storage
 from shardckpt.storage.local import local_path, read_local_into
 from shardckpt.training.abandon import LossFlag, watched_agree
 from shardckpt.training.optim_info import load_optimizer_info
@@ -63,15 +65,18 @@ def direct_ready(model: Sharded, m: Manifest) -> bool:
 
 
 def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[Transfer] = (),
-                flag_key: str | None = None) -> LoadResult:
+                flag_key: str | None = None, manifest: Manifest | None = None) -> LoadResult:
     """:func:`~shardckpt.training.save_load.load` of the local checkpoint ``url`` into ``model``
     on every rank, reading straight into its shards where it can (see the module docstring).
     ``peers``: shard files sent from one rank's ``url`` to another's memory on the way (the same
     list on every rank; only where :func:`direct_ready` holds on every rank); ``flag_key`` names
     the load for :class:`~shardckpt.training.abandon.LossFlag`, so that a rank lost during the
-    transfers fails every survivor at once."""
+    transfers fails every survivor at once. ``manifest``: the one the ranks agreed on (this
+    node's own copy is not read again). A shard file of this node that fails its checksums is
+    moved aside and the load fails with :class:`DamagedCopyError` (the caller may load again
+    with the copy from another node)."""
     rank, _ = rank_and_world()
-    reader = CheckpointReader(url, {})
+    reader = CheckpointReader(url, {}, manifest=manifest)
     m = reader.manifest
     shards = model.local_shards()
     views = {(g, k): _cpu_bytes(t) for g, kinds in shards.items() for k, t in kinds.items()}
@@ -107,16 +112,25 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
             run_transfers(peers, rank, reader.storage, entries, m.chunk_size, None, into=into)
             for p in sorted(mine):
                 reader.check_header_bytes(entries[p], bytes(heads[p]))
+        damaged: list[tuple[Storage, str, str]] = []
         for entry, pieces in by_file.values():
             if entry.path in mine:
                 continue
-            reader.check_file(entry)
             holder, rel = reader.files.locate(entry.path)
-            read_local_into(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
+            try:
+                reader.check_file(entry)
+                read_local_into(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
+            except IntegrityError as e:  # this node's copy: moved aside below, the rest read on
+                damaged.append((holder, rel, str(e)))
+        if damaged:
+            raise_damaged(damaged)
         if src.buffers:
             bufs = {}
             for spec in src.buffers:
-                slot, data = reader.read_buffer(spec.fqn)
+                try:
+                    slot, data = reader.read_buffer(spec.fqn)
+                except IntegrityError as e:  # this node's copy: moved aside, then raised
+                    raise_damaged_role(reader.files, m, "buffers", None, e)
                 bufs[spec.fqn] = _tensor(slot.dtype, slot.shape, data)
             model.load_buffers(bufs)
         assert m.optimizer is not None

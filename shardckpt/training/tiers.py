@@ -43,19 +43,22 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
+from shardckpt.checkpoint.node_files import below_node, held_whole, newest_committed, prune
 from shardckpt.checkpoint.reader import as_storage
-from shardckpt.checkpoint.run_dir import Found, step_dir
+from shardckpt.checkpoint.references import RunFiles
+from shardckpt.checkpoint.run_dir import CheckpointManager, Found, step_dir
 from shardckpt.checkpoint.tiers import (
-    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, committed_steps, durable_references,
-    ensure_room, fetch_plan, files_needed, held_whole, holdings, node_storage, prune, put_manifest,
+    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references,
+    ensure_room, fetch_plan, files_needed, holdings, node_storage, put_manifest,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
-from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest
+from shardckpt.format.manifest import (
+    MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, frozen_file_name,
+)
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
-from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
 
@@ -70,13 +73,14 @@ FETCHES = itertools.count()
 @dataclass(frozen=True)
 class Assembled:
     """A local step made loadable: this node's URL of it, the files taken from peers in all
-    (to disk, or in ``peers`` straight into memory during the load), and the loss flag's key
-    for that load."""
+    (to disk, or in ``peers`` straight into memory during the load), the loss flag's key
+    for that load, and the step's manifest."""
 
     url: str
     fetched: int
     peers: list[Transfer]
     flag_key: str
+    manifest: Manifest  # the one the ranks agreed on, read once
 
 
 @dataclass
@@ -118,8 +122,22 @@ class NodeTier:
     def write(self, job: SaveJob, step: int) -> LocalSave | None:
         """Write this rank's files of ``job`` into the node directory (collective on the
         tier's group); None where a node is full (the tier is then off)."""
-        save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
-                                  self.group).decode()
+        def plan() -> dict[str, Any]:  # the save id; each node's newest committed step
+            newest = None
+            if job.spec.frozen_files:
+                try:
+                    newest = newest_committed(self.storage, self.frozen_held(job.spec.mesh))
+                except ShardckptError as e:
+                    log.info("local tier: %s cannot be listed (%s); writing the frozen files",
+                             self.storage.url, e)
+            return {"save_id": new_save_id() if self.rank == 0 else None, "newest": newest}
+
+        _, plans = agree(plan, f"plan of the local save of step {step}", self.group)
+        save_id = plans[0]["payload"]["save_id"]
+        newest = plans[0]["payload"]["newest"]
+        if newest is not None and newest[0] < step and all(p["payload"]["newest"] == newest for p in plans):
+            # committed on every node: its frozen files are where this save's would go
+            job.previous = self.url_for(newest[0])
         job.writer = writer = CheckpointWriter(as_storage(job.url), job.spec, save_id)
 
         def write() -> list[dict[str, Any]]:
@@ -143,6 +161,15 @@ class NodeTier:
         by_rank = {r: [FileEntry.from_doc(d) for d in rep["payload"]] for r, rep in enumerate(reports)}
         return LocalSave(step, writer, by_rank)
 
+    def frozen_held(self, mesh: Any) -> list[int]:
+        """The shard ranks whose frozen file this rank's node keeps for it: its own (where it
+        writes one) and those of the ranks whose files it keeps copies of."""
+        peers = self.tier.peers
+        ranks = [self.rank] + [r for r in range(self.nodes.world_size)
+                               if self.rank in self.nodes.peers_of(r, peers)]
+        return sorted({mesh.shard_rank(r) for r in ranks
+                       if mesh.replicate_rank(r) == mesh.shard_rank(r) % mesh.replicate_degree})
+
     def discard(self, step: int) -> None:
         """Remove an uncommitted step from this node (its leader; every rank has stopped writing)."""
         if self.rank != self.nodes.leader(self.node):
@@ -158,8 +185,10 @@ class NodeTier:
         """Copy each rank's files to its peers, then commit on every node (collective; may run in
         a background thread). None where a node had no room for the copies (the tier is off)."""
         nodes, peers = self.nodes, self.tier.peers
+        # a frozen file referenced in the previous step is on the peers' nodes already
         plan = sorted((Transfer(e.path, r, p) for r, files in save.by_rank.items() for e in files
-                       for p in nodes.peers_of(r, peers)), key=lambda t: (t.src, t.dst, t.path))
+                       for p in nodes.peers_of(r, peers) if not e.is_reference),
+                      key=lambda t: (t.src, t.dst, t.path))
         entries = {e.path: e for e in save.entries}
         here = self.storage.child(step_dir(save.step))
         chunk = save.writer.spec.chunk_size
@@ -184,6 +213,8 @@ class NodeTier:
         mine = set(nodes.ranks_of(self.node))
         held = [e for r in mine for e in save.by_rank.get(r, [])]
         held += [entries[t.path] for t in plan if t.dst in mine]
+        held += [e for r, files in save.by_rank.items() for e in files if e.is_reference
+                 and r not in mine and mine & set(nodes.peers_of(r, peers))]
 
         def commit() -> None:
             if self.rank == nodes.leader(self.node):
@@ -216,28 +247,34 @@ class NodeTier:
             flag = LossFlag.for_group(self.group, f"{key}/{save_id}")
             return watched_agree(fn, what, self.group, flag)[1]
 
+        # a frozen file the node references in an earlier local step is the durable copy's own
+        S, files = save.writer.spec.mesh.shard_degree, RunFiles(here)
+        own = {e.path: replace(e, path=frozen_file_name(save_id, e.index or 0, S))
+               if e.is_reference else e for e in save.entries}
+
         def plan() -> dict[str, str] | None:
             if self.rank:
                 return None
-            return durable_references(dst, save.writer.manifest(save.entries))
+            return durable_references(dst, save.writer.manifest(own.values()))
 
         refs: dict[str, str] = {}  # set by the plan, before the copy runs
 
         def copy() -> None:
             for e in save.by_rank.get(self.rank, []):
-                if e.path in refs:
+                d = own[e.path]
+                if d.path in refs:
                     continue  # referenced in the previous durable checkpoint: not a byte read
-                with dst.writer(e.path, chunk) as w:
-                    for piece in iter_file_chunks(here, e.path, COPY_PIECE):
+                with dst.writer(d.path, chunk) as w:
+                    for piece in iter_file_chunks(*files.locate(e.path), COPY_PIECE):
                         w.write(piece)
                     got = w.close()
                 if (got[0], got[1], tuple(got[2])) != (e.size, e.crc32c, tuple(e.chunk_crc32c)):
-                    raise IntegrityError(f"{here.url_of(e.path)} no longer holds what was written "
+                    raise IntegrityError(f"{files.url_of(e.path)} no longer holds what was written "
                                          f"(size or CRC32C differ); {dst.url} is not committed")
 
         with writer.lease(hold=self.rank == 0):
             refs = watched(plan, f"durable copy plan of {url}", "durable-plan")[0]["payload"] or {}
-            entries = [replace(e, path=refs[e.path]) if e.path in refs else e for e in save.entries]
+            entries = [replace(e, path=refs[e.path]) if e.path in refs else e for e in own.values()]
             watched(copy, f"save to {url}", "durable-copy")
             watched(lambda: writer.commit(entries).save_id if self.rank == 0 else None,
                     f"commit of {url}", "durable-commit")
@@ -248,11 +285,29 @@ class NodeTier:
 
     # ---------------------------------------------------------------------------- resume
 
-    def survey(self, durable: list[int]) -> tuple[list[Any], list[int]]:
-        """Every rank's node holdings and rank 0's durable committed steps (collective)."""
-        _, reports = agree(lambda: {"held": holdings(self.storage), "durable": durable},
-                           "survey of the checkpoint tiers")
+    def survey(self, manager: CheckpointManager) -> tuple[list[Any], list[int]]:
+        """Every rank's node holdings and the durable committed steps rank 0 lists (collective)."""
+        def survey() -> dict[str, Any]:
+            durable = [f.step for f in manager.committed()] if self.rank == 0 else []
+            return {"held": holdings(self.storage), "durable": durable}
+
+        _, reports = agree(survey, "survey of the checkpoint tiers")
         return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]
+
+    def check_durable(self, manager: CheckpointManager, step: int, full_verify: bool) -> str:
+        """What rank 0 finds wrong with durable ``step`` ("" if nothing; collective)."""
+        def check() -> str:
+            if self.rank:
+                return ""
+            problems = manager.check(Found(step, step_dir(step), manager.url_for(step)), full_verify)
+            return problems[0] if problems else ""
+
+        try:
+            return str(agree(check, f"check of {manager.url_for(step)}")[1][0]["payload"])
+        except CollectiveError as e:
+            if lost_contact(e):
+                raise
+            return str(e)
 
     def assemble(self, step: int, save_id: str, held: list[Any], layout: Any, world_size: int,
                  direct: Callable[[Manifest], bool] = lambda m: False) -> Assembled | str:
@@ -265,8 +320,19 @@ class NodeTier:
         nodes = self.nodes
         holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
         here = self.storage.child(step_dir(step))
-        data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES) if self.rank == holder else None
-        data = broadcast_bytes(data, holder)
+        read: list[bytes] = []
+
+        def read_manifest() -> None:  # inside the agreement: a read that fails fails everywhere
+            if self.rank == holder:
+                read.append(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
+                parse(read[0], here.url_of(MANIFEST_NAME))
+        try:
+            agree(read_manifest, f"read of local step {step}'s manifest")
+        except CollectiveError as e:
+            if lost_contact(e):
+                raise
+            return f"its manifest on rank {holder}'s node cannot be read: {e}"
+        data = broadcast_bytes(read[0] if read else None, holder)
         m = parse(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
         shard = layout.mesh.shard_rank(self.rank)
         mine = sorted(f.path for f in files_needed(m, layout, shard, self.rank, world_size))
@@ -282,13 +348,17 @@ class NodeTier:
         peers: list[Transfer] = []
         if all(rep["payload"]["direct"] for rep in reports):
             peers = [t for t in plan if entries[t.path].role in ("shard", "frozen")
-                     and readers[(nodes.node_of(t.dst), t.path)] == 1]
-        files = [t for t in plan if t not in peers]
+                     and not entries[t.path].is_reference and readers[(nodes.node_of(t.dst), t.path)] == 1]
+        files = [t for t in plan if t not in peers and not entries[t.path].is_reference]
+        # a referenced file goes where the referenced step holds it, below the node's directory
+        refs = [replace(t, path=below_node(t.path)) for t in plan if entries[t.path].is_reference]
+        below = {below_node(p): replace(e, path=below_node(p)) for p, e in entries.items() if e.is_reference}
 
         def fetch() -> int:
             n = run_transfers(files, self.rank, here, entries, m.chunk_size, None)
-            if self.rank == nodes.leader(self.node) and not here.exists(MANIFEST_NAME):
-                put_manifest(here, data)
+            n += run_transfers(refs, self.rank, self.storage, below, m.chunk_size, None)
+            if self.rank == nodes.leader(self.node):
+                put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
             return n
 
         flag = LossFlag.for_group(None, f"fetch/{save_id}/{next(FETCHES)}")
@@ -298,7 +368,7 @@ class NodeTier:
             if lost_contact(e):
                 raise
             return f"fetching from peers failed: {e}"
-        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}")
+        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
 
 
 def planned_bytes(job: SaveJob) -> int:
@@ -309,73 +379,3 @@ def planned_bytes(job: SaveJob) -> int:
     n += sum(t.numel() * t.element_size() for t in job.rank_state.values())
     n += sum(t.numel() * t.element_size() for t in job.buffers.values())
     return n
-
-
-def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> int:
-    """Load the newest checkpoint that can be assembled from the local tier (own copies, then
-    peers' copies) or is committed durably; every rank alike. Returns its step, or 0."""
-    from shardckpt.checkpoint.collective import is_distributed
-
-    rank, world = ckpt.rank, ckpt.world_size
-    manager = ckpt.manager
-    durable = [f.step for f in manager.committed()] if rank == 0 else []
-    held, durable = node.survey(durable)
-    per_node = [held[node.nodes.leader(n)] for n in range(node.nodes.count)]
-    local = committed_steps(per_node)
-    candidates = sorted([(s, 1, sid) for s, sid in local] + [(s, 0, "") for s in durable],
-                        reverse=True)
-    passed: list[str] = []
-    damaged: list[str] = []
-    for step, is_local, save_id in candidates:
-        fetched, peers, flag_key = 0, [], None
-        if is_local:
-            got = node.assemble(step, save_id, held, ckpt.engine.layout, world,
-                                direct=lambda m: direct_ready(ckpt.engine, m))
-            if isinstance(got, str):
-                passed.append(f"local step {step}: {got}")
-                if rank == 0:
-                    log.warning("local tier: step %d cannot be assembled: %s", step, got)
-                continue
-            url, fetched, peers, flag_key = got.url, got.fetched, got.peers, got.flag_key
-            source = (f"the local tier, {fetched} file(s) from peers" if fetched
-                      else "the local tier, each rank's own node")
-        else:
-            url = manager.url_for(step)
-            problem = ""
-            if rank == 0:
-                problems = manager.check(Found(step, step_dir(step), url), full_verify)
-                problem = problems[0] if problems else ""
-            if is_distributed():
-                problem = broadcast_bytes(problem.encode() if rank == 0 else None, 0).decode()
-            if problem:
-                passed.append(f"durable step {step}: {problem}")
-                if rank == 0:
-                    log.warning("skipping %s: %s", url, problem)
-                continue
-            source = "the durable tier"
-        try:
-            ckpt.load(url, strict=strict, storage_options={} if is_local else None, direct=is_local,
-                      peers=peers, flag_key=flag_key)
-        except CollectiveError as e:
-            ranks = failed_with(e, IntegrityError)
-            if not ranks:
-                raise
-            damaged.append(f"{url}: {e.failures[ranks[0]]}")
-            passed.append(f"{url}: fails its checksums")
-            if rank == 0:
-                log.warning("%s fails its checksums on rank(s) %s (%s); trying the next "
-                            "checkpoint (nothing is deleted)", url, ranks, e.failures[ranks[0]])
-            continue
-        if rank == 0:
-            why = f" (passed over: {'; '.join(passed)})" if passed else ""
-            log.info("resumed from %s at step %d: %s%s", source, step, url, why)
-        ckpt.last_resume = {"tier": "local" if is_local else "durable", "step": step,
-                            "fetched": fetched, "url": url}
-        return step
-    if damaged:
-        raise IntegrityError(f"{manager.url} and the local tier: no checkpoint loads; "
-                             f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
-    if rank == 0:
-        log.info("no checkpoint in the local tier or below %s; starting at step 0", manager.url)
-    ckpt.last_resume = {"tier": None, "step": 0, "fetched": 0, "url": None}
-    return 0
