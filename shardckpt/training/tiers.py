@@ -47,7 +47,7 @@ from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.run_dir import Found, step_dir
 from shardckpt.checkpoint.tiers import (
     HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, committed_steps, durable_references,
-    ensure_room, fetch_plan, files_needed, held_whole, holdings, node_storage, prune, put_manifest,
+    ensure_room, fetch_plan, files_needed, held_whole, holdings, prune, put_manifest,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
@@ -58,6 +58,7 @@ from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
 from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
+from shardckpt.training.tier_guard import own_holdings, private_node, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,11 @@ class LocalSave:
 class NodeTier:
     """This rank's view of the local tier: its node, its peers, its node's directory."""
 
-    def __init__(self, tier: LocalTier, rank: int, world_size: int, group: Any) -> None:
-        self.tier, self.rank, self.group = tier, rank, group
+    def __init__(self, tier: LocalTier, rank: int, world_size: int, group: Any, run_url: str = "") -> None:
+        self.tier, self.rank, self.group, self.run = tier, rank, group, run_identity(run_url)
         self.nodes = tier.topology(world_size)
         self.node = self.nodes.node_of(rank)
-        self.storage = node_storage(tier, self.node)
+        self.storage = private_node(tier, self.node, group)
         self.enabled = True
         if tier.peers and self.nodes.count < 2 and rank == 0:
             log.warning("local tier: one node (%d ranks per node); no peer copies, so a node lost "
@@ -120,7 +121,7 @@ class NodeTier:
         tier's group); None where a node is full (the tier is then off)."""
         save_id = broadcast_bytes(new_save_id().encode() if self.rank == 0 else None, 0,
                                   self.group).decode()
-        job.writer = writer = CheckpointWriter(as_storage(job.url), job.spec, save_id)
+        job.writer = writer = CheckpointWriter(self.storage.child(step_dir(step)), job.spec, save_id)
 
         def write() -> list[dict[str, Any]]:
             try:
@@ -250,7 +251,8 @@ class NodeTier:
 
     def survey(self, durable: list[int]) -> tuple[list[Any], list[int]]:
         """Every rank's node holdings and rank 0's durable committed steps (collective)."""
-        _, reports = agree(lambda: {"held": holdings(self.storage), "durable": durable},
+        _, reports = agree(lambda: {"held": own_holdings(self.storage, holdings(self.storage), self.run),
+                                    "durable": durable},
                            "survey of the checkpoint tiers")
         return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]
 
