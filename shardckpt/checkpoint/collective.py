@@ -17,6 +17,21 @@ from shardckpt.errors import CollectiveError, ShardckptError
 
 T = TypeVar("T")
 
+#: The most bytes one rank's message may announce (a manifest is at most 512 MiB), and the most
+#: an all-gather may allocate in all: a length past them, or negative, is refused on every rank
+#: before anything is allocated for it.
+MAX_MESSAGE_BYTES = 1 << 30
+MAX_GATHER_BYTES = 4 << 30
+
+
+def _checked_lengths(lengths: list[int], world: int, what: str) -> None:
+    bad = [(r, n) for r, n in enumerate(lengths) if not 0 <= n <= MAX_MESSAGE_BYTES]
+    if bad or max(lengths, default=0) * world > MAX_GATHER_BYTES:
+        r, n = bad[0] if bad else max(enumerate(lengths), key=lambda x: x[1])
+        raise CollectiveError(f"{what}: rank {r} announces a message of {n} bytes (at most "
+                              f"{MAX_MESSAGE_BYTES}, {MAX_GATHER_BYTES} for all ranks together); "
+                              "refused before allocating it", {r: f"announced {n} bytes"})
+
 
 def _dist() -> Any:
     import torch.distributed as dist
@@ -58,6 +73,7 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
     lengths = [int(s.item()) for s in sizes]
+    _checked_lengths(lengths, world, "all_gather_bytes")
     longest = max(lengths) or 1
     buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
     if data:
@@ -79,7 +95,9 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> byte
     me = dist.get_rank()
     n = torch.tensor([len(data) if me == src and data is not None else 0], dtype=torch.int64, device=dev)
     dist.broadcast(n, src=src, group=group)
-    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    lengths = [0] * src + [int(n.item())]
+    _checked_lengths(lengths, 1, "broadcast_bytes")
+    buf = torch.zeros(lengths[src], dtype=torch.uint8, device=dev)
     if me == src and data:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     dist.broadcast(buf, src=src, group=group)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import uuid
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,8 @@ from shardckpt.errors import InsufficientSpaceError, IntegrityError, ShardckptEr
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import Storage
 from shardckpt.storage.checked import ChunkCheck, spans
+from shardckpt.storage.local import open_regular
+from shardckpt.training.peer_checks import checked_count, checked_spans, outside_step
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,15 @@ Pieces = Sequence[tuple[int, int, memoryview]]
 
 def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
     """Offer ``entry`` (in ``storage``) to ``dst``; send it if it is taken, in pieces of
-    :data:`PIECE` bytes or in the spans the receiver names."""
+    :data:`PIECE` bytes or in the spans the receiver names (checked before anything is
+    allocated for them: :func:`~shardckpt.training.peer_checks.checked_spans`). Only a regular
+    file is opened (a FIFO would block the sender)."""
     import torch
     import torch.distributed as dist
 
-    path = storage.full(entry.path)
     try:
-        f: Any = open(path, "rb")  # noqa: SIM115 - closed below
-        size = storage.size(entry.path)
+        f: Any = open_regular(storage.full(entry.path), storage.url_of(entry.path))
+        size = os.fstat(f.fileno()).st_size
     except (OSError, ShardckptError) as e:
         log.warning("peer copy: cannot read %s: %s", storage.url_of(entry.path), e)
         f, size = None, -1
@@ -64,10 +68,11 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
         if how == SPANS:
             count = torch.zeros(1, dtype=torch.int64)
             dist.recv(count, dst, group=group)
-            lengths = torch.zeros(int(count.item()), dtype=torch.int64)
+            n = checked_count(int(count.item()), size, dst, storage.url_of(entry.path))
+            lengths = torch.zeros(n, dtype=torch.int64)
             if lengths.numel():
                 dist.recv(lengths, dst, group=group)
-            sizes = lengths.tolist()
+            sizes = checked_spans(lengths.tolist(), size, PIECE, dst, storage.url_of(entry.path))
         else:
             sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
         buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
@@ -93,7 +98,11 @@ def _offer(storage: Storage, entry: FileEntry, src: int, group: Any,
     dist.recv(offer, src, group=group)
     size = int(offer.item())
     problem: tuple[str, bool] | None = None
-    if size != entry.size:
+    outside = outside_step(entry.path)
+    if outside:
+        problem = (f"{storage.url_of('')}: rank {src} offers {entry.path!r}, {outside}; not "
+                   "written", False)
+    elif size != entry.size:
         problem = (f"rank {src} offers {storage.url_of(entry.path)} with {size} bytes, the "
                    f"manifest records {entry.size}", False)
     else:
@@ -120,18 +129,12 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     dist.send(torch.tensor([WHOLE], dtype=torch.int64), src, group=group)
     size = entry.size
     staged = storage.staging_name(entry.path, uuid.uuid4().hex[:12])
-    buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
     w = storage.writer(staged, chunk_size)
-    failed: BaseException | None = None
-    for x in range(0, size, PIECE):
-        view = buf[:min(PIECE, size - x)]
-        dist.recv(view, src, group=group)
-        if failed is None:
-            try:
-                w.write(view.numpy())
-            except (OSError, ShardckptError) as e:  # the rest is still taken, then dropped
-                failed = e
-                w.abort()
+    try:
+        failed = _take(w, size, src, group)
+    except BaseException:  # a cut stream: nothing staged stays, no descriptor stays open
+        w.abort()
+        raise
     if failed is None:
         try:
             got = w.close()
@@ -144,8 +147,32 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
         storage.rm(staged)
         return (f"{storage.url_of(entry.path)}: the copy from rank {src} does not match its "
                 "manifest entry (size or CRC32C); not kept", False)
-    storage.install(staged, entry.path)
+    try:
+        storage.install(staged, entry.path)
+    except BaseException:
+        storage.rm(staged)
+        raise
     return None
+
+
+def _take(w: Any, size: int, src: int, group: Any) -> BaseException | None:
+    """Receive ``size`` bytes from ``src`` into the writer ``w``; the error that stopped the
+    writing (the rest still received, then dropped; ``w`` then aborted), or None."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
+    failed: BaseException | None = None
+    for x in range(0, size, PIECE):
+        view = buf[:min(PIECE, size - x)]
+        dist.recv(view, src, group=group)
+        if failed is None:
+            try:
+                w.write(view.numpy())
+            except (OSError, ShardckptError) as e:  # the rest is still taken, then dropped
+                failed = e
+                w.abort()
+    return failed
 
 
 def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, group: Any,
