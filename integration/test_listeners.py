@@ -46,3 +46,45 @@ def test_stores_and_gloo_listen_on_master_addr_only():
             assert seen and all(a.startswith("127.0.0.1:") for a in seen), (r.rank, how, seen)
     # rank 0 hosts the store: on the port it was given, on 127.0.0.1
     assert f"127.0.0.1:{port}" in results[0].value["runtime"], results[0].value
+
+
+_WORKER = """
+import os, sys, time
+open(os.path.join(sys.argv[1], f"pid-{os.environ['RANK']}"), "w").write(str(os.getpid()))
+end = time.monotonic() + 120
+while not os.path.exists(os.path.join(sys.argv[1], "go")) and time.monotonic() < end:
+    time.sleep(0.05)
+"""
+
+
+def test_the_watch_jobs_torchrun_store_listens_on_localhost_only(tmp_path):
+    """The ``watch`` job's launcher (``job_argv``'s), running a job of 2 workers: every socket
+    the launcher and its workers listen on is on the loopback address."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from shardckpt.watch import job as watch_job
+    from testing.listeners import listening
+
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    argv = [sys.executable, "-m", "shardckpt.watch.launcher", "--standalone", "--nproc_per_node",
+            "2", str(script), str(tmp_path)]
+    assert watch_job.job_argv.__code__.co_consts.count("shardckpt.watch.launcher") == 1
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        seen: dict = {}
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not (tmp_path / "pid-1").exists():
+            time.sleep(0.05)
+        pids = [proc.pid] + [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
+        seen = {pid: listening(pid) for pid in pids}
+    finally:
+        (tmp_path / "go").write_text("")
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert seen[proc.pid], seen  # the launcher hosts the store
+    every = [a for addrs in seen.values() for a in addrs]
+    assert all(a.startswith(("127.0.0.1:", "::1:")) for a in every), seen

@@ -127,6 +127,8 @@ def _hostile(rank: int, root: str, out: dict) -> None:
         dist.all_gather([torch.zeros(1, dtype=torch.int64) for _ in range(2)],
                         torch.tensor([1 << 50], dtype=torch.int64))
         out["broadcast"] = _error(lambda: broadcast_bytes(None, 0))
+    _secret(rank, root, out)
+    if rank == 1:
         with open(os.path.join(root, "rank1.json"), "w") as f:  # rank 1 dies below
             json.dump(out, f)
     # rank 1 sends a file of 4 pieces and dies after the first: rank 0 keeps nothing of it
@@ -146,6 +148,35 @@ def _hostile(rank: int, root: str, out: dict) -> None:
     out["after_cut"] = sorted(os.listdir(here))
     fds = (os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd"))
     out["open_below"] = [p for p in (os.readlink(f) for f in fds if os.path.islink(f)) if p.startswith(root)]
+
+
+def _secret(rank: int, root: str, out: dict) -> None:
+    """With SHARDCKPT_JOB_SECRET alike on both ranks a copy and an agreement go through; with
+    rank 1's secret another, rank 1 refuses the offer, rank 0 the answer, and the agreement
+    fails on both, each naming the other."""
+    import os
+
+    from shardckpt.checkpoint.collective import agree
+    from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
+    from shardckpt.checkpoint.tiers import Transfer
+    from shardckpt.storage import Storage
+    from shardckpt.training.peer_copy import run_transfers
+
+    good = _data(3)
+    for case, secret in (("same", "s3cret"), ("other", "s3cret" if rank == 0 else "other")):
+        here = os.path.join(root, f"r{rank}", case)
+        os.makedirs(here)
+        if rank == 0:
+            with open(os.path.join(here, "f"), "wb") as f:
+                f.write(good)
+        os.environ[SECRET_VARIABLE] = secret
+        try:
+            out[f"secret_{case}_copy"] = _error(lambda h=here: run_transfers(
+                [Transfer("f", 0, 1)], rank, Storage(h), {"f": _entry("f", good)}, CS, None))
+            out[f"secret_{case}_agree"] = _error(lambda: agree(lambda: rank, "an agreement"))
+        finally:
+            del os.environ[SECRET_VARIABLE]
+        out[f"secret_{case}_files"] = sorted(os.listdir(here))
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +232,17 @@ def test_a_cut_stream_leaves_no_partial_file_and_no_open_descriptor(ranks):
     assert receiver["cut"] is not None  # the sender died in the middle of the file
     assert receiver["after_cut"] == ["disk", "fifo"]  # rank 0's own files: no "cut", no partial
     assert receiver["open_below"] == []
+
+
+def test_a_job_secret_authenticates_peer_streams_and_agreements(ranks):
+    root, sender, _ = ranks
+    receiver = json.loads((root / "rank1.json").read_text())
+    for r in (sender, receiver):  # the same secret: as without one
+        assert r["secret_same_copy"] is None and r["secret_same_agree"] is None, r
+    assert receiver["secret_same_files"] == ["f"]
+    # another secret on rank 1: nothing is taken, and each side says why
+    assert "the offer of rank 0 fails its authentication" in receiver["secret_other_copy"]
+    assert "the answer of rank 1 fails its authentication" in sender["secret_other_copy"]
+    assert receiver["secret_other_files"] == []
+    assert "rank(s) [1] in an agreement fail their authentication" in sender["secret_other_agree"]
+    assert "rank(s) [0] in an agreement fail their authentication" in receiver["secret_other_agree"]

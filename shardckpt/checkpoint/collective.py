@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from collections.abc import Callable
 
 from shardckpt import errors
+from shardckpt.checkpoint.job_secret import AGREEMENTS, SECRET_VARIABLE, job_key, open_reports, sign_report
 from shardckpt.errors import CollectiveError, ShardckptError
 
 T = TypeVar("T")
@@ -129,7 +130,9 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
     else:
         local = None
     try:
-        reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode(), group)]
+        reports = [json.loads(r) for r in _exchange(json.dumps(report).encode(), group)]
+    except CollectiveError:
+        raise
     except Exception as e:  # noqa: BLE001 - a peer died or timed out
         state = ""
         if after_loss is not None:
@@ -152,6 +155,22 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
                         if not rep["ok"]}
         raise err from local
     return result, reports
+
+
+def _exchange(report: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``report``: signed and checked where the job has a secret (one error on
+    every rank naming the ranks whose report fails; :mod:`.job_secret`)."""
+    key = job_key()
+    if key is None:
+        return all_gather_bytes(report, group)
+    number = AGREEMENTS.next(group)
+    signed = all_gather_bytes(sign_report(key, rank_and_world(group)[0], number, report), group)
+    reports, bad = open_reports(key, number, signed)
+    if bad:
+        raise CollectiveError(f"the report(s) of rank(s) {bad} in an agreement fail their "
+                              f"authentication ({SECRET_VARIABLE} differs, or someone else speaks "
+                              "for those ranks)", {r: "report fails its authentication" for r in bad})
+    return reports
 
 
 def failed_with(err: CollectiveError, kind: type[BaseException]) -> list[int]:

@@ -1,8 +1,10 @@
 """What a peer announces in a copy, checked before it is believed: no rank's report or request
 makes another rank write outside the step it copies, or allocate for sizes the file cannot
-have. Pure.
+have. Pure (no torch).
 
-* a file's path (from a rank's report of the files it wrote) is a plain relative path inside the
+* a rank's report of the files it wrote is a list of file entries, each checked as a manifest's
+  (:func:`report_entries`);
+* a file's path (from such a report) is a plain relative path inside the
   step: no ``..``, ``.``, empty or absolute component (a frozen reference ``../step-N/...`` names
   another step's file, which a copy never writes);
 * the spans a receiver asks for (:func:`~shardckpt.training.peer_copy.receive_into`) are at most
@@ -12,7 +14,10 @@ have. Pure.
 
 from __future__ import annotations
 
-from shardckpt.errors import IntegrityError
+from typing import Any
+
+from shardckpt.errors import IntegrityError, ShardckptError
+from shardckpt.format.manifest import FileEntry
 
 #: The most spans a receiver may ask for in one file (their lengths cost 8 bytes each).
 MAX_SPANS = 1 << 22
@@ -26,6 +31,18 @@ def outside_step(path: str) -> str | None:
     if any(p in ("", ".", "..") for p in parts):
         return "a path that leaves the step (a '..', '.' or empty component)"
     return None
+
+
+def report_entries(payload: Any, rank: int, what: str) -> list[FileEntry]:
+    """The file entries of rank ``rank``'s report in ``what`` (a list of entry documents), each
+    checked as a manifest's is; anything else is one :class:`IntegrityError` naming the rank."""
+    if not isinstance(payload, list):
+        raise IntegrityError(f"{what}: rank {rank} reports {type(payload).__name__}, not a list "
+                             "of the files it wrote")
+    try:
+        return [FileEntry.from_doc(d, f"rank {rank}'s file {i}") for i, d in enumerate(payload)]
+    except ShardckptError as e:
+        raise IntegrityError(f"{what}: rank {rank} reports a file that cannot be: {e}") from e
 
 
 def checked_count(count: int, size: int, dst: int, url: str) -> int:

@@ -31,6 +31,8 @@ from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import Storage
 from shardckpt.storage.checked import ChunkCheck, spans
 from shardckpt.storage.local import open_regular
+from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
+from shardckpt.training.peer_channel import Channel
 from shardckpt.training.peer_checks import checked_count, checked_spans, outside_step
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,6 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
     allocated for them: :func:`~shardckpt.training.peer_checks.checked_spans`). Only a regular
     file is opened (a FIFO would block the sender)."""
     import torch
-    import torch.distributed as dist
 
     try:
         f: Any = open_regular(storage.full(entry.path), storage.url_of(entry.path))
@@ -58,21 +59,24 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
     except (OSError, ShardckptError) as e:
         log.warning("peer copy: cannot read %s: %s", storage.url_of(entry.path), e)
         f, size = None, -1
+    url = storage.url_of(entry.path)
     try:
-        dist.send(torch.tensor([size], dtype=torch.int64), dst, group=group)
+        ch = Channel(dst, group, sending=True)
+        ch.open()
+        ch.send(torch.tensor([size], dtype=torch.int64))
         answer = torch.zeros(1, dtype=torch.int64)
-        dist.recv(answer, dst, group=group)
+        _authentic(ch.recv(answer), dst, "answer", url)
         how = int(answer.item())
         if how == REFUSE:
             return
         if how == SPANS:
             count = torch.zeros(1, dtype=torch.int64)
-            dist.recv(count, dst, group=group)
-            n = checked_count(int(count.item()), size, dst, storage.url_of(entry.path))
+            _authentic(ch.recv(count), dst, "request", url)
+            n = checked_count(int(count.item()), size, dst, url)
             lengths = torch.zeros(n, dtype=torch.int64)
             if lengths.numel():
-                dist.recv(lengths, dst, group=group)
-            sizes = checked_spans(lengths.tolist(), size, PIECE, dst, storage.url_of(entry.path))
+                _authentic(ch.recv(lengths), dst, "request", url)
+            sizes = checked_spans(lengths.tolist(), size, PIECE, dst, url)
         else:
             sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
         buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
@@ -81,25 +85,36 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
             got = f.readinto(view.numpy().data) if f is not None else 0
             if got != n:
                 view.zero_()  # the receiver's checksum refuses it
-            dist.send(view, dst, group=group)
+            ch.send(view)
     finally:
         if f is not None:
             f.close()
 
 
-def _offer(storage: Storage, entry: FileEntry, src: int, group: Any,
+def _authentic(ok: bool, peer: int, what: str, url: str) -> None:
+    if not ok:
+        raise IntegrityError(f"peer copy of {url}: the {what} of rank {peer} fails its "
+                             f"authentication ({SECRET_VARIABLE} differs, or someone else "
+                             "speaks for that rank); nothing more sent")
+
+
+def _offer(storage: Storage, entry: FileEntry, ch: Channel,
            room: Callable[[int], None]) -> tuple[str, bool] | None:
-    """Take ``src``'s offer of ``entry``: None where it can be taken, else the problem (and
+    """Take the offer of ``entry`` on ``ch``: None where it can be taken, else the problem (and
     whether it is a lack of room), the offer then refused."""
     import torch
-    import torch.distributed as dist
 
+    src = ch.peer
+    ch.open()
     offer = torch.zeros(1, dtype=torch.int64)
-    dist.recv(offer, src, group=group)
+    authentic = ch.recv(offer)
     size = int(offer.item())
     problem: tuple[str, bool] | None = None
     outside = outside_step(entry.path)
-    if outside:
+    if not authentic:
+        problem = (f"{storage.url_of(entry.path)}: the offer of rank {src} fails its "
+                   f"authentication ({SECRET_VARIABLE}); not taken", False)
+    elif outside:
         problem = (f"{storage.url_of('')}: rank {src} offers {entry.path!r}, {outside}; not "
                    "written", False)
     elif size != entry.size:
@@ -111,7 +126,7 @@ def _offer(storage: Storage, entry: FileEntry, src: int, group: Any,
         except InsufficientSpaceError as e:
             problem = (str(e), True)
     if problem:
-        dist.send(torch.tensor([REFUSE], dtype=torch.int64), src, group=group)
+        ch.send(torch.tensor([REFUSE], dtype=torch.int64))
     return problem
 
 
@@ -121,17 +136,17 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     whole and checked); ``room(nbytes)`` raises where there is none. Returns None, or a problem
     and whether it is a lack of room."""
     import torch
-    import torch.distributed as dist
 
-    problem = _offer(storage, entry, src, group, room)
+    ch = Channel(src, group, sending=False)
+    problem = _offer(storage, entry, ch, room)
     if problem:
         return problem
-    dist.send(torch.tensor([WHOLE], dtype=torch.int64), src, group=group)
+    ch.send(torch.tensor([WHOLE], dtype=torch.int64))
     size = entry.size
     staged = storage.staging_name(entry.path, uuid.uuid4().hex[:12])
     w = storage.writer(staged, chunk_size)
     try:
-        failed = _take(w, size, src, group)
+        failed = _take(w, size, ch)
     except BaseException:  # a cut stream: nothing staged stays, no descriptor stays open
         w.abort()
         raise
@@ -155,17 +170,20 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     return None
 
 
-def _take(w: Any, size: int, src: int, group: Any) -> BaseException | None:
-    """Receive ``size`` bytes from ``src`` into the writer ``w``; the error that stopped the
+def _take(w: Any, size: int, ch: Channel) -> BaseException | None:
+    """Receive ``size`` bytes on ``ch`` into the writer ``w``; the error that stopped the
     writing (the rest still received, then dropped; ``w`` then aborted), or None."""
     import torch
-    import torch.distributed as dist
 
     buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
     failed: BaseException | None = None
     for x in range(0, size, PIECE):
         view = buf[:min(PIECE, size - x)]
-        dist.recv(view, src, group=group)
+        authentic = ch.recv(view)
+        if failed is None and not authentic:
+            failed = IntegrityError(f"a piece from rank {ch.peer} fails its authentication "
+                                    f"({SECRET_VARIABLE})")
+            w.abort()
         if failed is None:
             try:
                 w.write(view.numpy())
@@ -182,9 +200,9 @@ def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     its CRC32C as it arrives; nothing is written (``storage`` names the file in messages).
     Returns None, or the problem (the targets then hold bytes that must not be used)."""
     import torch
-    import torch.distributed as dist
 
-    problem = _offer(storage, entry, src, group, lambda n: None)
+    ch = Channel(src, group, sending=False)
+    problem = _offer(storage, entry, ch, lambda n: None)
     if problem:
         return problem
     url = storage.url_of(entry.path)
@@ -195,14 +213,15 @@ def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
         ordered = [(0, entry.size, memoryview(whole))]
     scratch = memoryview(bytearray(min(chunk_size, PIECE)))
     plan = spans(entry.size, chunk_size, 0, -(-entry.size // chunk_size), ordered, scratch, cap=PIECE)
-    dist.send(torch.tensor([SPANS], dtype=torch.int64), src, group=group)
-    dist.send(torch.tensor([len(plan)], dtype=torch.int64), src, group=group)
+    ch.send(torch.tensor([SPANS], dtype=torch.int64))
+    ch.send(torch.tensor([len(plan)], dtype=torch.int64))
     if plan:
-        dist.send(torch.tensor([len(v) for _, v in plan], dtype=torch.int64), src, group=group)
+        ch.send(torch.tensor([len(v) for _, v in plan], dtype=torch.int64))
     check = ChunkCheck(entry, chunk_size, f"{url} (from rank {src})")
     bad: str | None = None
     for off, view in plan:
-        dist.recv(torch.frombuffer(view, dtype=torch.uint8), src, group=group)
+        if not ch.recv(torch.frombuffer(view, dtype=torch.uint8)) and bad is None:
+            bad = f"{url}: a piece from rank {src} fails its authentication ({SECRET_VARIABLE})"
         if bad is None:
             try:
                 check.feed(off, view)

@@ -56,6 +56,7 @@ from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
 from shardckpt.training.direct_load import direct_ready
+from shardckpt.training.peer_checks import report_entries
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
 from shardckpt.training.tier_guard import own_holdings, private_node, run_identity
@@ -141,7 +142,8 @@ class NodeTier:
             self.turn_off(str(e))
             self.discard(step)
             return None
-        by_rank = {r: [FileEntry.from_doc(d) for d in rep["payload"]] for r, rep in enumerate(reports)}
+        by_rank = {r: report_entries(rep["payload"], r, f"local save of step {step}")
+                   for r, rep in enumerate(reports)}
         return LocalSave(step, writer, by_rank)
 
     def discard(self, step: int) -> None:
