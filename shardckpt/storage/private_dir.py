@@ -29,12 +29,14 @@ from typing import Any
 from shardckpt.errors import ConfigError, LinkRefusedError
 from shardckpt.storage import confined
 from shardckpt.storage.core import Storage
-from shardckpt.storage.local import LocalBackend, _fsync_dir, local_path
+from shardckpt.storage.local import LocalBackend, local_path
 from shardckpt.storage.retry import map_error, mapped_errors
 from shardckpt.storage.writer import LocalSink, Sink
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+_DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+              | getattr(os, "O_CLOEXEC", 0))
 _FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
                | getattr(os, "O_CLOEXEC", 0))
 
@@ -97,7 +99,7 @@ def make_private(url: str, what: str) -> str:
 def _open_dir(root: str, parts: list[str], root_url: str, create: bool) -> int:
     """An open descriptor of directory ``root/parts...``, each component opened with
     ``O_NOFOLLOW`` below the resolved ``root`` and created ``0700`` where missing."""
-    fd = os.open(os.path.realpath(root), confined._DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(os.path.realpath(root), _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
     try:
         for i, p in enumerate(parts):
             if create:
@@ -106,7 +108,7 @@ def _open_dir(root: str, parts: list[str], root_url: str, create: bool) -> int:
                 except FileExistsError:
                     pass
             try:
-                sub = os.open(p, confined._DIR_FLAGS, dir_fd=fd)
+                sub = os.open(p, _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
                         os.stat(p, dir_fd=fd, follow_symlinks=False).st_mode):
@@ -185,7 +187,7 @@ class PrivateBackend(LocalBackend):
                 except FileNotFoundError:
                     pass
                 os.close(fd)
-            _fsync_dir(os.path.dirname(path))
+            self.fsync_dir(os.path.dirname(path))
 
     def create_only(self, path: str, url: str, data: bytes) -> None:
         from shardckpt.storage.backends import conflict_error

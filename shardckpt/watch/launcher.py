@@ -42,8 +42,8 @@ def main() -> None:
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous
     from torch.distributed.run import main as torchrun
 
-    c10d_rendezvous_backend.TCPStore = _host_bound(c10d_rendezvous_backend.TCPStore)  # type: ignore[attr-defined]
-    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = _shared_server  # type: ignore[method-assign]
+    c10d_rendezvous_backend.TCPStore = _host_bound(c10d_rendezvous_backend.TCPStore)  # type: ignore[misc]
+    dynamic_rendezvous.DynamicRendezvousHandler._create_tcp_store_server = _shared_server  # type: ignore[method-assign,assignment]
     torchrun()
 
 
