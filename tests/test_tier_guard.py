@@ -42,14 +42,18 @@ def _save(ckpt: Checkpointer, *steps: int) -> None:
 
 def test_resume_skips_the_local_steps_of_another_run(tmp_path, caplog):
     tier = str(tmp_path / "shm")
-    _save(_ckpt(str(tmp_path / "run-a"), tier), 1, 2)
-    assert _ckpt(str(tmp_path / "run-a"), tier).resume() == 2  # its own run resumes
+    _save(_ckpt(str(tmp_path / "run-a"), tier), 5, 6)
+    assert _ckpt(str(tmp_path / "run-a"), tier).resume() == 6  # its own run resumes
     caplog.set_level(logging.WARNING)
     other = _ckpt(str(tmp_path / "run-b"), tier)
     assert other.resume() == 0
     said = [r.getMessage() for r in caplog.records if "not resuming from" in r.getMessage()]
     assert len(said) == 2 and all(f"belongs to run {str(tmp_path / 'run-a')!r}" in m for m in said), said
-    assert os.path.isdir(os.path.join(tier, "step-00000002"))  # left where it was
+    # run b saves in the same directory: its pruning (keep=2) neither removes run a's steps nor
+    # counts them (which would remove b's own, older-numbered ones), and b resumes its own
+    _save(other, 1, 2)
+    assert sorted(os.listdir(tier)) == [f"step-{s:08d}" for s in (1, 2, 5, 6)]
+    assert _ckpt(str(tmp_path / "run-b"), tier).resume() == 2
 
 
 def test_tier_files_are_0600_and_directories_0700(tmp_path):

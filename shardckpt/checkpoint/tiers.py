@@ -23,7 +23,7 @@ import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.references import RunFiles, frozen_stand_ins, parent_of
@@ -320,11 +320,12 @@ def put_manifest(storage: Storage, data: bytes) -> None:
         pass
 
 
-def prune(storage: Storage, keep: int) -> list[str]:
+def prune(storage: Storage, keep: int, skip: Collection[str] = ()) -> list[str]:
     """Keep a node's newest ``keep`` committed steps; remove older ones (manifest first, so a
     half-removed step never looks committed) and uncommitted steps older than the newest
-    committed one. Returns the names removed."""
-    steps = sorted((int(m.group(1)), n) for n in storage.ls("") if (m := STEP_DIR.match(n)))
+    committed one; the steps named in ``skip`` (another run's) are neither counted nor
+    removed. Returns the names removed."""
+    steps = sorted((int(m.group(1)), n) for n in storage.ls("") if (m := STEP_DIR.match(n)) and n not in skip)
     committed = [s for s, n in steps if storage.exists(f"{n}/{MANIFEST_NAME}")]
     if not committed:
         return []

@@ -4,7 +4,8 @@ A node directory outlives its job: the next job on the node may be another run (
 URL, another model) given the same ``LocalTier.path``. Each local save records the run's
 identity in its manifest (``extras.run``: the durable run URL), and resume counts a local step
 only where that identity is the resuming run's; any other step is left where it is (not
-deleted: it may be someone's evidence) and named in one warning with the reason.
+deleted: it may be someone's evidence, and the node's pruning skips it) and named in one
+warning with the reason.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from typing import Any
 
 from shardckpt.checkpoint.collective import agree, same_error
-from shardckpt.checkpoint.run_dir import step_dir
+from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
 from shardckpt.checkpoint.tiers import LocalTier, node_storage
 from shardckpt.errors import CollectiveError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
@@ -55,6 +56,17 @@ def foreign_reason(storage: Storage, step: int, run: str) -> str | None:
     if theirs != run:
         return f"it belongs to run {theirs!r}, not {run!r}"
     return None
+
+
+def foreign_steps(storage: Storage, run: str) -> set[str]:
+    """The committed step directories of the node directory ``storage`` that another run
+    wrote: the node's pruning neither counts nor removes them."""
+    out = set()
+    for name in storage.ls(""):
+        m = STEP_DIR.match(name)
+        if m and storage.exists(f"{name}/{MANIFEST_NAME}") and foreign_reason(storage, int(m.group(1)), run):
+            out.add(name)
+    return out
 
 
 def own_holdings(storage: Storage, held: dict[str, Any], run: str) -> dict[str, Any]:

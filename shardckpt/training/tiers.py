@@ -59,7 +59,7 @@ from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.peer_checks import report_entries
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
-from shardckpt.training.tier_guard import own_holdings, private_node, run_identity
+from shardckpt.training.tier_guard import foreign_steps, own_holdings, private_node, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class NodeTier:
         def commit() -> None:
             if self.rank == nodes.leader(self.node):
                 commit_node(here, m, held)
-                for name in prune(self.storage, self.tier.keep):
+                for name in prune(self.storage, self.tier.keep, foreign_steps(self.storage, self.run)):
                     log.info("local tier: removed %s", self.storage.url_of(name))
 
         watched_agree(commit, f"local commit of {here.url}", self.group,
