@@ -209,12 +209,14 @@ class PrivateBackend(LocalBackend):
 
         def rename() -> None:
             fd = _open_dir(self.private_root, dirs, self.private_url, create=False)
-            sfd = _open_dir(self.private_root, sdirs, self.private_url, create=False)
             try:
-                os.replace(sname, name, src_dir_fd=sfd, dst_dir_fd=fd)
+                sfd = _open_dir(self.private_root, sdirs, self.private_url, create=False)
+                try:
+                    os.replace(sname, name, src_dir_fd=sfd, dst_dir_fd=fd)
+                finally:
+                    os.close(sfd)
             finally:
                 os.close(fd)
-                os.close(sfd)
         self.call("rename", url, rename)
 
 

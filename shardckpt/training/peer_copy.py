@@ -14,6 +14,12 @@ A file can also go straight into the receiver's memory (:func:`receive_into`, a 
 peers): the receiver then answers the offer with the spans it wants, in file order (each
 target of its load, and a scratch buffer for the bytes between), the sender sends span by span,
 and every chunk's CRC32C is checked as it arrives; nothing is written to disk.
+
+What a peer says is checked before it is used (:mod:`.peer_checks`): a path must stay inside the
+step (a ``../step-N/...`` frozen reference is not a place to write), the spans a receiver asks
+for must tile the file in pieces of at most :data:`PIECE` bytes, and the sender opens regular
+files only; a stream cut in the middle leaves no staged file and no open descriptor. With a job
+secret every message is authenticated (:mod:`.peer_channel`, :mod:`shardckpt.checkpoint.job_secret`).
 """
 
 from __future__ import annotations
