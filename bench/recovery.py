@@ -17,6 +17,10 @@ median of ``--reps``:
   construction (``setup_s``) and the first step itself (``step_s``; ``--json`` gives the ratios
   with it, ``*_with_first_step``). Every resume's state is checked: the SHA-256 of each rank's
   shards after it equals the one saved.
+* the cost of a job secret (``SHARDCKPT_JOB_SECRET``: every peer-stream message and every
+  agreement authenticated with HMAC-SHA256): the background part of the local save (its peer
+  copies and node commits) and the recovery from peers, each with the secret set on every rank
+  and without, in the same launch; ``secret_over_plain`` gives the two ratios.
 
 The durable tier is a local directory on disk (``--durable dir``, default; ``--workdir``) or
 moto's S3 server on loopback (``--durable s3``, ``testing/s3servers.MotoServer``). The page cache
@@ -26,7 +30,7 @@ writable (``cold_cache`` says whether it was); tmpfs is memory and is not droppe
     python bench/recovery.py [--params 100M] [--reps 3] [--durable dir|s3] [--workdir DIR] [--json]
 
 Prints one JSON line: ``local_save_over_durable_save``, ``local_recovery_over_durable``,
-``peer_recovery_over_durable``, ``frozen_bytes_over_full`` (from ``bench/_frozen_bytes.py``,
+``peer_recovery_over_durable``, ``secret_over_plain``, ``frozen_bytes_over_full`` (from ``bench/_frozen_bytes.py``,
 null where it is absent), with ``--json`` every figure besides. Nothing here asserts.
 """
 
@@ -41,6 +45,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,9 +97,10 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
                      ranks_per_node=2)
     setup_s = time.perf_counter() - t0
     out: dict[str, Any] = {"state_bytes": state, "setup_s": setup_s, "cold": True,
-                           "save": {"durable": [], "local": [], "local_total": []},
-                           "recovery": {"local": [], "peers": [], "durable": []},
-                           "resume_only": {"local": [], "peers": [], "durable": []},
+                           "save": {"durable": [], "local": [], "local_total": [],
+                                    "local_total_secret": []},
+                           "recovery": {"local": [], "peers": [], "durable": [], "peers_secret": []},
+                           "resume_only": {"local": [], "peers": [], "durable": [], "peers_secret": []},
                            "step_s": [], "fetched": [], "tiers": [], "exact": True}
 
     def cold() -> None:
@@ -114,22 +121,29 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
         out["save"]["local"].append(dt)
         dt2, _ = _barrier_timed(tiered.wait)
         out["save"]["local_total"].append(dt + dt2)
+        step += 1
+        plain.save(step)  # the durable tier holds the newest step too (not timed)
+        with job_secret():
+            dt, _ = _barrier_timed(lambda s=step: tiered.save(s))
+            dt2, _ = _barrier_timed(tiered.wait)
+        out["save"]["local_total_secret"].append(dt + dt2)
     saved = _digest(engine)
     tiered.close()
     plain.close()
     newest = f"step-{step:08d}"
-    modes = ["local", "peers", "durable"]
+    modes = ["local", "peers", "durable", "peers_secret"]
     for rep in range(reps):
-        for mode in modes[rep % 3:] + modes[:rep % 3]:
+        for mode in modes[rep % 4:] + modes[:rep % 4]:
             lost = os.path.join(local_root, "node1", newest)
             kept = os.path.join(local_root, "node1-kept")
-            if mode == "peers" and rank == 2:  # node 1 lost its copy of the newest step
+            if mode.startswith("peers") and rank == 2:  # node 1 lost its copy of the newest step
                 os.rename(lost, kept)
             cold()
             ckpt = Checkpointer(durable, engine, storage_options=storage_options,
                                 local=None if mode == "durable" else tier,
                                 durable_every=None if mode == "durable" else 10 ** 9)
-            t_resume, got = _barrier_timed(ckpt.resume)
+            with job_secret(mode.endswith("secret")):
+                t_resume, got = _barrier_timed(ckpt.resume)
             digest = _digest(engine)
             t_step, _ = _barrier_timed(lambda: train_step(engine, opt, cfg, rank))
             out["recovery"][mode].append(t_resume + t_step)
@@ -140,11 +154,24 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
             out["fetched"].append([mode, last["fetched"]])
             out["exact"] &= digest == saved and got == step
             ckpt.close()
-            if mode == "peers" and rank == 2:  # back as it was: each mode measures what it says
+            if mode.startswith("peers") and rank == 2:  # back as it was: each mode measures what it says
                 shutil.rmtree(lost)
                 os.rename(kept, lost)
             dist.barrier()
     return out
+
+
+@contextmanager
+def job_secret(on: bool = True) -> Iterator[None]:
+    """``SHARDCKPT_JOB_SECRET`` set in this rank's environment meanwhile (``on``)."""
+    from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
+
+    if on:
+        os.environ[SECRET_VARIABLE] = "bench secret"
+    try:
+        yield
+    finally:
+        os.environ.pop(SECRET_VARIABLE, None)
 
 
 def _median(xs: list[float]) -> float:
@@ -207,15 +234,19 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
         if server is not None:
             server.stop()
-    sec = {f"save_{k}": _median(_slowest(results, "save", k)) for k in ("durable", "local", "local_total")}
+    sec = {f"save_{k}": _median(_slowest(results, "save", k))
+           for k in ("durable", "local", "local_total", "local_total_secret")}
     sec.update({f"recovery_{k}": _median(_slowest(results, "recovery", k))
-                for k in ("local", "peers", "durable")})
+                for k in ("local", "peers", "durable", "peers_secret")})
     sec.update({f"resume_only_{k}": _median(_slowest(results, "resume_only", k))
-                for k in ("local", "peers", "durable")})
+                for k in ("local", "peers", "durable", "peers_secret")})
     line = {
         "local_save_over_durable_save": round(sec["save_local"] / sec["save_durable"], 3),
         "local_recovery_over_durable": round(sec["resume_only_local"] / sec["resume_only_durable"], 3),
         "peer_recovery_over_durable": round(sec["resume_only_peers"] / sec["resume_only_durable"], 3),
+        "secret_over_plain": {
+            "local_save_background": round(sec["save_local_total_secret"] / sec["save_local_total"], 3),
+            "peer_recovery": round(sec["resume_only_peers_secret"] / sec["resume_only_peers"], 3)},
         "frozen_bytes_over_full": frozen_ratio(),
     }
     if args.json:
@@ -232,7 +263,8 @@ def main() -> None:
                 round(sec["recovery_peers"] / sec["recovery_durable"], 3),
             "per_rep_s": {k: [round(x, 3) for x in _slowest(results, *k.split("."))]
                           for k in ("save.durable", "save.local", "resume_only.local",
-                                    "resume_only.peers", "resume_only.durable")},
+                                    "resume_only.peers", "resume_only.durable", "save.local_total",
+                                    "save.local_total_secret", "resume_only.peers_secret")},
             "setup_s": round(max(r["setup_s"] for r in results), 1), "wall_s": round(wall, 1),
         })
     print(json.dumps(line))

@@ -11,7 +11,8 @@ One run, seven launches, shared by every test here (module-scoped):
 3. node 1's directory is deleted; ``peers``: resume (step 6 from node 0's peer copies, not the
    half step 8), train to 8, compare; then the local tier is full (a 1-byte quota): one warning,
    durable saves at 8 and 12 from memory;
-4. ``world1``: one rank resumes from the local tier alone (another durable URL; node 0 holds
+4. ``world1``: one rank resumes from the local tier alone (the run's durable checkpoints set
+   aside meanwhile, so the local step 6 is the newest of the run; node 0 holds
    rank 1's shard as its peer) and loads what a plain load of node 0's step 6 gives; then, with
    one bit of that copy flipped, resume refuses it (checksums) and takes the previous local step;
 5. ``copy_kill`` (4 ranks on 2 nodes, a directory of its own): rank 3 is SIGKILLed in the middle
@@ -77,7 +78,7 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
     engine, opt = tiny_engine(pm)
     tier = LocalTier(path=f"{root}/local/node{{node}}", every=2, keep=2, peers=1,
                      ranks_per_node=1, quota_bytes=1 if phase == "peers" else None)
-    durable = f"{root}/durable" if phase != "world1" else f"{root}/durable-empty"
+    durable = f"{root}/durable"
     ckpt = Checkpointer(durable, engine, local=tier, durable_every=4, keep_last=3)
     start = ckpt.resume()
     out: dict = {"start": start, "resume": ckpt.last_resume}
@@ -278,7 +279,11 @@ def run(tmp_path_factory):
     out["durable_after_restart"] = [f.step for f in CheckpointManager(f"{root}/durable").committed()]
     shutil.rmtree(os.path.join(root, "local", "node1"))  # node 1 lost its memory
     out["peers"] = _launch(root, "peers")
+    durable = os.path.join(root, "durable")
+    os.rename(durable, f"{durable}-aside")  # the run's own local steps are all world1 finds
     out["world1"] = _launch(root, "world1", world=1)
+    shutil.rmtree(durable, ignore_errors=True)
+    os.rename(f"{durable}-aside", durable)
     kill = os.path.join(root, "copy-kill")
     # the group's timeout is past the join's: a survivor that waited for it would be killed as hung
     out["copy_kill"] = run_ranks(job_copy_kill, 4, args=(kill, "kill"), timeout_s=120,

@@ -69,7 +69,7 @@ def _digest(engine) -> dict:
 def _mount(path: str, nbytes: int) -> None:
     os.makedirs(path, exist_ok=True)
     size = -(-nbytes // PAGE) * PAGE
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path], check=True)
 
 
 def _listing(path: str) -> list[str]:

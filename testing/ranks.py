@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterable, Sequence
 
+from shardckpt.checkpoint.rendezvous import bound_store
 from shardckpt.training.launch import LOOPBACK, free_port, join_all, rank_env
 
 __all__ = ["DistributedFailure", "RankResult", "case_suite", "check_case", "free_port",
@@ -96,7 +97,7 @@ def _child(rank: int, world_size: int, port: int, target: Callable[..., Any], ar
     try:
         if init_pg:
             timeout = datetime.timedelta(seconds=pg_timeout_s)
-            store = dist.TCPStore(LOOPBACK, port, world_size, rank == 0, timeout=timeout)
+            store = bound_store(LOOPBACK, port, world_size, rank == 0, timeout)  # on 127.0.0.1 only
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timeout)
         value = target(rank, world_size, *args)

@@ -138,7 +138,7 @@ def test_a_referenced_file_is_held_where_the_referenced_step_holds_it():
 def test_quota_and_enospc_are_a_full_tier(tmp_path):
     tier = LocalTier(path=str(tmp_path / "n{node}"), every=1, quota_bytes=100)
     node = node_storage(tier, 0)
-    (tmp_path / "n0").mkdir()
+    (tmp_path / "n0").mkdir(exist_ok=True)  # node_storage creates it, 0700
     (tmp_path / "n0" / "f").write_bytes(b"x" * 60)
     ensure_room(tier, node, 40, "save")
     with pytest.raises(InsufficientSpaceError, match="quota of 100 bytes") as e:

@@ -13,9 +13,25 @@ from typing import Any, TypeVar
 from collections.abc import Callable
 
 from shardckpt import errors
+from shardckpt.checkpoint.job_secret import AGREEMENTS, SECRET_VARIABLE, job_key, open_reports, sign_report
 from shardckpt.errors import CollectiveError, ShardckptError
 
 T = TypeVar("T")
+
+#: The most bytes one rank's message may announce (a manifest is at most 512 MiB), and the most
+#: an all-gather may allocate in all: a length past them, or negative, is refused on every rank
+#: before anything is allocated for it.
+MAX_MESSAGE_BYTES = 1 << 30
+MAX_GATHER_BYTES = 4 << 30
+
+
+def _checked_lengths(lengths: list[int], world: int, what: str) -> None:
+    bad = [(r, n) for r, n in enumerate(lengths) if not 0 <= n <= MAX_MESSAGE_BYTES]
+    if bad or max(lengths, default=0) * world > MAX_GATHER_BYTES:
+        r, n = bad[0] if bad else max(enumerate(lengths), key=lambda x: x[1])
+        raise CollectiveError(f"{what}: rank {r} announces a message of {n} bytes (at most "
+                              f"{MAX_MESSAGE_BYTES}, {MAX_GATHER_BYTES} for all ranks together); "
+                              "refused before allocating it", {r: f"announced {n} bytes"})
 
 
 def _dist() -> Any:
@@ -58,6 +74,7 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
     lengths = [int(s.item()) for s in sizes]
+    _checked_lengths(lengths, world, "all_gather_bytes")
     longest = max(lengths) or 1
     buf = torch.zeros(longest, dtype=torch.uint8, device=dev)
     if data:
@@ -79,7 +96,9 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> byte
     me = dist.get_rank()
     n = torch.tensor([len(data) if me == src and data is not None else 0], dtype=torch.int64, device=dev)
     dist.broadcast(n, src=src, group=group)
-    buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
+    lengths = [0] * src + [int(n.item())]
+    _checked_lengths(lengths, 1, "broadcast_bytes")
+    buf = torch.zeros(lengths[src], dtype=torch.uint8, device=dev)
     if me == src and data:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     dist.broadcast(buf, src=src, group=group)
@@ -111,7 +130,9 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
     else:
         local = None
     try:
-        reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode(), group)]
+        reports = [json.loads(r) for r in _exchange(json.dumps(report).encode(), group)]
+    except CollectiveError:
+        raise
     except Exception as e:  # noqa: BLE001 - a peer died or timed out
         state = ""
         if after_loss is not None:
@@ -134,6 +155,22 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
                         if not rep["ok"]}
         raise err from local
     return result, reports
+
+
+def _exchange(report: bytes, group: Any) -> list[bytes]:
+    """Every rank's ``report``: signed and checked where the job has a secret (one error on
+    every rank naming the ranks whose report fails; :mod:`.job_secret`)."""
+    key = job_key()
+    if key is None:
+        return all_gather_bytes(report, group)
+    number = AGREEMENTS.next(group)
+    signed = all_gather_bytes(sign_report(key, rank_and_world(group)[0], number, report), group)
+    reports, bad = open_reports(key, number, signed)
+    if bad:
+        raise CollectiveError(f"the report(s) of rank(s) {bad} in an agreement fail their "
+                              f"authentication ({SECRET_VARIABLE} differs, or someone else speaks "
+                              "for those ranks)", {r: "report fails its authentication" for r in bad})
+    return reports
 
 
 def failed_with(err: CollectiveError, kind: type[BaseException]) -> list[int]:

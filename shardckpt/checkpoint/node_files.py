@@ -18,7 +18,7 @@ Rules (the local tier's, beside those of :mod:`shardckpt.checkpoint.tiers`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from shardckpt.checkpoint.references import RunFiles, referenced_steps_in
@@ -82,11 +82,13 @@ def held_whole(held: Mapping[str, Any], step: int, m: Manifest) -> set[str]:
     return out
 
 
-def prune(storage: Storage, keep: int) -> list[str]:
+def prune(storage: Storage, keep: int, skip: Collection[str] = ()) -> list[str]:
     """Keep a node's newest ``keep`` committed steps, and the steps they reference; remove older
     ones (manifest first, so a half-removed step never looks committed) and uncommitted steps
-    older than the newest committed one. Returns the names removed."""
-    steps = sorted((int(m.group(1)), n) for n in storage.ls("") if (m := STEP_DIR.match(n)))
+    older than the newest committed one; the steps named in ``skip`` (another run's) are neither
+    counted nor removed. Returns the names removed."""
+    steps = sorted((int(m.group(1)), n) for n in storage.ls("")
+                   if (m := STEP_DIR.match(n)) and n not in skip)
     committed = [s for s, n in steps if storage.exists(f"{n}/{MANIFEST_NAME}")]
     if not committed:
         return []

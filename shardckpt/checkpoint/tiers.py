@@ -40,6 +40,7 @@ from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.storage import commit as commit_steps
 from shardckpt.storage.local import local_path
+from shardckpt.storage.private_dir import private_storage
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,9 @@ class Nodes:
 
 
 def node_storage(tier: LocalTier, node: int) -> Storage:
-    return Storage(tier.node_url(node))
+    """``node``'s directory, created ``0700`` and refused where another user owns or may write
+    it (:func:`~shardckpt.storage.private_dir.private_storage`)."""
+    return private_storage(tier.node_url(node), f"local tier directory of node {node}")
 
 
 def holdings(storage: Storage) -> dict[str, Any]:

@@ -237,6 +237,7 @@ class RunExtras(_Codec):
     deepspeed: DeepSpeedOrigin | None = None
     seed: int | None = None                  # Checkpointer: base of the re-seed after a world change
     app: Mapping[str, Any] | None = None     # Checkpointer: app_state name -> its state_dict()
+    run: str | None = None                   # Checkpointer with a local tier: the run's identity
     other: Mapping[str, Any] = field(default_factory=dict, repr=False)
     keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
@@ -245,7 +246,8 @@ class RunExtras(_Codec):
         "source": (text, False, False), "hf_config": (json_object, False, False),
         "dcp": (record_of(DcpOrigin), False, False),
         "deepspeed": (record_of(DeepSpeedOrigin), False, False),
-        "seed": (seed_int, False, False), "app": (json_object, False, False)}
+        "seed": (seed_int, False, False), "app": (json_object, False, False),
+        "run": (text, False, False)}
 
 
 @dataclass(frozen=True, slots=True)

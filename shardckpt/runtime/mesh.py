@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from shardckpt.checkpoint.rendezvous import init_default_group
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import REPLICATE_AXIS, SHARD_AXIS, Mesh
 
@@ -293,10 +294,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = DEFAULT_T
             return ProcessMesh.single(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-            world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        init_default_group(backend, env.master_addr, env.master_port, env.rank, env.world_size,
+                           datetime.timedelta(seconds=timeout_s))  # its store on MASTER_ADDR only
         log.info("initialized %s process group: rank %d of %d on %s", backend, env.rank,
                  env.world_size, device)
     if ranks_per_node is None:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from collections.abc import Iterator
 
 from shardckpt.checkpoint.job import Job
+from shardckpt.checkpoint.rendezvous import init_default_group
 from shardckpt.errors import ConfigError
 
 __all__ = ["Job", "job_from_environment", "launched"]
@@ -72,7 +73,9 @@ def job_from_environment() -> Iterator[Job | None]:
 
     own = not dist.is_initialized()
     if own:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        env = os.environ
+        init_default_group("gloo", env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]),
+                           int(env["WORLD_SIZE"]), datetime.timedelta(seconds=timeout))
     try:
         yield Job(dist.get_rank(), dist.get_world_size())
     finally:

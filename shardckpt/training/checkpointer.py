@@ -183,7 +183,7 @@ class Checkpointer:
 
             # checkpoint collectives run in a background thread: keep them off the training group
             self._group = dist.new_group(backend="gloo")
-        self.tier = NodeTier(local, self.rank, self.world_size, self._group) if local else None
+        self.tier = NodeTier(local, self.rank, self.world_size, self._group, run_url) if local else None
         # the staging copy runs in the background: the next update waits until it is done
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()  # ids of optimizers hooked directly
@@ -253,7 +253,7 @@ class Checkpointer:
         # the caller's keys sit between hf_config and the Checkpointer's own, which win
         ext = RunExtras.from_doc({**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
                                   **dict(extras or {}), "step": step, "seed": self.seed,
-                                  "app": self._app_json()}, "extras", f"save of {url}").to_doc()
+                                  "app": self._app_json(), **({"run": tier.run} if tier else {})}, "extras", f"save of {url}").to_doc()
         if tier is not None and local_due and self._save_local(tier, step, ext, durable_due):
             return
         if not durable_due:

@@ -14,12 +14,19 @@ A file can also go straight into the receiver's memory (:func:`receive_into`, a 
 peers): the receiver then answers the offer with the spans it wants, in file order (each
 target of its load, and a scratch buffer for the bytes between), the sender sends span by span,
 and every chunk's CRC32C is checked as it arrives; nothing is written to disk.
+
+What a peer says is checked before it is used (:mod:`.peer_checks`): a path must stay inside the
+step (a ``../step-N/...`` frozen reference is not a place to write), the spans a receiver asks
+for must tile the file in pieces of at most :data:`PIECE` bytes, and the sender opens regular
+files only; a stream cut in the middle leaves no staged file and no open descriptor. With a job
+secret every message is authenticated (:mod:`.peer_channel`, :mod:`shardckpt.checkpoint.job_secret`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import uuid
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +36,10 @@ from shardckpt.errors import InsufficientSpaceError, IntegrityError, ShardckptEr
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import Storage
 from shardckpt.storage.checked import ChunkCheck, spans
+from shardckpt.storage.local import open_regular
+from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
+from shardckpt.training.peer_channel import Channel
+from shardckpt.training.peer_checks import checked_count, checked_spans, outside_step
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +54,35 @@ Pieces = Sequence[tuple[int, int, memoryview]]
 
 def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
     """Offer ``entry`` (in ``storage``) to ``dst``; send it if it is taken, in pieces of
-    :data:`PIECE` bytes or in the spans the receiver names."""
+    :data:`PIECE` bytes or in the spans the receiver names (checked before anything is
+    allocated for them: :func:`~shardckpt.training.peer_checks.checked_spans`). Only a regular
+    file is opened (a FIFO would block the sender)."""
     import torch
-    import torch.distributed as dist
 
-    path = storage.full(entry.path)
     try:
-        f: Any = open(path, "rb")  # noqa: SIM115 - closed below
-        size = storage.size(entry.path)
+        f: Any = open_regular(storage.full(entry.path), storage.url_of(entry.path))
+        size = os.fstat(f.fileno()).st_size
     except (OSError, ShardckptError) as e:
         log.warning("peer copy: cannot read %s: %s", storage.url_of(entry.path), e)
         f, size = None, -1
+    url = storage.url_of(entry.path)
     try:
-        dist.send(torch.tensor([size], dtype=torch.int64), dst, group=group)
+        ch = Channel(dst, group, sending=True)
+        ch.open()
+        ch.send(torch.tensor([size], dtype=torch.int64))
         answer = torch.zeros(1, dtype=torch.int64)
-        dist.recv(answer, dst, group=group)
+        _authentic(ch.recv(answer), dst, "answer", url)
         how = int(answer.item())
         if how == REFUSE:
             return
         if how == SPANS:
             count = torch.zeros(1, dtype=torch.int64)
-            dist.recv(count, dst, group=group)
-            lengths = torch.zeros(int(count.item()), dtype=torch.int64)
+            _authentic(ch.recv(count), dst, "request", url)
+            n = checked_count(int(count.item()), size, dst, url)
+            lengths = torch.zeros(n, dtype=torch.int64)
             if lengths.numel():
-                dist.recv(lengths, dst, group=group)
-            sizes = lengths.tolist()
+                _authentic(ch.recv(lengths), dst, "request", url)
+            sizes = checked_spans(lengths.tolist(), size, PIECE, dst, url)
         else:
             sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
         buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
@@ -76,24 +91,39 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
             got = f.readinto(view.numpy().data) if f is not None else 0
             if got != n:
                 view.zero_()  # the receiver's checksum refuses it
-            dist.send(view, dst, group=group)
+            ch.send(view)
     finally:
         if f is not None:
             f.close()
 
 
-def _offer(storage: Storage, entry: FileEntry, src: int, group: Any,
+def _authentic(ok: bool, peer: int, what: str, url: str) -> None:
+    if not ok:
+        raise IntegrityError(f"peer copy of {url}: the {what} of rank {peer} fails its "
+                             f"authentication ({SECRET_VARIABLE} differs, or someone else "
+                             "speaks for that rank); nothing more sent")
+
+
+def _offer(storage: Storage, entry: FileEntry, ch: Channel,
            room: Callable[[int], None]) -> tuple[str, bool] | None:
-    """Take ``src``'s offer of ``entry``: None where it can be taken, else the problem (and
+    """Take the offer of ``entry`` on ``ch``: None where it can be taken, else the problem (and
     whether it is a lack of room), the offer then refused."""
     import torch
-    import torch.distributed as dist
 
+    src = ch.peer
+    ch.open()
     offer = torch.zeros(1, dtype=torch.int64)
-    dist.recv(offer, src, group=group)
+    authentic = ch.recv(offer)
     size = int(offer.item())
     problem: tuple[str, bool] | None = None
-    if size != entry.size:
+    outside = outside_step(entry.path)
+    if not authentic:
+        problem = (f"{storage.url_of(entry.path)}: the offer of rank {src} fails its "
+                   f"authentication ({SECRET_VARIABLE}); not taken", False)
+    elif outside:
+        problem = (f"{storage.url_of('')}: rank {src} offers {entry.path!r}, {outside}; not "
+                   "written", False)
+    elif size != entry.size:
         problem = (f"rank {src} offers {storage.url_of(entry.path)} with {size} bytes, the "
                    f"manifest records {entry.size}", False)
     else:
@@ -102,7 +132,7 @@ def _offer(storage: Storage, entry: FileEntry, src: int, group: Any,
         except InsufficientSpaceError as e:
             problem = (str(e), True)
     if problem:
-        dist.send(torch.tensor([REFUSE], dtype=torch.int64), src, group=group)
+        ch.send(torch.tensor([REFUSE], dtype=torch.int64))
     return problem
 
 
@@ -112,26 +142,20 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     whole and checked); ``room(nbytes)`` raises where there is none. Returns None, or a problem
     and whether it is a lack of room."""
     import torch
-    import torch.distributed as dist
 
-    problem = _offer(storage, entry, src, group, room)
+    ch = Channel(src, group, sending=False)
+    problem = _offer(storage, entry, ch, room)
     if problem:
         return problem
-    dist.send(torch.tensor([WHOLE], dtype=torch.int64), src, group=group)
+    ch.send(torch.tensor([WHOLE], dtype=torch.int64))
     size = entry.size
     staged = storage.staging_name(entry.path, uuid.uuid4().hex[:12])
-    buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
     w = storage.writer(staged, chunk_size)
-    failed: BaseException | None = None
-    for x in range(0, size, PIECE):
-        view = buf[:min(PIECE, size - x)]
-        dist.recv(view, src, group=group)
-        if failed is None:
-            try:
-                w.write(view.numpy())
-            except (OSError, ShardckptError) as e:  # the rest is still taken, then dropped
-                failed = e
-                w.abort()
+    try:
+        failed = _take(w, size, ch)
+    except BaseException:  # a cut stream: nothing staged stays, no descriptor stays open
+        w.abort()
+        raise
     if failed is None:
         try:
             got = w.close()
@@ -144,8 +168,35 @@ def receive_file(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
         storage.rm(staged)
         return (f"{storage.url_of(entry.path)}: the copy from rank {src} does not match its "
                 "manifest entry (size or CRC32C); not kept", False)
-    storage.install(staged, entry.path)
+    try:
+        storage.install(staged, entry.path)
+    except BaseException:
+        storage.rm(staged)
+        raise
     return None
+
+
+def _take(w: Any, size: int, ch: Channel) -> BaseException | None:
+    """Receive ``size`` bytes on ``ch`` into the writer ``w``; the error that stopped the
+    writing (the rest still received, then dropped; ``w`` then aborted), or None."""
+    import torch
+
+    buf = torch.empty(min(PIECE, max(size, 1)), dtype=torch.uint8)
+    failed: BaseException | None = None
+    for x in range(0, size, PIECE):
+        view = buf[:min(PIECE, size - x)]
+        authentic = ch.recv(view)
+        if failed is None and not authentic:
+            failed = IntegrityError(f"a piece from rank {ch.peer} fails its authentication "
+                                    f"({SECRET_VARIABLE})")
+            w.abort()
+        if failed is None:
+            try:
+                w.write(view.numpy())
+            except (OSError, ShardckptError) as e:  # the rest is still taken, then dropped
+                failed = e
+                w.abort()
+    return failed
 
 
 def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, group: Any,
@@ -155,9 +206,9 @@ def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
     its CRC32C as it arrives; nothing is written (``storage`` names the file in messages).
     Returns None, or the problem (the targets then hold bytes that must not be used)."""
     import torch
-    import torch.distributed as dist
 
-    problem = _offer(storage, entry, src, group, lambda n: None)
+    ch = Channel(src, group, sending=False)
+    problem = _offer(storage, entry, ch, lambda n: None)
     if problem:
         return problem
     url = storage.url_of(entry.path)
@@ -168,14 +219,15 @@ def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, 
         ordered = [(0, entry.size, memoryview(whole))]
     scratch = memoryview(bytearray(min(chunk_size, PIECE)))
     plan = spans(entry.size, chunk_size, 0, -(-entry.size // chunk_size), ordered, scratch, cap=PIECE)
-    dist.send(torch.tensor([SPANS], dtype=torch.int64), src, group=group)
-    dist.send(torch.tensor([len(plan)], dtype=torch.int64), src, group=group)
+    ch.send(torch.tensor([SPANS], dtype=torch.int64))
+    ch.send(torch.tensor([len(plan)], dtype=torch.int64))
     if plan:
-        dist.send(torch.tensor([len(v) for _, v in plan], dtype=torch.int64), src, group=group)
+        ch.send(torch.tensor([len(v) for _, v in plan], dtype=torch.int64))
     check = ChunkCheck(entry, chunk_size, f"{url} (from rank {src})")
     bad: str | None = None
     for off, view in plan:
-        dist.recv(torch.frombuffer(view, dtype=torch.uint8), src, group=group)
+        if not ch.recv(torch.frombuffer(view, dtype=torch.uint8)) and bad is None:
+            bad = f"{url}: a piece from rank {src} fails its authentication ({SECRET_VARIABLE})"
         if bad is None:
             try:
                 check.feed(off, view)

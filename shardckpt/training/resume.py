@@ -35,6 +35,7 @@ from shardckpt.errors import CollectiveError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.tiers import NodeTier
+from shardckpt.training.tier_guard import foreign_reason
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +243,8 @@ def _put_aside_tiers(node: NodeTier, manager: CheckpointManager, above: int,
             log.warning("local tier: could not list %s to put aside passed-over steps: %s",
                         storage.url, e)
             return
-        newer = {n: why.get((int(n[5:]), 1), "its nodes hold manifests of different saves, or "
-                            "none that parses") for n in names}
+        newer = {n: why.get((int(n[5:]), 1)) or foreign_reason(storage, int(n[5:]), node.run)
+                 or "its nodes hold manifests of different saves, or none that parses" for n in names}
         put_aside_all(storage, newer, f"local tier, node {node.node}")
 
     agree(work, f"putting aside the steps newer than {step_dir(above)}", None)

@@ -49,7 +49,7 @@ from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.run_dir import CheckpointManager, Found, step_dir
 from shardckpt.checkpoint.tiers import (
     HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references,
-    ensure_room, fetch_plan, files_needed, holdings, node_storage, put_manifest,
+    ensure_room, fetch_plan, files_needed, holdings, put_manifest,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
@@ -59,8 +59,10 @@ from shardckpt.format.manifest import (
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
+from shardckpt.training.peer_checks import report_entries
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import SaveJob
+from shardckpt.training.tier_guard import foreign_steps, own_holdings, private_node, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +101,11 @@ class LocalSave:
 class NodeTier:
     """This rank's view of the local tier: its node, its peers, its node's directory."""
 
-    def __init__(self, tier: LocalTier, rank: int, world_size: int, group: Any) -> None:
-        self.tier, self.rank, self.group = tier, rank, group
+    def __init__(self, tier: LocalTier, rank: int, world_size: int, group: Any, run_url: str = "") -> None:
+        self.tier, self.rank, self.group, self.run = tier, rank, group, run_identity(run_url)
         self.nodes = tier.topology(world_size)
         self.node = self.nodes.node_of(rank)
-        self.storage = node_storage(tier, self.node)
+        self.storage = private_node(tier, self.node, group)
         self.enabled = True
         if tier.peers and self.nodes.count < 2 and rank == 0:
             log.warning("local tier: one node (%d ranks per node); no peer copies, so a node lost "
@@ -138,7 +140,7 @@ class NodeTier:
         if newest is not None and newest[0] < step and all(p["payload"]["newest"] == newest for p in plans):
             # committed on every node: its frozen files are where this save's would go
             job.previous = self.url_for(newest[0])
-        job.writer = writer = CheckpointWriter(as_storage(job.url), job.spec, save_id)
+        job.writer = writer = CheckpointWriter(self.storage.child(step_dir(step)), job.spec, save_id)
 
         def write() -> list[dict[str, Any]]:
             try:
@@ -158,7 +160,8 @@ class NodeTier:
             self.turn_off(str(e))
             self.discard(step)
             return None
-        by_rank = {r: [FileEntry.from_doc(d) for d in rep["payload"]] for r, rep in enumerate(reports)}
+        by_rank = {r: report_entries(rep["payload"], r, f"local save of step {step}")
+                   for r, rep in enumerate(reports)}
         return LocalSave(step, writer, by_rank)
 
     def frozen_held(self, mesh: Any) -> list[int]:
@@ -219,7 +222,7 @@ class NodeTier:
         def commit() -> None:
             if self.rank == nodes.leader(self.node):
                 commit_node(here, m, held)
-                for name in prune(self.storage, self.tier.keep):
+                for name in prune(self.storage, self.tier.keep, foreign_steps(self.storage, self.run)):
                     log.info("local tier: removed %s", self.storage.url_of(name))
 
         watched_agree(commit, f"local commit of {here.url}", self.group,
@@ -289,7 +292,8 @@ class NodeTier:
         """Every rank's node holdings and the durable committed steps rank 0 lists (collective)."""
         def survey() -> dict[str, Any]:
             durable = [f.step for f in manager.committed()] if self.rank == 0 else []
-            return {"held": holdings(self.storage), "durable": durable}
+            return {"held": own_holdings(self.storage, holdings(self.storage), self.run),
+                    "durable": durable}
 
         _, reports = agree(survey, "survey of the checkpoint tiers")
         return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]

@@ -2,11 +2,12 @@
 
 The watcher runs the offline tool's torchrun form::
 
-    python -m torch.distributed.run --standalone --nproc_per_node K -m shardckpt reshard SRC DST \\
+    python -m shardckpt.watch.launcher --standalone --nproc_per_node K -m shardckpt reshard SRC DST \\
         --to M --replicate R --overwrite --json [-o KEY=JSON ...]
 
-(``--standalone``: a c10d rendezvous on 127.0.0.1 whose free port the launcher takes itself, so
-two jobs started at once never race for one) and waits for it, under the step's claim and lease,
+(:mod:`shardckpt.watch.launcher` is torchrun with its store listening on ``localhost`` only;
+``--standalone``: a c10d rendezvous on ``localhost`` whose free port the launcher takes itself,
+so two jobs started at once never race for one) and waits for it, under the step's claim and lease,
 which the watcher's lease thread keeps renewing meanwhile. The job's processes split the work and
 its rank 0 commits the output (the manifest, or the index, written last), as
 ``torchrun ... -m shardckpt`` does by hand. The step's ``.done`` record is written only after the
@@ -89,7 +90,7 @@ _running_lock = threading.Lock()
 def job_argv(ctx: StepContext, python: str = sys.executable) -> list[str]:
     """The torchrun command line of ``ctx``'s step (storage options as ``-o KEY=JSON``)."""
     spec = ctx.spec
-    argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+    argv = [python, "-m", "shardckpt.watch.launcher", "--standalone", "--nproc_per_node",
             str(spec.processes), "-m", "shardckpt", spec.kind, ctx.src.url]
     if spec.kind == "reshard":
         argv += [ctx.dst or "", "--to", str(spec.to), "--replicate", str(spec.replicate),
