@@ -30,9 +30,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from crc32c import crc32c
-
 from shardckpt.errors import ConfigError, IntegrityError
+from shardckpt.format.integrity import crc32c
 from shardckpt.format.manifest import FileEntry
 from shardckpt.format.quantities import parse_size
 

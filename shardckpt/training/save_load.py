@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, reference_to
@@ -30,6 +30,7 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState
 from shardckpt.training.device_load import fill_shards
+from shardckpt.training.device_save import ShardBytes
 from shardckpt.training.optim_info import load_optimizer_info
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,7 @@ class SaveJob:
         if self.failure is not None:
             raise self.failure
         if self.shard is not None:
-            shards = self.shards
-
-            def produce(slot: TensorSlot) -> Iterator[Any]:
-                gname, kind = slot.name.rsplit(".", 1)
-                t = shards[gname][kind]
-                if hasattr(t, "iter_bytes"):  # state in an offload file: streamed from it
-                    yield from t.iter_bytes()
-                else:
-                    yield _bytes_of(t)
-
+            produce = ShardBytes(self.shards)  # written in parallel where the disk is local
             entries.append(w.write_shard(self.shard, produce))
             if w.frozen_slots:
                 entries.append(self.write_frozen(produce))
