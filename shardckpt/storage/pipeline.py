@@ -17,9 +17,10 @@ The first error of any worker stops the others (each checks between windows, and
 waits for a buffer once a failure is set) and is raised by :func:`run_workers` in the caller's
 thread: a worker that dies ends the load in an error, never in a hang.
 
-Knobs (:meth:`IOConfig.from_env`): ``SHARDCKPT_IO_BUFFERS`` (ring buffers, default 4),
+Knobs (:meth:`IOConfig.from_env`): ``SHARDCKPT_IO_BUFFERS`` (ring buffers, default 8),
 ``SHARDCKPT_IO_BUFFER_SIZE`` (bytes per buffer, ``16M`` by default; rounded down to whole
-chunks, at least one) and ``SHARDCKPT_IO_THREADS`` (workers, default 4).
+chunks, at least one) and ``SHARDCKPT_IO_THREADS`` (workers, default 8: as many reads or writes
+in flight as the disk's parallel limit is measured with).
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ ENV_BUFFERS, ENV_BUFFER_SIZE, ENV_THREADS = ("SHARDCKPT_IO_BUFFERS", "SHARDCKPT_
 class IOConfig:
     """How much host memory and how many threads one rank's pipelined load or save uses."""
 
-    buffers: int = 4
+    buffers: int = 8
     buffer_bytes: int = 16 << 20
-    threads: int = 4
+    threads: int = 8
 
     def __post_init__(self) -> None:
         for name in ("buffers", "buffer_bytes", "threads"):
