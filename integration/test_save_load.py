@@ -68,7 +68,16 @@ def job_load(rank: int, world: int, root: str, replicate: int, policy: str, more
     pm = init_distributed(timeout_s=60, replicate=replicate)
     cfg, engine, opt = llama_engine(pm, seed=123, policy=policy)
     before = CountingFS.bytes_read
-    res = load(engine, f"countfile://{root}/ck4")
+    # the reshard into another unit policy goes through a ring of one chunk-sized buffer, three
+    # readers: every span of the four source files straddles buffers (the pipelined load)
+    ring = {"SHARDCKPT_IO_BUFFERS": "1", "SHARDCKPT_IO_BUFFER_SIZE": str(CHUNK),
+            "SHARDCKPT_IO_THREADS": "3"} if policy == "mlp_attn" else {}
+    os.environ.update(ring)
+    try:
+        res = load(engine, f"countfile://{root}/ck4")
+    finally:
+        for key in ring:
+            del os.environ[key]
     read = CountingFS.bytes_read - before
     reader = CheckpointReader(f"{root}/ck4")
     problems = []

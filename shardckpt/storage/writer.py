@@ -239,6 +239,13 @@ _SYNC_FILE_RANGE_WRITE = 2
 WRITEBACK_BYTES = 8 << 20
 
 
+def start_writeback(fd: int, start: int, n: int) -> None:
+    """Start writeback of bytes ``[start, start + n)`` of ``fd`` without waiting for it
+    (``sync_file_range``, Linux; advisory: elsewhere nothing, and only fsync makes durable)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, start, n, _SYNC_FILE_RANGE_WRITE)
+
+
 class LocalSink:
     """A local file, made durable by ``fsync`` on close.
 

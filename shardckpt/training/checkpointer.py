@@ -62,6 +62,7 @@ from shardckpt.checkpoint.set_aside import raise_damaged_role
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
 from shardckpt.checkpoint.tiers import LocalTier, Transfer
+from shardckpt.training.staging import Staging
 from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
 from shardckpt.training.direct_load import load_direct
 from shardckpt.training.resume import resume_durable, resume_tiers
@@ -151,7 +152,7 @@ class Checkpointer:
                  keep_last: int | None = 3, async_save: bool = False, seed: int = 0,
                  storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                  hf_config: Any = None, local: LocalTier | None = None,
-                 durable_every: int | None = None) -> None:
+                 durable_every: int | None = None, max_staging_bytes: int | None = None) -> None:
         for name, obj in (app_state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"app_state[{name!r}] has no state_dict()/load_state_dict()")
@@ -173,7 +174,8 @@ class Checkpointer:
         #: where the last resume came from: tier ("local", "durable" or None), step, files fetched
         self.last_resume: dict[str, Any] | None = None
         self._group: Any = None
-        self._staging: dict[str, dict[str, Any]] | None = None
+        # async: the host copies of the shards, allocated in the background from now on
+        self._stager = Staging(engine.local_shards(), max_staging_bytes) if async_save else None
         self._pending: Future[Manifest] | None = None
         self._staged = threading.Event()
         self._thread: threading.Thread | None = None
@@ -216,23 +218,10 @@ class Checkpointer:
             out[name] = state
         return out
 
-    def _staging_buffers(self, on_disk: set[str]) -> dict[str, dict[str, Any]]:
-        """Host buffers shaped like ``local_shards()``, allocated once; ``None`` for every kind
-        of the groups in ``on_disk`` (nvme offload: copied on the offload disk instead)."""
-        import torch
-
-        live = self.engine.local_shards()
-        shape = {g: {k: (t.shape, t.dtype) for k, t in kinds.items()}
-                 for g, kinds in live.items() if g not in on_disk}
-        if self._staging is None or shape != {g: {k: (t.shape, t.dtype) for k, t in kinds.items()}
-                                              for g, kinds in self._staging.items()}:
-            # first save, or an optimizer (hence its state kinds) came since the last one
-            pin = torch.cuda.is_available()
-            self._staging = {
-                g: {k: (torch.empty(s, dtype=d, device="cpu", pin_memory=pin))
-                    for k, (s, d) in kinds.items()}
-                for g, kinds in shape.items()}
-        return {g: self._staging.get(g) or dict.fromkeys(kinds) for g, kinds in live.items()}
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for async saves' staging (0 before it is allocated, or without)."""
+        return self._stager.bytes if self._stager is not None else 0
 
     def _offload_snapshot(self) -> tuple[set[str], Any]:
         """The optimizer's offload snapshot (nvme): its groups and the empty snapshot."""
@@ -264,7 +253,8 @@ class Checkpointer:
             on_disk, snapshot = self._offload_snapshot()
         try:
             if self.async_save:
-                staging = self._staging_buffers(on_disk)
+                assert self._stager is not None  # None while it is being allocated: see run()
+                staging = self._stager.get(self.engine.local_shards(), on_disk, wait=False)
             job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
                              self._group, rank_state=rng_state(), staging=staging,
                              snapshot=snapshot, previous=self.manager.latest_url())
@@ -281,13 +271,17 @@ class Checkpointer:
         def run() -> None:
             try:
                 try:
+                    if job.staging is None and job.shard is not None and self._stager is not None:
+                        job.staging = self._stager.get(self.engine.local_shards(), on_disk, True)
                     job.stage()
-                finally:
-                    self._staged.set()
+                finally:  # without staging (max_staging_bytes), updates wait for the write
+                    if job.staging is not None or job.shard is None:
+                        self._staged.set()
                 fut.set_result(self._finish(job, step))
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 fut.set_exception(e)
             finally:
+                self._staged.set()
                 job.release()  # the offload snapshot, if any
 
         thread = threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, reference_to
@@ -22,7 +22,6 @@ from shardckpt.checkpoint.run_dir import STEP_DIR
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.checkpoint.collective import agree, broadcast_bytes, rank_and_world
 from shardckpt.errors import IncompatibleLayoutError, ManifestError, ShardckptError
-from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
@@ -30,6 +29,8 @@ from shardckpt.format.manifest import (
     frozen_part,
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState
+from shardckpt.training.device_load import fill_shards
+from shardckpt.training.device_save import ShardBytes
 from shardckpt.training.optim_info import load_optimizer_info
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,7 @@ class SaveJob:
         if self.failure is not None:
             raise self.failure
         if self.shard is not None:
-            shards = self.shards
-
-            def produce(slot: TensorSlot) -> Iterator[Any]:
-                gname, kind = slot.name.rsplit(".", 1)
-                t = shards[gname][kind]
-                if hasattr(t, "iter_bytes"):  # state in an offload file: streamed from it
-                    yield from t.iter_bytes()
-                else:
-                    yield _bytes_of(t)
-
+            produce = ShardBytes(self.shards)  # written in parallel where the disk is local
             entries.append(w.write_shard(self.shard, produce))
             if w.frozen_slots:
                 entries.append(self.write_frozen(produce))
@@ -392,13 +384,8 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
             raise IncompatibleLayoutError(
                 f"{reader.url}: the checkpoint has no {', '.join(sorted(missing_kinds))} state; "
                 "load with weights_only=True to take the weights alone")
-        for (tensor, off, n), data in zip(targets, reader.read_ranges(requests), strict=True):
-            k = itemsize(_dtype_name(tensor))
-            if hasattr(tensor, "write_bytes"):  # state in an offload file: written in place
-                tensor.write_bytes(off * k, data)
-            else:
-                _bytes_of(tensor)[off * k:(off + n) * k] = memoryview(data).cast("B")
-            counter["bytes"] += len(data)
+        # pipelined into the shards' own memory, whatever their device
+        counter["bytes"] += fill_shards(reader, requests, targets)
         if m.components["model"].buffers:
             bufs = {}
             for b in src.buffers:
