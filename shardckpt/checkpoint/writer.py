@@ -27,7 +27,6 @@ from shardckpt.format.manifest import (
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
 from shardckpt.storage import NotFoundError, Storage
-from shardckpt.storage.local import local_path
 from shardckpt.checkpoint.references import RunFiles, file_crc
 from shardckpt.checkpoint.set_aside import supersede
 
@@ -94,9 +93,10 @@ class CheckpointWriter:
             header = build_header(slots, {"format": "shardckpt", "version": f"{VERSION[0]}.{VERSION[1]}",
                                           "save_id": self.save_id, **meta})
         positioned = getattr(produce, "write_positioned", None)  # parallel, on a local disk
-        if positioned is not None and local_path(self.storage.url) is not None:
+        opener = self.storage.write_opener(rel) if positioned is not None else None
+        if positioned is not None and opener is not None:
             done = positioned(self.storage.full(rel), self.storage.url_of(rel), header, slots,
-                              self.spec.chunk_size)
+                              self.spec.chunk_size, opener)
             if done is not None:
                 return FileEntry(rel, role, done[0], len(header) - 8, done[1], done[2], index)
         with self.storage.writer(rel, self.spec.chunk_size) as w:

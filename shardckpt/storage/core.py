@@ -82,6 +82,17 @@ class Storage:
         """
         return self.backend.call(what, self.url_of(rel), fn, deadline)
 
+    def write_opener(self, rel: str) -> Callable[[], int] | None:
+        """Where the backend is a local file system: a function that opens ``rel`` for writing
+        (created or truncated, its directories made, as the backend's own writes are: a private
+        directory's ``0600``, no link followed) and returns the descriptor, for a parallel
+        positioned write. None elsewhere."""
+        opener = getattr(self.backend, "open_for_write", None)
+        if opener is None:
+            return None
+        path, url = self.full(rel), self.url_of(rel)
+        return lambda: int(self.backend.call("open", url, lambda: opener(path, url)))
+
     def location(self, rel: str = "") -> tuple[str, str]:
         """(protocol, normalized path), equal for two handles on the same place: local paths
         resolved (symlinks, ``..``, ``.``), object-store paths with ``.``, ``..`` and repeated

@@ -200,6 +200,12 @@ class LocalBackend(Backend):
     def sink(self, path: str, url: str) -> Sink:
         return LocalSink(self, path, url)
 
+    def open_for_write(self, path: str, url: str) -> int:
+        """``path`` opened for writing, created or truncated (``0644`` less the umask), with its
+        missing directories: what :class:`LocalSink` opens, as a descriptor."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+
     def create_only(self, path: str, url: str, data: bytes) -> None:
         """Write a temporary file, fsync, then ``link`` it into place (fails if the target
         exists), so the target is never seen half-written."""

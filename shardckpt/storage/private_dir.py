@@ -169,6 +169,10 @@ class PrivateBackend(LocalBackend):
     def sink(self, path: str, url: str) -> Sink:
         return PrivateSink(self, path, url)
 
+    def open_for_write(self, path: str, url: str) -> int:
+        """:func:`open_private`: ``0600``, no link followed, directories ``0700``."""
+        return open_private(self.private_root, path, self.private_url)
+
     def _write(self, path: str, url: str, data: bytes, install: Callable[[int, str, str], None]) -> None:
         dirs, name = _split(self.private_root, path, self.private_url)
         tmp = f"{name}.tmp-{uuid.uuid4().hex[:12]}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardckpt.format.integrity import crc32c
@@ -86,7 +86,8 @@ class _Fds:
     def get(self) -> int:
         fd = getattr(self.local, "fd", None)
         if fd is None:
-            fd = self.local.fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+            # the same open file, not a second lookup of its path (which a link could redirect)
+            fd = self.local.fd = os.open(f"/proc/self/fd/{self.all[0]}", os.O_WRONLY | os.O_CLOEXEC)
             with self.lock:
                 self.all.append(fd)
         return fd
@@ -110,17 +111,24 @@ def _pwrite_all(fd: int, views: list[memoryview], pos: int) -> None:
 
 
 def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int,
-                     config: IOConfig, ring: Ring | None = None) -> tuple[int, int, tuple[int, ...]]:
+                     config: IOConfig, ring: Ring | None = None,
+                     open_fd: Callable[[], int] | None = None) -> tuple[int, int, tuple[int, ...]]:
     """Write ``parts`` (in order) to ``path`` (created or truncated) in parallel; fsync it.
     Returns (size, CRC32C, per-chunk CRC32Cs). ``ring`` stages :class:`Staged` parts (required
-    where there are any)."""
+    where there are any). ``open_fd`` opens ``path`` as its storage does
+    (:meth:`~shardckpt.storage.Storage.write_opener`: a private directory's mode, no link
+    followed); without it, a plain create-or-truncate."""
     views = [None if isinstance(p, Staged) else memoryview(p).cast("B") for p in parts]
     per = (ring.nbytes if ring is not None else config.slot_bytes(chunk_size)) // chunk_size
     size, windows = plan(parts, chunk_size, max(1, per))
     crcs = [0] * (-(-size // chunk_size))
     with mapped_errors("write", url):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fds = _Fds(path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+        if open_fd is None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            first = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        else:
+            first = open_fd()
+        fds = _Fds(path, first)
 
     def one(win: tuple[int, int, list[tuple[int, int, int]]], abort: threading.Event) -> None:
         w0, w1, segs = win

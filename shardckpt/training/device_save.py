@@ -13,7 +13,7 @@ in pieces of at most :data:`PIECE_BYTES`. State in offload files streams from it
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shardckpt.errors import ShardckptError
@@ -83,9 +83,11 @@ class ShardBytes:
             yield u8[a:a + PIECE_BYTES].cpu().numpy()
 
     def write_positioned(self, path: str, url: str, header: bytes, slots: Sequence[TensorSlot],
-                         chunk_size: int) -> tuple[int, int, tuple[int, ...]] | None:
-        """Write the file (``header``, then every slot's bytes) at ``path`` in parallel; None
-        where a slot's state lives in an offload file (the caller streams it instead)."""
+                         chunk_size: int, open_fd: Callable[[], int] | None = None
+                         ) -> tuple[int, int, tuple[int, ...]] | None:
+        """Write the file (``header``, then every slot's bytes) at ``path`` in parallel, opened by
+        ``open_fd`` where given (its storage's way); None where a slot's state lives in an
+        offload file (the caller streams it instead; nothing is opened)."""
         import torch
 
         tensors = [self.tensor(s) for s in slots]
@@ -107,4 +109,4 @@ class ShardBytes:
             parts.append(DeviceBytes(u8, ready.get(u8.device)))
         staged = any(isinstance(p, DeviceBytes) for p in parts)
         ring = host_ring(cfg, cfg.slot_bytes(chunk_size), torch.cuda.is_available()) if staged else None
-        return write_positioned(path, url, parts, chunk_size, cfg, ring)
+        return write_positioned(path, url, parts, chunk_size, cfg, ring, open_fd)
