@@ -100,45 +100,37 @@ def _frozen_of(step: str) -> dict:
 
 def frozen_job(rank: int, pm, root: str) -> dict:
     """Local saves of steps 1-3 (keep 2, durable at 3) of a model with a frozen base, counting the
-    bytes written to frozen files below the node directories per save; a resume from the local
+    frozen files (and their bytes) each save adds to this rank's node directory; a resume from the local
     tier; then node 1's directory is lost and a resume takes every file it needs from node 0."""
     import shutil
 
     import torch.distributed as dist
 
     from shardckpt.checkpoint.tiers import LocalTier
-    from shardckpt.storage.writer import LocalSink
     from shardckpt.training.checkpointer import Checkpointer
 
     tier = LocalTier(path=f"{root}/local/node{{node}}", every=1, keep=2, peers=1, ranks_per_node=1)
-    written = {"frozen": 0, "files": 0}
-    write, sinks = LocalSink.write, set()
+    mine = f"{root}/local/node{rank}"  # one rank a node
 
-    def counted(self, view):  # every local sink (the tier's private ones too) writes through here
-        if "/local/" in self.path and "frozen-" in self.path:
-            written["frozen"] += len(view)
-            if self.path not in sinks:  # each file's path names its save: one count a file
-                sinks.add(self.path)
-                written["files"] += 1
-        return write(self, view)
-    LocalSink.write = counted
+    def frozen_files() -> dict[str, int]:  # every frozen file in this node's directory: size
+        return {os.path.join(d, n): os.path.getsize(os.path.join(d, n))
+                for d, _, names in os.walk(mine) for n in names if "frozen-" in n}
 
     def fresh():
         engine, opt = _tuned(pm)
         return engine, opt, Checkpointer(f"{root}/durable", engine, local=tier, durable_every=3,
                                          keep_last=2)
-    try:
-        engine, opt, ckpt = fresh()
-        out: dict = {"per_save": []}
-        for i in (1, 2, 3):
-            _tuned_step(engine, opt, i, rank)
-            before = dict(written)
-            ckpt.save(i)
-            ckpt.wait()
-            out["per_save"].append({k: written[k] - before[k] for k in written})
-        ckpt.close()
-    finally:
-        LocalSink.write = write
+    engine, opt, ckpt = fresh()
+    out: dict = {"per_save": []}
+    for i in (1, 2, 3):
+        _tuned_step(engine, opt, i, rank)
+        before = frozen_files()  # each file's name carries its save's id: a new file is new
+        ckpt.save(i)
+        ckpt.wait()
+        dist.barrier()  # the peer's copy into this node is committed with the step
+        new = {p: n for p, n in frozen_files().items() if p not in before}
+        out["per_save"].append({"frozen": sum(new.values()), "files": len(new)})
+    ckpt.close()
     state = _digest(engine, opt)
     for name in ("local", "peers"):
         if name == "peers":
