@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from shardckpt.errors import StorageError
 from shardckpt.format.integrity import crc32c
+from shardckpt.storage.digest import ChunkHasher
 from shardckpt.storage.retry import describe_error, map_error, mapped_errors
 
 log = logging.getLogger(__name__)
@@ -138,10 +139,13 @@ class StreamWriter:
     upload aborted) instead of committed; :meth:`close` returns the size and checksums. A writer
     that is neither closed nor aborted never commits anything either: on S3 its upload stays open
     until aborted here or by ``shardckpt clean``. ``open_sink`` opens where the bytes go (the
-    backend's sink), once the arguments are checked.
+    backend's sink), once the arguments are checked. ``digest``: also the per-chunk SHA-256
+    (:mod:`shardckpt.storage.digest`), on the thread that computes the CRC32C; :attr:`sha256`
+    holds the file's digest once closed.
     """
 
-    def __init__(self, open_sink: Callable[[], Sink], url: str, chunk_size: int) -> None:
+    def __init__(self, open_sink: Callable[[], Sink], url: str, chunk_size: int,
+                 digest: bool = False) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
         self.url, self.chunk_size = url, chunk_size
@@ -150,6 +154,8 @@ class StreamWriter:
         self._chunk_crc = 0
         self._chunk_fill = 0
         self._closed = False
+        self._hasher = ChunkHasher(chunk_size) if digest else None
+        self.sha256: str | None = None
         self._sink = open_sink()
 
     def write(self, data: Any) -> None:
@@ -180,6 +186,8 @@ class StreamWriter:
             if self._chunk_fill == self.chunk_size:
                 self.chunks.append(self._chunk_crc)
                 self._chunk_crc, self._chunk_fill = 0, 0
+        if self._hasher is not None:
+            self._hasher.update(view)
 
     @property
     def crc(self) -> int:
@@ -198,6 +206,8 @@ class StreamWriter:
             self.abort()
             raise
         self._closed = True
+        if self._hasher is not None:
+            self.sha256 = self._hasher.hexdigest()
         return self.size, self.crc, tuple(self.chunks)
 
     def abort(self) -> None:

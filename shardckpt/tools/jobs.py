@@ -75,19 +75,22 @@ def run_reshard(src: str | Storage, dst: str, to: int, from_: int | None, replic
 
 
 def run_verify(url: str | Storage, storage_options: Mapping[str, Any] | None, workers: int,
-               job: Job | None, progress: OpenProgress) -> VerifyResult:
+               job: Job | None, progress: OpenProgress, digests: bool = False,
+               trust: Any = None) -> VerifyResult:
     """:func:`shardckpt.checkpoint.verify.verify` of the checkpoint at ``url``, its manifest read
-    once; a manifest that cannot be read is the result's problem, not an exception."""
+    once (twice with ``trust``: the check reads its own bytes); a manifest that cannot be read
+    is the result's problem, not an exception."""
     from shardckpt.checkpoint.reader import as_storage
     from shardckpt.checkpoint.verify import manifest_or_error, verify
     from shardckpt.errors import ShardckptError
 
     storage = as_storage(url, storage_options)
     m = manifest_or_error(storage)
+    checks = {"digests": digests, "trust": trust}
     if job is not None:
-        return verify(storage, workers=workers, progress=_ignore, manifest=m, job=job)
+        return verify(storage, workers=workers, progress=_ignore, manifest=m, job=job, **checks)
     with progress(0 if isinstance(m, ShardckptError) else m.total_bytes) as tick:
-        return verify(storage, workers=workers, progress=tick, manifest=m)
+        return verify(storage, workers=workers, progress=tick, manifest=m, **checks)
 
 
 def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: int,

@@ -54,6 +54,8 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from shardckpt.checkpoint.trust import Trust, signing_key as load_signing_key
+from shardckpt.format.signing import SigningKey
 from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
@@ -148,11 +150,12 @@ class Checkpointer:
                  keep_last: int | None = 3, async_save: bool = False, seed: int = 0,
                  storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                  hf_config: Any = None, local: LocalTier | None = None,
-                 durable_every: int | None = None) -> None:
+                 durable_every: int | None = None, signing_key: str | SigningKey | None = None) -> None:
         for name, obj in (app_state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"app_state[{name!r}] has no state_dict()/load_state_dict()")
         self.engine = engine
+        self.signing_key = load_signing_key(signing_key)  # a path: read once, here
         self.app_state = dict(app_state or {})
         self.manager = CheckpointManager(run_url, keep_last, storage_options)
         self.storage_options = storage_options
@@ -264,7 +267,8 @@ class Checkpointer:
                 staging = self._staging_buffers(on_disk)
             job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
                              self._group, rank_state=rng_state(), staging=staging,
-                             snapshot=snapshot, previous=self.manager.latest_url())
+                             snapshot=snapshot, previous=self.manager.latest_url(),
+                             signing_key=self.signing_key)
         except BaseException:
             if snapshot is not None:
                 snapshot.remove()
@@ -296,7 +300,7 @@ class Checkpointer:
         the durable tier in the background. False where the local tier is full (it is then off,
         and the durable save, if due, is the caller's)."""
         job = begin_save(self.engine, tier.url_for(step), ext, None, self.chunk_size, self._group,
-                         rank_state=rng_state())
+                         rank_state=rng_state(), signing_key=self.signing_key)
         written = tier.write(job, step)
         if written is None:
             return False
@@ -441,19 +445,21 @@ class Checkpointer:
 
     def load(self, url: str, strict: bool = True, weights_only: bool = False,
              storage_options: Mapping[str, Any] | None = None, direct: bool = False,
-             peers: Sequence[Transfer] = (), flag_key: str | None = None) -> LoadResult:
+             peers: Sequence[Transfer] = (), flag_key: str | None = None,
+             trust: Trust | None = None) -> LoadResult:
         """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
         ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
         ``url`` is a directory on this machine; read its shards straight into the engine's, and
         take the shard files ``peers`` names from other ranks' directories on the way
-        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag)."""
+        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag).
+        ``trust``: public keys; an unsigned checkpoint, or one not signed by them, is refused."""
         self.wait()  # a save in flight reads the state a load would overwrite
         options = self.storage_options if storage_options is None else storage_options
-        if direct and not weights_only:
+        if direct and not weights_only and trust is None:
             res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key)
         else:
             res = load(self.engine, url, strict=strict, weights_only=weights_only,
-                       storage_options=options)
+                       storage_options=options, trust=trust)
         extras = run_extras(res.manifest, url)
         app = extras.app or {}
         absent = [name for name in self.app_state if name not in app]

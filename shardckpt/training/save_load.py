@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Iterator, Mapping
 
+from shardckpt.checkpoint.trust import Trust
+from shardckpt.format.signing import SigningKey
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, reference_to
 from shardckpt.checkpoint.run_dir import STEP_DIR
@@ -192,9 +194,11 @@ class SaveJob:
             entry, step = prev
             path = reference_to(entry, step)
             if ((size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c)
+                    and (entry.sha256 is not None or not self.spec.with_digests)
                     and self.still_there(path, size)):
                 log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, path)
-                return FileEntry(path, FROZEN_ROLE, size, header_size, crc, entry.chunk_crc32c, shard)
+                return FileEntry(path, FROZEN_ROLE, size, header_size, crc, entry.chunk_crc32c, shard,
+                                 entry.sha256 if self.spec.with_digests else None)
             del pieces
         return w.write_frozen(shard, produce)
 
@@ -271,7 +275,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
                staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None,
-               previous: str | None = None) -> SaveJob:
+               previous: str | None = None, signing_key: SigningKey | None = None) -> SaveJob:
     """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
     With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
@@ -283,11 +287,13 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     ``previous``: the URL of the run's previous committed checkpoint, a sibling of ``url`` (rank
     0's is used on every rank). A frozen file whose bytes did not change since it is not written
     again: the manifest references that checkpoint's file (docs/FORMAT.md section 15).
+    ``signing_key``: files written with digests, manifest signed (docs/FORMAT.md section 16).
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
     shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
     spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
+    spec.signing_key = signing_key
     if rank_state:
         spec.per_rank_state = PerRankState(world_size=mesh.world_size, files=True).to_doc()
     writes = replica == shard % mesh.replicate_degree
@@ -320,6 +326,7 @@ def read_rank_state(reader: CheckpointReader, rank: int) -> dict[str, Any] | Non
     entry = next((f for f in reader.manifest.files if f.role == "rank" and f.index == rank), None)
     if entry is None:
         return None
+    reader.check_file(entry)  # trusted: its signed digest
     data = reader.storage.read_checked(entry, reader.manifest.chunk_size, 0, entry.size)
     tensors, _ = parse_header(bytes(data[8:entry.data_start]), entry.size, reader.storage.url_of(entry.path))
     out = {}
@@ -344,7 +351,7 @@ class LoadResult:
 
 def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
          weights_only: bool = False, storage_options: Mapping[str, Any] | None = None,
-         group: Any = None) -> LoadResult:
+         group: Any = None, trust: Trust | None = None) -> LoadResult:
     """Load ``url`` (or an open reader of it) into ``model`` on every rank, whatever world size,
     mesh or unit policy wrote it; each rank opens it once.
 
@@ -353,14 +360,15 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
     loads the masters and buffers and leaves optimizer state and step alone. A checkpoint of
     chunked tensors (FSDP2 saved it through DCP) is loaded by
     :func:`shardckpt.training.chunked_load.load_chunked` through the same reader (the lists are
-    then empty).
+    then empty). ``trust``: public keys (:mod:`shardckpt.checkpoint.trust`); the checkpoint must be
+    signed by one, and each file is checked against its signed digest before it is read.
     """
     rank, _ = rank_and_world(group)
     counter: dict[str, Any] = {"bytes": 0}
 
     def work() -> dict[str, Any]:
         reader = counter["reader"] = (url if isinstance(url, CheckpointReader)
-                                      else CheckpointReader(url, storage_options))
+                                      else CheckpointReader(url, storage_options, trust=trust))
         m = counter["manifest"] = reader.manifest
         if "model" not in m.components and m.chunked is not None:
             return {"chunked": True}  # saved through DCP: load_chunked, below, on every rank
