@@ -237,3 +237,12 @@ def test_checkpointer_signs_and_load_trusts(tmp_path, keys, one_thread):
             assert torch.equal(theirs.local_shards()[g][kind], t), (g, kind)
     with pytest.raises(ShardckptError, match="signed by an unknown key"):  # every rank's error
         Checkpointer(str(tmp_path / "run"), engine(2)).load(url, trust=keys["new"][1])
+
+
+def test_dcp_shardckpt_reader_refuses_what_its_trust_did_not_sign(tmp_path, keys):
+    from shardckpt.interop.dcp.storage import ShardckptReader
+
+    url = _signed(tmp_path / "run", keys["old"][0])
+    assert ShardckptReader(url, trust=keys["old"][1]).read_metadata().state_dict_metadata
+    with pytest.raises(TrustError, match="unknown key"):
+        ShardckptReader(url, trust=keys["new"][1]).read_metadata()
