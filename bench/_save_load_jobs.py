@@ -271,8 +271,8 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
         for v in _rotated(variants, rep):
             if v in ("digests", "signed"):
                 target = os.path.join(work, v)
-                cold &= _prepare(rank, lambda: _remove(target), settle_s)
-                dt, m = _timed(lambda: _digest_save(engine, target, v == "signed"))
+                cold &= _prepare(rank, lambda t=target: _remove(t), settle_s)
+                dt, m = _timed(lambda t=target, s=v == "signed": _digest_save(engine, t, s))
                 nbytes[v] = m.total_bytes
             elif v == "shardckpt":
                 cold &= _prepare(rank, lambda: _remove(ours), settle_s)
