@@ -246,3 +246,23 @@ def test_dcp_shardckpt_reader_refuses_what_its_trust_did_not_sign(tmp_path, keys
     assert ShardckptReader(url, trust=keys["old"][1]).read_metadata().state_dict_metadata
     with pytest.raises(TrustError, match="unknown key"):
         ShardckptReader(url, trust=keys["new"][1]).read_metadata()
+
+
+def test_watch_trust_dead_letters_what_its_keys_did_not_sign(tmp_path, keys):
+    from shardckpt.errors import ConfigError
+    from shardckpt.watch.config import load_pipeline
+    from shardckpt.watch.service import Watcher
+
+    _signed(tmp_path / "run", keys["old"][0], step=100)
+    synthesize(str(tmp_path / "run" / "step-00000200"), 3000, 2, units=1, step=200, chunk_size=CHUNK)
+    shutil.copy(keys["old"][1], tmp_path / "ckpt.pub")
+    toml = tmp_path / "p.toml"
+    toml.write_text('name = "t"\nwatch = "run"\nstate = "out"\nretries = 0\ntrust = ["ckpt.pub"]\n'
+                    '[[steps]]\nkind = "verify"\n')
+    report = Watcher(load_pipeline(str(toml))).run(once=True)
+    assert (report.done, report.dead) == (1, 1)
+    dead = list((tmp_path / "out").rglob("*.dead"))
+    assert len(dead) == 1 and "step-00000200" in str(dead[0]) and "unsigned" in dead[0].read_text()
+    toml.write_text(toml.read_text().replace("ckpt.pub", "absent.pub"))
+    with pytest.raises(ConfigError, match="absent.pub"):
+        load_pipeline(str(toml))

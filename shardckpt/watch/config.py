@@ -10,6 +10,7 @@
     retries = 2                           # retries per step after its first attempt
     backoff_s = 5.0                       # first retry delay; doubles per retry (capped at 300 s)
     lease_ttl_s = 120                     # a step lease's life, renewed every third of it
+    trust = ["keys/ckpt.pub"]             # only checkpoints these Ed25519 keys signed (optional)
 
     [storage_options]                     # fsspec options for every location (optional)
 
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
 
+from shardckpt.checkpoint.trust import trusted_keys
 from shardckpt.errors import ConfigError
 from shardckpt.format.dtypes import OUTPUT_ALIASES
 
@@ -55,7 +57,7 @@ else:  # the same module, from PyPI
 KINDS = ("verify", "reshard", "consolidate", "copy", "retain")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}\Z")
 _TOP = {"name", "watch", "state", "interval_s", "concurrency", "retries", "backoff_s",
-        "lease_ttl_s", "storage_options", "steps"}
+        "lease_ttl_s", "storage_options", "steps", "trust"}
 _STEP_KEYS = {
     "verify": {"kind", "processes"},
     "reshard": {"kind", "dst", "to", "replicate", "processes"},
@@ -105,6 +107,9 @@ class Pipeline:
     lease_ttl_s: float = 120.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     source: str = "<pipeline>"
+    #: public key files: a checkpoint they did not sign is refused by every step (dead-lettered),
+    #: and ``verify`` checks every file's signed digest
+    trust: tuple[str, ...] = ()
 
 
 def load_pipeline(path: str) -> Pipeline:
@@ -148,7 +153,15 @@ def parse_pipeline(doc: Mapping[str, Any], source: str = "<pipeline>", base: str
         retries=int(_number(doc, "retries", 2, bad, minimum=0, integer=True)),
         backoff_s=_number(doc, "backoff_s", 5.0, bad, minimum=0.0),
         lease_ttl_s=_number(doc, "lease_ttl_s", 120.0, bad, minimum=0.1),
-        storage_options=opts, source=source)
+        storage_options=opts, source=source, trust=_trust(doc.get("trust", []), base, bad))
+
+
+def _trust(value: Any, base: str, bad: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(k, str) and k.strip() for k in value):
+        raise bad("trust: expected a list of public key files")
+    keys = tuple(k if os.path.isabs(k) else os.path.normpath(os.path.join(base, k)) for k in value)
+    trusted_keys(keys or None)  # a key file that cannot be read or parsed: refused here, by name
+    return keys
 
 
 def _location(value: Any, key: str, base: str, bad: Any) -> str:

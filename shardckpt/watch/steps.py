@@ -57,6 +57,7 @@ class StepContext:
     watch: Storage                  # the run directory
     storage_options: Mapping[str, Any]
     is_settled: Callable[[str], bool]  # whether every earlier-step record of a checkpoint exists
+    trust: tuple[str, ...] = ()     # the pipeline's: the manifest was checked; verify checks digests
 
     @property
     def dst(self) -> str | None:
@@ -67,7 +68,7 @@ class StepContext:
 
 
 def run_verify(ctx: StepContext) -> dict[str, Any]:
-    result = verify(ctx.src, manifest=ctx.manifest)
+    result = verify(ctx.src, manifest=ctx.manifest, digests=bool(ctx.trust))
     if not result:
         more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
         raise StepFailed(f"{result.problems[0]}{more}")
