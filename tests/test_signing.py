@@ -266,3 +266,21 @@ def test_watch_trust_dead_letters_what_its_keys_did_not_sign(tmp_path, keys):
     toml.write_text(toml.read_text().replace("ckpt.pub", "absent.pub"))
     with pytest.raises(ConfigError, match="absent.pub"):
         load_pipeline(str(toml))
+
+
+def test_reshard_signs_what_it_writes(tmp_path, keys):
+    """Library (two worker processes write the files) and CLI (`--sign-key`)."""
+    from shardckpt.cli.main import app
+    from shardckpt.tools.reshard import reshard
+
+    src = str(tmp_path / "run" / "step-00000100")
+    synthesize(src, 3000, 2, units=1, step=100, chunk_size=CHUNK)
+    dst = str(tmp_path / "ws4" / "step-00000100")
+    m = reshard(src, dst, 4, workers=2, signing_key=keys["old"][0]).manifest
+    assert m.version == DIGESTS_VERSION and all(f.sha256 for f in m.files)
+    assert verify(dst, trust=keys["old"][1]).ok and _all_states(dst, keys["old"][1])
+    out = str(tmp_path / "ws1" / "step-00000100")
+    r = CliRunner().invoke(app, ["reshard", src, out, "--to", "1", "--sign-key", keys["new"][0]])
+    assert r.exit_code == 0, r.output
+    assert verify(out, trust=keys["new"][1]).ok
+    assert not verify(out, trust=keys["old"][1]).ok
