@@ -223,12 +223,17 @@ def test_checkpointer_signs_and_load_trusts(tmp_path, keys, one_thread):
 
     def engine(seed: int) -> ZeroEngine:
         torch.manual_seed(seed)
-        return ZeroEngine(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), policy=(nn.Linear,))
+        net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        net[0].requires_grad_(False)  # a frozen group: its file is referenced by the next save
+        return ZeroEngine(net, policy=(nn.Linear,))
 
     ours = engine(0)
     ckpt = Checkpointer(str(tmp_path / "run"), ours, signing_key=keys["old"][0])
     ckpt.save(1)
-    url = ckpt.manager.url_for(1)
+    ckpt.save(2)
+    url = ckpt.manager.url_for(2)
+    refs = CheckpointReader(url, trust=keys["old"][1]).manifest.references()
+    assert refs and all(r.sha256 for r in refs)  # the digest comes with the reference
     assert verify(url, trust=keys["old"][1]).ok
     theirs = engine(1)
     load(theirs, url, trust=keys["old"][1])
@@ -237,6 +242,12 @@ def test_checkpointer_signs_and_load_trusts(tmp_path, keys, one_thread):
             assert torch.equal(theirs.local_shards()[g][kind], t), (g, kind)
     with pytest.raises(ShardckptError, match="signed by an unknown key"):  # every rank's error
         Checkpointer(str(tmp_path / "run"), engine(2)).load(url, trust=keys["new"][1])
+    frozen = tmp_path / "run" / refs[0].path[3:]  # the step-1 file step 2 references
+    data = bytearray(frozen.read_bytes())
+    data[-1] ^= 1
+    frozen.write_bytes(bytes(data))
+    with pytest.raises(ShardckptError, match="bytes do not match the signed digest"):
+        load(engine(3), url, trust=keys["old"][1])
 
 
 def test_dcp_shardckpt_reader_refuses_what_its_trust_did_not_sign(tmp_path, keys):

@@ -54,8 +54,7 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from shardckpt.checkpoint.trust import Trust, signing_key as load_signing_key
-from shardckpt.format.signing import SigningKey
+from shardckpt.checkpoint.trust import SigningKey, Trust, signing_key as load_signing_key
 from shardckpt.checkpoint.collective import agree, failed_with, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
@@ -266,9 +265,8 @@ class Checkpointer:
             if self.async_save:
                 staging = self._staging_buffers(on_disk)
             job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
-                             self._group, rank_state=rng_state(), staging=staging,
-                             snapshot=snapshot, previous=self.manager.latest_url(),
-                             signing_key=self.signing_key)
+                             self._group, rank_state=rng_state(), staging=staging, snapshot=snapshot,
+                             previous=self.manager.latest_url(), signing_key=self.signing_key)
         except BaseException:
             if snapshot is not None:
                 snapshot.remove()
@@ -451,8 +449,8 @@ class Checkpointer:
         ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
         ``url`` is a directory on this machine; read its shards straight into the engine's, and
         take the shard files ``peers`` names from other ranks' directories on the way
-        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag).
-        ``trust``: public keys; an unsigned checkpoint, or one not signed by them, is refused."""
+        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag;
+        ``trust``: public keys that must have signed it, as :func:`load`'s, never ``direct``)."""
         self.wait()  # a save in flight reads the state a load would overwrite
         options = self.storage_options if storage_options is None else storage_options
         if direct and not weights_only and trust is None:

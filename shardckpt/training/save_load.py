@@ -11,12 +11,11 @@ are re-derived. Every rank raises the same error if any rank fails.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from collections.abc import Iterator, Mapping
 
-from shardckpt.checkpoint.trust import Trust
-from shardckpt.format.signing import SigningKey
+from shardckpt.checkpoint.trust import SigningKey, Trust
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, reference_to
 from shardckpt.checkpoint.run_dir import STEP_DIR
@@ -28,8 +27,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
-    FROZEN_ROLE, MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
-    frozen_part,
+    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, frozen_part,
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState
 from shardckpt.training.optim_info import load_optimizer_info
@@ -197,8 +195,7 @@ class SaveJob:
                     and (entry.sha256 is not None or not self.spec.with_digests)
                     and self.still_there(path, size)):
                 log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, path)
-                return FileEntry(path, FROZEN_ROLE, size, header_size, crc, entry.chunk_crc32c, shard,
-                                 entry.sha256 if self.spec.with_digests else None)
+                return replace(entry, path=path, sha256=entry.sha256 if self.spec.with_digests else None)
             del pieces
         return w.write_frozen(shard, produce)
 
@@ -287,13 +284,11 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     ``previous``: the URL of the run's previous committed checkpoint, a sibling of ``url`` (rank
     0's is used on every rank). A frozen file whose bytes did not change since it is not written
     again: the manifest references that checkpoint's file (docs/FORMAT.md section 15).
-    ``signing_key``: files written with digests, manifest signed (docs/FORMAT.md section 16).
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
     shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
-    spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
-    spec.signing_key = signing_key
+    spec = replace(checkpoint_spec(model, extras, chunk_size=chunk_size), signing_key=signing_key)
     if rank_state:
         spec.per_rank_state = PerRankState(world_size=mesh.world_size, files=True).to_doc()
     writes = replica == shard % mesh.replicate_degree
@@ -360,8 +355,7 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
     loads the masters and buffers and leaves optimizer state and step alone. A checkpoint of
     chunked tensors (FSDP2 saved it through DCP) is loaded by
     :func:`shardckpt.training.chunked_load.load_chunked` through the same reader (the lists are
-    then empty). ``trust``: public keys (:mod:`shardckpt.checkpoint.trust`); the checkpoint must be
-    signed by one, and each file is checked against its signed digest before it is read.
+    then empty). ``trust``: public keys that must have signed it (:class:`CheckpointReader`'s).
     """
     rank, _ = rank_and_world(group)
     counter: dict[str, Any] = {"bytes": 0}
