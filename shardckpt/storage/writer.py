@@ -181,13 +181,13 @@ class StreamWriter:
         while pos < n:
             take = min(n - pos, self.chunk_size - self._chunk_fill)
             self._chunk_crc = crc32c(view[pos:pos + take], self._chunk_crc)
+            if self._hasher is not None:  # the same piece, while it is in the cache
+                self._hasher.update(view[pos:pos + take])
             self._chunk_fill += take
             pos += take
             if self._chunk_fill == self.chunk_size:
                 self.chunks.append(self._chunk_crc)
                 self._chunk_crc, self._chunk_fill = 0, 0
-        if self._hasher is not None:
-            self._hasher.update(view)
 
     @property
     def crc(self) -> int:
