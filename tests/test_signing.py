@@ -295,3 +295,25 @@ def test_reshard_signs_what_it_writes(tmp_path, keys):
     assert r.exit_code == 0, r.output
     assert verify(out, trust=keys["new"][1]).ok
     assert not verify(out, trust=keys["old"][1]).ok
+
+
+def test_import_signs_what_it_writes(tmp_path, keys):
+    """`import hf` in code (ImportOptions.signing_key) and on the command line (--sign-key)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from shardckpt.cli.main import app
+    from shardckpt.interop.importer import ImportOptions, get_importer, run_importer
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    save_file({"model.layers.0.w": rng.standard_normal((4, 4), dtype=np.float32),
+               "model.norm.weight": np.ones(4, np.float32)}, str(folder / "model.safetensors"))
+    dst = str(tmp_path / "ck")
+    m = run_importer(get_importer("hf"), ImportOptions(str(folder), dst, 2, signing_key=keys["old"][0]))
+    assert all(f.sha256 for f in m.files) and verify(dst, trust=keys["old"][1]).ok
+    out = str(tmp_path / "ck2")
+    r = CliRunner().invoke(app, ["import", "hf", str(folder), out, "--ranks", "1", "--sign-key", keys["new"][0]])
+    assert r.exit_code == 0, r.output
+    assert verify(out, trust=keys["new"][1]).ok and not verify(out, trust=keys["old"][1]).ok
