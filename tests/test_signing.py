@@ -268,12 +268,16 @@ def test_watch_trust_dead_letters_what_its_keys_did_not_sign(tmp_path, keys):
     synthesize(str(tmp_path / "run" / "step-00000200"), 3000, 2, units=1, step=200, chunk_size=CHUNK)
     shutil.copy(keys["old"][1], tmp_path / "ckpt.pub")
     toml = tmp_path / "p.toml"
+    shutil.copy(keys["new"][0], tmp_path / "ckpt")
     toml.write_text('name = "t"\nwatch = "run"\nstate = "out"\nretries = 0\ntrust = ["ckpt.pub"]\n'
-                    '[[steps]]\nkind = "verify"\n')
+                    'signing_key = "ckpt"\n[[steps]]\nkind = "verify"\n'
+                    '[[steps]]\nkind = "reshard"\ndst = "out/ws1/{name}"\nto = 1\n')
     report = Watcher(load_pipeline(str(toml))).run(once=True)
-    assert (report.done, report.dead) == (1, 1)
+    assert (report.done, report.dead) == (2, 1)
     dead = list((tmp_path / "out").rglob("*.dead"))
     assert len(dead) == 1 and "step-00000200" in str(dead[0]) and "unsigned" in dead[0].read_text()
+    # the reshard step signed its output with the pipeline's key
+    assert verify(str(tmp_path / "out" / "ws1" / "step-00000100"), trust=keys["new"][1]).ok
     toml.write_text(toml.read_text().replace("ckpt.pub", "absent.pub"))
     with pytest.raises(ConfigError, match="absent.pub"):
         load_pipeline(str(toml))

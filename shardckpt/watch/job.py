@@ -90,7 +90,7 @@ def job_argv(ctx: StepContext, python: str = sys.executable) -> list[str]:
             str(spec.processes), "-m", "shardckpt", spec.kind, ctx.src.url]
     if spec.kind == "reshard":
         argv += [ctx.dst or "", "--to", str(spec.to), "--replicate", str(spec.replicate),
-                 "--overwrite", "--json"]
+                 "--overwrite", "--json"] + (["--sign-key", ctx.signing_key] if ctx.signing_key else [])
     elif spec.kind == "consolidate":
         from shardckpt.tools.consolidate_plan import DEFAULT_MAX_SHARD_SIZE
 

@@ -276,7 +276,8 @@ class Watcher:
                     raise manifest
                 ctx = watch_steps.StepContext(spec, src, manifest, name, step, self.watch,
                                               self.p.storage_options,
-                                              lambda n: self.is_settled(n, spec.index), self.p.trust)
+                                              lambda n: self.is_settled(n, spec.index), self.p.trust,
+                                              self.p.signing_key)
                 facts = watch_steps.adopt(ctx) or _execute(ctx)
             except Exception as e:  # noqa: BLE001 - any failure of a step is recorded, not fatal
                 reason = _one_line(e)

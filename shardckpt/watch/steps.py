@@ -58,6 +58,7 @@ class StepContext:
     storage_options: Mapping[str, Any]
     is_settled: Callable[[str], bool]  # whether every earlier-step record of a checkpoint exists
     trust: tuple[str, ...] = ()     # the pipeline's: the manifest was checked; verify checks digests
+    signing_key: str | None = None  # the pipeline's: reshard signs what it writes
 
     @property
     def dst(self) -> str | None:
@@ -79,7 +80,7 @@ def run_reshard(ctx: StepContext) -> dict[str, Any]:
     from shardckpt.tools.reshard import reshard
 
     r = reshard(ctx.src.url, ctx.dst or "", ctx.spec.to or 1, replicate=ctx.spec.replicate,
-                overwrite=True, storage_options=ctx.storage_options)
+                overwrite=True, storage_options=ctx.storage_options, signing_key=ctx.signing_key)
     return {"output": ctx.dst, "bytes": r.bytes_written, "identity": r.manifest.save_id}
 
 
