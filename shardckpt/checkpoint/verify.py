@@ -92,7 +92,8 @@ def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = 
     """
     job = job or Job.single()
     storage = as_storage(location, storage_options)
-    m = job.open(lambda: manifest if manifest is not None and trust is None else manifest_or_error(storage, trust),
+    given = manifest if trust is None else None  # a trusted check reads the bytes it checks
+    m = job.open(lambda: given if given is not None else manifest_or_error(storage, trust),
                  lambda m: "" if isinstance(m, ShardckptError) else m.save_id, storage.url,
                  "verify: reading the manifest")
     if isinstance(m, ShardckptError):
