@@ -160,6 +160,10 @@ def verify(
     from shardckpt.tools.jobs import run_verify
 
     opts = parse_storage_options(storage_option)
+    if trust:  # a consolidation (Hugging Face output): its signed provenance, checked
+        from shardckpt.tools.consolidate_sign import trusted_consolidation
+        if (line := trusted_consolidation(ckpt, opts, trust)) is not None:
+            return echo(line)
     where = checkpoint_location(ckpt, opts)  # a run directory: the checkpoint its latest names
     ckpt = where.url
     with job_from_environment() as job:  # under torchrun: this process checks its share

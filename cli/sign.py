@@ -20,9 +20,15 @@ def sign(
     from shardckpt.checkpoint.trust import signing_key
     from shardckpt.tools.sign import sign_checkpoint
 
+    from shardckpt.tools.consolidate_sign import is_consolidation, sign_consolidation
+
     opts = parse_storage_options(storage_option)
-    where = checkpoint_location(ckpt, opts)
     signer = signing_key(key)
     assert isinstance(signer, SigningKey)
+    if is_consolidation(ckpt, opts):  # Hugging Face output: its provenance file is signed
+        echo(f"signed: {ckpt}: consolidation, key {sign_consolidation(ckpt, signer, opts)}")
+        return
+    where = checkpoint_location(ckpt, opts)
     m = sign_checkpoint(where.url, signer, opts)
     echo(f"signed: {where.url}: {len(m.files)} files, key {signer.public.key_id}")
+

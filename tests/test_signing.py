@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from shardckpt.checkpoint.reader import CheckpointReader, read_manifest
 from shardckpt.checkpoint.trust import TrustedFiles, check_manifest, signing_key, trusted_keys
@@ -321,3 +321,40 @@ def test_import_signs_what_it_writes(tmp_path, keys):
     r = CliRunner().invoke(app, ["import", "hf", str(folder), out, "--ranks", "1", "--sign-key", keys["new"][0]])
     assert r.exit_code == 0, r.output
     assert verify(out, trust=keys["new"][1]).ok and not verify(out, trust=keys["old"][1]).ok
+
+
+def test_consolidate_signs_its_output_and_verify_trust_checks_every_file(tmp_path, keys):
+    from shardckpt.cli.main import app
+
+    runner = CliRunner()
+    src = str(tmp_path / "run" / "step-00000100")
+    synthesize(src, 3000, 2, units=1, step=100, chunk_size=CHUNK)
+    hf = tmp_path / "hf"
+    r = runner.invoke(app, ["consolidate", src, str(hf), "--sign-key", keys["old"][0]])
+    assert r.exit_code == 0, r.output
+
+    def check(pub: str) -> Result:
+        return runner.invoke(app, ["verify", str(hf), "--trust", pub])
+
+    assert check(keys["old"][1]).exit_code == 0
+    r = check(keys["new"][1])
+    assert r.exit_code == 1 and r.output.strip().count("\n") == 0 and "unknown key" in r.output
+    weights = next(hf.glob("model-*.safetensors"))
+    good = weights.read_bytes()
+    for i in (0, len(good) // 2, len(good) - 1):  # header, data, last byte
+        bad = bytearray(good)
+        bad[i] ^= 1
+        weights.write_bytes(bytes(bad))
+        r = check(keys["old"][1])
+        assert r.exit_code == 1 and "its digest differs" in r.output, (i, r.output)
+    weights.write_bytes(good)
+    (hf / "extra.json").write_text("{}")
+    assert "does not list" in check(keys["old"][1]).output
+    (hf / "extra.json").unlink()
+    assert check(keys["old"][1]).exit_code == 0
+    # an unsigned consolidation, then signed after the fact with `shardckpt sign`
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, ["consolidate", src, str(plain)]).exit_code == 0
+    assert "unsigned" in runner.invoke(app, ["verify", str(plain), "--trust", keys["new"][1]]).output
+    assert runner.invoke(app, ["sign", str(plain), "--key", keys["new"][0]]).exit_code == 0
+    assert runner.invoke(app, ["verify", str(plain), "--trust", keys["new"][1]]).exit_code == 0

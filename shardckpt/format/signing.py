@@ -35,6 +35,8 @@ SIGNATURE_FIELD = "signature"
 ALGORITHM = "ed25519"
 #: Prefixed to the covered bytes before signing, so that a shardckpt signature means nothing else.
 DOMAIN = b"shardckpt manifest signature v1\n"
+#: The same for the provenance file of a consolidation (``shardckpt_consolidated.json``).
+CONSOLIDATION_DOMAIN = b"shardckpt consolidation signature v1\n"
 _TAIL = re.compile(rb'"signature": \{"algorithm": "ed25519", "key_id": "(SHA256:[A-Za-z0-9+/]{43})", '
                    rb'"value": "([A-Za-z0-9+/]{86}==)"\},\n "manifest_crc32c": "[0-9a-f]{8}"\n\}\Z')
 _MARK = b'"signature": {'
@@ -115,13 +117,13 @@ def public_key_from(data: bytes, source: str) -> PublicKey:
     return PublicKey(key.public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw), source=source)
 
 
-def seal_signed(doc: Mapping[str, Any], key: SigningKey) -> bytes:
+def seal_signed(doc: Mapping[str, Any], key: SigningKey, domain: bytes = DOMAIN) -> bytes:
     """Encode ``doc`` (``indent=1``) with the signature, then the checksum, as its last members."""
     body = {k: v for k, v in doc.items() if k not in (CHECKSUM_FIELD, SIGNATURE_FIELD)}
     raw = json.dumps(body, indent=1, allow_nan=False).encode()
     head = raw[:raw.rindex(b"}")].rstrip()
     covered = head + (b"\n " if head.endswith(b"{") else b",\n ")
-    value = base64.b64encode(key.sign(DOMAIN + covered))
+    value = base64.b64encode(key.sign(domain + covered))
     member = (b'"signature": {"algorithm": "ed25519", "key_id": "%s", "value": "%s"},\n '
               % (key.public.key_id.encode(), value))
     return covered + member + b'"%s": "%08x"\n}' % (CHECKSUM_FIELD.encode(), crc32c(covered + member))
@@ -139,7 +141,8 @@ def signature_of(raw: bytes) -> tuple[bytes, str, bytes] | None:
     return raw[:at], m.group(1).decode(), base64.b64decode(m.group(2))
 
 
-def check_signature(raw: bytes, doc: Mapping[str, Any], trusted: Sequence[PublicKey], source: str) -> str:
+def check_signature(raw: bytes, doc: Mapping[str, Any], trusted: Sequence[PublicKey], source: str,
+                    domain: bytes = DOMAIN) -> str:
     """The key id that signed manifest bytes ``raw`` (parsed as ``doc``), if it is one of
     ``trusted`` and the signature holds; else :class:`TrustError` saying which of unsigned,
     unknown key or bytes that do not match."""
@@ -159,7 +162,7 @@ def check_signature(raw: bytes, doc: Mapping[str, Any], trusted: Sequence[Public
         raise TrustError(f"{source}: signed by an unknown key {kid}; trusted: "
                          f"{', '.join(k.key_id for k in trusted) or 'none'}")
     try:
-        Ed25519PublicKey.from_public_bytes(key.raw).verify(value, DOMAIN + covered)
+        Ed25519PublicKey.from_public_bytes(key.raw).verify(value, domain + covered)
     except InvalidSignature:
         raise TrustError(f"{source}: bytes do not match the signature of key {kid}; the manifest "
                          "was changed after it was signed") from None
