@@ -6,7 +6,9 @@ FSDP2 copy (``fully_shard`` per decoder layer and the root on a CPU ``DeviceMesh
 ``to_empty``) + ``torch.optim.AdamW``. Each takes one training step so that the Adam moments
 exist. Then, for every repetition, in an order rotated by one each time, it times:
 
-* ``shardckpt``: ``save(engine, dir)``;
+* ``shardckpt``: ``save(engine, dir)``; ``digests``: the same with a SHA-256 per file computed as
+  it is written (``CheckpointSpec.digests``); ``signed``: the same, and the manifest signed
+  (Ed25519, a key made for the run);
 * ``dcp``: ``dcp.save({"model": get_model_state_dict, "optim": get_optimizer_state_dict},
   checkpoint_id=dir)`` with the default ``FileSystemWriter`` (one file per rank, fsync on);
 * ``raw``: each rank writes the bytes of its engine shards (masters and moments) sequentially to
@@ -35,7 +37,8 @@ import shutil
 import time
 from typing import Any, Callable
 
-SAVE_VARIANTS = ("shardckpt", "dcp", "raw", "sync", "async", "dcp_sc", "dcp_async", "dcp_sc_async")
+SAVE_VARIANTS = ("shardckpt", "dcp", "raw", "sync", "async", "dcp_sc", "dcp_async", "dcp_sc_async",
+                 "digests", "signed")
 LOAD_VARIANTS = ("shardckpt", "dcp", "dcp_sc")
 
 
@@ -205,7 +208,25 @@ def raw_write(engine: Any, path: str) -> int:
 # -------------------------------------------------------------------------------- jobs
 
 
-def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> dict[str, Any]:
+def _digest_save(engine: Any, url: str, sign: bool) -> Any:
+    """``save(engine, url)`` with digests (and, ``sign``, a signature by a key made here)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
+
+    from shardckpt.format.signing import SigningKey
+    from shardckpt.training.save_load import begin_save
+
+    key = None
+    if sign:
+        raw = Ed25519PrivateKey.generate().private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        key = SigningKey(raw)
+    job = begin_save(engine, url, signing_key=key)
+    job.spec.digests = True
+    return job.run()
+
+
+def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
+             variants: tuple[str, ...] = SAVE_VARIANTS) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -222,10 +243,12 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     t = time.perf_counter()
     engine, opt = build_engine(cfg, pm, seed=0)
     train_step(engine, opt, cfg, rank)
-    fsdp, fopt = build_fsdp(cfg, world, rank, seed=0)
-    train_step(fsdp, fopt, cfg, rank)
+    fsdp = fopt = None
+    if any(v.startswith("dcp") for v in variants):
+        fsdp, fopt = build_fsdp(cfg, world, rank, seed=0)
+        train_step(fsdp, fopt, cfg, rank)
     setup_s = time.perf_counter() - t
-    digest, fsdp_sha = engine_digest(engine, rank), fsdp_digest(fsdp, rank)
+    digest, fsdp_sha = engine_digest(engine, rank), fsdp_digest(fsdp, rank) if fsdp else None
 
     ours, theirs, raw = (os.path.join(work, d) for d in ("shardckpt", "dcp", "raw"))
     dcp_sc, dcp_as, dcp_sc_as = (os.path.join(work, d) for d in ("dcp-sc", "dcp-async", "dcp-sc-async"))
@@ -236,16 +259,22 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float) -> 
     ck_async = Checkpointer(run_async, engine, keep_last=None, async_save=True)
     dist.barrier()
     t0 = time.perf_counter()
-    ck_async.save(0)  # the first save of a run also allocates the staging buffers: timed apart
+    if "async" in variants:
+        ck_async.save(0)  # the first save of a run also allocates the staging buffers: timed apart
     first_blocking = time.perf_counter() - t0
     ck_async.wait()
-    times: dict[str, list[float]] = {v: [] for v in SAVE_VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     times["async_total"] = []
     cold, nbytes = True, {"raw": 0}
     for rep in range(reps):
         step = rep + 1
-        for v in _rotated(SAVE_VARIANTS, rep):
-            if v == "shardckpt":
+        for v in _rotated(variants, rep):
+            if v in ("digests", "signed"):
+                target = os.path.join(work, v)
+                cold &= _prepare(rank, lambda t=target: _remove(t), settle_s)
+                dt, m = _timed(lambda t=target, s=v == "signed": _digest_save(engine, t, s))
+                nbytes[v] = m.total_bytes
+            elif v == "shardckpt":
                 cold &= _prepare(rank, lambda: _remove(ours), settle_s)
                 dt, m = _timed(lambda: save(engine, ours))
                 nbytes["shardckpt"] = m.total_bytes

@@ -16,7 +16,11 @@ equal the saved ones (SHA-256 of the gathered whole weights, both sides). Rank j
 ``_save_load_jobs.py``.
 
     python bench/save_load.py [--params 125M] [--reps 7] [--ranks 4] [--load-ranks 2] [--settle 2]
-                                [--workdir DIR] [--keep] [--json]
+                                [--workdir DIR] [--keep] [--json] [--digests-only]
+
+``digests`` and ``signed``: shardckpt ``save`` with a SHA-256 per file computed as it is written,
+and with the manifest signed too; ``--digests-only`` times those two and the plain save alone
+(no DCP, no load) and prints their ratios to it.
 
 Prints medians (seconds, GB/s) and the ratios the issue sets targets for. Nothing here asserts.
 """
@@ -38,7 +42,9 @@ from shardckpt.format.quantities import parse_count  # noqa: E402
 
 TARGETS = {"save_vs_disk_8": (">=", 0.9), "load_vs_disk_8": (">=", 0.9), "save_vs_dcp": (">=", 1.0), "save_vs_raw": (">=", 0.8), "load_vs_dcp": (">=", 1.0),
            "async_blocking_vs_sync": ("<=", 0.10), "dcp_writer_vs_fs": (">=", 1.0),
-           "dcp_reader_vs_fs": (">=", 1.0), "dcp_async_blocking_vs_fs": ("<=", 1.0)}
+           "dcp_reader_vs_fs": (">=", 1.0), "dcp_async_blocking_vs_fs": ("<=", 1.0),
+           "digests_vs_plain": (">=", 0.85), "signed_vs_plain": (">=", 0.85)}
+DIGEST_VARIANTS = ("shardckpt", "digests", "signed")
 
 
 def llama_config(params: int) -> dict[str, object]:
@@ -70,6 +76,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--digests-only", action="store_true",
+                    help="time the plain, digests and signed saves only (no DCP, no load)")
     args = ap.parse_args()
     from shardckpt.training.launch import launch
 
@@ -77,6 +85,9 @@ def main() -> None:
     work = args.workdir or tempfile.mkdtemp(prefix="shardckpt-bench-")
     os.makedirs(work, exist_ok=True)
     t = time.perf_counter()
+    if args.digests_only:
+        digests_only(cfg, work, args)
+        return
     saved = launch(jobs.save_job, args.ranks, (cfg, work, args.reps, args.settle), timeout_s=3600)
     loaded = launch(jobs.load_job, args.load_ranks, (cfg, work, args.reps, args.settle), timeout_s=3600)
     wall = time.perf_counter() - t
@@ -89,8 +100,10 @@ def main() -> None:
 
     s0, l0 = saved[0], loaded[0]
     nb = {"shardckpt": s0["bytes"]["shardckpt"], "dcp": s0["bytes"]["dcp"],
+          "digests": s0["bytes"]["digests"], "signed": s0["bytes"]["signed"],
           "raw": sum(r["bytes"]["raw"] for r in saved), "dcp_sc": s0["bytes"]["dcp_sc"]}
-    sec = {f"save_{v}": median(per_rep_max(saved, v)) for v in ("shardckpt", "dcp", "raw", "dcp_sc")}
+    sec = {f"save_{v}": median(per_rep_max(saved, v))
+           for v in ("shardckpt", "dcp", "raw", "dcp_sc", "digests", "signed")}
     for v in jobs.LOAD_VARIANTS:
         sec[f"load_{v}"] = median(per_rep_max(loaded, v))
     sec["dcp_async_blocking"] = median(per_rep_max(saved, "dcp_async"))
@@ -114,7 +127,9 @@ def main() -> None:
               "async_blocking_vs_sync": sec["ckpt_async_blocking"] / sec["ckpt_sync"],
               "dcp_writer_vs_fs": gbps["save_dcp_sc"] / gbps["save_dcp"],
               "dcp_reader_vs_fs": gbps["load_dcp_sc"] / gbps["load_dcp"],
-              "dcp_async_blocking_vs_fs": sec["dcp_sc_async_blocking"] / sec["dcp_async_blocking"]}
+              "dcp_async_blocking_vs_fs": sec["dcp_sc_async_blocking"] / sec["dcp_async_blocking"],
+              "digests_vs_plain": gbps["save_digests"] / gbps["save_shardckpt"],
+              "signed_vs_plain": gbps["save_signed"] / gbps["save_shardckpt"]}
     met = {k: (v >= TARGETS[k][1] if TARGETS[k][0] == ">=" else v <= TARGETS[k][1])
            for k, v in ratios.items()}
     result = {
@@ -141,6 +156,25 @@ def main() -> None:
     print_table(result)
 
 
+def digests_only(cfg: dict, work: str, args: argparse.Namespace) -> None:
+    """The plain, digests and signed saves alone, interleaved; medians and ratios."""
+    from shardckpt.training.launch import launch
+
+    saved = launch(jobs.save_job, args.ranks, (cfg, work, args.reps, args.settle, DIGEST_VARIANTS),
+                   timeout_s=3600)
+    if not args.keep:
+        drop_tree(work)
+    sec = {v: median(per_rep_max(saved, v)) for v in DIGEST_VARIANTS}
+    result = {"params": saved[0]["params"], "ranks": args.ranks, "reps": args.reps,
+              "cold_cache": all(r["cold"] for r in saved), "disk_bytes": saved[0]["bytes"],
+              "seconds": {k: round(v, 3) for k, v in sec.items()},
+              "per_rep_s": {v: [round(x, 3) for x in per_rep_max(saved, v)] for v in DIGEST_VARIANTS},
+              "ratios": {"digests_vs_plain": round(sec["shardckpt"] / sec["digests"], 3),
+                         "signed_vs_plain": round(sec["shardckpt"] / sec["signed"], 3)},
+              "targets": {k: f"{TARGETS[k][0]} {TARGETS[k][1]}" for k in ("digests_vs_plain", "signed_vs_plain")}}
+    print(json.dumps(result, indent=2))
+
+
 def print_table(r: dict) -> None:
     sec, gb, dgb, nb = r["seconds"], r["gbps"], r["disk_gbps"], r["disk_bytes"]
     cache = "cold page cache (dropped before each)" if r["cold_cache"] else "WARM page cache (could not drop)"
@@ -153,6 +187,7 @@ def print_table(r: dict) -> None:
             ("save  raw sequential write+fsync", "save_raw"), (f"load  shardckpt load() {n2}", "load_shardckpt"),
             (f"load  DCP dcp.load() {n2}", "load_dcp"),
             ("save  dcp.save(ShardckptWriter)", "save_dcp_sc"),
+            ("save  shardckpt, SHA-256 digests", "save_digests"), ("save  shardckpt, signed", "save_signed"),
             (f"load  dcp.load(ShardckptReader) {n2}", "load_dcp_sc")]
     for label, key in rows:
         print(f"{label:<34} {nb[key.split('_', 1)[1]] / 1e9:>7.3f} {sec[key]:>7.3f} {gb[key]:>6.2f} {dgb[key]:>9.2f}")
@@ -175,7 +210,9 @@ def print_table(r: dict) -> None:
               "async_blocking_vs_sync": "async save blocking / sync save",
               "dcp_writer_vs_fs": "dcp.save GB/s, ShardckptWriter / FS",
               "dcp_reader_vs_fs": f"dcp.load {r['ranks']}->{r['load_ranks']} GB/s, Shardckpt / FS",
-              "dcp_async_blocking_vs_fs": "dcp.async_save blocking, ours / FS"}
+              "dcp_async_blocking_vs_fs": "dcp.async_save blocking, ours / FS",
+              "digests_vs_plain": "save GB/s, with digests / without",
+              "signed_vs_plain": "save GB/s, signed / without digests"}
     for k, label in labels.items():
         print(f"{label:<42} {r['ratios'][k]:>6.3f} {r['targets'][k]:>8} {'yes' if r['met'][k] else 'NO':>4}")
     ok = r["load_correct"]

@@ -151,17 +151,24 @@ def verify(
     storage_option: list[str] | None = StorageOptionArg,
     workers: int = typer.Option(4, "--workers", help="Files checked in parallel."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
+    digests: bool = typer.Option(False, "--digests", help="Also check each file's SHA-256 digest."),
+    trust: str | None = typer.Option(None, "--trust", help="Public key file(s), comma-separated: "
+                                     "refuse a checkpoint not signed by one (implies --digests)."),
 ) -> None:
     """Check every file's presence, size, checksums and header; exit 0 only if all hold."""
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_verify
 
     opts = parse_storage_options(storage_option)
+    if trust:  # a consolidation (Hugging Face output): its signed provenance, checked
+        from shardckpt.tools.consolidate_sign import trusted_consolidation
+        if (line := trusted_consolidation(ckpt, opts, trust)) is not None:
+            return echo(line)
     where = checkpoint_location(ckpt, opts)  # a run directory: the checkpoint its latest names
     ckpt = where.url
     with job_from_environment() as job:  # under torchrun: this process checks its share
         result = run_verify(where.storage, opts, workers, job,
-                            functools.partial(progress, description="verify"))
+                            functools.partial(progress, description="verify"), digests, trust)
     if job is not None and not job.is_root:
         if not result:
             raise typer.Exit(EXIT_FAILED)

@@ -98,6 +98,8 @@ def _import_parameters(importer: Any) -> list[inspect.Parameter]:
                                                                     "memory).")),
         param("storage_option", list[str] | None, StorageOptionArg),
         param("json_out", bool, typer.Option(False, "--json", help="Print a JSON summary.")),
+        param("sign_key", str | None, typer.Option(None, "--sign-key", help="Sign it with this "
+                                                                             "Ed25519 key file.")),
     ]
 
 
@@ -117,7 +119,7 @@ def _run_import(importer: Any, args: dict[str, Any]) -> None:
         options = ImportOptions(args["src"], args["dst"], args["ranks"], args["replicate"],
                                 tuple(args["unit"]) if args["unit"] else None,
                                 parse_bytes(args["buffer"], "--buffer"), opts, opts,
-                                importer.Config(**config))
+                                importer.Config(**config), signing_key=args["sign_key"])
     except OptionError as e:
         fail(e.spelled(_flag), EXIT_USAGE)
     # under torchrun: each process writes its share of the files, or rank 0 imports while the

@@ -39,6 +39,7 @@ def consolidate(
                                       "such as BatchNorm statistics."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+    sign_key: str | None = typer.Option(None, "--sign-key", help="Sign DST with this Ed25519 key file."),
 ) -> None:
     """Write SRC as Hugging Face safetensors (and config.json) in DST; its index is written last."""
     from shardckpt.tools.distributed import job_from_environment
@@ -55,6 +56,9 @@ def consolidate(
                             functools.partial(progress, description="consolidate"), keep_buffers)
     if job is not None and not job.is_root:
         return
+    if sign_key:  # once committed, by one process: reads each output file once
+        from shardckpt.tools.consolidate_sign import sign_consolidation
+        sign_consolidation(dst, sign_key, opts)
     if json_out:
         echo_json({"src": src, "dst": dst, "save_id": r.save_id, "step": r.step, "dtype": r.dtype,
                    "component": r.component, "tensors": r.tensors, "total_size": r.total_size,

@@ -35,6 +35,7 @@ def reshard(
                                "(the default for flat groups)."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+    sign_key: str | None = typer.Option(None, "--sign-key", help="Sign DST with this Ed25519 key file."),
 ) -> None:
     """Reshard SRC (N ranks) into DST (M ranks); DST's manifest is written last.
 
@@ -53,7 +54,7 @@ def reshard(
     with job_from_environment() as job:  # under torchrun: this process's share of the job
         r = run_reshard(where.storage, dst, to, from_, replicate, workers, overwrite, opts,
                         buffer_bytes, job, functools.partial(progress, description="reshard"),
-                        fmt=format_)
+                        fmt=format_, signing_key=sign_key)
     if job is not None and not job.is_root:
         return
     m = r.manifest

@@ -18,6 +18,7 @@ COMMAND_MODULES = {
     "synth": "commands", "inspect": "commands", "verify": "commands", "estimate": "estimate",
     "reshard": "reshard", "clean": "clean", "demo": "demo", "consolidate": "offline",
     "diff": "offline", "watch": "watch", "import": "importers", "export": "importers",
+    "sign": "sign",
 }
 
 

@@ -39,6 +39,11 @@ class IntegrityError(IncompleteCheckpointError):
     """Bytes read back do not match their recorded checksum or size."""
 
 
+class TrustError(ShardckptError):
+    """A checkpoint read with ``trust`` is unsigned, signed by a key not trusted, or its bytes do
+    not match what its signed manifest records (docs/FORMAT.md section 16)."""
+
+
 class StorageError(ShardckptError):
     """An I/O operation failed; the original OSError (or client error) is kept as ``__cause__``."""
 

@@ -17,6 +17,7 @@ from shardckpt.errors import CollectiveError, ShardckptError
 from shardckpt.format.integrity import crc32c
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
 from shardckpt.storage import pwrite
+from shardckpt.storage.digest import ChunkHasher, hash_chunks
 from shardckpt.storage.pipeline import IOConfig, Ring
 from shardckpt.storage.pwrite import Staged, plan, write_positioned
 from shardckpt.storage.writer import StreamWriter
@@ -63,10 +64,13 @@ def test_positioned_write_gives_the_streamed_bytes_and_checksums(tmp_path, buffe
     parts = [raw[0], HostStaged(raw[1]), raw[2], raw[3], HostStaged(raw[4]), raw[5]]
     cfg = IOConfig(buffers, size, threads)
     ring = host_ring(cfg, cfg.slot_bytes(CHUNK), pinned=False)
-    got = write_positioned(str(tmp_path / "f.bin"), "f", parts, CHUNK, cfg, ring)
+    hasher = ChunkHasher(CHUNK)
+    got = write_positioned(str(tmp_path / "f.bin"), "f", parts, CHUNK, cfg, ring, hasher=hasher)
     data = (tmp_path / "f.bin").read_bytes()
     assert data == b"".join(raw)
     assert got == streamed(tmp_path, raw) and got[1] == crc32c(data)
+    # the digest of the parallel write is the file's, as the streamed write and verify compute it
+    assert hasher.hexdigest() == hash_chunks([data], CHUNK)
     assert ring.made <= buffers
 
 

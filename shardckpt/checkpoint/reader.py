@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from shardckpt.errors import (
     IncompleteCheckpointError, IntegrityError, ManifestError,
@@ -24,6 +24,7 @@ from shardckpt.format.manifest import (
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import header_length, parse_header
 from shardckpt.checkpoint.references import RunFiles
+from shardckpt.checkpoint.trust import PublicKey, Trust, TrustedFiles, check_manifest, trusted_keys
 from shardckpt.storage import NotFoundError, RangeReader, Storage
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,17 @@ class CheckpointReader:
     """
 
     def __init__(self, location: str | Storage, storage_options: Mapping[str, Any] | None = None,
-                 manifest: Manifest | None = None) -> None:
+                 manifest: Manifest | None = None, trust: Trust | None = None) -> None:
         """``manifest``: the checkpoint's manifest, already read and parsed (by another process
-        of the same work, which passes it on), so that it is not read again."""
+        of the same work, which passes it on), so that it is not read again. ``trust``: the
+        public keys of :mod:`shardckpt.checkpoint.trust`; the manifest must be signed by one and
+        every file must match its signed digest before its first read (else ``TrustError``)."""
         self.storage = as_storage(location, storage_options)
-        self.manifest = manifest if manifest is not None else read_manifest(self.storage)
-        m = self.manifest
+        keys = trusted_keys(trust)
+        if keys is not None or manifest is None:  # a trusted read checks the bytes it read itself
+            manifest = read_manifest(self.storage, keys)
+        self.manifest = m = manifest
+        self.trusted = TrustedFiles(self.storage, m) if keys is not None else None
         self.slots = {s.name: s for s in shard_slots(m.components, m.mesh, m.version, m.frozen)}
         #: format 1.3: the slots of frozen groups, which lie in the ``frozen`` files
         self.frozen_slots = {s.name: s for s in frozen_slots(m.components, m.mesh)} if m.frozen else {}
@@ -81,6 +87,8 @@ class CheckpointReader:
         self._check_head(entry, head)
 
     def _check_head(self, entry: FileEntry, given: bytes | None) -> None:
+        if self.trusted is not None:
+            self.trusted.check(entry)
         if entry.role not in ("shard", "buffers", CHUNKS_ROLE, FROZEN_ROLE):
             return
         with self._headers_lock:
@@ -148,8 +156,9 @@ class CheckpointReader:
                                             entry.data_start + s.begin, entry.data_start + s.end)
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """Load and validate ``manifest.json``; a missing one means the save never committed.
+def read_manifest(storage: Storage, trust: Sequence[PublicKey] | None = None) -> Manifest:
+    """Load and validate ``manifest.json``; a missing one means the save never committed. With
+    ``trust``, it must be signed by one of those keys (:func:`shardckpt.checkpoint.trust.check_manifest`).
 
     One bounded read (at most the size limit plus one byte) under one retry deadline: the size a
     listing reports is not trusted (a FIFO or a link to a device reports 0).
@@ -166,7 +175,10 @@ def read_manifest(storage: Storage) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{url}: more than {MAX_MANIFEST_BYTES} bytes; a larger manifest is "
                             "refused without reading the rest")
-    return parse(data, url)
+    m = parse(data, url)
+    if trust is not None:
+        check_manifest(data, m, storage.url, trust)
+    return m
 
 
 def expected_slots(m: Manifest, entry: FileEntry, shard: Mapping[str, TensorSlot],

@@ -18,7 +18,9 @@ from shardckpt.format.manifest import (
 from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage, check_header, read_manifest
 from shardckpt.checkpoint.references import RunFiles
+from shardckpt.checkpoint.trust import Trust, trusted_keys
 from shardckpt.storage import NotFoundError, Storage, crc32c, iter_file_chunks
+from shardckpt.storage.digest import ChunkHasher
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,11 @@ class VerifyResult:
         return self.ok
 
 
-def manifest_or_error(storage: Storage) -> Manifest | ShardckptError:
-    """:func:`read_manifest` of ``storage``, or the error that gave (a finding of ``verify``)."""
+def manifest_or_error(storage: Storage, trust: Trust | None = None) -> Manifest | ShardckptError:
+    """:func:`read_manifest` of ``storage``, or the error that gave (a finding of ``verify``);
+    ``trust``: it must be signed by one of those keys (:mod:`shardckpt.checkpoint.trust`)."""
     try:
-        return read_manifest(storage)
+        return read_manifest(storage, trusted_keys(trust))
     except ShardckptError as e:
         return e
 
@@ -71,7 +74,7 @@ def manifest_or_error(storage: Storage) -> Manifest | ShardckptError:
 def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = None,
            workers: int = 4, progress: Callable[[int], None] | None = None,
            manifest: Manifest | ShardckptError | None = None,
-           job: Job | None = None) -> VerifyResult:
+           job: Job | None = None, digests: bool = False, trust: Trust | None = None) -> VerifyResult:
     """Check every file against the manifest: presence, size, whole and per-chunk CRC32C, header.
 
     Never stops at the first problem. ``progress(nbytes)`` is called as bytes are checked.
@@ -82,16 +85,22 @@ def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = 
     Every process of ``job`` (one process alone: a job of one) calls it and checks its share of
     the files (balanced by bytes); the processes must have read the same manifest, and every
     process gets every file's report, in manifest order.
+
+    ``digests``: also each file's SHA-256 digest (format 1.4; a file without one is a problem).
+    ``trust``: the manifest must be signed by one of these keys (else that is the one problem
+    reported), and digests are checked.
     """
     job = job or Job.single()
     storage = as_storage(location, storage_options)
-    m = job.open(lambda: manifest if manifest is not None else manifest_or_error(storage),
+    given = manifest if trust is None else None  # a trusted check reads the bytes it checks
+    m = job.open(lambda: given if given is not None else manifest_or_error(storage, trust),
                  lambda m: "" if isinstance(m, ShardckptError) else m.save_id, storage.url,
                  "verify: reading the manifest")
     if isinstance(m, ShardckptError):
         return VerifyResult(storage.url, None, (), (str(m),))
     mine = [m.files[i] for i in job.share([f.size for f in m.files])]
-    _, parts = job.gather(lambda: _check_files(storage, m, mine, workers, progress),
+    digests = digests or trust is not None
+    _, parts = job.gather(lambda: _check_files(storage, m, mine, workers, progress, digests),
                           lambda reports: [r.to_doc() for r in reports], "verify: checking the files")
     found = {r.path: r for part in parts for r in map(FileReport.from_doc, part)}
     reports = tuple(found[f.path] for f in m.files)
@@ -99,7 +108,7 @@ def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = 
 
 
 def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], workers: int,
-                 progress: Callable[[int], None] | None) -> list[FileReport]:
+                 progress: Callable[[int], None] | None, digests: bool = False) -> list[FileReport]:
     """The report of each of ``files``, checked over ``workers`` threads."""
     expected = {"shard": shard_slots(m.components, m.mesh, m.version, m.frozen),
                 "buffers": buffer_slots(m.components)}
@@ -122,10 +131,13 @@ def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], work
             problems.append(f"{url}: {what}: {actual} bytes, the manifest records {entry.size}")
         crc, i, head = 0, 0, b""
         bad_chunks = []
+        hasher = ChunkHasher(m.chunk_size) if digests else None
         try:
             where, below = where_is.locate(entry.path)
             for data in iter_file_chunks(where, below, m.chunk_size, limit=entry.size):
                 crc = crc32c(data, crc)
+                if hasher is not None:
+                    hasher.update(memoryview(data).cast("B"))
                 if i < len(entry.chunk_crc32c) and crc32c(data) != entry.chunk_crc32c[i]:
                     bad_chunks.append(i)
                 if len(head) < 8 + entry.header_size:
@@ -143,9 +155,21 @@ def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], work
                             f"{', ...' if len(bad_chunks) > 5 else ''}); the file is corrupted")
         elif actual == entry.size and crc != entry.crc32c:
             problems.append(f"{url}: whole-file CRC32C {crc:08x} differs from the recorded {entry.crc32c:08x}")
+        if hasher is not None:
+            problems += digest_problems(url, entry, hasher.hexdigest())
         problems += check_header(url, entry, head, actual,
                                   expected.get(entry.path if entry.role == CHUNKS_ROLE else entry.role))
         return FileReport(entry.path, entry.size, not problems, tuple(problems))
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return list(pool.map(check, files))
+
+
+def digest_problems(url: str, entry: FileEntry, got: str) -> list[str]:
+    """What ``verify --digests`` says of ``entry`` whose bytes have digest ``got``."""
+    if entry.sha256 is None:
+        return [f"{url}: no SHA-256 digest recorded (written without digests; `shardckpt sign` adds them)"]
+    if got != entry.sha256:
+        return [f"{url}: SHA-256 digest {got[:16]}... differs from the recorded {entry.sha256[:16]}...; "
+                "the bytes were changed"]
+    return []

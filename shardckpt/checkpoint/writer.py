@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable, Mapping
 from shardckpt.storage import commit as _commit
 from shardckpt.errors import CommitConflictError, IncompleteCheckpointError, ShardckptError
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
+from shardckpt.format.digests import DIGESTS_VERSION
 from shardckpt.format.layout import Mesh
+from shardckpt.format.signing import SigningKey
 from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
     CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, FROZEN_ROLE, FROZEN_VERSION, MANIFEST_NAME, VERSION,
@@ -26,7 +28,7 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
-from shardckpt.storage import NotFoundError, Storage
+from shardckpt.storage import ChunkHasher, NotFoundError, Storage
 from shardckpt.checkpoint.references import RunFiles, file_crc
 from shardckpt.checkpoint.set_aside import supersede
 
@@ -63,6 +65,15 @@ class CheckpointSpec:
     #: format 1.3: frozen groups' slots go to one ``frozen`` file per shard rank (where there are
     #: frozen groups), which a later checkpoint of the run may reference instead of rewriting
     frozen: bool = False
+    #: format 1.4: a SHA-256 digest per file (:mod:`shardckpt.format.digests`), computed as the
+    #: bytes are written; implied by ``signing_key``
+    digests: bool = False
+    #: format 1.4: sign the manifest with this Ed25519 key (:mod:`shardckpt.format.signing`)
+    signing_key: SigningKey | None = None
+
+    @property
+    def with_digests(self) -> bool:
+        return self.digests or self.signing_key is not None
 
     @property
     def frozen_files(self) -> bool:
@@ -95,11 +106,13 @@ class CheckpointWriter:
         positioned = getattr(produce, "write_positioned", None)  # parallel, on a local disk
         opener = self.storage.write_opener(rel) if positioned is not None else None
         if positioned is not None and opener is not None:
+            hasher = ChunkHasher(self.spec.chunk_size) if self.spec.with_digests else None
             done = positioned(self.storage.full(rel), self.storage.url_of(rel), header, slots,
-                              self.spec.chunk_size, opener)
+                              self.spec.chunk_size, opener, hasher)
             if done is not None:
-                return FileEntry(rel, role, done[0], len(header) - 8, done[1], done[2], index)
-        with self.storage.writer(rel, self.spec.chunk_size) as w:
+                return FileEntry(rel, role, done[0], len(header) - 8, done[1], done[2], index,
+                                 hasher.hexdigest() if hasher is not None else None)
+        with self.storage.writer(rel, self.spec.chunk_size, self.spec.with_digests) as w:
             w.write(header)
             for slot in slots:
                 expected = slot.end - slot.begin
@@ -115,7 +128,7 @@ class CheckpointWriter:
                     raise ShardckptError(f"{self.storage.url_of(rel)}: producer gave {got} of "
                                          f"{expected} bytes for {slot.name}")
             size, crc, chunks = w.close()
-        return FileEntry(rel, role, size, len(header) - 8, crc, chunks, index)
+        return FileEntry(rel, role, size, len(header) - 8, crc, chunks, index, w.sha256)
 
     def write_shard(self, shard: int, produce: Producer) -> FileEntry:
         """Stream shard ``shard``: ``produce(slot)`` yields the bytes of each ``<group>.<kind>``."""
@@ -169,6 +182,8 @@ class CheckpointWriter:
         s = self.spec
         version = (FROZEN_VERSION if s.frozen_files else
                    VERSION if s.chunked is None else CHUNKED_VERSION)
+        if s.with_digests:
+            version = max(version, DIGESTS_VERSION)
         return Manifest(version, self.save_id, created,
                         s.mesh, s.chunk_size, dict(s.components), s.optimizer, dict(s.extras),
                         dict(s.per_rank_state), tuple(entries), s.chunked, s.frozen_files)
@@ -196,7 +211,7 @@ class CheckpointWriter:
         still there unchanged, and read back (:func:`shardckpt.storage.commit.replace`).
         """
         m = self.manifest(files)
-        data = to_json(m)
+        data = to_json(m, self.spec.signing_key)
         parse(data, self.storage.url_of(MANIFEST_NAME))  # never commit what we could not read back
         # own files below the checkpoint; referenced ones (format 1.3) where they lie
         _commit.check_files(self.storage, replace(m, files=tuple(f for f in m.files if not f.is_reference)))

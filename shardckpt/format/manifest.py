@@ -16,10 +16,12 @@ from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.format.chunked import FEATURE as CHUNKED_FEATURE, ChunkedSection, file_layout, section_doc
+from shardckpt.format.digests import DIGEST_FIELD, is_digest
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import FlatGroup, Layout, Mesh, prod
 from shardckpt.format.integrity import MAX_SHORT, ChunkCrcs, seal
 from shardckpt.format.parse_context import MAX_INT, ParseContext
+from shardckpt.format.signing import SigningKey, seal_signed
 
 FORMAT_NAME = "shardckpt"
 #: 1.1 adds the manifest's own checksum (``manifest_crc32c``); see docs/FORMAT.md section 9.
@@ -66,6 +68,7 @@ class FileEntry:
     crc32c: int
     chunk_crc32c: Sequence[int]  # held as ChunkCrcs, whatever sequence of ints is given
     index: int | None = None  # shard rank for "shard" and "frozen", global rank for "rank"
+    sha256: str | None = None  # format 1.4: digest of shardckpt.format.digests (hex), if recorded
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_crc32c, ChunkCrcs):
@@ -87,6 +90,8 @@ class FileEntry:
             doc["index"] = self.index
         doc.update(size=self.size, header_size=self.header_size, crc32c=f"{self.crc32c:08x}",
                    chunk_crc32c=ChunkCrcs(self.chunk_crc32c).hex())
+        if self.sha256 is not None:
+            doc[DIGEST_FIELD] = self.sha256
         return doc
 
     @classmethod
@@ -127,7 +132,10 @@ class FileEntry:
         # int(x, 16) alone would take "0x12", " 1_2", "ABCD"
         if len(chunks) % 8 or not _LOWER_HEX.fullmatch(chunks):
             raise ctx.fail(f"{where}.chunk_crc32c", f"{path}: expected 8 lowercase hex digits per chunk")
-        return cls(path, role, size, header_size, crc, ChunkCrcs.from_hex(chunks), index)
+        digest = d.get(DIGEST_FIELD)
+        if digest is not None and not is_digest(digest):
+            raise ctx.fail(f"{where}.{DIGEST_FIELD}", f"{path}: expected 64 lowercase hex digits")
+        return cls(path, role, size, header_size, crc, ChunkCrcs.from_hex(chunks), index, digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,9 +324,9 @@ def buffer_slots(components: Mapping[str, Component]) -> list[TensorSlot]:
 # ------------------------------------------------------------------------------------ encode
 
 
-def to_json(m: Manifest) -> bytes:
+def to_json(m: Manifest, key: SigningKey | None = None) -> bytes:
     """Encode a manifest; :func:`~shardckpt.format.manifest_parse.parse` of the result gives
-    back an equal manifest."""
+    back an equal manifest. ``key``: signed with it (:mod:`shardckpt.format.signing`)."""
     doc = {
         "format": FORMAT_NAME,
         "version": f"{m.version[0]}.{m.version[1]}",
@@ -340,7 +348,7 @@ def to_json(m: Manifest) -> bytes:
         doc["requires"] = requires
     if m.chunked is not None:
         doc["chunked"] = section_doc(m.chunked)
-    return seal(doc)
+    return seal(doc) if key is None else seal_signed(doc, key)
 
 
 def _component_doc(c: Component) -> dict[str, Any]:

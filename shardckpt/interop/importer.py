@@ -89,7 +89,8 @@ class ImportOptions:
     expressions, each match (whole name components) one unit; None for the importer's default.
     ``buffer_bytes`` bounds each read, and so memory. ``storage_options`` go to fsspec for the
     source, ``dst_storage_options`` for the destination. ``config``: the importer's own options
-    (its ``Config``; None for its defaults).
+    (its ``Config``; None for its defaults). ``signing_key``: a private key file (or key) that
+    signs the checkpoint written, with a digest per file (docs/FORMAT.md section 16).
     """
 
     src: Any            # a path or URL, a Storage, or a source an importer opened (HFSource)
@@ -101,6 +102,7 @@ class ImportOptions:
     storage_options: Mapping[str, Any] | None = None
     dst_storage_options: Mapping[str, Any] | None = None
     config: ImporterConfig | None = None
+    signing_key: Any = None
 
     def __post_init__(self) -> None:
         if self.units is not None and not isinstance(self.units, tuple):
@@ -244,8 +246,11 @@ def run_importer(importer: Importer, options: ImportOptions,
     alone, :meth:`~shardckpt.checkpoint.job.Job.single`). Returns the committed manifest."""
     from shardckpt.checkpoint.job import Job
 
+    from shardckpt.checkpoint.trust import signing_key
+
     options = with_config(importer, options)
     with importer.plan(options) as plan:
+        plan.spec.signing_key = signing_key(options.signing_key)  # before any file is written
         return importer.write(plan, job or Job.single())
 
 

@@ -64,6 +64,7 @@ from shardckpt.storage.reads import DEFAULT_BATCH, DEFAULT_BUFFER, RangeReader, 
 from shardckpt.storage.retry import (
     DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
 )
+from shardckpt.storage.digest import ChunkHasher
 from shardckpt.storage.writer import StreamWriter, crc32c
 
 _S3_NAMES = frozenset({"OpenUpload", "S3_CONFIG_DEFAULTS", "S3FS_RETRIES"})
@@ -76,7 +77,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BACKENDS", "BackendOptions", "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE",
+    "BACKENDS", "BackendOptions", "ChunkHasher", "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE",
     "DeadlineExceededError", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "RetryPolicy",
     "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage", "StorageBackend", "StreamWriter", "Tuning",
     "abort_upload", "backend_class", "crc32c", "iter_file_chunks", "list_open_uploads", "mapped_errors", "open_storage",

@@ -156,10 +156,11 @@ class Storage:
 
     # ----------------------------------------------------------------------------- writes
 
-    def writer(self, rel: str, chunk_size: int) -> StreamWriter:
-        """A checksumming streaming write of ``rel``: visible only once closed, never partial."""
+    def writer(self, rel: str, chunk_size: int, digest: bool = False) -> StreamWriter:
+        """A checksumming streaming write of ``rel``: visible only once closed, never partial
+        (``digest``: with the SHA-256 digest of :mod:`shardckpt.format.digests` too)."""
         path, url = self.full(rel), self.url_of(rel)
-        return StreamWriter(lambda: self.backend.sink(path, url), url, chunk_size)
+        return StreamWriter(lambda: self.backend.sink(path, url), url, chunk_size, digest)
 
     def staging_name(self, rel: str, token: str) -> str:
         """The name to write ``rel`` under until :meth:`install` gives it its own: on a local disk

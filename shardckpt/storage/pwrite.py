@@ -19,12 +19,14 @@ worker, removes the file, and raises; the caller's save then commits nothing.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardckpt.format.integrity import crc32c
+from shardckpt.storage.digest import ChunkHasher
 from shardckpt.storage.pipeline import IOConfig, Ring, Slot, run_workers
 from shardckpt.storage.retry import mapped_errors
 from shardckpt.storage.writer import crc32c_of_chunks, start_writeback
@@ -112,12 +114,14 @@ def _pwrite_all(fd: int, views: list[memoryview], pos: int) -> None:
 
 def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int,
                      config: IOConfig, ring: Ring | None = None,
-                     open_fd: Callable[[], int] | None = None) -> tuple[int, int, tuple[int, ...]]:
+                     open_fd: Callable[[], int] | None = None,
+                     hasher: ChunkHasher | None = None) -> tuple[int, int, tuple[int, ...]]:
     """Write ``parts`` (in order) to ``path`` (created or truncated) in parallel; fsync it.
     Returns (size, CRC32C, per-chunk CRC32Cs). ``ring`` stages :class:`Staged` parts (required
     where there are any). ``open_fd`` opens ``path`` as its storage does
     (:meth:`~shardckpt.storage.Storage.write_opener`: a private directory's mode, no link
-    followed); without it, a plain create-or-truncate."""
+    followed); without it, a plain create-or-truncate. ``hasher`` also takes each chunk's SHA-256,
+    computed where its CRC32C is (:mod:`shardckpt.storage.digest`)."""
     views = [None if isinstance(p, Staged) else memoryview(p).cast("B") for p in parts]
     per = (ring.nbytes if ring is not None else config.slot_bytes(chunk_size)) // chunk_size
     size, windows = plan(parts, chunk_size, max(1, per))
@@ -148,7 +152,7 @@ def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int
                 out = [slot.view[:w1 - w0]]
             else:
                 out = [views[i][a:b] for i, a, b in segs]  # type: ignore[index]
-            _checksum(out, w0, chunk_size, crcs)
+            _checksum(out, w0, chunk_size, crcs, hasher)
             fd = fds.get()
             _pwrite_all(fd, out, w0)
             start_writeback(fd, w0, w1 - w0)
@@ -169,17 +173,28 @@ def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int
     return size, crc32c_of_chunks(crcs, chunk_size, size), tuple(crcs)
 
 
-def _checksum(views: list[memoryview], w0: int, cs: int, crcs: list[int]) -> None:
-    """The CRC32C of each chunk of a window (``views``, consecutive bytes from ``w0``)."""
+def _checksum(views: list[memoryview], w0: int, cs: int, crcs: list[int],
+              hasher: ChunkHasher | None = None) -> None:
+    """The CRC32C of each chunk of a window (``views``, consecutive bytes from ``w0``, which
+    starts a chunk), and its SHA-256 into ``hasher`` where given."""
     chunk, crc, fill = w0 // cs, 0, 0
+    sha = hashlib.sha256() if hasher is not None else None
     for v in views:
         pos = 0
         while pos < len(v):
             take = min(len(v) - pos, cs - fill)
             crc = crc32c(v[pos:pos + take], crc)
+            if sha is not None:
+                sha.update(v[pos:pos + take])
             fill += take
             pos += take
             if fill == cs:
-                crcs[chunk], chunk, crc, fill = crc, chunk + 1, 0, 0
+                crcs[chunk] = crc
+                if hasher is not None and sha is not None:
+                    hasher.chunk(chunk, sha.digest())
+                    sha = hashlib.sha256()
+                chunk, crc, fill = chunk + 1, 0, 0
     if fill:
         crcs[chunk] = crc
+        if hasher is not None and sha is not None:
+            hasher.chunk(chunk, sha.digest())

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from shardckpt.errors import StorageError
 from shardckpt.format.integrity import crc32c
+from shardckpt.storage.digest import ChunkHasher
 from shardckpt.storage.retry import describe_error, map_error, mapped_errors
 
 log = logging.getLogger(__name__)
@@ -138,10 +139,13 @@ class StreamWriter:
     upload aborted) instead of committed; :meth:`close` returns the size and checksums. A writer
     that is neither closed nor aborted never commits anything either: on S3 its upload stays open
     until aborted here or by ``shardckpt clean``. ``open_sink`` opens where the bytes go (the
-    backend's sink), once the arguments are checked.
+    backend's sink), once the arguments are checked. ``digest``: also the per-chunk SHA-256
+    (:mod:`shardckpt.storage.digest`), on the thread that computes the CRC32C; :attr:`sha256`
+    holds the file's digest once closed.
     """
 
-    def __init__(self, open_sink: Callable[[], Sink], url: str, chunk_size: int) -> None:
+    def __init__(self, open_sink: Callable[[], Sink], url: str, chunk_size: int,
+                 digest: bool = False) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
         self.url, self.chunk_size = url, chunk_size
@@ -150,6 +154,8 @@ class StreamWriter:
         self._chunk_crc = 0
         self._chunk_fill = 0
         self._closed = False
+        self._hasher = ChunkHasher(chunk_size) if digest else None
+        self.sha256: str | None = None
         self._sink = open_sink()
 
     def write(self, data: Any) -> None:
@@ -175,6 +181,8 @@ class StreamWriter:
         while pos < n:
             take = min(n - pos, self.chunk_size - self._chunk_fill)
             self._chunk_crc = crc32c(view[pos:pos + take], self._chunk_crc)
+            if self._hasher is not None:  # the same piece, while it is in the cache
+                self._hasher.update(view[pos:pos + take])
             self._chunk_fill += take
             pos += take
             if self._chunk_fill == self.chunk_size:
@@ -198,6 +206,8 @@ class StreamWriter:
             self.abort()
             raise
         self._closed = True
+        if self._hasher is not None:
+            self.sha256 = self._hasher.hexdigest()
         return self.size, self.crc, tuple(self.chunks)
 
     def abort(self) -> None:

@@ -50,8 +50,9 @@ def describe(url: str | Storage, storage_options: Mapping[str, Any] | None) -> d
 def run_reshard(src: str | Storage, dst: str, to: int, from_: int | None, replicate: int,
                 workers: int, overwrite: bool, storage_options: Mapping[str, Any] | None,
                 buffer_bytes: int, job: Job | None, progress: OpenProgress,
-                fmt: str | None = None) -> ReshardResult:
-    """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst``: the source opened and
+                fmt: str | None = None, signing_key: str | None = None) -> ReshardResult:
+    """:func:`shardckpt.tools.reshard.reshard` of ``src`` into ``dst`` (signed with the key file
+    ``signing_key``, if given): the source opened and
     planned once, the destination opened once; its total is the bytes of the source, shown
     where one process reshards alone (``workers`` 1, no job). Under ``torchrun`` the job's
     processes split the target files, and ``workers`` is not used. ``fmt``: the target's kind
@@ -59,13 +60,14 @@ def run_reshard(src: str | Storage, dst: str, to: int, from_: int | None, replic
     from shardckpt.checkpoint.job import Job
     from shardckpt.checkpoint.reader import as_storage
     from shardckpt.errors import ConfigError
-    from shardckpt.tools.reshard import open_source, write_reshard
+    from shardckpt.tools.reshard import open_source, signed_by, write_reshard
 
     if job is None and workers < 1:
         raise ConfigError(f"--workers {workers}: must be >= 1")
     alone = job is None
     job = job or Job.single()
-    source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job, fmt)
+    source = signed_by(open_source(src, to, from_, replicate, storage_options, buffer_bytes, job, fmt),
+                       signing_key)
     out = as_storage(dst, storage_options)
     if not alone or workers != 1:  # worker processes and a job's processes report no progress
         return write_reshard(source, out, overwrite, workers if alone else 1, buffer_bytes,
@@ -75,19 +77,22 @@ def run_reshard(src: str | Storage, dst: str, to: int, from_: int | None, replic
 
 
 def run_verify(url: str | Storage, storage_options: Mapping[str, Any] | None, workers: int,
-               job: Job | None, progress: OpenProgress) -> VerifyResult:
+               job: Job | None, progress: OpenProgress, digests: bool = False,
+               trust: Any = None) -> VerifyResult:
     """:func:`shardckpt.checkpoint.verify.verify` of the checkpoint at ``url``, its manifest read
-    once; a manifest that cannot be read is the result's problem, not an exception."""
+    once (twice with ``trust``: the check reads its own bytes); a manifest that cannot be read
+    is the result's problem, not an exception."""
     from shardckpt.checkpoint.reader import as_storage
     from shardckpt.checkpoint.verify import manifest_or_error, verify
     from shardckpt.errors import ShardckptError
 
     storage = as_storage(url, storage_options)
     m = manifest_or_error(storage)
+    checks = {"digests": digests, "trust": trust}
     if job is not None:
-        return verify(storage, workers=workers, progress=_ignore, manifest=m, job=job)
+        return verify(storage, workers=workers, progress=_ignore, manifest=m, job=job, **checks)
     with progress(0 if isinstance(m, ShardckptError) else m.total_bytes) as tick:
-        return verify(storage, workers=workers, progress=tick, manifest=m)
+        return verify(storage, workers=workers, progress=tick, manifest=m, **checks)
 
 
 def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: int,

@@ -34,6 +34,8 @@ from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.errors import ConfigError, IncompatibleLayoutError
 from shardckpt.format.layout import Mesh
+from shardckpt.format.signing import SigningKey
+from shardckpt.checkpoint.trust import signing_key
 from shardckpt.format.manifest import MANIFEST_NAME, Component, Manifest
 from shardckpt.format.records import PerRankState
 from shardckpt.format.reshard_plan import ReshardPlan, plan_reshard
@@ -115,6 +117,15 @@ class ReshardSource:
     @property
     def spec(self) -> CheckpointSpec:
         return self.target.spec
+
+
+def signed_by(source: ReshardSource, key: str | SigningKey | None) -> ReshardSource:
+    """``source`` whose target is written with digests and signed with ``key`` (a private key
+    file's path, or a key; None: as it is)."""
+    key = signing_key(key)
+    if key is None:
+        return source
+    return replace(source, target=replace(source.target, spec=replace(source.target.spec, signing_key=key)))
 
 
 @dataclass
@@ -268,18 +279,20 @@ def reshard(src: str | Storage, dst: str | Storage, to: int, from_: int | None =
             dst_storage_options: Mapping[str, Any] | None = None,
             buffer_bytes: int = DEFAULT_BATCH,
             progress: Callable[[int], None] | None = None, job: Job | None = None,
-            fmt: str | None = None) -> ReshardResult:
+            fmt: str | None = None, signing_key: str | SigningKey | None = None) -> ReshardResult:
     """Reshard ``src`` to a world of ``to`` ranks (mesh ``replicate`` x ``to/replicate``) at ``dst``.
 
     ``from_`` is a guard: it must equal the source's world size. With ``overwrite``, an existing
     checkpoint at ``dst`` is replaced only once the new one is complete. ``workers`` processes
     split the target shards; under ``torchrun`` (``job``) the job's processes split them.
     ``fmt``: ``"chunked"`` or ``"flat"`` (None: the source's kind; a checkpoint of chunked
-    tensors can become either). :func:`open_source`, then :func:`write_reshard`.
+    tensors can become either). ``signing_key``: sign the target (docs/FORMAT.md section 16).
+    :func:`open_source`, then :func:`write_reshard`.
     """
     if workers < 1:
         raise ConfigError(f"--workers {workers}: must be >= 1")
     source = open_source(src, to, from_, replicate, storage_options, buffer_bytes, job, fmt)
+    source = signed_by(source, signing_key)
     dst_opts = dst_storage_options if dst_storage_options is not None else storage_options
     return write_reshard(source, as_storage(dst, dst_opts), overwrite, workers, buffer_bytes,
                          progress, job)

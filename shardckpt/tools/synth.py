@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
+from shardckpt.format.signing import SigningKey
 from shardckpt.checkpoint.reader import as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
@@ -141,9 +142,12 @@ def synth_bytes(params: int, ranks: int, replicate: int = 1, units: int = 2) -> 
 def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int = 2,
                seed: int = 0, step: int = 100, storage_options: Mapping[str, Any] | None = None,
                workers: int = 2, chunk_size: int | None = None,
-               progress: Callable[[int], None] | None = None) -> Manifest:
-    """Write a committed synthetic checkpoint to ``dst`` (an fsspec URL) and return its manifest."""
+               progress: Callable[[int], None] | None = None, digests: bool = False,
+               signing_key: SigningKey | None = None) -> Manifest:
+    """Write a committed synthetic checkpoint to ``dst`` (an fsspec URL) and return its manifest
+    (``digests``, ``signing_key``: as :class:`~shardckpt.checkpoint.writer.CheckpointSpec`'s)."""
     spec = synth_spec(params, ranks, replicate, units, step, seed)
+    spec.digests, spec.signing_key = digests, signing_key
     if chunk_size:
         spec.chunk_size = chunk_size
     storage = as_storage(dst, storage_options)

@@ -55,6 +55,7 @@ from concurrent.futures import Future
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from shardckpt.checkpoint.trust import SigningKey, Trust, signing_key as load_signing_key
 from shardckpt.checkpoint.collective import agree, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
@@ -152,11 +153,13 @@ class Checkpointer:
                  keep_last: int | None = 3, async_save: bool = False, seed: int = 0,
                  storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                  hf_config: Any = None, local: LocalTier | None = None,
-                 durable_every: int | None = None, max_staging_bytes: int | None = None) -> None:
+                 durable_every: int | None = None, max_staging_bytes: int | None = None,
+                 signing_key: str | SigningKey | None = None) -> None:
         for name, obj in (app_state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"app_state[{name!r}] has no state_dict()/load_state_dict()")
         self.engine = engine
+        self.signing_key = load_signing_key(signing_key)  # a path: read once, here
         self.app_state = dict(app_state or {})
         self.manager = CheckpointManager(run_url, keep_last, storage_options)
         self.storage_options = storage_options
@@ -256,8 +259,8 @@ class Checkpointer:
                 assert self._stager is not None  # None while it is being allocated: see run()
                 staging = self._stager.get(self.engine.local_shards(), on_disk, wait=False)
             job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
-                             self._group, rank_state=rng_state(), staging=staging,
-                             snapshot=snapshot, previous=self.manager.latest_url())
+                             self._group, rank_state=rng_state(), staging=staging, snapshot=snapshot,
+                             previous=self.manager.latest_url(), signing_key=self.signing_key)
         except BaseException:
             if snapshot is not None:
                 snapshot.remove()
@@ -293,7 +296,7 @@ class Checkpointer:
         the durable tier in the background. False where the local tier is full (it is then off,
         and the durable save, if due, is the caller's)."""
         job = begin_save(self.engine, tier.url_for(step), ext, None, self.chunk_size, self._group,
-                         rank_state=rng_state())
+                         rank_state=rng_state(), signing_key=self.signing_key)
         written = tier.write(job, step)
         if written is None:
             return False
@@ -403,21 +406,22 @@ class Checkpointer:
     def load(self, url: str, strict: bool = True, weights_only: bool = False,
              storage_options: Mapping[str, Any] | None = None, direct: bool = False,
              peers: Sequence[Transfer] = (), flag_key: str | None = None,
-             manifest: Manifest | None = None) -> LoadResult:
+             manifest: Manifest | None = None, trust: Trust | None = None) -> LoadResult:
         """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
         ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
         ``url`` is a directory on this machine; read its shards straight into the engine's, and
         take the shard files ``peers`` names from other ranks' directories on the way
         (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag;
-        ``manifest``: the one the ranks agreed on, not read again)."""
+        ``manifest``: the one the ranks agreed on, not read again; ``trust``: public keys that
+        must have signed it, as :func:`load`'s, never ``direct``)."""
         self.wait()  # a save in flight reads the state a load would overwrite
         options = self.storage_options if storage_options is None else storage_options
-        if direct and not weights_only:
+        if direct and not weights_only and trust is None:
             res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key,
                               manifest=manifest)
         else:
             res = load(self.engine, url, strict=strict, weights_only=weights_only,
-                       storage_options=options)
+                       storage_options=options, trust=trust)
         extras = run_extras(res.manifest, url)
         app = extras.app or {}
         absent = [name for name in self.app_state if name not in app]

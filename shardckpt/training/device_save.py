@@ -83,11 +83,12 @@ class ShardBytes:
             yield u8[a:a + PIECE_BYTES].cpu().numpy()
 
     def write_positioned(self, path: str, url: str, header: bytes, slots: Sequence[TensorSlot],
-                         chunk_size: int, open_fd: Callable[[], int] | None = None
-                         ) -> tuple[int, int, tuple[int, ...]] | None:
+                         chunk_size: int, open_fd: Callable[[], int] | None = None,
+                         hasher: Any = None) -> tuple[int, int, tuple[int, ...]] | None:
         """Write the file (``header``, then every slot's bytes) at ``path`` in parallel, opened by
         ``open_fd`` where given (its storage's way); None where a slot's state lives in an
-        offload file (the caller streams it instead; nothing is opened)."""
+        offload file (the caller streams it instead; nothing is opened). ``hasher``: a
+        :class:`~shardckpt.storage.digest.ChunkHasher` that takes each chunk's SHA-256."""
         import torch
 
         tensors = [self.tensor(s) for s in slots]
@@ -109,4 +110,4 @@ class ShardBytes:
             parts.append(DeviceBytes(u8, ready.get(u8.device)))
         staged = any(isinstance(p, DeviceBytes) for p in parts)
         ring = host_ring(cfg, cfg.slot_bytes(chunk_size), torch.cuda.is_available()) if staged else None
-        return write_positioned(path, url, parts, chunk_size, cfg, ring, open_fd)
+        return write_positioned(path, url, parts, chunk_size, cfg, ring, open_fd, hasher)

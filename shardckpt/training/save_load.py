@@ -11,10 +11,11 @@ are re-derived. Every rank raises the same error if any rank fails.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from collections.abc import Mapping
 
+from shardckpt.checkpoint.trust import SigningKey, Trust
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, reference_to
 from shardckpt.checkpoint.run_dir import STEP_DIR
@@ -25,8 +26,7 @@ from shardckpt.errors import IncompatibleLayoutError, ManifestError, ShardckptEr
 from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
-    FROZEN_ROLE, MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot,
-    frozen_part,
+    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, frozen_part,
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState
 from shardckpt.training.device_load import fill_shards
@@ -184,9 +184,10 @@ class SaveJob:
             entry, step = prev
             path = reference_to(entry, step)
             if ((size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c)
+                    and (entry.sha256 is not None or not self.spec.with_digests)
                     and self.still_there(path, size)):
                 log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, path)
-                return FileEntry(path, FROZEN_ROLE, size, header_size, crc, entry.chunk_crc32c, shard)
+                return replace(entry, path=path, sha256=entry.sha256 if self.spec.with_digests else None)
             del pieces
         return w.write_frozen(shard, produce)
 
@@ -263,7 +264,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
                staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None,
-               previous: str | None = None) -> SaveJob:
+               previous: str | None = None, signing_key: SigningKey | None = None) -> SaveJob:
     """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
     With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
@@ -279,7 +280,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
     shard, replica = mesh.shard_rank(rank), mesh.replicate_rank(rank)
-    spec = checkpoint_spec(model, extras, chunk_size=chunk_size)
+    spec = replace(checkpoint_spec(model, extras, chunk_size=chunk_size), signing_key=signing_key)
     if rank_state:
         spec.per_rank_state = PerRankState(world_size=mesh.world_size, files=True).to_doc()
     writes = replica == shard % mesh.replicate_degree
@@ -312,6 +313,7 @@ def read_rank_state(reader: CheckpointReader, rank: int) -> dict[str, Any] | Non
     entry = next((f for f in reader.manifest.files if f.role == "rank" and f.index == rank), None)
     if entry is None:
         return None
+    reader.check_file(entry)  # trusted: its signed digest
     data = reader.storage.read_checked(entry, reader.manifest.chunk_size, 0, entry.size)
     tensors, _ = parse_header(bytes(data[8:entry.data_start]), entry.size, reader.storage.url_of(entry.path))
     out = {}
@@ -336,7 +338,7 @@ class LoadResult:
 
 def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
          weights_only: bool = False, storage_options: Mapping[str, Any] | None = None,
-         group: Any = None) -> LoadResult:
+         group: Any = None, trust: Trust | None = None) -> LoadResult:
     """Load ``url`` (or an open reader of it) into ``model`` on every rank, whatever world size,
     mesh or unit policy wrote it; each rank opens it once.
 
@@ -345,14 +347,14 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
     loads the masters and buffers and leaves optimizer state and step alone. A checkpoint of
     chunked tensors (FSDP2 saved it through DCP) is loaded by
     :func:`shardckpt.training.chunked_load.load_chunked` through the same reader (the lists are
-    then empty).
+    then empty). ``trust``: public keys that must have signed it (:class:`CheckpointReader`'s).
     """
     rank, _ = rank_and_world(group)
     counter: dict[str, Any] = {"bytes": 0}
 
     def work() -> dict[str, Any]:
         reader = counter["reader"] = (url if isinstance(url, CheckpointReader)
-                                      else CheckpointReader(url, storage_options))
+                                      else CheckpointReader(url, storage_options, trust=trust))
         m = counter["manifest"] = reader.manifest
         if "model" not in m.components and m.chunked is not None:
             return {"chunked": True}  # saved through DCP: load_chunked, below, on every rank

@@ -10,6 +10,8 @@
     retries = 2                           # retries per step after its first attempt
     backoff_s = 5.0                       # first retry delay; doubles per retry (capped at 300 s)
     lease_ttl_s = 120                     # a step lease's life, renewed every third of it
+    trust = ["keys/ckpt.pub"]             # only checkpoints these Ed25519 keys signed (optional)
+    signing_key = "keys/ckpt"             # reshard steps sign what they write (optional)
 
     [storage_options]                     # fsspec options for every location (optional)
 
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
 
+from shardckpt.checkpoint.trust import signing_key, trusted_keys
 from shardckpt.errors import ConfigError
 from shardckpt.format.dtypes import OUTPUT_ALIASES
 
@@ -57,7 +60,7 @@ else:  # the same module, from PyPI
 KINDS = ("verify", "reshard", "consolidate", "copy", "retain")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}\Z")
 _TOP = {"name", "watch", "state", "interval_s", "concurrency", "retries", "backoff_s",
-        "lease_ttl_s", "storage_options", "steps"}
+        "lease_ttl_s", "storage_options", "steps", "trust", "signing_key"}
 _STEP_KEYS = {
     "verify": {"kind", "processes"},
     "reshard": {"kind", "dst", "to", "from", "replicate", "processes"},
@@ -110,6 +113,11 @@ class Pipeline:
     lease_ttl_s: float = 120.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     source: str = "<pipeline>"
+    #: public key files: a checkpoint they did not sign is refused by every step (dead-lettered),
+    #: and ``verify`` checks every file's signed digest
+    trust: tuple[str, ...] = ()
+    #: a private key file: reshard steps sign what they write
+    signing_key: str | None = None
 
 
 def load_pipeline(path: str) -> Pipeline:
@@ -153,7 +161,24 @@ def parse_pipeline(doc: Mapping[str, Any], source: str = "<pipeline>", base: str
         retries=int(_number(doc, "retries", 2, bad, minimum=0, integer=True)),
         backoff_s=_number(doc, "backoff_s", 5.0, bad, minimum=0.0),
         lease_ttl_s=_number(doc, "lease_ttl_s", 120.0, bad, minimum=0.1),
-        storage_options=opts, source=source)
+        storage_options=opts, source=source, trust=_trust(doc.get("trust", []), base, bad),
+        signing_key=_signing_key(doc.get("signing_key"), base, bad))
+
+
+def _trust(value: Any, base: str, bad: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(k, str) and k.strip() for k in value):
+        raise bad("trust: expected a list of public key files")
+    keys = tuple(k if os.path.isabs(k) else os.path.normpath(os.path.join(base, k)) for k in value)
+    trusted_keys(keys or None)  # a key file that cannot be read or parsed: refused here, by name
+    return keys
+
+
+def _signing_key(value: Any, base: str, bad: Any) -> str | None:
+    if value is None:
+        return None
+    path = _location(value, "signing_key", base, bad)
+    signing_key(path)  # read and parsed now: a wrong path or key fails here, by name
+    return path
 
 
 def _location(value: Any, key: str, base: str, bad: Any) -> str:

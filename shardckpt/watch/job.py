@@ -94,7 +94,7 @@ def job_argv(ctx: StepContext, python: str = sys.executable) -> list[str]:
             str(spec.processes), "-m", "shardckpt", spec.kind, ctx.src.url]
     if spec.kind == "reshard":
         argv += [ctx.dst or "", "--to", str(spec.to), "--replicate", str(spec.replicate),
-                 "--overwrite", "--json"]
+                 "--overwrite", "--json"] + (["--sign-key", ctx.signing_key] if ctx.signing_key else [])
         if spec.from_ is not None:
             argv += ["--from", str(spec.from_)]
     elif spec.kind == "consolidate":

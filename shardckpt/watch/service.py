@@ -58,6 +58,7 @@ from shardckpt.watch import records as watch_records
 
 from shardckpt.watch import steps as watch_steps
 from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.checkpoint.trust import trusted_keys
 from shardckpt.errors import ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.storage import Storage, backend_class
@@ -229,7 +230,7 @@ class Watcher:
                 report.held += st == "running"
                 return report
             if manifest is None:
-                manifest = _read(src)
+                manifest = _read(src, self.p.trust)
             outcome = self.run_step(spec, src, manifest, name, step)
             if outcome == "held":
                 report.held += 1
@@ -287,7 +288,7 @@ class Watcher:
                 if self.stop_event.wait(delay):
                     return "stopped"
             if isinstance(manifest, ShardckptError):
-                manifest = _read(src)
+                manifest = _read(src, self.p.trust)
             started = time.time()
             try:
                 if isinstance(manifest, ShardckptError):
@@ -295,7 +296,7 @@ class Watcher:
                 ctx = watch_steps.StepContext(spec, src, manifest, name, step, self.watch,
                                               self.p.storage_options,
                                               lambda n: self.is_settled(n, spec.index),
-                                              self.p.steps)
+                                              self.p.steps, self.p.trust, self.p.signing_key)
                 facts = watch_steps.adopt(ctx) or _execute(ctx)
             except Exception as e:  # noqa: BLE001 - any failure of a step is recorded, not fatal
                 if _removed(src):
@@ -334,9 +335,10 @@ def _execute(ctx: watch_steps.StepContext) -> dict[str, Any]:
     return watch_steps.run_step(ctx)
 
 
-def _read(src: Storage) -> Manifest | ShardckptError:
+def _read(src: Storage, trust: tuple[str, ...] = ()) -> Manifest | ShardckptError:
+    """``src``'s manifest (with ``trust``: signed by one of those keys), or the error that gave."""
     try:
-        return read_manifest(src)
+        return read_manifest(src, trusted_keys(trust or None))
     except ShardckptError as e:
         return e
 

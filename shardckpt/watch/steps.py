@@ -59,6 +59,8 @@ class StepContext:
     storage_options: Mapping[str, Any]
     is_settled: Callable[[str], bool]  # whether every earlier-step record of a checkpoint exists
     steps: tuple[StepSpec, ...] = ()   # the pipeline's steps (retain prunes their outputs)
+    trust: tuple[str, ...] = ()     # the pipeline's: the manifest was checked; verify checks digests
+    signing_key: str | None = None  # the pipeline's: reshard signs what it writes
 
     @property
     def dst(self) -> str | None:
@@ -69,7 +71,7 @@ class StepContext:
 
 
 def run_verify(ctx: StepContext) -> dict[str, Any]:
-    result = verify(ctx.src, manifest=ctx.manifest)
+    result = verify(ctx.src, manifest=ctx.manifest, digests=bool(ctx.trust))
     if not result:
         more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
         raise StepFailed(f"{result.problems[0]}{more}")
@@ -80,7 +82,8 @@ def run_reshard(ctx: StepContext) -> dict[str, Any]:
     from shardckpt.tools.reshard import reshard
 
     r = reshard(ctx.src.url, ctx.dst or "", ctx.spec.to or 1, from_=ctx.spec.from_,
-                replicate=ctx.spec.replicate, overwrite=True, storage_options=ctx.storage_options)
+                replicate=ctx.spec.replicate, overwrite=True, storage_options=ctx.storage_options,
+                signing_key=ctx.signing_key)
     return {"output": ctx.dst, "bytes": r.bytes_written, "identity": r.manifest.save_id}
 
 

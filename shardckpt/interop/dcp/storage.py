@@ -253,13 +253,13 @@ class ShardckptReader(StorageReader):
     def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None, *,
                  workers: int = 8, read_batch_bytes: int = DEFAULT_READ_BATCH,
                  model_key: str = "model", optim_key: str = "optim",
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, trust: Any = None) -> None:  # trust: CheckpointReader's
         super().__init__()
         self.checkpoint_id = str(url)
         self.storage_options = dict(storage_options or {})
         self.workers, self.read_batch_bytes = workers, read_batch_bytes
         self.model_key, self.optim_key = model_key, optim_key
-        self.allow_pickle = bool(allow_pickle)
+        self.allow_pickle, self.trust = bool(allow_pickle), trust
         if self.allow_pickle:
             log.info("%s: values are handed to DCP's planner unchecked (allow_pickle=True)",
                      self.checkpoint_id)
@@ -274,7 +274,7 @@ class ShardckptReader(StorageReader):
 
     def _open(self) -> CheckpointReader:
         if self._reader is None:
-            r = CheckpointReader(self.checkpoint_id, self.storage_options)
+            r = CheckpointReader(self.checkpoint_id, self.storage_options, trust=self.trust)
             if r.manifest.chunked is None:
                 from shardckpt.interop.dcp.flat_view import FlatView
 
