@@ -14,6 +14,7 @@ import typer
 HELP = """Sharded checkpoints for ZeRO-3 / FSDP.
 
 Look: inspect, verify, diff, estimate. Convert: reshard, consolidate, import, export.
+Trust: sign (and verify --trust).
 Operate: watch, clean. Try: synth, demo. Run `shardckpt COMMAND --help` for one command."""
 
 app = typer.Typer(

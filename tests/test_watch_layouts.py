@@ -119,10 +119,10 @@ def test_a_checkpoint_removed_before_it_is_processed_is_skipped_by_name(
 
     read = watch_service._read
 
-    def remove_then_read(src):  # after the commit check, before the step runs
+    def remove_then_read(src, *args):  # after the commit check, before the step runs
         if src.url.endswith("checkpoint-200"):
             shutil.rmtree(run / "checkpoint-200", ignore_errors=True)
-        return read(src)
+        return read(src, *args)
 
     monkeypatch.setattr(w, "pending", pending_then_remove)
     monkeypatch.setattr(watch_service, "_read", remove_then_read)
