@@ -37,7 +37,8 @@ def clean(
 
     Nothing outside PREFIX is touched: symbolic links below it are reported, never followed
     or removed."""
-    from shardckpt.checkpoint.retention import RetentionPolicy, retain_run
+    from shardckpt.checkpoint.retention import RetentionPolicy
+    from shardckpt.checkpoint.run_retention import retain_run
     from shardckpt.tools.clean import clean as run
 
     options = parse_storage_options(storage_option)

@@ -57,7 +57,7 @@ def inspect(
     """Show a checkpoint's format version, mesh, step, components, groups, parameters, states and files."""
     from shardckpt.tools.jobs import describe
 
-    from shardckpt.checkpoint.retention import run_holdings
+    from shardckpt.checkpoint.run_retention import run_holdings
 
     opts = parse_storage_options(storage_option)
     where = checkpoint_location(ckpt, opts)

@@ -20,17 +20,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from collections.abc import Sequence
 
-from shardckpt.checkpoint.thin import Resign, components_held, thin
+from shardckpt.checkpoint.thin import Resign, thin
 from shardckpt.errors import CommitConflictError, ConfigError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME
-
-if TYPE_CHECKING:
-    from shardckpt.checkpoint.run_dir import CheckpointManager
+from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
+
+
+class Run(Protocol):
+    """What retention needs of a run directory
+    (:class:`~shardckpt.checkpoint.run_dir.CheckpointManager` is one)."""
+
+    storage: Storage
+    thin_settled: set[str]
+
+    def committed(self) -> Sequence[Any]: ...          # .step, .name; oldest first
+    def read_latest(self) -> str | None: ...
+    def referenced(self, kept: list[str]) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,7 @@ class RetentionReport:
     skipped: list[str] = field(default_factory=list)          # "URL: why" (not thinned)
 
 
-def retention_plan(manager: CheckpointManager, policy: RetentionPolicy) -> RetentionPlan:
+def retention_plan(manager: Run, policy: RetentionPolicy) -> RetentionPlan:
     """The plan for ``manager``'s run now, with references respected: a checkpoint to remove
     that a kept one references is kept (thinned where its optimizer window has passed)."""
     committed = manager.committed()
@@ -105,15 +115,14 @@ def retention_plan(manager: CheckpointManager, policy: RetentionPolicy) -> Reten
     if not kept:
         return plan
     order = {f.name: i for i, f in enumerate(committed)}
-    if policy.keep_optimizer_last is None:
-        whole, thinned = sorted(plan.whole + tuple(kept), key=order.__getitem__), plan.thin
-    else:
-        whole, thinned = plan.whole, sorted(plan.thin + tuple(kept), key=order.__getitem__)
-    return RetentionPlan(tuple(whole), tuple(thinned), tuple(n for n in plan.remove if n not in needed),
+    whole, thinned = list(plan.whole), list(plan.thin)
+    (whole if policy.keep_optimizer_last is None else thinned).extend(kept)
+    return RetentionPlan(tuple(sorted(whole, key=order.__getitem__)),
+                         tuple(sorted(thinned, key=order.__getitem__)), tuple(n for n in plan.remove if n not in needed),
                          tuple(kept))
 
 
-def apply_retention(manager: CheckpointManager, policy: RetentionPolicy,
+def apply_retention(manager: Run, policy: RetentionPolicy,
                     resign: Resign | None = None, dry_run: bool = False) -> RetentionReport:
     """Carry out :func:`retention_plan` on ``manager``'s run: thin first (each by its own
     conditional manifest replace), then remove (the manifest first, so that a half-removed
@@ -165,32 +174,3 @@ def _thin_one(child: Any, resign: Resign | None, report: RetentionReport) -> boo
         report.thinned.append(child.url)
     return True
 
-
-def retain_run(run_url: str, policy: RetentionPolicy, dry_run: bool = False,
-               storage_options: Any = None) -> RetentionReport:
-    """``shardckpt clean RUN --keep-last ...``: apply ``policy`` to the run directory ``run_url``
-    (its ``step-XXXXXXXX`` checkpoints), as a :class:`~shardckpt.checkpoint.run_dir.CheckpointManager`
-    of the run would after a save."""
-    from shardckpt.checkpoint.run_dir import CheckpointManager
-
-    return apply_retention(CheckpointManager(run_url, storage_options=storage_options), policy,
-                           dry_run=dry_run)
-
-
-def run_holdings(run_url: str, storage_options: Any = None) -> list[dict[str, Any]]:
-    """What each committed checkpoint of the run directory ``run_url`` holds, oldest first:
-    ``name``, ``step``, ``holds`` (:func:`~shardckpt.checkpoint.thin.components_held`; a
-    manifest that does not read is ``["unreadable: <why>"]``)."""
-    from shardckpt.checkpoint.reader import read_manifest
-    from shardckpt.checkpoint.run_names import run_manager
-    from shardckpt.storage import Storage
-
-    manager = run_manager(Storage(run_url, storage_options))
-    out = []
-    for f in manager.committed():
-        try:
-            holds = components_held(read_manifest(manager.storage.child(f.name)))
-        except ShardckptError as e:
-            holds = [f"unreadable: {e}"]
-        out.append({"name": f.name, "step": f.step, "holds": holds})
-    return out
