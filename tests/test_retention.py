@@ -245,3 +245,20 @@ def test_watch_retain_thins_past_the_optimizer_window(tmp_path):
     assert facts["removed"] == ["step-00000001"]
     assert facts["thinned"] == ["step-00000002", "step-00000003"]
     assert optimizer_kinds(read_manifest(run.child("step-00000004"))) == ["exp_avg", "exp_avg_sq"]
+
+
+def test_retention_never_thins_through_a_symbolic_link(tmp_path, caplog):
+    outside = tmp_path / "elsewhere" / "step-00000001"
+    synthesize(str(outside), PARAMS, ranks=2, units=1, step=1)
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step-00000001").symlink_to(outside, target_is_directory=True)
+    mgr = CheckpointManager(str(run), keep_last=3, keep_optimizer_last=1)
+    for step in (2, 3):
+        synthesize(mgr.url_for(step), PARAMS, ranks=2, units=1, step=step)
+    with caplog.at_level(logging.WARNING):
+        mgr.mark_committed(3)
+    assert "lies behind a symbolic link" in caplog.text
+    assert mgr.thinned == [mgr.url_for(2)]
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before

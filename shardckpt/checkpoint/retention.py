@@ -141,6 +141,11 @@ def apply_retention(manager: Run, policy: RetentionPolicy,
     for name in plan.thin:
         if name in settled:
             continue
+        link = storage.first_link(name)
+        if link is not None:  # never written through, as never removed through
+            log.warning("retention leaves %s whole: it is or lies behind a symbolic link to %s",
+                        storage.url_of(name), link[1])
+            continue
         if dry_run:
             report.thinned.append(storage.url_of(name))
             continue

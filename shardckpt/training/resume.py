@@ -204,7 +204,8 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
                       else "the local tier, each rank's own node")
         else:
             url = manager.url_for(step)
-            problem = node.check_durable(manager, step, full_verify)
+            problem = node.check_durable(manager, step, full_verify,
+                                         getattr(ckpt.engine, "optimizer", None) is not None)
             if problem:
                 why[(step, 0)] = problem
                 if rank == 0:
