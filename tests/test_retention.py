@@ -262,3 +262,39 @@ def test_retention_never_thins_through_a_symbolic_link(tmp_path, caplog):
     assert "lies behind a symbolic link" in caplog.text
     assert mgr.thinned == [mgr.url_for(2)]
     assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
+def test_thinning_respects_frozen_references(tmp_path):
+    """Later checkpoints name the frozen files of the first (format 1.3): thinning leaves frozen
+    files alone, a thinned checkpoint keeps its references, and a checkpoint that retention would
+    delete but a kept one references is kept, thinned."""
+    import torch
+    from torch import nn
+
+    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
+    from shardckpt.runtime.mesh import ProcessMesh
+    from shardckpt.training.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4, bias=False))
+    model[0].requires_grad_(False)
+    engine = ZeroEngine(model, process_mesh=ProcessMesh.single())
+    opt = ShardedAdamW(engine, decay_param_groups(engine, 0.0), lr=1e-2)
+    ckpt = Checkpointer(str(tmp_path / "run"), engine, keep_last=3, keep_optimizer_last=1)
+    for step in (1, 2, 3):
+        engine(torch.randn(2, 32, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(step)
+    mgr = ckpt.manager
+    m2, m3 = (read_manifest(Storage(mgr.url_for(s))) for s in (2, 3))
+    assert m2.references() and m3.references() and thinned_record(m2) is not None
+    assert optimizer_kinds(m3) == ["exp_avg", "exp_avg_sq"]
+    assert all(not verify(Storage(f.url)).problems for f in mgr.committed())
+    # keep one: the first would go, but the newest references its frozen files: kept, thinned
+    mgr.policy = RetentionPolicy(keep_last=1, keep_optimizer_last=1)
+    assert mgr.apply_retention() == [mgr.url_for(2)]
+    assert mgr.kept_referenced == [mgr.url_for(1)]
+    assert [f.step for f in mgr.committed()] == [1, 3]
+    assert thinned_record(read_manifest(Storage(mgr.url_for(1)))) is not None
+    assert not verify(Storage(mgr.url_for(3))).problems

@@ -38,7 +38,7 @@ import logging
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Callable, Iterator, Mapping
 
@@ -166,7 +166,8 @@ def thin(storage: Storage, resign: Resign | None = None, on_point: Hook | None =
             if resign is not None:
                 data = resign(data)
             parse(data, storage.url_of(MANIFEST_NAME))
-            _commit.check_files(storage, new)
+            # own files; references (format 1.3) are the old manifest's, untouched
+            _commit.check_files(storage, replace(new, files=tuple(f for f in new.files if not f.is_reference)))
             _commit.sync_dirs(storage, new_id)
             point("files_written")
             _commit.replace(storage, data, raw, new_id)
