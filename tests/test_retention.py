@@ -110,6 +110,12 @@ def test_a_signed_checkpoint_is_thinned_only_when_it_can_be_signed_again(tmp_pat
     assert thin(Storage(url), resign=resign) is not None
     assert seen and json.loads(Path(url, MANIFEST_NAME).read_bytes())["signature"]["sig"] == "11"
     assert not verify(Storage(url)).problems
+    # a signature beside the manifest counts as one too
+    other = str(tmp_path / "beside")
+    synthesize(other, PARAMS, ranks=2, units=1)
+    Path(other, "manifest.json.sig").write_bytes(b"a detached signature")
+    raw = Path(other, MANIFEST_NAME).read_bytes()
+    assert thin(Storage(other)) is None and Path(other, MANIFEST_NAME).read_bytes() == raw
 
 
 @pytest.fixture(params=["memory", pytest.param("s3", marks=pytest.mark.s3)])

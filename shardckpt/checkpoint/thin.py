@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 THINNED = "thinned"
 WEIGHTS = "master"
 #: Bytes read and written at a time per shard file (whole checksum chunks are read around it).
-PIECE = 64 << 20
+PIECE = 16 << 20
 _OLD_SHARD = re.compile(r"shard-[0-9]{5,9}-of-[0-9]{5,9}\.safetensors\Z")
 
 #: ``on_point(name)`` is called at each named point of a thinning: ``"shard_written"`` (after
@@ -98,7 +98,8 @@ def components_held(m: Manifest) -> list[str]:
 
 def is_signed(raw: bytes, storage: Storage) -> bool:
     """Whether the manifest ``raw`` (of the checkpoint at ``storage``) carries a signature: a
-    top-level member whose name speaks of one, or a signature file beside ``manifest.json``.
+    top-level member whose name speaks of one, or a signature file beside ``manifest.json``
+    (any name with ``sig`` in it).
     Thinning re-writes the manifest, so a signed one must be signed again or left alone."""
     try:
         doc = json.loads(raw)
@@ -106,8 +107,8 @@ def is_signed(raw: bytes, storage: Storage) -> bool:
         return True  # unreadable: not ours to re-write
     if isinstance(doc, dict) and any("sign" in str(k).lower() for k in doc):
         return True
-    return any(n != MANIFEST_NAME and n.startswith("manifest") and "sig" in n.lower()
-               for n in storage.ls(""))
+    # save directories are <timestamp>-<hex>: no "sig" in them
+    return any(n != MANIFEST_NAME and "sig" in n.lower() for n in storage.ls(""))
 
 
 def why_not(m: Manifest) -> str | None:
