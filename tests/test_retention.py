@@ -227,6 +227,9 @@ def test_run_retention_clean_and_inspect(tmp_path):
     assert res.exit_code == 0, res.output
     assert "step-00001500: weights, optimizer: thinned (weights only), buffers" in res.output
     assert "step-00002500: weights, optimizer (exp_avg, exp_avg_sq), buffers" in res.output
+    res = CliRunner().invoke(app, ["inspect", mgr.url_for(2000), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["holds"] == ["weights", "optimizer: thinned (weights only)", "buffers"]
     # clean with a narrower policy: thin the newest but one, drop what is neither kept nor kth
     synthesize(mgr.url_for(3000), PARAMS, ranks=2, units=1, step=3000)
     CheckpointManager(str(run)).mark_committed(3000)  # latest moves; no retention of its own
@@ -240,7 +243,18 @@ def test_run_retention_clean_and_inspect(tmp_path):
 
 
 def test_watch_retain_thins_past_the_optimizer_window(tmp_path):
+    from shardckpt.watch.config import parse_pipeline
     from shardckpt.watch.retain import retain
+
+    def pipeline(**keys: int) -> object:
+        return parse_pipeline({"name": "p", "watch": str(tmp_path / "run"),
+                               "steps": [{"kind": "retain", **keys}]}, "p.toml")
+    spec = pipeline(keep=3, keep_optimizer_last=1, keep_every=2).steps[0]
+    assert (spec.keep, spec.keep_optimizer_last, spec.keep_every) == (3, 1, 2)
+    with pytest.raises(ConfigError, match="keep_optimizer_last = 4 is more than keep = 3"):
+        pipeline(keep=3, keep_optimizer_last=4)
+    with pytest.raises(ConfigError, match="keep_every = 0: expected an integer >= 1"):
+        pipeline(keep=3, keep_every=0)
 
     run = Storage(str(tmp_path / "run"))
     mgr = CheckpointManager(run)
