@@ -234,6 +234,11 @@ def test_run_retention_clean_and_inspect(tmp_path):
     synthesize(mgr.url_for(3000), PARAMS, ranks=2, units=1, step=3000)
     CheckpointManager(str(run)).mark_committed(3000)  # latest moves; no retention of its own
     res = CliRunner().invoke(app, ["clean", str(run), "--keep-last", "2", "--keep-optimizer-last",
+                                   "1", "--keep-every", "1000", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "would thin" in res.output and res.output.count("would thin") == 1  # 1500 is thin already
+    assert "would remove checkpoint" in res.output and "step-00001500" in res.output
+    res = CliRunner().invoke(app, ["clean", str(run), "--keep-last", "2", "--keep-optimizer-last",
                                    "1", "--keep-every", "1000", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)["retention"]

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Sequence
 
-from shardckpt.checkpoint.thin import Resign, thin
+from shardckpt.checkpoint.reader import read_manifest
+from shardckpt.checkpoint.thin import Resign, optimizer_kinds, thin
 from shardckpt.errors import CommitConflictError, ConfigError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import Storage
@@ -147,7 +148,8 @@ def apply_retention(manager: Run, policy: RetentionPolicy,
                         storage.url_of(name), link[1])
             continue
         if dry_run:
-            report.thinned.append(storage.url_of(name))
+            if _holds_optimizer(storage.child(name)):
+                report.thinned.append(storage.url_of(name))
             continue
         if _thin_one(storage.child(name), resign, report):
             settled.add(name)
@@ -163,6 +165,13 @@ def apply_retention(manager: Run, policy: RetentionPolicy,
             log.info("retention removed %s", url)
         report.removed.append(url)
     return report
+
+
+def _holds_optimizer(child: Storage) -> bool:
+    try:
+        return bool(optimizer_kinds(read_manifest(child)))
+    except ShardckptError:
+        return False
 
 
 def _thin_one(child: Any, resign: Resign | None, report: RetentionReport) -> bool:

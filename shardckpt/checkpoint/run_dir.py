@@ -11,7 +11,8 @@ Rules (what a resumed job relies on):
   deletes one whose frozen files a kept checkpoint references (format 1.3; it says so in the log);
 * resume picks the newest committed checkpoint that passes a check (manifest parses, every file
   present with its recorded size; optionally every checksum), skipping directories without a
-  manifest and checkpoints that fail, whatever ``latest`` says.
+  manifest and checkpoints that fail, whatever ``latest`` says; a job that needs optimizer state
+  also passes over a checkpoint retention thinned into weights only (:meth:`CheckpointManager.lacks`).
 """
 
 from __future__ import annotations

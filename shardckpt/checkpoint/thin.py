@@ -258,7 +258,10 @@ def finish(storage: Storage, m: Manifest, point: Hook) -> int:
             continue
         freed += size
         d = posixpath.dirname(p)
-        if d and not storage.ls(d):
-            storage.remove_inside(d, recursive=True)
+        try:  # a local directory left empty goes too (object stores have none)
+            if d and not storage.ls(d):
+                storage.remove_inside(d, recursive=True)
+        except ShardckptError:
+            pass
     return freed
 
