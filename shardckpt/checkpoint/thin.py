@@ -150,7 +150,8 @@ def thin(storage: Storage, resign: Resign | None = None, on_point: Hook | None =
     if reason is not None:
         log.warning("%s is kept whole, not thinned: %s", storage.url, reason)
         return None
-    if is_signed(raw, storage) and resign is None:
+    signed = is_signed(raw, storage)
+    if signed and resign is None:
         log.warning("%s is signed and no signing key is at hand: kept whole (optimizer state "
                     "too) rather than thinned into a manifest whose signature would not match",
                     storage.url)
@@ -164,7 +165,7 @@ def thin(storage: Storage, resign: Resign | None = None, on_point: Hook | None =
             entries = _write_shards(storage, m, writer, old_shards, workers, point)
             new = writer.manifest(entries + [f for f in m.files if f.role != "shard"])
             data = to_json(new)
-            if resign is not None:
+            if signed and resign is not None:  # an unsigned checkpoint stays unsigned
                 data = resign(data)
             parse(data, storage.url_of(MANIFEST_NAME))
             # own files; references (format 1.3) are the old manifest's, untouched
