@@ -20,14 +20,34 @@ def clean(
                                        "lease is kept whatever its age)."),
     storage_option: list[str] | None = StorageOptionArg,
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
+    keep_last: int | None = typer.Option(None, "--keep-last", min=1,
+                                         help="Retention first: keep the newest N checkpoints of "
+                                              "the run directory PREFIX, delete older ones."),
+    keep_optimizer_last: int | None = typer.Option(
+        None, "--keep-optimizer-last", min=1,
+        help="Of the kept checkpoints, the newest N keep their optimizer state; older ones are "
+             "thinned in place into weights-only checkpoints."),
+    keep_every: int | None = typer.Option(None, "--keep-every", min=1,
+                                          help="Also keep (weights) every checkpoint whose step is "
+                                               "a multiple of K."),
 ) -> None:
-    """Remove save directories no manifest names; abort multipart uploads left open.
+    """Remove save directories no manifest names; abort multipart uploads left open. With
+    --keep-last / --keep-optimizer-last / --keep-every, first apply that retention to the run
+    directory PREFIX (older checkpoints deleted, or thinned into weights only).
 
     Nothing outside PREFIX is touched: symbolic links below it are reported, never followed
     or removed."""
+    from shardckpt.checkpoint.retention import RetentionPolicy
+    from shardckpt.checkpoint.run_retention import retain_run
     from shardckpt.tools.clean import clean as run
 
-    r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=parse_storage_options(storage_option))
+    options = parse_storage_options(storage_option)
+    policy = RetentionPolicy(keep_last, keep_optimizer_last, keep_every)
+    kept = retain_run(prefix, policy, dry_run, options) if policy.active else None
+    r = run(prefix, dry_run=dry_run, min_age_s=min_age, storage_options=options)
+    retention = None if kept is None else {
+        "removed": kept.removed, "thinned": kept.thinned, "kept_referenced": kept.kept_referenced,
+        "not_thinned": kept.skipped}
     if json_out:
         echo_json({"prefix": prefix, "dry_run": dry_run, "debris": r.debris, "kept_young": r.kept_young,
                    "kept_live": r.kept_live, "kept_referenced": r.kept_referenced,
@@ -35,9 +55,17 @@ def clean(
                    "links": [{"path": p, "target": t} for p, t in r.links],
                    "open_uploads": [{"key": u.key, "upload_id": u.upload_id, "initiated": u.initiated}
                                     for u in r.uploads],
-                   "aborted_uploads": [u.key for u in r.aborted]})
+                   "aborted_uploads": [u.key for u in r.aborted],
+                   **({"retention": retention} if retention is not None else {})})
         return
     verb = "would remove" if dry_run else "removed"
+    if kept is not None:
+        for u in kept.removed:
+            typer.echo(f"{verb} checkpoint {u} (retention)")
+        for u in kept.thinned:
+            typer.echo(f"{'would thin' if dry_run else 'thinned'} {u} into weights only (retention)")
+        for line in kept.skipped:
+            typer.echo(f"kept whole {line}")
     for d in r.debris:
         typer.echo(f"{verb} {d}")
     for d in r.kept_young:

@@ -57,11 +57,17 @@ def inspect(
     """Show a checkpoint's format version, mesh, step, components, groups, parameters, states and files."""
     from shardckpt.tools.jobs import describe
 
+    from shardckpt.checkpoint.run_retention import run_holdings
+
     opts = parse_storage_options(storage_option)
-    s = describe(checkpoint_location(ckpt, opts).storage, opts)
+    where = checkpoint_location(ckpt, opts)
+    s = describe(where.storage, opts)
+    run = run_holdings(ckpt, opts) if where.note else None  # a run directory: each checkpoint
     if json_out:
-        echo_json(s)
+        echo_json({**s, "run": run} if run is not None else s)
         return
+    for r in run or ():
+        echo(f"{r['name']}: {', '.join(r['holds'])}")
     _print_summary(s, params, limit)
 
 
@@ -75,6 +81,7 @@ def _print_summary(s: dict[str, Any], params: bool, limit: int) -> None:
     mesh = " x ".join(f"{t(k)}={v}" for k, v in s["mesh"].items())
     con.print(Text.assemble((t(s["url"]), "bold"), f"  format {s['format_version']}  save "
                             f"{t(s['save_id'])}  step {t(s['step'])}  mesh {mesh} (world {s['world_size']})"))
+    con.print("holds: " + ", ".join(t(h) for h in s["holds"]))
     if s["optimizer"]:
         groups = ", ".join(f"{pg['params']} params wd={t(pg['hparams'].get('weight_decay'))}"
                            for pg in s["optimizer"]["param_groups"])

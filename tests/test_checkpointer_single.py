@@ -4,6 +4,7 @@ config of the model is recorded in every manifest."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -112,3 +113,49 @@ def test_hf_config_given_explicitly(tmp_path):
         Checkpointer(str(tmp_path / "run"), engine, hf_config={"hidden_size": 32})
     with pytest.raises(ConfigError, match="hf_config is a int"):
         Checkpointer(str(tmp_path / "run"), engine, hf_config=3)
+
+
+def test_resume_passes_over_a_thinned_newest_checkpoint_and_says_why(tmp_path, caplog):
+    """A job with an optimizer needs optimizer state: a checkpoint that retention thinned is
+    passed over for the newest one that holds it, with a log line saying why; its weights still
+    load bit for bit with weights_only. With no checkpoint holding optimizer state, the newest
+    weights are taken and the optimizer starts fresh."""
+    from shardckpt.checkpoint.thin import thin
+    from shardckpt.storage import Storage
+
+    engine = _engine()
+    opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2)
+    ckpt = Checkpointer(str(tmp_path / "run"), engine, keep_last=3, keep_optimizer_last=2)
+    states = {}
+    for step in (1, 2, 3):
+        _step(engine, opt, step)
+        ckpt.save(step)
+        states[step] = {g: {k: t.clone() for k, t in kinds.items()}
+                        for g, kinds in engine.local_shards().items()}
+    assert ckpt.manager.thinned == [ckpt.manager.url_for(1)]
+    assert thin(Storage(ckpt.manager.url_for(3))) is not None  # the newest, thinned as well
+    fresh = _engine()
+    ShardedAdamW(fresh, decay_param_groups(fresh, 0.1), lr=1e-2)
+    again = Checkpointer(str(tmp_path / "run"), fresh, keep_last=3, keep_optimizer_last=2)
+    # weights only: the thinned checkpoint's masters, bit for bit
+    again.load(again.manager.url_for(3), weights_only=True)
+    for g, kinds in fresh.local_shards().items():
+        assert torch.equal(kinds["master"], states[3][g]["master"]), g
+    with caplog.at_level(logging.WARNING):
+        assert again.resume() == 2
+    assert f"passing over {again.manager.url_for(3)}: it holds weights only (retention thinned it" in caplog.text
+    assert "this job needs optimizer state" in caplog.text
+    for g, kinds in fresh.local_shards().items():
+        for k, t in kinds.items():
+            assert torch.equal(t, states[2][g][k]), (g, k)
+    # no checkpoint with optimizer state: the newest weights, a fresh optimizer
+    assert thin(Storage(again.manager.url_for(2))) is not None
+    last = _engine()
+    ShardedAdamW(last, decay_param_groups(last, 0.1), lr=1e-2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert Checkpointer(str(tmp_path / "run"), last).resume() == 2
+    assert "holds optimizer state; resuming from the weights of" in caplog.text
+    for g, kinds in last.local_shards().items():
+        assert torch.equal(kinds["master"], states[2][g]["master"]), g
+        assert all(not t.any() for k, t in kinds.items() if k != "master"), g

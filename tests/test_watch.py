@@ -303,3 +303,21 @@ def test_watcher_does_not_import_torch(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr
     assert sorted(records(tmp_path, "step-00000100")) == [f"{k}.done" for k in KEYS]
+
+
+def test_retain_thins_past_the_optimizer_window(tmp_path: Path) -> None:
+    from shardckpt.checkpoint.reader import read_manifest
+    from shardckpt.checkpoint.thin import optimizer_kinds
+    from shardckpt.checkpoint.verify import verify
+    from shardckpt.storage import Storage
+
+    path = make_run(tmp_path, (100, 200, 300),
+                    extra='[[steps]]\nkind = "retain"\nkeep = 2\nkeep_optimizer_last = 1\n')
+    Watcher(load_pipeline(str(path))).run(once=True)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-00000200", "step-00000300"]
+    done = records(tmp_path, "step-00000300")["5-retain.done"]
+    assert done["removed"] == ["step-00000100"] and done["thinned"] == ["step-00000200"]
+    kinds = {s: optimizer_kinds(read_manifest(Storage(str(tmp_path / "run" / s))))
+             for s in ("step-00000200", "step-00000300")}
+    assert kinds == {"step-00000200": [], "step-00000300": ["exp_avg", "exp_avg_sq"]}
+    assert not verify(Storage(str(tmp_path / "run" / "step-00000200"))).problems

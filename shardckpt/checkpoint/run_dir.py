@@ -5,11 +5,14 @@ Rules (what a resumed job relies on):
 * a step directory counts only once its ``manifest.json`` exists (the save committed);
 * ``latest`` names a committed directory and is written only after that commit (also when a
   rank was lost after the manifest was created: the save committed, and rank 0 says so);
-* retention keeps the newest ``keep_last`` committed checkpoints and never deletes the newest one,
-  nor one whose frozen files a kept checkpoint references (format 1.3; it says so in the log);
+* retention keeps the newest ``keep_last`` committed checkpoints (and every ``keep_every``-th
+  step), the newest ``keep_optimizer_last`` of them whole and the others thinned into weights
+  only (:mod:`shardckpt.checkpoint.retention`); it never deletes nor thins the newest one, nor
+  deletes one whose frozen files a kept checkpoint references (format 1.3; it says so in the log);
 * resume picks the newest committed checkpoint that passes a check (manifest parses, every file
   present with its recorded size; optionally every checksum), skipping directories without a
-  manifest and checkpoints that fail, whatever ``latest`` says.
+  manifest and checkpoints that fail, whatever ``latest`` says; a job that needs optimizer state
+  also passes over a checkpoint retention thinned into weights only (:meth:`CheckpointManager.lacks`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from collections.abc import Iterator, Mapping
 
 from shardckpt.checkpoint.reader import as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, referenced_steps, referenced_steps_in
+from shardckpt.checkpoint.retention import RetentionPolicy, apply_retention
+from shardckpt.checkpoint.thin import Resign, optimizer_kinds, thinned_record
 from shardckpt.checkpoint.verify import verify
-from shardckpt.errors import IncompleteCheckpointError, LinkRefusedError, ShardckptError
+from shardckpt.errors import IncompleteCheckpointError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from shardckpt.storage import NotFoundError, Storage
 
@@ -55,13 +60,22 @@ class CheckpointManager:
         return step_dir(step)
 
     def __init__(self, run_url: str | Storage, keep_last: int | None = None,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, *,
+                 keep_optimizer_last: int | None = None, keep_every: int | None = None,
+                 resign: Resign | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ShardckptError(f"keep_last must be >= 1 (or None to keep all); got {keep_last}")
         self.storage = as_storage(run_url, storage_options)
         self.keep_last = keep_last
+        self.policy = RetentionPolicy(keep_last, keep_optimizer_last, keep_every)
+        #: signs a thinned manifest of a signed checkpoint (else such a checkpoint stays whole)
+        self.resign = resign
         #: URLs the last :meth:`apply_retention` kept because a kept checkpoint references them
         self.kept_referenced: list[str] = []
+        #: URLs the last :meth:`apply_retention` thinned into weights-only checkpoints
+        self.thinned: list[str] = []
+        #: names retention has thinned or found settled (not read again at each save)
+        self.thin_settled: set[str] = set()
 
     @property
     def url(self) -> str:
@@ -177,39 +191,31 @@ class CheckpointManager:
         self.apply_retention()
 
     def apply_retention(self) -> list[str]:
-        """Delete committed checkpoints beyond the newest ``keep_last``; return what was deleted.
+        """Apply :attr:`policy` (:mod:`shardckpt.checkpoint.retention`): thin the checkpoints past
+        their optimizer window, delete those beyond it; return the URLs deleted.
 
         A checkpoint whose files a kept one references (format 1.3 frozen files) is kept, and
-        logged; its URL is in :attr:`kept_referenced` afterwards."""
-        self.kept_referenced = []
-        if self.keep_last is None:
+        logged; its URL is in :attr:`kept_referenced` afterwards, the thinned ones in
+        :attr:`thinned`."""
+        report = apply_retention(self, self.policy, self.resign)
+        self.kept_referenced, self.thinned = report.kept_referenced, report.thinned
+        return report.removed
+
+    def lacks(self, found: Found, optimizer: bool) -> list[str]:
+        """Why ``found`` does not hold what a job needs (empty if it does): with ``optimizer``,
+        a checkpoint thinned by retention into weights only."""
+        if not optimizer:
             return []
-        committed = self.committed()
-        protect = {committed[-1].name} if committed else set()
-        latest = self.read_latest()
-        if latest:
-            protect.add(latest)
-        doomed = [f for f in committed[:-self.keep_last] if f.name not in protect]
-        doomed_names = {f.name for f in doomed}
-        needed = self.referenced([f.name for f in committed if f.name not in doomed_names])
-        for f in doomed:
-            if f.name in needed:
-                log.info("retention keeps %s: a kept checkpoint references its frozen files", f.url)
-                self.kept_referenced.append(f.url)
-        doomed = [f for f in doomed if f.name not in needed]
-        removed = []
-        for f in doomed:
-            # the manifest goes first: a half-deleted checkpoint must not look committed; a
-            # checkpoint that is (or lies behind) a symbolic link is left alone, never followed
-            try:
-                self.storage.remove_inside(f"{f.name}/{MANIFEST_NAME}")
-                self.storage.remove_inside(f.name, recursive=True)
-            except LinkRefusedError as e:
-                log.warning("retention: %s", e)
-                continue
-            log.info("retention removed %s", f.url)
-            removed.append(f.url)
-        return removed
+        try:
+            m = read_manifest(self.storage.child(found.name))
+        except ShardckptError as e:
+            return [str(e)]
+        rec = thinned_record(m)
+        if rec is None or optimizer_kinds(m):
+            return []
+        return [f"it holds weights only (retention thinned it at {rec.get('at')}, removing "
+                f"{', '.join(map(str, rec.get('dropped') or ())) or 'the optimizer state'}) and "
+                "this job needs optimizer state (it has an optimizer and loads everything)"]
 
 
 @dataclass(frozen=True)

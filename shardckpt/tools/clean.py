@@ -1,7 +1,9 @@
 """Find and remove the debris of saves that never committed. Offline; no torch.
 
 Debris is: save directories (``<save-id>/``) that no manifest names, a checkpoint directory's
-leftover temporary manifests, and (object stores) multipart uploads never completed. A committed
+leftover temporary manifests, old shard files that a thinned manifest lists as removed
+(``extras.thinned.removed``: a thinning killed while it removed them), and (object stores)
+multipart uploads never completed. A committed
 checkpoint is never touched. Saves may still be in progress: only debris older than ``min_age_s``
 is removed (a save id begins with its UTC start time; uploads carry their start time), and a
 save directory whose writer still holds its lease (:mod:`shardckpt.storage.lease`) is never removed,
@@ -32,6 +34,7 @@ from collections.abc import Mapping
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.references import parent_of
 from shardckpt.checkpoint.run_dir import STEP_DIR
+from shardckpt.checkpoint.thin import leftovers
 from shardckpt.errors import LinkRefusedError, ShardckptError
 from shardckpt.storage.lease import live_until
 from shardckpt.format.manifest import MANIFEST_NAME, reference_of
@@ -93,6 +96,8 @@ def _scan(storage: Storage, rel: str, now: float, min_age_s: float, report: Clea
         except ShardckptError:
             return  # unreadable manifest: not ours to judge; leave its directory alone
         keep = live_dirs(m.save_id, m.files)
+        # old shard files a thinning killed while removing them (the manifest lists them)
+        report.debris += [join(p) for p in leftovers(storage.child(rel) if rel else storage, m)]
         referenced.update(referenced_dirs(rel, m.files))
         report.committed.append(rel or ".")
     for n in names:

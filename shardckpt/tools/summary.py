@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardckpt.checkpoint.thin import components_held
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import param_groups, run_extras
 
 
 def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
-    """Format version, mesh, step, components (groups, every parameter with its shape, dtype, unit and
-    group, bytes per state kind), files."""
+    """Format version, mesh, step, what it holds (``holds``: weights, optimizer state or thinned,
+    buffers, ...), components (groups, every parameter with its shape, dtype, unit and group, bytes
+    per state kind), files."""
     source = url or "manifest.json"
     extras = run_extras(m, source)
     components: dict[str, Any] = {}
@@ -56,6 +58,7 @@ def summarize(m: Manifest, url: str = "") -> dict[str, Any]:
                              for pg in param_groups(m.optimizer, source)],
         },
         "per_rank_state": dict(m.per_rank_state),
+        "holds": components_held(m),
         "components": components,
         "chunked": None if m.chunked is None else _chunked(m),
         "files": [{"path": f.path, "role": f.role, "size": f.size, "crc32c": f"{f.crc32c:08x}"}
@@ -75,3 +78,4 @@ def _chunked(m: Manifest) -> dict[str, Any]:
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "blobs": [{"key": b.key, "bytes": b.nbytes} for b in m.chunked.blobs.values()],
     }
+

@@ -3,7 +3,7 @@
 ::
 
     ckpt = Checkpointer("s3://bucket/run", engine, app_state={"scheduler": sched, "data": loader},
-                        keep_last=3, async_save=True)
+                        keep_last=3, keep_optimizer_last=1, keep_every=1000, async_save=True)
     start = ckpt.resume()              # newest committed checkpoint that checks out, or 0
     for step in range(start, steps):
         ...train...
@@ -25,12 +25,12 @@ forward and backward overlap it — then writes and commits over a process group
 most one save is in flight; the next ``save``, ``wait`` or ``close`` raises its error, and the
 previous checkpoint stays intact (the manifest is the last thing written). With the optimizer
 offloaded to files (``offload_optimizer="nvme"``) the trained groups are not copied into memory:
-their offload files, and their master shards, are copied into a snapshot directory on the same
-disk (``copy_file_range``; a reflink where the file system shares blocks), streamed from there,
-and removed when the save finishes or fails.
+their offload files and master shards are copied into a snapshot directory on the same disk
+(``copy_file_range``; a reflink where blocks are shared), streamed, and removed when it ends.
 
-Resume tries the newest committed checkpoint that checks out; if a checksum fails while loading
-it (on any rank), every rank falls back to the next older one, deleting nothing.
+Resume tries the newest committed checkpoint that checks out and holds what the job needs (not one
+retention thinned to weights, :mod:`shardckpt.checkpoint.retention`, where the job has an optimizer);
+if a checksum fails while loading it (on any rank), every rank falls back to the next older one.
 
 Tiers: with ``local=LocalTier(path=..., every=K, keep=2, peers=1)`` and ``durable_every=M``,
 ``save(step)`` writes to each node's directory every K steps (peer copies and commit in the
@@ -40,9 +40,9 @@ local tier (own copies, then peers') or the durable one (:mod:`shardckpt.trainin
 :mod:`shardckpt.training.resume`); the newer checkpoints it passed over are put aside.
 Without ``local``, every ``save`` goes to ``run_url`` (or every M-th step with ``durable_every``).
 
-Hugging Face config: ``extras["hf_config"]`` of every save holds the model's ``config.json``
-dict (``hf_config=``, else the wrapped module's own config when it has one: the built-in Llama,
-or a ``transformers`` model), so that ``shardckpt consolidate`` can write ``config.json``.
+Hugging Face config: ``extras["hf_config"]`` of every save holds the model's ``config.json`` dict
+(``hf_config=``, else the wrapped module's own config: the built-in Llama, or a ``transformers``
+model), so that ``shardckpt consolidate`` can write ``config.json``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ class Checkpointer:
     """
 
     def __init__(self, run_url: str, engine: Sharded, *, app_state: Mapping[str, Any] | None = None,
-                 keep_last: int | None = 3, async_save: bool = False, seed: int = 0,
+                 keep_last: int | None = 3, keep_optimizer_last: int | None = None,
+                 keep_every: int | None = None, async_save: bool = False, seed: int = 0,
                  storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                  hf_config: Any = None, local: LocalTier | None = None,
                  durable_every: int | None = None, max_staging_bytes: int | None = None,
@@ -161,7 +162,7 @@ class Checkpointer:
         self.engine = engine
         self.signing_key = load_signing_key(signing_key)  # a path: read once, here
         self.app_state = dict(app_state or {})
-        self.manager = CheckpointManager(run_url, keep_last, storage_options)
+        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every, keep_optimizer_last=keep_optimizer_last)
         self.storage_options = storage_options
         self.chunk_size = chunk_size
         self.seed = seed

@@ -82,6 +82,10 @@ def resume_durable(ckpt: Any, full_verify: bool, strict: bool) -> int:
     rank, manager = ckpt.rank, ckpt.manager
     why: dict[int, str] = {}
     todo: list[Found] | None = None
+    # a job with an optimizer that loads everything needs optimizer state: a checkpoint that
+    # retention thinned into weights only is passed over while an older one holds it
+    needs_optimizer = getattr(ckpt.engine, "optimizer", None) is not None
+    weights_only: list[Found] = []
 
     def choose() -> int | None:  # rank 0 checks one candidate at a time, the others follow
         nonlocal todo
@@ -92,10 +96,19 @@ def resume_durable(ckpt: Any, full_verify: bool, strict: bool) -> int:
         while todo:
             found = todo.pop()
             problems = manager.check(found, full_verify)
-            if not problems:
+            lacking = [] if problems else manager.lacks(found, needs_optimizer)
+            if not problems and not lacking:
                 return found.step
-            why[found.step] = problems[0]
-            log.warning("skipping %s: %s", found.url, problems[0])
+            if lacking:
+                weights_only.append(found)
+            why[found.step] = (problems or lacking)[0]
+            log.warning("passing over %s: %s", found.url, why[found.step])
+        if weights_only:  # better the newest weights with a fresh optimizer than step 0
+            found = weights_only[0]
+            log.warning("no committed checkpoint of %s holds optimizer state; resuming from the "
+                        "weights of %s with a fresh optimizer", manager.url, found.url)
+            why.pop(found.step, None)
+            return found.step
         return -1
 
     damaged: list[str] = []
@@ -191,7 +204,8 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
                       else "the local tier, each rank's own node")
         else:
             url = manager.url_for(step)
-            problem = node.check_durable(manager, step, full_verify)
+            problem = node.check_durable(manager, step, full_verify,
+                                         getattr(ckpt.engine, "optimizer", None) is not None)
             if problem:
                 why[(step, 0)] = problem
                 if rank == 0:

@@ -298,12 +298,15 @@ class NodeTier:
         _, reports = agree(survey, "survey of the checkpoint tiers")
         return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]
 
-    def check_durable(self, manager: CheckpointManager, step: int, full_verify: bool) -> str:
-        """What rank 0 finds wrong with durable ``step`` ("" if nothing; collective)."""
+    def check_durable(self, manager: CheckpointManager, step: int, full_verify: bool,
+                      optimizer: bool = False) -> str:
+        """What rank 0 finds wrong with durable ``step`` ("" if nothing; collective); with
+        ``optimizer``, a checkpoint thinned into weights only too."""
         def check() -> str:
             if self.rank:
                 return ""
-            problems = manager.check(Found(step, step_dir(step), manager.url_for(step)), full_verify)
+            found = Found(step, step_dir(step), manager.url_for(step))
+            problems = manager.check(found, full_verify) or manager.lacks(found, optimizer)
             return problems[0] if problems else ""
 
         try:

@@ -28,6 +28,11 @@
     to = 8
     from = 64                             # optional guard: the source's world size
     processes = 4                         # run as a torchrun job of 4 processes (default 1)
+    [[steps]]
+    kind = "retain"
+    keep = 3                              # the newest 3 checkpoints (up to the one processed)
+    keep_optimizer_last = 1               # optional: the newest 1 whole, older kept ones thinned
+    keep_every = 1000                     # optional: steps that are multiples of 1000 kept (weights)
 
 ``processes`` (verify, reshard and consolidate only) runs the step as ``torchrun
 --nproc_per_node <processes> -m shardckpt <kind> ...`` from the watcher
@@ -67,7 +72,7 @@ _STEP_KEYS = {
     "consolidate": {"kind", "dst", "dtype", "copy_from", "max_shard_size", "keep_buffers",
                     "processes"},
     "copy": {"kind", "dst"},
-    "retain": {"kind", "keep"},
+    "retain": {"kind", "keep", "keep_optimizer_last", "keep_every"},
 }
 _DTYPES = tuple(OUTPUT_ALIASES)
 #: The kinds that can run as a torchrun job (``processes``): the offline tools that have a job form.
@@ -90,6 +95,8 @@ class StepSpec:
     processes: int = 1              # > 1: run as a torchrun job of that many processes
     from_: int | None = None        # reshard: the source's world size it must have (a guard)
     keep_buffers: bool = False      # consolidate: also write the persistent buffers
+    keep_optimizer_last: int | None = None  # retain: the newest N kept whole, older ones thinned
+    keep_every: int | None = None   # retain: every checkpoint whose step is a multiple is kept
 
     @property
     def key(self) -> str:
@@ -256,5 +263,11 @@ def _step(index: int, raw: Any, base: str, bad: Any) -> StepSpec:
                         processes=procs, keep_buffers=keep)
     if kind == "retain":
         keep = int(_number(raw, "keep", 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
-        return StepSpec(index, kind, keep=keep)
+        opt, every = (None if raw.get(k) is None else
+                      int(_number(raw, k, 0, lambda w: bad(f"{where}: {w}"), 1, integer=True))
+                      for k in ("keep_optimizer_last", "keep_every"))
+        if opt is not None and opt > keep:
+            raise bad(f"{where}: keep_optimizer_last = {opt} is more than keep = {keep}: a "
+                      "checkpoint keeps its optimizer state only while it is kept")
+        return StepSpec(index, kind, keep=keep, keep_optimizer_last=opt, keep_every=every)
     return StepSpec(index, kind, dst, processes=procs)

@@ -149,6 +149,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "identity": (_opt_text, "a string"), "source_save_id": (_opt_text, "a string"),
     "adopted": (_flag, "true or false"), "removed": (_names, "a list of names"),
     "referenced": (_names, "a list of names"), "derived": (_names, "a list of names"),
+    "thinned": (_names, "a list of names"),
     "reason": (_text, "a string"),
 }
 _REQUIRED = {

@@ -1,8 +1,10 @@
 """The ``retain`` step: prune a run's old checkpoints and what the pipeline derived from them.
 
 Which checkpoints go: committed ones older than the newest ``keep`` (counted up to the checkpoint
-being processed) whose every earlier step is settled, never the newest committed one, the one
-``latest`` names, nor one whose frozen files a checkpoint that stays references. The run's own
+being processed; with ``keep_every``, a step that is its multiple stays) whose every earlier step
+is settled, never the newest committed one, the one ``latest`` names, nor one whose frozen files a
+checkpoint that stays references. With ``keep_optimizer_last``, the kept ones older than the newest
+that many are thinned into weights-only checkpoints (:mod:`shardckpt.checkpoint.retention`). The run's own
 naming decides what a checkpoint is (:func:`shardckpt.checkpoint.run_names.run_manager`).
 
 With each checkpoint, its *derived outputs* go: the ``dst`` of every step before this ``retain``
@@ -24,8 +26,10 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.run_dir import CheckpointManager, Found
+from shardckpt.checkpoint.retention import RetentionPolicy, plan_retention
 from shardckpt.checkpoint.run_names import run_manager
-from shardckpt.errors import LinkRefusedError
+from shardckpt.checkpoint.thin import thin
+from shardckpt.errors import LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import Storage
 from shardckpt.watch.config import StepSpec
@@ -37,21 +41,26 @@ CONSOLIDATED_FIRST = ("model.safetensors.index.json", "shardckpt_consolidated.js
 
 
 def retain(run: Storage, step: int, keep: int, steps: tuple[StepSpec, ...],
-           storage_options: Mapping[str, Any], is_settled: Callable[[str], bool]) -> dict[str, Any]:
+           storage_options: Mapping[str, Any], is_settled: Callable[[str], bool],
+           keep_optimizer_last: int | None = None, keep_every: int | None = None) -> dict[str, Any]:
     """Prune ``run`` when its checkpoint of ``step`` is processed (see the module doc); the
     ``.done`` facts: ``removed`` (checkpoint names), ``derived`` (output URLs), ``links``,
-    ``referenced``."""
+    ``referenced``, ``thinned`` (checkpoint names thinned into weights only)."""
     manager = run_manager(run)
     every = manager.committed()
     committed = [f for f in every if f.step <= step]
     protect = {f.name for f in every[-1:]} | {manager.read_latest() or ""}
-    doomed = [f for f in committed[:-keep] if f.name not in protect and is_settled(f.name)]
+    plan = plan_retention(RetentionPolicy(keep, keep_optimizer_last, keep_every),
+                          [(f.step, f.name) for f in committed], protect)
+    doomed = [f for f in committed if f.name in plan.remove and is_settled(f.name)]
     gone = {f.name for f in doomed}
     needed = manager.referenced([f.name for f in every if f.name not in gone])
     referenced = [f.name for f in doomed if f.name in needed]
     for name in referenced:
         log.info("retain keeps %s: a kept checkpoint references its frozen files",
                  manager.storage.url_of(name))
+    thinned = _thin(manager, [f.name for f in committed if is_settled(f.name) and (
+        f.name in plan.thin or (keep_optimizer_last is not None and f.name in referenced))])
     removed: list[str] = []
     derived: list[str] = []
     links: list[dict[str, str]] = []
@@ -64,8 +73,22 @@ def retain(run: Storage, step: int, keep: int, steps: tuple[StepSpec, ...],
         removed.append(f.name)
         derived += _remove_derived(f, steps, storage_options, links, referenced)
     return {"removed": removed, "bytes": 0, **({"derived": derived} if derived else {}),
+            **({"thinned": thinned} if thinned else {}),
             **({"links": links} if links else {}),
             **({"referenced": referenced} if referenced else {})}
+
+
+def _thin(manager: CheckpointManager, names: list[str]) -> list[str]:
+    """Thin each of ``names`` into weights only (:func:`shardckpt.checkpoint.thin.thin`); the
+    names thinned now (one that cannot be is kept whole and logged)."""
+    out = []
+    for name in names:
+        try:
+            if thin(manager.storage.child(name)) is not None:
+                out.append(name)
+        except ShardckptError as e:
+            log.warning("retain did not thin %s: %s", manager.storage.url_of(name), e)
+    return out
 
 
 def _remove(parent: Storage, name: str, first: str | tuple[str, ...],

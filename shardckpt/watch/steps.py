@@ -131,7 +131,7 @@ def run_retain(ctx: StepContext) -> dict[str, Any]:
 
     earlier = tuple(s for s in ctx.steps if s.index < ctx.spec.index)
     return retain(ctx.watch, ctx.step, ctx.spec.keep or 1, earlier, ctx.storage_options,
-                  ctx.is_settled)
+                  ctx.is_settled, ctx.spec.keep_optimizer_last, ctx.spec.keep_every)
 
 
 STEPS: dict[str, Callable[[StepContext], dict[str, Any]]] = {
