@@ -5,7 +5,8 @@
 A tiny ``LlamaForCausalLM`` built from a config (no download), a fixed token data set, save every
 ``save_steps``. Each rank records its loss at every step (exact floats); rank 0 writes the final
 weights. ``kill_at`` = [rank, step] makes that rank SIGKILL itself right after the save of
-``step`` has returned on it (the job dies with a committed checkpoint behind it).
+``step`` has returned on it (the job dies with a committed checkpoint behind it). ``bare``: the
+run records nothing after ``train()`` (the process exits right after it).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def train(spec: dict[str, Any], out: Path) -> None:
                 raise
             (out / f"rank-{rank}.json").write_text(json.dumps({"error": str(e)}))
             return
+    if spec.get("bare"):  # the script ends with train(), as most do: the process exits next
+        return
     (out / f"rank-{rank}.json").write_text(json.dumps({
         "losses": losses, "global_step": trainer.state.global_step, "warnings": warned,
         "world_size": trainer.args.world_size, "lr": trainer.lr_scheduler.get_last_lr()}))

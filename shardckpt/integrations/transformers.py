@@ -53,7 +53,6 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -70,6 +69,8 @@ from shardckpt.format.records import RunExtras
 from shardckpt.integrations.trainer_checks import (
     APP_VERSION, read_trainer_record, restored_trainer_state, rng_lengths, rng_name,
 )
+from shardckpt.integrations.trainer_rng import rng_state, set_rng_state
+from shardckpt.integrations.teardown import destroy_group_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class ShardckptTrainerMixin:
         else:
             msd, osd = get_state_dict(trainer.model, trainer.optimizer)
             state_dict = {"model": msd, "optim": osd}
-        rng_blob = json.dumps(_rng_state(), allow_nan=False).encode()
+        rng_blob = json.dumps(rng_state(), allow_nan=False).encode()
         lengths = [int(b) for b in all_gather_bytes(str(len(rng_blob)).encode())]
         state_dict["rng"] = {f"rank-{rank:05d}": torch.frombuffer(bytearray(rng_blob), dtype=torch.uint8)}
         app = {"version": APP_VERSION, "world_size": world, "rng_bytes": lengths,
@@ -211,6 +212,7 @@ class ShardckptTrainerMixin:
               **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint`` is True (the newest good checkpoint of
         the run), a shardckpt checkpoint's path or URL, or a folder Trainer itself wrote."""
+        destroy_group_at_exit()  # see integrations.teardown: no abort after a run that succeeded
         url = self._resume_url(resume_from_checkpoint)
         if url is None:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
@@ -288,7 +290,7 @@ class ShardckptTrainerMixin:
             log.info("%s: RNG states not restored (saved by %d ranks, this job has %d)", r.url,
                      r.app["world_size"], rank_and_world()[1])
             return
-        _set_rng_state(r.rng)
+        set_rng_state(r.rng)
 
     def _load_shardckpt(self, r: _Resume) -> None:
         """Load model, optimizer (unless the checkpoint is model-only), scheduler and this rank's
@@ -370,33 +372,3 @@ def _export_callback_states(trainer: Any) -> None:
             slot.append(cb.state())
         else:
             trainer.state.stateful_callbacks[name] = cb.state()
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states as JSON data."""
-    import numpy as np
-    import torch
-
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    out: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
-        "torch_cpu": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["torch_cuda"] = torch.cuda.get_rng_state().tolist()
-    return out
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["torch_cuda"], dtype=torch.uint8))
