@@ -105,7 +105,8 @@ def train(spec: dict[str, Any], out: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     trainer = Recording(model=model, args=args, train_dataset=dataset(), callbacks=[KillAfterSave()],
-                        shardckpt_url=spec.get("run_url"), storage_options=spec.get("storage_options"))
+                        shardckpt_url=spec.get("run_url"), storage_options=spec.get("storage_options"),
+                        consolidate_every=spec.get("consolidate_every"))
     with warnings_of("shardckpt") as warned:
         try:
             trainer.train(resume_from_checkpoint=spec.get("resume"))

@@ -136,3 +136,24 @@ def test_the_mistakes_a_new_user_makes(tmp_path: Path) -> None:
                                           r"\[64, 32\] \(the model's: \[48, 32\]\).*; the model has no model.layers.1"):
         shardckpt.hf.load_into(transformers.LlamaForCausalLM(small), str(tmp_path / "bare"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "bare-hf"]
+
+
+def test_lightning_records_the_config_and_where_the_model_sits() -> None:
+    """What a Lightning save records: the Hugging Face model found inside the LightningModule
+    (its config, architectures from its class, its attribute path as the prefix), or the
+    strategy's ``hf_config=``; the strategies take the keyword."""
+    from shardckpt.integrations.lightning_hf import hf_extras
+
+    wrapper = torch.nn.Module()
+    wrapper.head = torch.nn.Linear(2, 2)
+    wrapper.model = hf_llama()
+    got = hf_extras(wrapper, None)
+    assert got["hf_prefix"] == "state_dict.model."
+    assert got["hf_config"]["architectures"] == ["LlamaForCausalLM"]
+    assert hf_extras(torch.nn.Linear(2, 2), {"model_type": "mlp"}) == {"hf_config": {"model_type": "mlp"}}
+    assert hf_extras(torch.nn.Linear(2, 2), None) == {}
+    pytest.importorskip("lightning")
+    from shardckpt.integrations.lightning import ShardckptModelParallelStrategy
+
+    strategy = ShardckptModelParallelStrategy(hf_config={"model_type": "mlp"})
+    assert strategy.hf_config == {"model_type": "mlp"}

@@ -71,6 +71,7 @@ from shardckpt.integrations.trainer_checks import (
 )
 from shardckpt.integrations.trainer_rng import rng_state, set_rng_state
 from shardckpt.integrations.teardown import destroy_group_at_exit
+from shardckpt.integrations.trainer_export import check_every, consolidate_step
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +122,15 @@ class ShardckptTrainerMixin:
       default ``args.output_dir``);
     * ``storage_options``: fsspec options for it (``s3://``: endpoint, credentials);
     * ``full_verify``: check every checksum, not only sizes, when choosing the checkpoint to
-      resume from.
+      resume from;
+    * ``consolidate_every``: every K-th save also written as a Hugging Face model folder at
+      ``<consolidate_dir>/checkpoint-<step>`` (default ``<run>/hf``;
+      :mod:`~shardckpt.integrations.trainer_export`).
     """
 
     def __init__(self, *args: Any, shardckpt_url: str | os.PathLike | None = None,
                  storage_options: Mapping[str, Any] | None = None, full_verify: bool = False,
+                 consolidate_every: int | None = None, consolidate_dir: str | None = None,
                  **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         given: Any = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -156,6 +161,8 @@ class ShardckptTrainerMixin:
         self.shardckpt_run = TrainerRun(url, limit if limit and limit > 0 else None, storage_options)
         self.shardckpt_storage_options = dict(storage_options or {})
         self.shardckpt_full_verify = bool(full_verify)
+        self.shardckpt_consolidate = (check_every(consolidate_every), consolidate_dir or f"{url.rstrip('/')}/hf")
+        self._shardckpt_saves = 0
         self._shardckpt_resume: _Resume | None = None
 
     # ------------------------------------------------------------------------------------ save
@@ -167,7 +174,7 @@ class ShardckptTrainerMixin:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from shardckpt.interop.dcp.storage import ShardckptWriter
-        from shardckpt.training.checkpointer import hf_config_dict
+        from shardckpt.training.hf_record import hf_config_dict
 
         trainer: Any = self
         state = trainer.state
@@ -197,14 +204,18 @@ class ShardckptTrainerMixin:
                "lr_scheduler": _json_checked(trainer.lr_scheduler, "the LR scheduler"),
                "scaler": _json_checked(getattr(trainer.accelerator, "scaler", None), "the gradient scaler")}
         config = getattr(getattr(trainer.model, "config", None), "to_dict", None)
-        extras = RunExtras(step=step, app={"trainer": app},
-                           hf_config=hf_config_dict(trainer.model.config) if config else None)
+        extras = RunExtras(step=step, app={"trainer": app}, hf_prefix="model.",
+                           hf_config=hf_config_dict(trainer.model.config, model=trainer.model) if config else None)
         url = run.url_for(step)
         dcp.save(state_dict, storage_writer=ShardckptWriter(
             url, self.shardckpt_storage_options, extras=extras.to_doc(), replace_existing=True))
         log.info("saved step %d to %s", step, url)
+        self._shardckpt_saves += 1
+        every, where = self.shardckpt_consolidate
         if rank == 0:
             run.mark_committed(step)
+            if every is not None and self._shardckpt_saves % every == 0:
+                consolidate_step(url, f"{where}/checkpoint-{step}", trainer.model, self.shardckpt_storage_options)
 
     # ---------------------------------------------------------------------------------- resume
 
