@@ -8,7 +8,9 @@ with this job (2 ranks, 2 steps, one save): 1 abort in 20 launches; the issue sa
 
 :data:`LAUNCHES` launches under ``torchrun`` (a normal interpreter exit: ``testing.ranks``
 children end with ``os._exit``, which would hide it), 2 side by side. A fault that hits 1
-launch in 10 goes unseen by all of them with probability 0.9 ** 30 = 4.2 %.
+launch in 10 goes unseen by all of them with probability 0.9 ** 30 = 4.2 %. The cause is checked
+on every launch too: each rank's first atexit hook (run last) records whether a process group is
+still alive when teardown begins; it must not be (on the old code it always was).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def _launch(root: Path, i: int) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
     committed = (out / "run" / "checkpoint-2" / "manifest.json").exists()
+    alive = [json.loads((out / "results/0" / f"exit-rank-{r}.json").read_text())["group_alive"]
+             for r in (0, 1) if (out / "results/0" / f"exit-rank-{r}.json").exists()]
+    if alive != [False, False]:  # the cause, seen on every launch: the group left to teardown
+        return -2, f"process group alive when teardown began (ranks 0, 1): {alive}\n{done.stderr}"
     return (done.returncode if committed else -1), done.stderr
 
 
