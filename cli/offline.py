@@ -25,8 +25,10 @@ def consolidate(
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 | fp16 | fp32 (floating tensors)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest output file: 5GB, 500MB, 1e9."),
     component: str = typer.Option("model", "--component", help="Which component to consolidate."),
-    prefix: str = typer.Option("model.", "--prefix", help="Chunked (DCP) checkpoints: consolidate the "
-                               "tensors whose name starts with this, named without it."),
+    prefix: str | None = typer.Option(None, "--prefix", help="Chunked (DCP) checkpoints: consolidate "
+                                      "the tensors whose name starts with this, named without it "
+                                      "(default: the one the writer recorded; model., or "
+                                      "state_dict.<attr>. for Lightning)."),
     optimizer: bool = typer.Option(False, "--optimizer", help="Also write optimizer states (fp32)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace consolidated files already in DST."),
     copy_from: str | None = typer.Option(
@@ -71,6 +73,9 @@ def consolidate(
         extra = f" + {len(r.optimizer_files)} optimizer files" if r.optimizer_files else ""
         echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "
                    f"files{extra}, {human_bytes(r.bytes_written)} in {r.seconds:.2f} s")
+        if not r.has_config:
+            echo(f"note: no config.json written ({src} records no Hugging Face config); add one "
+                 "with --copy-from MODEL_FOLDER, or save with hf_config=", err=True)
         if r.left_out_buffers:
             names = ", ".join(r.left_out_buffers[:3]) + (", ..." if len(r.left_out_buffers) > 3 else "")
             echo(f"note: {len(r.left_out_buffers)} persistent buffer(s) left out ({names}); "

@@ -131,6 +131,19 @@ def test_each_save_is_a_committed_checkpoint_with_lightning_state_as_json(runs: 
     assert {"state_dict.net.0.weight", "optimizer_states.0.state.net.0.weight.exp_avg_sq"} <= names
     # FSDP2 shards: each of the two ranks wrote half of the first layer's rows
     assert len(m.chunked.tensors["state_dict.net.0.weight"].chunks) == 2
+    assert extras.hf_config == job.HF_CONFIG and extras.hf_prefix is None  # hf_config= of the strategy
+
+
+def test_consolidate_needs_no_prefix_and_writes_the_strategys_config(runs: dict[str, Any]) -> None:
+    """The model's tensors lie under ``state_dict.net.``: consolidate finds them by itself and
+    writes the ``hf_config=`` the strategy was given."""
+    from testing.cli import cli, ok
+
+    ck, out = runs["work"] / "ckpts-kept" / "epoch=1-step=8.ckpt", runs["work"] / "consolidated"
+    ok(cli("consolidate", str(ck), str(out), "--dtype", "fp32"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == [f"{i}.{k}" for i in (0, 2, 4) for k in ("bias", "weight")]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "tiny-mlp"
 
 
 def test_retention_deletes_through_shardckpt(runs: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ Three launches, shared by every test here (module-scoped):
 
 1. 2 ranks: an FSDP2 run (the model sharded by ``from_pretrained(distributed_config=...)``;
    Accelerate's FSDP plugin needs a GPU) saving steps 2 and 4 to S3 (moto); an uninterrupted DDP
-   run of 8 steps saving every 2 with ``save_total_limit=2`` (the reference); the same DDP run
+   run of 8 steps saving every 2 with ``save_total_limit=2`` and ``consolidate_every=2`` (the
+   reference); the same DDP run
    again, whose rank 1 SIGKILLs itself right after the save of step 4 (the job dies);
 2. 2 ranks: the FSDP2 run resumed from its S3 checkpoint-2; the killed run resumed with
    ``resume_from_checkpoint=True`` after an uncommitted ``checkpoint-99`` was planted beside it;
@@ -65,7 +66,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, moto_server: Any) -> dict[str
     began = time.monotonic()
     first = _launch({"results": str(root / "r1"), "runs": [
         {**FSDP, **s3, "output_dir": fsdp_out},
-        {**DDP, "output_dir": str(root / "ref")},
+        {**DDP, "output_dir": str(root / "ref"), "consolidate_every": 2},
         {**DDP, "output_dir": str(root / "killed"), "kill_at": [1, 4]}]}, 2)
     assert first[1].exitcode == -signal.SIGKILL and (root / "r1/2/killed-rank-1").exists(), first
     assert not first[0].ok  # its peer is gone: the job ends there
@@ -156,7 +157,7 @@ def test_retention_counts_only_committed_checkpoints(runs: dict[str, Any]) -> No
     from shardckpt.checkpoint.verify import verify
 
     root = runs["root"]
-    assert sorted(os.listdir(root / "ref")) == ["checkpoint-6", "checkpoint-8"]
+    assert sorted(os.listdir(root / "ref")) == ["checkpoint-6", "checkpoint-8", "hf"]
     # resume skipped the newer uncommitted folder; retention neither counted nor deleted it
     assert sorted(os.listdir(root / "killed")) == ["checkpoint-6", "checkpoint-8", "checkpoint-99"]
     assert not (root / "killed/checkpoint-99/manifest.json").exists()
@@ -249,3 +250,18 @@ def test_rng_is_sized_by_what_is_stored(runs: dict[str, Any]) -> None:
 def test_consolidated_checkpoint_loads_with_from_pretrained(runs: dict[str, Any]) -> None:
     root = runs["root"]
     assert _bit_equal(_weights(root / "r3/pretrained.safetensors"), _weights(root / "r1/1/final.safetensors"))
+
+
+def test_consolidate_every_writes_folders_from_pretrained_opens(runs: dict[str, Any]) -> None:
+    """``consolidate_every=2``: the 2nd and 4th saves (steps 4 and 8) are also Hugging Face
+    folders, kept when retention deletes their checkpoints; ``from_pretrained`` opens step 8 to
+    the run's final weights, its config naming the class the run trained."""
+    from transformers import AutoModelForCausalLM
+
+    root = runs["root"]
+    assert sorted(os.listdir(root / "ref/hf")) == ["checkpoint-4", "checkpoint-8"]
+    config = json.loads((root / "ref/hf/checkpoint-8/config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(str(root / "ref/hf/checkpoint-8"))
+    assert _bit_equal({k: v.detach() for k, v in model.state_dict().items()},
+                      _weights(root / "r1/1/final.safetensors"))

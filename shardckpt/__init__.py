@@ -15,6 +15,7 @@ The package is grouped by layer, lowest first; a layer imports only those below 
 - :mod:`shardckpt.runtime` — the ZeRO-1/2/3 engine.
 - :mod:`shardckpt.watch` — ``shardckpt watch``, the pipeline service.
 - :mod:`shardckpt.integrations` — Hugging Face Trainer, Lightning and torchtitan glue.
+- :mod:`shardckpt.hf` — ``transformers`` models and state dicts streamed from any checkpoint.
 - :mod:`shardckpt.demo` — ``shardckpt demo``: the whole stack on local disk.
 
 ``tests/test_layers.py`` holds every module to this order.

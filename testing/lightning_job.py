@@ -28,6 +28,8 @@ GLOBAL_BATCH = 8
 SAMPLES = 32                      # 4 steps per epoch
 EPOCHS = 3
 KILL_EPOCH = 2                    # killed after the first step of this epoch (saved: the one before)
+#: What the strategy records for ``consolidate`` (the model is no Hugging Face one: no prefix).
+HF_CONFIG = {"model_type": "tiny-mlp", "architectures": ["TinyMLP"]}
 
 
 def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: bool,
@@ -99,7 +101,7 @@ def _run(rank: int, world: int, workdir: str, *, ckpt_dir: str | None, kill: boo
     trainer = L.Trainer(accelerator="cpu", devices=world, max_epochs=EPOCHS, logger=False,
                         strategy=ShardckptModelParallelStrategy(
                             data_parallel_size=world, tensor_parallel_size=1,
-                            storage_options=s3[1] if s3 else None),
+                            storage_options=s3[1] if s3 else None, hf_config=HF_CONFIG),
                         enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0)
     torch.manual_seed(0)

@@ -5,11 +5,14 @@
 A tiny ``LlamaForCausalLM`` built from a config (no download), a fixed token data set, save every
 ``save_steps``. Each rank records its loss at every step (exact floats); rank 0 writes the final
 weights. ``kill_at`` = [rank, step] makes that rank SIGKILL itself right after the save of
-``step`` has returned on it (the job dies with a committed checkpoint behind it).
+``step`` has returned on it (the job dies with a committed checkpoint behind it). ``bare``: the
+run records nothing after ``train()`` (the process exits right after it) but, from its last
+atexit hook, whether a process group was still alive (``exit-rank-N.json``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -67,6 +70,8 @@ def train(spec: dict[str, Any], out: Path) -> None:
     from testing.logs import warnings_of
 
     out.mkdir(parents=True, exist_ok=True)
+    if spec.get("bare"):  # registered first, so run last of the atexit hooks: what teardown meets
+        atexit.register(_record_group_at_exit, out / f"exit-rank-{os.environ.get('RANK', '0')}.json")
     if spec.get("plant"):
         plant(**spec["plant"])
     args = TrainingArguments(
@@ -104,7 +109,8 @@ def train(spec: dict[str, Any], out: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     trainer = Recording(model=model, args=args, train_dataset=dataset(), callbacks=[KillAfterSave()],
-                        shardckpt_url=spec.get("run_url"), storage_options=spec.get("storage_options"))
+                        shardckpt_url=spec.get("run_url"), storage_options=spec.get("storage_options"),
+                        consolidate_every=spec.get("consolidate_every"))
     with warnings_of("shardckpt") as warned:
         try:
             trainer.train(resume_from_checkpoint=spec.get("resume"))
@@ -113,6 +119,8 @@ def train(spec: dict[str, Any], out: Path) -> None:
                 raise
             (out / f"rank-{rank}.json").write_text(json.dumps({"error": str(e)}))
             return
+    if spec.get("bare"):  # the script ends with train(), as most do: the process exits next
+        return
     (out / f"rank-{rank}.json").write_text(json.dumps({
         "losses": losses, "global_step": trainer.state.global_step, "warnings": warned,
         "world_size": trainer.args.world_size, "lr": trainer.lr_scheduler.get_last_lr()}))
@@ -121,6 +129,11 @@ def train(spec: dict[str, Any], out: Path) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.detach().contiguous().clone() for k, v in full.items()}, str(out / "final.safetensors"))
+
+
+def _record_group_at_exit(path: Path) -> None:
+    """Whether a process group is still alive when the interpreter's teardown begins."""
+    path.write_text(json.dumps({"group_alive": torch.distributed.is_initialized()}))
 
 
 def load_pretrained(folder: str, out: Path) -> None:

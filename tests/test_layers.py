@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "shardckpt"
 
 #: Lowest first. ``errors`` is the vocabulary every layer shares; ``demo`` runs the whole stack.
 LAYERS = ["errors", "format", "storage", "checkpoint", "interop", "tools", "training", "runtime",
-          "watch", "integrations", "demo", "cli"]
+          "watch", "integrations", "hf", "demo", "cli"]
 #: Layers whose modules must not need torch to be imported (torch only inside functions).
 TORCH_FREE = {"errors", "format", "storage", "checkpoint", "tools"}
 

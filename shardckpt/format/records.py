@@ -233,6 +233,7 @@ class RunExtras(_Codec):
     samples_seen: int | None = None
     source: str | None = None                # importers: where the weights came from
     hf_config: Mapping[str, Any] | None = None  # a Hugging Face config.json
+    hf_prefix: str | None = None             # chunked tensors: the model's names start with it
     dcp: DcpOrigin | None = None
     deepspeed: DeepSpeedOrigin | None = None
     seed: int | None = None                  # Checkpointer: base of the re-seed after a world change
@@ -244,6 +245,7 @@ class RunExtras(_Codec):
     KEYS: ClassVar[dict[str, tuple[Check, bool, bool]]] = {
         "step": (count, False, False), "samples_seen": (count, False, False),
         "source": (text, False, False), "hf_config": (json_object, False, False),
+        "hf_prefix": (text, False, False),
         "dcp": (record_of(DcpOrigin), False, False),
         "deepspeed": (record_of(DeepSpeedOrigin), False, False),
         "seed": (seed_int, False, False), "app": (json_object, False, False),

@@ -67,6 +67,7 @@ from shardckpt.errors import CollectiveError, ConfigError, ManifestError, Shardc
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.format.records import RunExtras, run_extras
 from shardckpt.integrations.lightning_paths import confine_restored, newest_good, remove_checkpoint
+from shardckpt.integrations.lightning_hf import APP_KEY, hf_extras, load_targets
 from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 from shardckpt.storage import Storage
 
@@ -76,8 +77,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ShardckptFSDPStrategy", "ShardckptModelParallelStrategy",  # noqa: F822
            "ShardckptStrategyMixin", "join_state", "newest_good", "remove_checkpoint", "split_state"]
 
-#: ``extras["app"]`` key of Lightning's state, and the version of its layout.
-APP_KEY = "lightning"
+#: ``extras["app"]`` key of Lightning's state (``APP_KEY``), and the version of its layout.
 LAYOUT_VERSION = 1
 TENSOR, TUPLE, DICT, FLOAT = "$tensor", "$tuple", "$dict", "$float"
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -217,8 +217,10 @@ def lightning_doc(m: Manifest, source: str) -> Any:
 class ShardckptStrategyMixin:
     """``save_checkpoint`` / ``load_checkpoint`` / ``remove_checkpoint`` of a Lightning strategy
     whose model is sharded with FSDP (1 or 2), through shardckpt (module doc). Put it before the
-    strategy class: ``class S(ShardckptStrategyMixin, ModelParallelStrategy)``; the keyword
-    ``storage_options`` (fsspec, e.g. S3 credentials) is taken, the rest goes to the strategy."""
+    strategy class: ``class S(ShardckptStrategyMixin, ModelParallelStrategy)``; the keywords
+    ``storage_options`` (fsspec, e.g. S3 credentials) and ``hf_config`` (the Hugging Face config
+    ``consolidate`` writes; default: that of the Hugging Face model inside the LightningModule,
+    :mod:`~shardckpt.integrations.lightning_hf`) are taken, the rest goes to the strategy."""
 
     model: Any
     optimizers: list[Any]
@@ -228,13 +230,13 @@ class ShardckptStrategyMixin:
     FORCED: dict[str, Any] = {}
 
     def __init__(self, *args: Any, storage_options: Mapping[str, Any] | None = None,
-                 **kwargs: Any) -> None:
+                 hf_config: Any = None, **kwargs: Any) -> None:
         for k, v in self.FORCED.items():
             if kwargs.setdefault(k, v) != v:
                 raise ConfigError(f"{type(self).__name__} saves sharded state: {k} must be {v!r}, "
                                   f"got {kwargs[k]!r}")
         super().__init__(*args, **kwargs)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options, self.hf_config = dict(storage_options or {}), hf_config
 
     # Lightning's dump_checkpoint asks the strategy for these: sharded, on every rank
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -266,7 +268,8 @@ class ShardckptStrategyMixin:
             step = checkpoint.get("global_step")
             extras = RunExtras.from_doc(
                 {"step": step if isinstance(step, int) and step >= 0 else None,
-                 "app": {APP_KEY: {"version": LAYOUT_VERSION, "state": doc}}},
+                 "app": {APP_KEY: {"version": LAYOUT_VERSION, "state": doc}},
+                 **hf_extras(self.lightning_module, self.hf_config)},
                 "extras", what).to_doc()
             return extras, tensors, _current_save_id(url, options) if self.is_global_zero else None
 
@@ -315,7 +318,7 @@ class ShardckptStrategyMixin:
         if optimizers and len(saved_optim) != len(optimizers):
             raise ConfigError(f"{url}: {len(saved_optim)} optimizer states saved, "
                               f"{len(optimizers)} optimizers configured")
-        into = _load_targets(url, tensor_names(doc), split_state(live)[1], shapes, strict, bool(optimizers))
+        into = load_targets(url, tensor_names(doc), split_state(live)[1], shapes, strict, bool(optimizers))
         dcp.load(into, storage_reader=ShardckptReader(url, options))
         left_out = {n: torch.empty(0) for n in tensor_names(doc) if n not in into}
         state = join_state(doc, {**into, **left_out}, url)
@@ -357,42 +360,6 @@ def _optimizer_template(model: Any, optimizer: Any) -> dict[str, Any]:
     finally:
         for p, g in zip(held, grads, strict=True):
             p.grad = g
-
-
-def _load_targets(url: str, saved: list[str], targets: Mapping[str, torch.Tensor],
-                  shapes: Mapping[str, tuple[str, tuple[int, ...]]], strict: bool,
-                  optimizers: bool) -> dict[str, torch.Tensor]:
-    """What DCP loads into, by name: the live model's and optimizers' tensors (``targets``) for
-    theirs, a new whole tensor for a callback's; a model tensor the model lacks is left out
-    unless ``strict``. Raises :class:`ConfigError` for state the checkpoint or the job lacks."""
-    def listed(names: list[str]) -> str:
-        return ", ".join(names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")
-
-    missing = sorted(n for n in set(targets) - set(saved) if strict or not n.startswith("state_dict."))
-    if missing:
-        raise ConfigError(f"{url}: the checkpoint has no {listed(missing)}; it was saved from "
-                          "another model or optimizer")
-    into: dict[str, torch.Tensor] = {}
-    extra: list[str] = []
-    for name in saved:
-        if name in targets:
-            into[name] = targets[name]
-        elif name.startswith("state_dict."):
-            if strict:
-                extra.append(name)
-        elif name.startswith("optimizer_states."):
-            if optimizers:
-                extra.append(name)
-        elif name in shapes:  # a callback's tensor: whole, on every rank
-            dtype, shape = shapes[name]
-            into[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-        else:
-            raise ManifestError(f"{url}: extras.app.{APP_KEY} names tensor {name!r}, which the "
-                                "checkpoint does not hold")
-    if extra:
-        raise ConfigError(f"{url}: the model or optimizer has no {listed(extra)}; it was saved from "
-                          "another model or optimizer (strict_loading=False loads a model's rest)")
-    return into
 
 
 def _current_save_id(url: str, options: Mapping[str, Any]) -> str | None:

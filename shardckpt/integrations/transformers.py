@@ -53,7 +53,6 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -70,6 +69,9 @@ from shardckpt.format.records import RunExtras
 from shardckpt.integrations.trainer_checks import (
     APP_VERSION, read_trainer_record, restored_trainer_state, rng_lengths, rng_name,
 )
+from shardckpt.integrations.trainer_rng import rng_state, set_rng_state
+from shardckpt.integrations.teardown import destroy_group_at_exit
+from shardckpt.integrations.trainer_export import check_every, consolidate_step
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +122,15 @@ class ShardckptTrainerMixin:
       default ``args.output_dir``);
     * ``storage_options``: fsspec options for it (``s3://``: endpoint, credentials);
     * ``full_verify``: check every checksum, not only sizes, when choosing the checkpoint to
-      resume from.
+      resume from;
+    * ``consolidate_every``: every K-th save also written as a Hugging Face model folder at
+      ``<consolidate_dir>/checkpoint-<step>`` (default ``<run>/hf``;
+      :mod:`~shardckpt.integrations.trainer_export`).
     """
 
     def __init__(self, *args: Any, shardckpt_url: str | os.PathLike | None = None,
                  storage_options: Mapping[str, Any] | None = None, full_verify: bool = False,
+                 consolidate_every: int | None = None, consolidate_dir: str | None = None,
                  **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
         given: Any = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -155,6 +161,8 @@ class ShardckptTrainerMixin:
         self.shardckpt_run = TrainerRun(url, limit if limit and limit > 0 else None, storage_options)
         self.shardckpt_storage_options = dict(storage_options or {})
         self.shardckpt_full_verify = bool(full_verify)
+        self.shardckpt_consolidate = (check_every(consolidate_every), consolidate_dir or f"{url.rstrip('/')}/hf")
+        self._shardckpt_saves = 0
         self._shardckpt_resume: _Resume | None = None
 
     # ------------------------------------------------------------------------------------ save
@@ -166,7 +174,7 @@ class ShardckptTrainerMixin:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from shardckpt.interop.dcp.storage import ShardckptWriter
-        from shardckpt.training.checkpointer import hf_config_dict
+        from shardckpt.training.hf_record import hf_config_dict
 
         trainer: Any = self
         state = trainer.state
@@ -186,7 +194,7 @@ class ShardckptTrainerMixin:
         else:
             msd, osd = get_state_dict(trainer.model, trainer.optimizer)
             state_dict = {"model": msd, "optim": osd}
-        rng_blob = json.dumps(_rng_state(), allow_nan=False).encode()
+        rng_blob = json.dumps(rng_state(), allow_nan=False).encode()
         lengths = [int(b) for b in all_gather_bytes(str(len(rng_blob)).encode())]
         state_dict["rng"] = {f"rank-{rank:05d}": torch.frombuffer(bytearray(rng_blob), dtype=torch.uint8)}
         app = {"version": APP_VERSION, "world_size": world, "rng_bytes": lengths,
@@ -196,14 +204,18 @@ class ShardckptTrainerMixin:
                "lr_scheduler": _json_checked(trainer.lr_scheduler, "the LR scheduler"),
                "scaler": _json_checked(getattr(trainer.accelerator, "scaler", None), "the gradient scaler")}
         config = getattr(getattr(trainer.model, "config", None), "to_dict", None)
-        extras = RunExtras(step=step, app={"trainer": app},
-                           hf_config=hf_config_dict(trainer.model.config) if config else None)
+        extras = RunExtras(step=step, app={"trainer": app}, hf_prefix="model.",
+                           hf_config=hf_config_dict(trainer.model.config, model=trainer.model) if config else None)
         url = run.url_for(step)
         dcp.save(state_dict, storage_writer=ShardckptWriter(
             url, self.shardckpt_storage_options, extras=extras.to_doc(), replace_existing=True))
         log.info("saved step %d to %s", step, url)
+        self._shardckpt_saves += 1
+        every, where = self.shardckpt_consolidate
         if rank == 0:
             run.mark_committed(step)
+            if every is not None and self._shardckpt_saves % every == 0:
+                consolidate_step(url, f"{where}/checkpoint-{step}", trainer.model, self.shardckpt_storage_options)
 
     # ---------------------------------------------------------------------------------- resume
 
@@ -211,6 +223,7 @@ class ShardckptTrainerMixin:
               **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint`` is True (the newest good checkpoint of
         the run), a shardckpt checkpoint's path or URL, or a folder Trainer itself wrote."""
+        destroy_group_at_exit()  # see integrations.teardown: no abort after a run that succeeded
         url = self._resume_url(resume_from_checkpoint)
         if url is None:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
@@ -288,7 +301,7 @@ class ShardckptTrainerMixin:
             log.info("%s: RNG states not restored (saved by %d ranks, this job has %d)", r.url,
                      r.app["world_size"], rank_and_world()[1])
             return
-        _set_rng_state(r.rng)
+        set_rng_state(r.rng)
 
     def _load_shardckpt(self, r: _Resume) -> None:
         """Load model, optimizer (unless the checkpoint is model-only), scheduler and this rank's
@@ -370,33 +383,3 @@ def _export_callback_states(trainer: Any) -> None:
             slot.append(cb.state())
         else:
             trainer.state.stateful_callbacks[name] = cb.state()
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states as JSON data."""
-    import numpy as np
-    import torch
-
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    out: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
-        "torch_cpu": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["torch_cuda"] = torch.cuda.get_rng_state().tolist()
-    return out
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["torch_cuda"], dtype=torch.uint8))

@@ -100,6 +100,7 @@ class ConsolidateResult:
     bytes_written: int
     seconds: float
     left_out_buffers: tuple[str, ...] = ()        # persistent buffers not written
+    has_config: bool = True                       # a config.json was written (or copied)
 
 
 def _index(files: Sequence[OutFile], extra: Mapping[str, Any] | None = None) -> bytes:
@@ -344,7 +345,7 @@ def result_of(reader: CheckpointReader, plan: ConsolidationPlan, target: Target,
                              tuple((f.name, f.size) for f in opt_files),
                              sum(len(f.tensors) for f in plan.files), sum(f.data_bytes for f in plan.files),
                              dict(plan.omitted_aliases), bytes_read, written, secs,
-                             plan.left_out_buffers)
+                             plan.left_out_buffers, plan.hf_config is not None or CONFIG in target.copies)
 
 
 def consolidate(src: str | CheckpointReader, dst: str | Storage, dtype: str = "bfloat16",
@@ -352,7 +353,7 @@ def consolidate(src: str | CheckpointReader, dst: str | Storage, dtype: str = "b
                 optimizer: bool = False, storage_options: Mapping[str, Any] | None = None,
                 buffer_bytes: int = DEFAULT_BUFFER, progress: Callable[[int], None] | None = None,
                 overwrite: bool = False, copy_from: str | Storage | None = None,
-                prefix: str = "model.", job: Job | None = None,
+                prefix: str | None = None, job: Job | None = None,
                 keep_buffers: bool = False) -> ConsolidateResult:
     """Consolidate checkpoint ``src`` into Hugging Face safetensors at ``dst`` (see the module
     doc): the source opened once (unless ``src`` is a reader already), planned, then

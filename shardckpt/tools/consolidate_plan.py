@@ -17,6 +17,7 @@ from shardckpt.format.manifest import Manifest, TensorSlot
 from shardckpt.format.records import param_groups, run_extras
 from shardckpt.format.safetensors_header import build_header
 from shardckpt.interop.hf.files import hf_config
+from shardckpt.tools.model_prefix import model_prefix
 
 
 DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
@@ -125,7 +126,7 @@ def pack_files(tensors: Sequence[OutTensor], max_shard_size: int, prefix: str) -
 
 def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                        component: str = "model", optimizer: bool = False, source: str = "",
-                       prefix: str = "model.", keep_buffers: bool = False) -> ConsolidationPlan:
+                       prefix: str | None = None, keep_buffers: bool = False) -> ConsolidationPlan:
     """Which tensors go to which output file, in which dtype, read from where. Pure.
 
     The component's persistent buffers are left out (named in ``left_out_buffers``) unless
@@ -134,11 +135,14 @@ def plan_consolidation(m: Manifest, dtype: str = "bfloat16", max_shard_size: int
     needs no weights; models whose class keeps them (BatchNorm statistics) want them kept.
 
     A checkpoint of chunked tensors (no components) gives the tensors whose FQN starts with
-    ``prefix``, named without it (``get_state_dict`` puts the model's under ``model.``)."""
+    ``prefix``, named without it; None: the one the writer recorded, or the one its layout
+    implies (:func:`~shardckpt.tools.model_prefix.model_prefix`: ``model.`` for
+    ``get_state_dict``'s, ``state_dict.<attr>.`` for Lightning's)."""
     out = output_dtype(dtype)
     if max_shard_size < 1:
         raise ConfigError(f"max shard size {max_shard_size}: must be positive")
     if m.chunked is not None and not m.components:
+        prefix = model_prefix(m, source) if prefix is None else prefix
         return _plan_chunked(m, out, max_shard_size, prefix, optimizer, source)
     comp = m.components.get(component)
     if comp is None:

@@ -96,7 +96,7 @@ def run_verify(url: str | Storage, storage_options: Mapping[str, Any] | None, wo
 
 
 def run_consolidate(src: str | Storage, dst: str, dtype: str, max_shard_size: int,
-                    component: str, prefix: str, optimizer: bool, overwrite: bool,
+                    component: str, prefix: str | None, optimizer: bool, overwrite: bool,
                     copy_from: str | None, storage_options: Mapping[str, Any] | None,
                     buffer_bytes: int, job: Job | None,
                     progress: OpenProgress, keep_buffers: bool = False) -> ConsolidateResult:

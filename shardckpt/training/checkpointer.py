@@ -68,6 +68,7 @@ from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_sav
 from shardckpt.training.direct_load import load_direct
 from shardckpt.training.resume import resume_durable, resume_tiers
 from shardckpt.training.tiers import LocalSave, NodeTier
+from shardckpt.training.hf_record import default_hf_config, hf_config_dict  # noqa: F401 - public here too
 
 log = logging.getLogger(__name__)
 
@@ -92,47 +93,6 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["torch_cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def hf_config_dict(config: Any, what: str = "hf_config") -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict from a dict, a ``transformers`` config (``to_dict()``)
-    or the built-in Llama's config (``to_hf_config()``); JSON-checked."""
-    if isinstance(config, Mapping):
-        out = dict(config)
-    elif callable(getattr(config, "to_hf_config", None)):
-        out = dict(config.to_hf_config())
-    elif callable(getattr(config, "to_dict", None)):
-        out = dict(config.to_dict())
-    else:
-        raise ConfigError(f"{what} is a {type(config).__name__}; pass a dict or an object with "
-                          "to_dict() (a transformers config)")
-
-    def dtype_name(o: Any) -> str:
-        if type(o).__name__ == "dtype":  # torch.float32 in older transformers' to_dict()
-            return str(o).removeprefix("torch.")
-        raise TypeError(f"{type(o).__name__} is not JSON-serializable")
-
-    try:
-        out = json.loads(json.dumps(out, default=dtype_name, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{what} is not JSON-serializable: {e}") from e
-    if "model_type" not in out:
-        raise ConfigError(f"{what} has no 'model_type'; transformers cannot load a config.json "
-                          "without it")
-    return out
-
-
-def default_hf_config(engine: Any) -> dict[str, Any] | None:
-    """The wrapped module's own Hugging Face config, if it has one (else None)."""
-    config = getattr(getattr(engine, "module", None), "config", None)
-    if config is None or not (callable(getattr(config, "to_hf_config", None))
-                              or hasattr(config, "model_type")):
-        return None
-    try:
-        return hf_config_dict(config, f"{type(engine.module).__name__}.config")
-    except ConfigError as e:
-        log.info("not recording a Hugging Face config: %s", e)
-        return None
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
