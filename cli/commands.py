@@ -55,14 +55,16 @@ def inspect(
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables (lists every parameter)."),
 ) -> None:
     """Show a checkpoint's format version, mesh, step, components, groups, parameters, states and files."""
-    from shardckpt.tools.jobs import describe
-
+    from shardckpt.checkpoint.reader import read_manifest
     from shardckpt.checkpoint.run_retention import run_holdings
+    from shardckpt.tools.summary import summarize
 
     opts = parse_storage_options(storage_option)
     where = checkpoint_location(ckpt, opts)
-    s = describe(where.storage, opts)
-    run = run_holdings(ckpt, opts) if where.note else None  # a run directory: each checkpoint
+    m = read_manifest(where.storage)  # once: the summary and the run's listing share it
+    s = summarize(m, where.storage.url)
+    # a run directory: what each of its checkpoints holds, through the storage already open
+    run = run_holdings(where.run, opts, {where.url: m}) if where.run is not None else None
     if json_out:
         echo_json({**s, "run": run} if run is not None else s)
         return

@@ -227,6 +227,7 @@ class Resolved:
     url: str
     storage: Storage
     note: str | None = None
+    run: Storage | None = None  # the run directory's storage, where ``url`` was resolved from one
 
 
 def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = None) -> Resolved:
@@ -252,7 +253,7 @@ def resolve_checkpoint(url: str, storage_options: Mapping[str, Any] | None = Non
     latest = manager.read_latest()
     if latest is not None and any(f.name == latest for f in committed):
         return Resolved(storage.url_of(latest), storage.child(latest),
-                        f"run directory: using latest -> {latest}")
+                        f"run directory: using latest -> {latest}", storage)
     if not committed:
         raise IncompleteCheckpointError(
             f"{storage.url} is a run directory with no committed checkpoint: none of its "

@@ -3,6 +3,7 @@ and ``shardckpt inspect RUN`` call (:mod:`shardckpt.checkpoint.retention` holds 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from shardckpt.checkpoint.reader import read_manifest
@@ -11,6 +12,7 @@ from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.checkpoint.run_names import run_manager
 from shardckpt.checkpoint.thin import components_held
 from shardckpt.errors import ShardckptError
+from shardckpt.format.manifest import Manifest
 from shardckpt.storage import Storage
 
 
@@ -23,15 +25,20 @@ def retain_run(run_url: str, policy: RetentionPolicy, dry_run: bool = False,
                            dry_run=dry_run)
 
 
-def run_holdings(run_url: str, storage_options: Any = None) -> list[dict[str, Any]]:
-    """What each committed checkpoint of the run directory ``run_url`` holds, oldest first:
-    ``name``, ``step``, ``holds`` (:func:`~shardckpt.checkpoint.thin.components_held`; a
-    manifest that does not read is ``["unreadable: <why>"]``)."""
-    manager = run_manager(Storage(run_url, storage_options))
+def run_holdings(run: str | Storage, storage_options: Any = None,
+                 known: Mapping[str, Manifest] | None = None) -> list[dict[str, Any]]:
+    """What each committed checkpoint of the run directory ``run`` (a URL, or its storage open
+    already) holds, oldest first: ``name``, ``step``, ``holds``
+    (:func:`~shardckpt.checkpoint.thin.components_held`; a manifest that does not read is
+    ``["unreadable: <why>"]``). ``known``: manifests the caller has read already, by URL (not
+    read again)."""
+    manager = run_manager(run if isinstance(run, Storage) else Storage(run, storage_options))
+    known = known or {}
     out = []
     for f in manager.committed():
         try:
-            holds = components_held(read_manifest(manager.storage.child(f.name)))
+            m = known.get(manager.storage.url_of(f.name))
+            holds = components_held(m if m is not None else read_manifest(manager.storage.child(f.name)))
         except ShardckptError as e:
             holds = [f"unreadable: {e}"]
         out.append({"name": f.name, "step": f.step, "holds": holds})
