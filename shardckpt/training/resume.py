@@ -71,6 +71,15 @@ def put_aside_durable(manager: CheckpointManager, above: int, why: dict[int, str
                     manager.url, above, e)
 
 
+def _start_fresh(damaged: list[str], none_loads: str, rank: int, none_found: str) -> None:
+    """Where no checkpoint was loaded: an error if some failed their checksums (a run never
+    starts over silently past damaged ones), else the log line that it starts at step 0."""
+    if damaged:
+        raise IntegrityError(f"{none_loads}; {len(damaged)} failed their checksums: " + "; ".join(damaged))
+    if rank == 0:
+        log.info("%s; starting at step 0", none_found)
+
+
 def _problem(manager: CheckpointManager, found: Found) -> str:
     problems = manager.check(found)
     return problems[0] if problems else "it was not loaded (see the resume's warnings)"
@@ -129,11 +138,8 @@ def resume_durable(ckpt: Any, full_verify: bool, strict: bool) -> int:
             log.info("resumed from %s (step %d)", url, step)
         _put_aside_run(manager, rank, step, why)
         return step
-    if damaged:
-        raise IntegrityError(f"{manager.url}: no committed checkpoint loads; "
-                             f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
-    if rank == 0:
-        log.info("no committed checkpoint below %s; starting at step 0", manager.url)
+    _start_fresh(damaged, f"{manager.url}: no committed checkpoint loads", rank,
+                 f"no committed checkpoint below {manager.url}")
     _put_aside_run(manager, rank, 0, why)
     return 0
 
@@ -228,11 +234,8 @@ def resume_tiers(ckpt: Any, node: NodeTier, full_verify: bool, strict: bool) -> 
                             "fetched": fetched, "url": url}
         _put_aside_tiers(node, manager, step, why)
         return step
-    if damaged:
-        raise IntegrityError(f"{manager.url} and the local tier: no checkpoint loads; "
-                             f"{len(damaged)} failed their checksums: " + "; ".join(damaged))
-    if rank == 0:
-        log.info("no checkpoint in the local tier or below %s; starting at step 0", manager.url)
+    _start_fresh(damaged, f"{manager.url} and the local tier: no checkpoint loads", rank,
+                 f"no checkpoint in the local tier or below {manager.url}")
     ckpt.last_resume = {"tier": None, "step": 0, "fetched": 0, "url": None}
     _put_aside_tiers(node, manager, 0, why)
     return 0
