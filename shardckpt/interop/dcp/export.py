@@ -32,7 +32,7 @@ from shardckpt.interop.dcp.to_flat import as_tensor
 from shardckpt.storage import DEFAULT_BATCH, Storage
 
 if TYPE_CHECKING:
-    from shardckpt.storage.core import StreamWriter
+    from shardckpt.storage import StreamWriter
 
 log = logging.getLogger(__name__)
 

@@ -103,8 +103,7 @@ def load_pt(storage: Storage, rel: str, root: str | None = None) -> dict[str, An
     reaches past its storage (named by its key), a global not on the allow-list (named), or
     anything but a dict at the top.
     """
-    from shardckpt.storage.core import iter_file_chunks
-    from shardckpt.storage.local import LocalBackend
+    from shardckpt.storage import iter_file_chunks, LocalBackend
 
     url = storage.url_of(rel)
     real = check_link(storage, rel, root if root is not None else source_root(storage))
