@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.layout import prod
 from shardckpt.interop.foreign import check_link, escaped, shown, source_root
-from shardckpt.interop.pt_archive import (
-    check_tensors, load_mapped, local_copy, read_layout, read_storages,
-)
+from shardckpt.interop.pt_archive import check_tensors, load_mapped, local_copy, read_storages
+from shardckpt.interop.pt_zip import read_layout
 from shardckpt.storage import NotFoundError, Storage
 
 
