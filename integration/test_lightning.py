@@ -28,9 +28,8 @@ from shardckpt.checkpoint.reader import read_manifest  # noqa: E402
 from shardckpt.checkpoint.verify import verify  # noqa: E402
 from shardckpt.errors import ConfigError, ManifestError  # noqa: E402
 from shardckpt.format.records import run_extras  # noqa: E402
-from shardckpt.integrations.lightning import (  # noqa: E402
-    join_state, newest_good, remove_checkpoint, split_state,
-)
+from shardckpt.integrations.lightning_paths import newest_good, remove_checkpoint  # noqa: E402
+from shardckpt.integrations.lightning_state import join_state, split_state  # noqa: E402
 from shardckpt.storage import Storage  # noqa: E402
 from testing import lightning_job as job  # noqa: E402
 from testing.ranks import run_distributed, run_ranks  # noqa: E402

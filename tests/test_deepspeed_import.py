@@ -165,7 +165,7 @@ def test_one_rank_file_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     import gc
     import weakref
 
-    import shardckpt.interop.deepspeed.import_ as di
+    import shardckpt.interop.deepspeed.rank_files as di
 
     real, held, alive_at_load = di.load_pt, [], []
 

@@ -629,7 +629,7 @@ def test_lightning_state_fuzzed(tiny: Path, tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from shardckpt.checkpoint.reader import read_manifest
-    from shardckpt.integrations.lightning import join_state, lightning_doc
+    from shardckpt.integrations.lightning_state import join_state, lightning_doc
     from shardckpt.integrations.lightning_paths import PATH_FIELDS, confine_restored, remove_checkpoint
     from shardckpt.storage import Storage
 

@@ -183,3 +183,37 @@ def test_no_import_cycles() -> None:
                 if len(component) > 1:
                     cycles.append(sorted(component))
     assert not cycles, "import cycles:\n" + "\n".join("  " + " <-> ".join(c) for c in cycles)
+
+
+def _storage_face() -> set[str]:
+    """The names ``shardckpt.storage`` exports (its ``__all__``, read from the source)."""
+    tree = ast.parse((PACKAGE / "storage" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("shardckpt/storage/__init__.py has no __all__")
+
+
+def test_storage_is_used_through_its_package() -> None:
+    """Outside ``storage/`` every storage name comes from ``shardckpt.storage`` itself: no
+    ``from shardckpt.storage.<module> import``, no ``import shardckpt.storage.<module>``, no
+    ``from shardckpt.storage import <module>`` unless the package exports that module as a
+    namespace. How storage splits its modules is its own business."""
+    submodules = {p.stem for p in (PACKAGE / "storage").glob("*.py")} - {"__init__"}
+    face = _storage_face()
+    cli = PACKAGE.parent / "cli"
+    paths = [p for _, p in _modules() if "storage" not in p.relative_to(PACKAGE).parts[:1]]
+    problems = []
+    for path in paths + sorted(cli.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.startswith("shardckpt.storage."):
+                    names = [node.module]
+                elif node.module == "shardckpt.storage":
+                    names = [f"shardckpt.storage.{a.name}" for a in node.names
+                             if a.name in submodules and a.name not in face]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("shardckpt.storage.")]
+            problems += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}" for n in names]
+    assert not problems, "import these names from shardckpt.storage (export them there):\n" + "\n".join(problems)

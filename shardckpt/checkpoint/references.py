@@ -22,9 +22,7 @@ import threading
 
 from shardckpt.errors import IncompleteCheckpointError, ManifestError
 from shardckpt.format.manifest import FROZEN_ROLE, FileEntry, Manifest, frozen_part, reference_of
-from shardckpt.storage import Storage, crc32c
-from shardckpt.storage.checked import read_checked
-from shardckpt.storage.links import check_inside
+from shardckpt.storage import Storage, crc32c, read_checked, check_inside
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,7 @@ from shardckpt.format.records import per_rank_state
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.storage import commit as commit_steps
-from shardckpt.storage.local import local_path
-from shardckpt.storage.private_dir import private_storage
+from shardckpt.storage import local_path, private_storage
 
 log = logging.getLogger(__name__)
 

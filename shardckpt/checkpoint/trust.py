@@ -25,9 +25,7 @@ from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.signing import (
     PublicKey, SigningKey, check_signature, private_key_from, public_key_from,
 )
-from shardckpt.storage import Storage
-from shardckpt.storage.core import iter_file_chunks
-from shardckpt.storage.digest import hash_chunks
+from shardckpt.storage import Storage, iter_file_chunks, hash_chunks
 from shardckpt.checkpoint.references import RunFiles
 
 #: What ``trust=`` takes.

@@ -19,8 +19,7 @@ from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage, check_header, read_manifest
 from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.trust import Trust, trusted_keys
-from shardckpt.storage import NotFoundError, Storage, crc32c, iter_file_chunks
-from shardckpt.storage.digest import ChunkHasher
+from shardckpt.storage import NotFoundError, Storage, crc32c, iter_file_chunks, ChunkHasher
 
 log = logging.getLogger(__name__)
 

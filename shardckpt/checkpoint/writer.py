@@ -20,7 +20,7 @@ from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
 from shardckpt.format.digests import DIGESTS_VERSION
 from shardckpt.format.layout import Mesh
 from shardckpt.format.signing import SigningKey
-from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
+from shardckpt.storage import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
     CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, FROZEN_ROLE, FROZEN_VERSION, MANIFEST_NAME, VERSION,
     Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, buffer_slots, frozen_file_name,

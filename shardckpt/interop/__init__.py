@@ -4,5 +4,6 @@ One package per format (:mod:`.hf`, :mod:`.dcp`, :mod:`.deepspeed`); the importe
 interface (:mod:`.importer`: ``Importer``, ``ImportOptions``, the registry ``IMPORTERS``) and the
 writing and commit of what they import (:mod:`.importing`). What every format's reader needs:
 :mod:`.foreign` (untrusted folders and text), :mod:`.pt_archive` (``torch.save`` archives
-without torch), :mod:`.safe_unpickle` (allow-listed unpickling).
+checked before a value is read; their zip structure in :mod:`.pt_zip`), :mod:`.safe_unpickle`
+(allow-listed unpickling).
 """

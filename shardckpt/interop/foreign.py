@@ -22,8 +22,7 @@ from typing import Any
 
 from shardckpt.errors import ManifestError
 from shardckpt.format.parse_context import finite_float, no_duplicate_keys, reject_constant
-from shardckpt.storage import Storage
-from shardckpt.storage.links import resolve_inside
+from shardckpt.storage import Storage, resolve_inside
 
 #: Characters of a name from the input that an error shows before cutting it.
 SHOWN_CHARS = 120
@@ -69,7 +68,7 @@ def source_root(storage: Storage) -> str | None:
     """The folder inside which ``storage``'s files must resolve, or None where the storage is
     not a local disk (object stores have no links). The operator's path is trusted: its own links
     are resolved first; a Hugging Face cache snapshot's root is its repository folder."""
-    from shardckpt.storage.local import LocalBackend
+    from shardckpt.storage import LocalBackend
 
     if not isinstance(storage.backend, LocalBackend):
         return None

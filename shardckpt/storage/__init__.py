@@ -42,7 +42,9 @@ read-ahead), :mod:`.retry` (deadline, the shared error vocabulary, error mapping
 :mod:`.options` (``storage_options``), :mod:`.places` (comparable locations, free space),
 :mod:`.confined` (local removals that never follow a symbolic link out of the directory they were
 asked for).
-Import from this package; the split is not part of the API. :mod:`.s3` is loaded when an ``s3://``
+Import from this package; the split is not part of the API (``tests/test_layers.py`` holds every
+module outside it to that). :mod:`.commit`, the commit protocol, is exported whole, as a namespace
+(``commit.replace``, ``commit.current_manifest``). :mod:`.s3` is loaded when an ``s3://``
 location is opened or one of its names is asked for here, so that local work never loads it.
 """
 
@@ -64,8 +66,21 @@ from shardckpt.storage.reads import DEFAULT_BATCH, DEFAULT_BUFFER, RangeReader, 
 from shardckpt.storage.retry import (
     DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
 )
-from shardckpt.storage.digest import ChunkHasher
+from shardckpt.storage.digest import ChunkHasher, hash_chunks
 from shardckpt.storage.writer import StreamWriter, crc32c
+from shardckpt.storage.checked import ChunkCheck, read_checked, spans
+from shardckpt.storage.links import check_inside, resolve_inside
+from shardckpt.storage.places import contains
+from shardckpt.storage.reads import Request
+from shardckpt.storage.local import LocalBackend, local_path, open_regular, read_local_into
+from shardckpt.storage.private_dir import private_storage
+from shardckpt.storage.pipeline import (
+    FileReads, IOConfig, Reader, Ring, Slot, local_reader, pipelined_reads,
+)
+from shardckpt.storage.pwrite import Staged, write_positioned
+# After core and retry: these two import Storage and NotFoundError from this package.
+from shardckpt.storage.lease import DEFAULT_TTL_S, LEASE_PREFIX, Lease, live_until, whoami
+from shardckpt.storage import commit
 
 _S3_NAMES = frozenset({"OpenUpload", "S3_CONFIG_DEFAULTS", "S3FS_RETRIES"})
 
@@ -77,9 +92,13 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BACKENDS", "BackendOptions", "ChunkHasher", "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE",
-    "DeadlineExceededError", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "RetryPolicy",
-    "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Storage", "StorageBackend", "StreamWriter", "Tuning",
-    "abort_upload", "backend_class", "crc32c", "iter_file_chunks", "list_open_uploads", "mapped_errors", "open_storage",
-    "read_ahead", "split_options", "storage_options_from_env",
+    "BACKENDS", "BackendOptions", "ChunkCheck", "ChunkHasher", "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER",
+    "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "DEFAULT_TTL_S", "DeadlineExceededError", "FileReads", "IOConfig",
+    "LEASE_PREFIX", "Lease", "LocalBackend", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "Reader",
+    "Request", "RetryPolicy", "Ring", "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Slot", "Staged", "Storage",
+    "StorageBackend", "StreamWriter", "Tuning", "abort_upload", "backend_class", "check_inside", "commit",
+    "contains", "crc32c", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until", "local_path",
+    "local_reader", "mapped_errors", "open_regular", "open_storage", "pipelined_reads", "private_storage",
+    "read_ahead", "read_checked", "read_local_into", "resolve_inside", "spans", "split_options",
+    "storage_options_from_env", "whoami", "write_positioned",
 ]

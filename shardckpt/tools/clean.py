@@ -36,7 +36,7 @@ from shardckpt.checkpoint.references import parent_of
 from shardckpt.checkpoint.run_dir import STEP_DIR
 from shardckpt.checkpoint.thin import leftovers
 from shardckpt.errors import LinkRefusedError, ShardckptError
-from shardckpt.storage.lease import live_until
+from shardckpt.storage import live_until
 from shardckpt.format.manifest import MANIFEST_NAME, reference_of
 from shardckpt.storage import OpenUpload, Storage, abort_upload, list_open_uploads
 

@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from shardckpt.errors import NotFoundError, TrustError
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.format.signing import CONSOLIDATION_DOMAIN, SIGNATURE_FIELD, check_signature, seal_signed
-from shardckpt.storage import Storage, iter_file_chunks
-from shardckpt.storage.digest import hash_chunks
+from shardckpt.storage import Storage, iter_file_chunks, hash_chunks
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.trust import Trust, signing_key, trusted_keys
 from shardckpt.tools.consolidate import PROVENANCE

@@ -18,8 +18,7 @@ from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import FileEntry, TensorSlot
 from shardckpt.format.reshard_plan import Copy, ReshardPlan
-from shardckpt.storage import RangeReader, read_ahead
-from shardckpt.storage.reads import Request
+from shardckpt.storage import RangeReader, read_ahead, Request
 
 #: A piece of a slot's bytes: that many zero bytes, a checked source range, or a function that
 #: returns the bytes (called on the read-ahead thread).

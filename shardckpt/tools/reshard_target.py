@@ -14,8 +14,7 @@ from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.errors import ConfigError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from shardckpt.format.manifest_parse import parse
-from shardckpt.storage import Storage
-from shardckpt.storage.places import contains
+from shardckpt.storage import Storage, contains
 from shardckpt.tools.clean import SAVE_ID, remove_stale_saves, sibling_references
 
 log = logging.getLogger(__name__)

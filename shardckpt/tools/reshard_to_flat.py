@@ -1,7 +1,7 @@
 """``reshard --format flat``: a checkpoint of chunked tensors (saved through DCP) as ``ZeroEngine``
 flat groups for M ranks, as ``import dcp --ranks M`` writes them.
 
-The planning is ``import dcp``'s (:func:`shardckpt.interop.dcp.to_flat.read_model`, which
+The planning is ``import dcp``'s (:func:`shardckpt.interop.dcp.model_state.read_model`, which
 tensor is a parameter, its Adam moments, a frozen parameter or a buffer; and
 :func:`~shardckpt.interop.dcp.to_flat.flat_spec`, the layout and the manifest-to-be), and so are
 the bytes of each shard (:func:`~shardckpt.interop.dcp.to_flat.flat_producer`): the output is the
@@ -54,7 +54,7 @@ class FlatFromChunks:
 
     spec: CheckpointSpec
     layout: Layout
-    model: Any  # shardckpt.interop.dcp.to_flat.DcpModel
+    model: Any  # shardckpt.interop.dcp.model_state.DcpModel
 
     def writer(self, dst: Storage, save_id: str | None = None) -> CheckpointWriter:
         return CheckpointWriter(dst, self.spec, save_id)
@@ -92,7 +92,8 @@ class FlatFromChunks:
 def flat_target(reader: CheckpointReader, mesh: Mesh) -> FlatFromChunks:
     """The flat groups ``import dcp --ranks`` would write from the chunked checkpoint of
     ``reader`` (default keys and unit patterns), for ``mesh``."""
-    from shardckpt.interop.dcp.to_flat import flat_spec, read_model
+    from shardckpt.interop.dcp.model_state import read_model
+    from shardckpt.interop.dcp.to_flat import flat_spec
 
     model = read_model(reader)
     spec, layout = flat_spec(reader, model, mesh, None, reader.url)

@@ -21,7 +21,7 @@ from shardckpt.format.manifest_parse import parse
 from shardckpt.format.signing import SigningKey
 from shardckpt.storage import crc32c, iter_file_chunks
 from shardckpt.storage import commit as _commit
-from shardckpt.storage.digest import ChunkHasher
+from shardckpt.storage import ChunkHasher
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.trust import signing_key as load_key

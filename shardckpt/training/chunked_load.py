@@ -16,7 +16,8 @@ from shardckpt.checkpoint.collective import agree, rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import Manifest
-from shardckpt.interop.dcp.to_flat import as_tensor, flat_producer, read_model
+from shardckpt.interop.dcp.model_state import as_tensor, read_model
+from shardckpt.interop.dcp.to_flat import flat_producer
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.training.optim_info import load_optimizer_info
 

@@ -21,9 +21,8 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage.local import local_path
-from shardckpt.storage.pipeline import (
-    FileReads, IOConfig, Reader, Ring, Slot, local_reader, pipelined_reads,
+from shardckpt.storage import (
+    FileReads, IOConfig, Reader, Ring, Slot, local_path, local_reader, pipelined_reads,
 )
 
 Request = tuple[FileEntry, int, int]      # file, absolute byte range

@@ -18,8 +18,7 @@ from typing import Any
 
 from shardckpt.errors import ShardckptError
 from shardckpt.format.manifest import TensorSlot
-from shardckpt.storage.pipeline import IOConfig, Slot
-from shardckpt.storage.pwrite import Staged, write_positioned
+from shardckpt.storage import IOConfig, Slot, Staged, write_positioned
 from shardckpt.training.device_load import byte_view, host_ring
 
 PIECE_BYTES = 64 << 20

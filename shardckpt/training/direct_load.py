@@ -30,8 +30,7 @@ from shardckpt.checkpoint.set_aside import raise_damaged, raise_damaged_role
 from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
-from shardckpt.storage import Storage
-from shardckpt.storage.local import local_path, read_local_into
+from shardckpt.storage import Storage, local_path, read_local_into
 from shardckpt.training.abandon import LossFlag, watched_agree
 from shardckpt.training.optim_info import load_optimizer_info
 from shardckpt.training.peer_copy import run_transfers

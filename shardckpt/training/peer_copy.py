@@ -34,9 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from shardckpt.checkpoint.tiers import Transfer, is_full
 from shardckpt.errors import InsufficientSpaceError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import Storage
-from shardckpt.storage.checked import ChunkCheck, spans
-from shardckpt.storage.local import open_regular
+from shardckpt.storage import Storage, ChunkCheck, spans, open_regular
 from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
 from shardckpt.training.peer_channel import Channel
 from shardckpt.training.peer_checks import checked_count, checked_spans, outside_step

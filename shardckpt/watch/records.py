@@ -45,8 +45,7 @@ from collections.abc import Callable
 from shardckpt.checkpoint.run_names import STEP, checkpoint_name
 from shardckpt.errors import CommitConflictError, ShardckptError
 from shardckpt.format.parse_context import json_depth, no_duplicate_keys, reject_constant
-from shardckpt.storage.lease import LEASE_PREFIX, Lease, whoami, live_until
-from shardckpt.storage import NotFoundError, Storage
+from shardckpt.storage import LEASE_PREFIX, Lease, whoami, live_until, NotFoundError, Storage
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ from shardckpt.errors import ConfigError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
-from shardckpt.interop.dcp.to_flat import as_tensor
+from shardckpt.interop.dcp.model_state import as_tensor
 from shardckpt.storage import DEFAULT_BATCH, Storage
 
 if TYPE_CHECKING:
-    from shardckpt.storage.core import StreamWriter
+    from shardckpt.storage import StreamWriter
 
 log = logging.getLogger(__name__)
 

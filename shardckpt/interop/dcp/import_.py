@@ -45,7 +45,7 @@ from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
 from shardckpt.format.records import DcpOrigin, RunExtras
 from shardckpt.storage import NotFoundError, Storage
-from shardckpt.storage.links import check_inside
+from shardckpt.storage import check_inside
 from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 
 log = logging.getLogger(__name__)

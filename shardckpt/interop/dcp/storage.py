@@ -53,7 +53,7 @@ from shardckpt.format.chunked import (
 from shardckpt.errors import ConfigError, ManifestError, ShardckptError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh, prod
-from shardckpt.storage.lease import DEFAULT_TTL_S
+from shardckpt.storage import DEFAULT_TTL_S
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, FileEntry, TensorSlot
 from shardckpt.format.records import RunExtras
 from shardckpt.interop.dcp.metadata import chunked_section, dtype_name, section_metadata

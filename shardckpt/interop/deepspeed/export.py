@@ -185,7 +185,7 @@ class _Source:
         ``dtype`` (read in the stored dtype, checked, then cast)."""
         import torch
 
-        from shardckpt.interop.dcp.to_flat import as_tensor
+        from shardckpt.interop.dcp.model_state import as_tensor
 
         if first >= last:
             return torch.zeros(0, dtype=dtype)
@@ -209,7 +209,7 @@ class _Source:
     def buffer(self, fqn: str) -> Any:
         import torch
 
-        from shardckpt.interop.dcp.to_flat import as_tensor
+        from shardckpt.interop.dcp.model_state import as_tensor
 
         slot, view = self.reader.read_buffer(fqn)
         spec = next(b for b in self.comp.buffers if b.fqn == fqn)

@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.layout import prod
 from shardckpt.interop.foreign import check_link, escaped, shown, source_root
-from shardckpt.interop.pt_archive import (
-    check_tensors, load_mapped, local_copy, read_layout, read_storages,
-)
+from shardckpt.interop.pt_archive import check_tensors, load_mapped, local_copy, read_storages
+from shardckpt.interop.pt_zip import read_layout
 from shardckpt.storage import NotFoundError, Storage
 
 
@@ -103,8 +102,7 @@ def load_pt(storage: Storage, rel: str, root: str | None = None) -> dict[str, An
     reaches past its storage (named by its key), a global not on the allow-list (named), or
     anything but a dict at the top.
     """
-    from shardckpt.storage.core import iter_file_chunks
-    from shardckpt.storage.local import LocalBackend
+    from shardckpt.storage import iter_file_chunks, LocalBackend
 
     url = storage.url_of(rel)
     real = check_link(storage, rel, root if root is not None else source_root(storage))
