@@ -275,6 +275,13 @@ def _check_signed(ns: dict[str, Any], run: int) -> None:
         raise AssertionError("an unsigned checkpoint was read as trusted")
 
 
+def _check_tiers(ns: dict[str, Any], run: int) -> None:
+    assert ns["start"] == 0, f"a fresh run resumed from step {ns['start']}"
+    node = f"runs/node-{_rank()}"
+    assert all(_committed(f"{node}/step-0000000{s}") for s in (2, 3)), os.listdir(node)
+    assert _committed("runs/tiered/step-00000002") and not Path("runs/tiered/step-00000003").exists()
+
+
 def _check_hf_start(ns: dict[str, Any], run: int) -> None:
     import torch
     from safetensors.torch import load_file
@@ -346,6 +353,7 @@ class Run:
 
 RANK_PHASE = [Run("tour-loop", _check_tour), Run("keep-weights", _check_keep, after="tour-loop"),
               Run("signing", _check_signed, _given_key, after="tour-loop"),
+              Run("tiers", _check_tiers, after="tour-loop"),
               Run("hf-start", _check_hf_start, _given_hf_folder),
               Run("fsdp2-dcp", _check_fsdp2, _given_fsdp2),
               Run("dcp-checkpointer", _check_dcp_ckpt, after="fsdp2-dcp", runs=2),
