@@ -5,7 +5,8 @@ marked and what each snippet is given and must do).
 Two launches for all of them: one of 2 ranks runs the 2-rank snippets in sequence, then one of 1
 rank, in the same folder, resumes the tour's 2-rank checkpoint and runs the single-process ones.
 Without a launch: every python block is marked, every marked snippet is run, every substitution
-still applies, every link between the pages resolves, and the README's layer table is the one
+still applies, every link between the pages resolves, every ``shardckpt COMMAND --option`` the
+pages show exists, every pipeline they show parses, and the README's layer table is the one
 ``tests/test_layers.py`` holds.
 """
 
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from testing.ranks import run_ranks
-from testing.snippets import PHASES, RANK_PHASE, ROOT, SINGLE_PHASE, all_blocks, doc_paths, job
+from testing.snippets import (PHASES, RANK_PHASE, ROOT, SINGLE_PHASE, all_blocks, command_mentions,
+                               doc_paths, job)
 
 pytestmark = pytest.mark.slow
 
@@ -101,3 +103,48 @@ def test_snippet_runs_on_two_ranks(outcomes: dict[str, list], name: str) -> None
 @pytest.mark.parametrize("name", [r.name for r in SINGLE_PHASE])
 def test_snippet_runs_on_one_rank_after_them(outcomes: dict[str, list], name: str) -> None:
     _assert_ran(outcomes["single"], name)
+
+
+def test_commands_and_options_in_the_docs_exist() -> None:
+    """Every ``shardckpt COMMAND --option`` the pages show is in that command's ``--help``, and
+    every command line of a shell block names a command (an inline span without options may be
+    prose: `shardckpt manifest signature v1`)."""
+    import os
+    import subprocess
+    import sys
+
+    helps: dict[tuple[str, ...], str] = {}
+    missing = []
+    for where, words, flags, in_shell in command_mentions():
+        for sub in (words[1].split("|") if len(words) > 1 else [None]):
+            key = (*words[:1], sub) if sub else words
+            if key not in helps:
+                run = subprocess.run([sys.executable, "-m", "shardckpt", *key, "--help"],
+                                     capture_output=True, text=True, cwd=ROOT,
+                                     env={**os.environ, "COLUMNS": "300", "NO_COLOR": "1"})
+                helps[key] = run.stdout if run.returncode == 0 else ""
+            if not helps[key]:
+                if in_shell or flags:
+                    missing.append(f"{where}: shardckpt {' '.join(key)} is no command")
+                continue
+            missing += [f"{where}: shardckpt {' '.join(key)} has no {f}" for f in flags
+                        if not re.search(rf"(?<![\w-]){f}(?![\w-])", helps[key])]
+    assert not missing, "\n".join(missing)
+
+
+def test_pipelines_in_the_docs_parse() -> None:
+    """Every ```toml block of the pages is a pipeline `shardckpt watch` accepts."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    from shardckpt.watch.config import parse_pipeline
+
+    found = 0
+    for page in doc_paths():
+        for n, block in enumerate(re.findall(r"^```toml\n(.*?)^```", page.read_text(encoding="utf-8"),
+                                             flags=re.M | re.S)):
+            parse_pipeline(tomllib.loads(block), f"{page.name} toml block {n + 1}")
+            found += 1
+    assert found >= 2, "the README's tour and docs/pipelines.md each show a pipeline"

@@ -394,3 +394,34 @@ def job(rank: int, world: int, workdir: str, phase: str) -> dict[str, str]:
     """:func:`run_phase` of ``PHASES[phase]`` in ``workdir``, as a ``testing.ranks`` target."""
     os.chdir(workdir)
     return run_phase(PHASES[phase])
+
+
+# ------------------------------------------------------------------ commands named in the docs
+
+_SPAN = re.compile(r"`(shardckpt [^`]+)`")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def command_mentions(root: Path = ROOT) -> list[tuple[str, tuple[str, ...], tuple[str, ...], bool]]:
+    """(where, command words, long options, from a shell block) of every ``shardckpt ...`` the
+    docs show: inline code spans and the lines of shell blocks (``torchrun ... -m shardckpt ...``
+    included)."""
+    out = []
+    for path in doc_paths(root):
+        text = path.read_text(encoding="utf-8")
+        found = [(m.group(1), text.count("\n", 0, m.start()) + 1, False) for m in _SPAN.finditer(text)]
+        shell = False
+        for n, line in enumerate(text.split("\n"), 1):
+            if line.startswith("```"):
+                shell = line.strip() in ("```bash", "```sh") if not shell else False
+            elif shell and re.search(r"(^|-m )shardckpt ", line):
+                found.append((line[line.index("shardckpt "):].split("#")[0], n, True))
+        for cmd, n, in_shell in found:
+            words = cmd.replace("\\|", "|").split()
+            path_words = [words[1]] if words[1:] and not words[1].startswith("-") else []
+            if path_words and path_words[0] in ("import", "export") and len(words) > 2:
+                every = "hf|deepspeed|dcp" if path_words[0] == "import" else "deepspeed|dcp"
+                path_words.append(every if words[2] in ("...", "…") else words[2])
+            out.append((f"{path.relative_to(root)}:{n}", tuple(path_words), tuple(_FLAG.findall(cmd)),
+                        in_shell))
+    return out
