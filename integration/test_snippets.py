@@ -1,6 +1,6 @@
 """The Python snippets of README.md and docs/*.md, read from the markdown (never copied) and run as
 printed, on gloo: the docs cannot drift from the code (``testing/snippets.py`` says how blocks are
-marked and what each snippet is given and must do).
+marked, ``testing/snippet_runs.py`` what each snippet is given and must do).
 
 Two launches for all of them: one of 2 ranks runs the 2-rank snippets in sequence, then one of 1
 rank, in the same folder, resumes the tour's 2-rank checkpoint and runs the single-process ones.
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from testing.ranks import run_ranks
-from testing.snippets import (PHASES, RANK_PHASE, ROOT, SINGLE_PHASE, all_blocks, command_mentions,
-                               doc_paths, job)
+from testing.snippet_runs import PHASES, RANK_PHASE, SINGLE_PHASE, job
+from testing.snippets import ROOT, all_blocks, command_mentions, doc_paths
 
 pytestmark = pytest.mark.slow
 
