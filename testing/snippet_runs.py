@@ -288,14 +288,22 @@ SINGLE_PHASE = [Run("tour-loop", _check_tour_resumed), Run("hf-out", _check_hf_o
 PHASES = {"ranks": RANK_PHASE, "single": SINGLE_PHASE}
 
 
-def run_phase(phase: list[Run], root: Path = ROOT) -> dict[str, str]:
-    """Each run's outcome by snippet name: '' when it ran and passed its check, else the error.
-    After a failure the rest are not run (a collective left half-done would hang them)."""
+#: The outcome of a snippet left out (its framework is not installed): the test skips it.
+SKIPPED = "skipped: "
+
+
+def run_phase(phase: list[Run], root: Path = ROOT, skip: dict[str, str] | None = None) -> dict[str, str]:
+    """Each run's outcome by snippet name: '' when it ran and passed its check, else the error,
+    or :data:`SKIPPED` and the reason for a name in ``skip``. After a failure the rest are not run
+    (a collective left half-done would hang them)."""
     spaces: dict[str, dict[str, Any]] = {}
     out: dict[str, str] = {}
     for r in phase:
-        if any(out.values()):
+        if any(v and not v.startswith(SKIPPED) for v in out.values()):
             out[r.name] = "not run: an earlier snippet failed"
+            continue
+        if r.name in (skip or {}):
+            out[r.name] = SKIPPED + (skip or {})[r.name]
             continue
         try:
             block = snippet(r.name, root)
@@ -313,7 +321,7 @@ def run_phase(phase: list[Run], root: Path = ROOT) -> dict[str, str]:
     return out
 
 
-def job(rank: int, world: int, workdir: str, phase: str) -> dict[str, str]:
+def job(rank: int, world: int, workdir: str, phase: str, skip: dict[str, str]) -> dict[str, str]:
     """:func:`run_phase` of ``PHASES[phase]`` in ``workdir``, as a ``testing.ranks`` target."""
     os.chdir(workdir)
-    return run_phase(PHASES[phase])
+    return run_phase(PHASES[phase], skip=skip)
