@@ -296,8 +296,22 @@ def write_report(res: dict[str, Any], meta: dict[str, Any], out: Path) -> Path:
         plot_s3(res, meta, img_dir / "s3.png")
         images["s3"] = "bench/s3.png"
     md = out / "benchmarks.md"
-    md.write_text(render_markdown(res, meta, images))
+    kept = hand_written(md)
+    body = render_markdown(res, meta, images)
+    if kept:  # under the page's own title: the report is its last section
+        body = body.replace("# Benchmarks", "# The full report", 1)
+    md.write_text(kept + body)
     return md
+
+
+#: The line above which ``benchmarks.md`` is written by hand; a new report replaces only what follows.
+GENERATED = "<!-- bench/report.py writes everything below this line and keeps what is above it -->"
+
+
+def hand_written(md: Path) -> str:
+    """What an existing ``md`` holds above :data:`GENERATED`, with the line ('' if none)."""
+    text = md.read_text() if md.exists() else ""
+    return text[:text.index(GENERATED) + len(GENERATED)] + "\n\n" if GENERATED in text else ""
 
 
 def main() -> None:

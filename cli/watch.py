@@ -25,7 +25,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 @app.command()
 @guarded
 def watch(
-    pipeline: str = typer.Argument(..., help="The pipeline's TOML file (see README: Pipelines)."),
+    pipeline: str = typer.Argument(..., help="The pipeline's TOML file (see docs/pipelines.md)."),
     once: bool = typer.Option(False, "--once", help="Process the committed checkpoints there are, "
                               "then exit (for cron and CI); exit 1 if a step was dead-lettered, "
                               "a checkpoint waits behind an unreadable record, or there is no "

@@ -1,4 +1,5 @@
-"""The README's training-loop example, launched with torchrun, then resumed on another world size."""
+"""integration/example_train.py (the README's tour loop, with arguments) under torchrun, then
+resumed on another world size."""
 
 from __future__ import annotations
 

@@ -165,6 +165,21 @@ def test_write_report(report, canned, tmp_path):
     assert all(f"(bench/{n}.png)" in text for n in names)
 
 
+def test_write_report_keeps_the_hand_written_part(report, canned, tmp_path):
+    """docs/benchmarks.md opens with prose written by hand: a new report replaces only what
+    follows the marker line, and becomes the page's last section."""
+    pytest.importorskip("matplotlib")
+    res, meta = canned
+    marker = "<!-- bench/report.py writes everything below this line and keeps what is above it -->"
+    prose = f"# Benchmarks\n\nWritten by hand.\n\n{marker}\n\nold report\n"
+    (tmp_path / "benchmarks.md").write_text(prose)
+    for _ in range(2):  # and again: nothing of the first report stays
+        text = report.write_report(res, meta, tmp_path).read_text()
+        assert text.startswith(prose.removesuffix("old report\n"))
+        assert "old report" not in text and text.count("# The full report") == 1
+        assert text.count("\n# Benchmarks") == 0 and text.count(marker) == 1
+
+
 def test_parse_json_output(report):
     import report_run  # beside bench/report.py, which put its folder on the path
 
