@@ -11,7 +11,6 @@ each command's arguments and help come from its importer and the fields of its c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import Any
 from collections.abc import Callable
@@ -106,7 +105,7 @@ def _import_parameters(importer: Any) -> list[inspect.Parameter]:
 def _run_import(importer: Any, args: dict[str, Any]) -> None:
     """``shardckpt import <importer.name>``: options checked (a bad one is exit code 2), the
     import run alone or as this process's part of a ``torchrun`` job, one line or JSON."""
-    from shardckpt.interop.importer import ImportOptions, OptionError, run_importer
+    from shardckpt.interop.importer import ImportOptions, OptionError
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_import
 
@@ -125,8 +124,7 @@ def _run_import(importer: Any, args: dict[str, Any]) -> None:
     # under torchrun: each process writes its share of the files, or rank 0 imports while the
     # others wait (``importer.splits``)
     with job_from_environment() as job:
-        m = run_import(functools.partial(run_importer, importer), options, job=job,
-                       split=importer.splits(options))
+        m = run_import(importer, options, job)
     if m is None:  # another process of the job reports
         return
     _report(m, options.dst, importer.name, args["json_out"],
