@@ -20,6 +20,7 @@ from shardckpt.errors import StorageError
 from shardckpt.format.manifest import Manifest
 from shardckpt.storage import Storage
 from shardckpt.tools.reshard_stream import Written
+from shardckpt.tools.reshard_target import ReshardTarget
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class WorkerTask:
     manifest: Manifest
     dst_url: str
     dst_options: Mapping[str, Any]
-    target: Any  # a target of shardckpt.tools.reshard (its spec and plan)
+    target: ReshardTarget
     save_id: str
     shards: tuple[int, ...]
     buffer_bytes: int
@@ -50,7 +51,7 @@ def _worker(task: WorkerTask, conn: Any) -> None:
         conn.close()
 
 
-def run_workers(reader: CheckpointReader, target: Any, writer: CheckpointWriter,
+def run_workers(reader: CheckpointReader, target: ReshardTarget, writer: CheckpointWriter,
                 parts: Sequence[Sequence[int]], buffer_bytes: int) -> Written:
     """Write the target files of ``parts[w]`` of ``target`` in spawned process ``w``; fail if
     any fails."""

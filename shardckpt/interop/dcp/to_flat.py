@@ -40,7 +40,7 @@ from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
-from shardckpt.checkpoint.chunked_read import iter_elements, read_blob
+from shardckpt.checkpoint.chunked_read import RangeSource, iter_elements, read_blob
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.interop.dcp.config import DcpConfig
@@ -322,7 +322,7 @@ def as_tensor(data: Any, dtype: str) -> Any:
         return torch.frombuffer(data, dtype=torch.uint8).view(getattr(torch, dtype))
 
 
-def flat_producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
+def flat_producer(reader: RangeSource, model: DcpModel, layout: Layout, shard: int,
                   buffer_bytes: int) -> Callable[[Any], Iterator[Any]]:
     """Shard ``shard``'s ``<group>.<kind>`` states: masters in the group's master dtype (fp32;
     a frozen group's own dtype), moments fp32, then the padding."""
