@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Mapping
 from shardckpt.storage import commit as _commit
 from shardckpt.errors import CommitConflictError, IncompleteCheckpointError, ShardckptError
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
-from shardckpt.format.digests import DIGESTS_VERSION
 from shardckpt.format.layout import Mesh
 from shardckpt.format.signing import SigningKey
 from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
@@ -28,6 +27,7 @@ from shardckpt.format.manifest import (
 )
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
+from shardckpt.format.versions import version_for
 from shardckpt.storage import ChunkHasher, NotFoundError, Storage
 from shardckpt.checkpoint.references import RunFiles, file_crc
 from shardckpt.checkpoint.set_aside import supersede
@@ -180,11 +180,7 @@ class CheckpointWriter:
         order = {"shard": 0, FROZEN_ROLE: 1, "buffers": 2, "rank": 3, CHUNKS_ROLE: 4}
         entries = sorted(files, key=lambda f: (order[f.role], f.index or 0, f.path))
         s = self.spec
-        version = (FROZEN_VERSION if s.frozen_files else
-                   VERSION if s.chunked is None else CHUNKED_VERSION)
-        if s.with_digests:
-            version = max(version, DIGESTS_VERSION)
-        return Manifest(version, self.save_id, created,
+        return Manifest(version_for(s), self.save_id, created,
                         s.mesh, s.chunk_size, dict(s.components), s.optimizer, dict(s.extras),
                         dict(s.per_rank_state), tuple(entries), s.chunked, s.frozen_files)
 
