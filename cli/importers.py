@@ -33,13 +33,13 @@ def _flag(field: str) -> str:
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
-def _report(m: Any, dst: str, source_format: str, json_out: bool,
+def _report(m: Any, dst: str, importer: Any, json_out: bool,
             line: Callable[[dict[str, Any]], str]) -> None:
     """What an import wrote (:func:`shardckpt.interop.importing.import_summary`): JSON, or the
     line ``line`` makes of it."""
     from shardckpt.interop.importing import import_summary
 
-    summary = import_summary(m, dst, source_format)
+    summary = import_summary(m, dst, importer)
     if json_out:
         echo_json(summary)
     else:
@@ -127,7 +127,7 @@ def _run_import(importer: Any, args: dict[str, Any]) -> None:
         m = run_import(importer, options, job)
     if m is None:  # another process of the job reports
         return
-    _report(m, options.dst, importer.name, args["json_out"],
+    _report(m, options.dst, importer, args["json_out"],
             lambda s: importer.summary_line(s, options, human_bytes))
 
 

@@ -36,6 +36,7 @@ from shardckpt.storage import DEFAULT_BATCH
 if TYPE_CHECKING:
     from shardckpt.checkpoint.writer import CheckpointSpec, Producer
     from shardckpt.format.manifest import Manifest
+    from shardckpt.format.records import Origin, RunExtras
     from shardckpt.checkpoint.job import Job
     from shardckpt.storage import Storage
 
@@ -165,8 +166,7 @@ class Importer(Protocol):
 
     @property
     def name(self) -> str:
-        """``shardckpt import <name>``; the ``source_format`` of
-        :func:`shardckpt.interop.importing.import_summary`."""
+        """``shardckpt import <name>``."""
         ...
 
     @property
@@ -193,6 +193,12 @@ class Importer(Protocol):
         """Unit patterns when ``units`` is None."""
         ...
 
+    @property
+    def origin(self) -> type[Origin] | None:
+        """The record this importer leaves in ``extras`` (under its ``KEY``) saying where the
+        checkpoint came from; None where it leaves none."""
+        ...
+
     def splits(self, options: ImportOptions) -> bool:
         """Whether the processes of a job share the writing (each plans and writes its share of
         the files); otherwise one process imports while the others wait."""
@@ -211,6 +217,12 @@ class Importer(Protocol):
         """Write ``plan``'s files and commit the manifest last; on any error nothing is
         committed. Every process of ``job`` calls this with the same plan (None: one process
         alone, :meth:`~shardckpt.checkpoint.job.Job.single`)."""
+        ...
+
+    def summary(self, extras: RunExtras, dst: str) -> dict[str, Any]:
+        """What an import of flat groups recorded of its source, from the ``extras`` it wrote
+        (a fault in them names ``dst``): the importer's keys of
+        :func:`~shardckpt.interop.importing.import_summary`."""
         ...
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,

@@ -43,7 +43,7 @@ from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
 from shardckpt.checkpoint.chunked_read import RangeSource, iter_elements, read_blob
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.dcp.config import DcpConfig
+from shardckpt.interop.dcp.config import DcpConfig, DcpOrigin
 from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.dtypes import FLOATS, itemsize
@@ -123,7 +123,7 @@ FLAGS = ("amsgrad", "maximize", "nesterov")
 def _origin(reader: CheckpointReader, section: ChunkedSection, key: str) -> str:
     """Where the value ``key`` came from: the source's payload file (the import keeps one
     ``chunks`` file per source file, in the order of the source's sorted names)."""
-    origin = run_extras(reader.manifest, reader.url).dcp
+    origin = run_extras(reader.manifest, reader.url).origin(DcpOrigin, reader.url)
     files = origin.files if origin is not None else ()
     where = section.blobs[key].file if key in section.blobs else \
         section.tensors[key].chunks[0].file if key in section.tensors and section.tensors[key].chunks else ""
@@ -396,7 +396,8 @@ def flat_spec(reader: CheckpointReader, model: DcpModel, mesh: Mesh,
     steps = [g.step for g in param_groups(model.optimizer, reader.url)]
     step = model.step if model.step is not None else max(steps) if steps else None
     # source, dcp (null when the source recorded none), then step
-    extras = RunExtras(step=step, source=str(src), dcp=run_extras(reader.manifest, reader.url).dcp,
+    origin = run_extras(reader.manifest, reader.url).origin(DcpOrigin, reader.url)
+    extras = RunExtras(step=step, source=str(src), other={DcpOrigin.KEY: origin and origin.to_doc()},
                        keys=("source", "dcp") + (("step",) if step is not None else ())).to_doc()
     spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
                           model.optimizer, extras, PerRankState(world_size=mesh.world_size).to_doc())
