@@ -1,8 +1,7 @@
 """``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``,
-``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``,
-``deepspeed``).
+``dcp``). Its twin, ``shardckpt export``, is :mod:`.exporters`.
 
-Thin: parse options, call the importer or exporter, print one line or JSON of what it wrote.
+Thin: parse options, call the importer, print one line or JSON of what it wrote.
 Errors become one line on stderr and a non-zero exit (``guarded``). The ``import`` commands are
 one body (:func:`_run_import`) for every importer of :data:`shardckpt.interop.importer.IMPORTERS`:
 each command's arguments and help come from its importer and the fields of its config.
@@ -151,68 +150,3 @@ def _register_importers() -> None:
 
 
 _register_importers()
-
-
-export_app = typer.Typer(help="Export a shardckpt checkpoint to a foreign format.",
-                         no_args_is_help=True, rich_markup_mode=None)
-app.add_typer(export_app, name="export")
-
-
-@export_app.command("dcp")
-@guarded
-def export_dcp_command(
-    src: str = typer.Argument(..., help="shardckpt checkpoint (path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Folder to write for DCP's FileSystemReader (must not "
-                                        "hold a .metadata)."),
-    model_key: str = typer.Option("model", "--model-key", help="Flat groups: the state-dict key "
-                                  "the model is written under."),
-    optim_key: str = typer.Option("optim", "--optim-key", help="Flat groups: the state-dict key "
-                                  "the optimizer is written under."),
-    buffer: str = typer.Option("32MB", "--buffer", help="Most bytes of one DCP chunk: a larger "
-                               "box is written as several (bounds memory)."),
-    file_size: str = typer.Option("1GiB", "--file-size", help="Start a new .distcp file once "
-                                  "one holds this many bytes."),
-    storage_option: list[str] | None = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write SRC as a directory stock dcp.load reads (.metadata and __<n>_0.distcp); .metadata last."""
-    from shardckpt.interop.dcp.export import export_dcp
-
-    opts = parse_storage_options(storage_option)
-    summary = export_dcp(src, dst, opts, opts, model_key, optim_key,
-                         parse_bytes(buffer, "--buffer"), parse_bytes(file_size, "--file-size"))
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"exported {src} -> {dst}: {summary['tensors']} tensors, {summary['values']} "
-                   f"other values, {len(summary['files'])} files, {human_bytes(summary['bytes'])}")
-
-
-@export_app.command("deepspeed")
-@guarded
-def export_deepspeed_command(
-    src: str = typer.Argument(..., help="shardckpt checkpoint of flat groups (path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Folder for DeepSpeed's engine.load_checkpoint (the tag "
-                                        "folder must be empty; 'latest' is written last)."),
-    ranks: int = typer.Option(..., "--ranks", help="Data-parallel world of the DeepSpeed job."),
-    stage: int = typer.Option(2, "--stage", help="ZeRO stage of the DeepSpeed job: 1, 2 or 3."),
-    tag: str | None = typer.Option(None, "--tag", help="Tag folder (default: "
-                                      "global_step<step>)."),
-    bf16: bool = typer.Option(False, "--bf16", help="Name the files and write the module as a "
-                              "bf16 run does."),
-    storage_option: list[str] | None = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write SRC as DeepSpeed's save_checkpoint would for ZeRO --stage at --ranks; latest last."""
-    from .common import progress
-    from shardckpt.interop.deepspeed.export import export_deepspeed
-
-    opts = parse_storage_options(storage_option)
-    summary = export_deepspeed(src, dst, ranks, stage, tag, bf16, opts, opts,
-                               progress=lambda total, what: progress(total, what))
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"exported {src} -> {dst}/{summary['tag']}: ZeRO-{stage}, {ranks} ranks, "
-                   f"{summary['params']} parameters, {len(summary['files'])} files, "
-                   f"{human_bytes(summary['bytes'])}")
