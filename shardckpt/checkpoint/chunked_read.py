@@ -1,7 +1,7 @@
 """Reading chunked tensors (format 1.2) through a checkpoint reader: boxes, blobs, whole tensors
-in bounded bands. The records and the pure box arithmetic are in :mod:`shardckpt.format.chunked`; this is
-the I/O side, used by consolidate, diff and the DCP reader. Every read goes through a
-:class:`RangeSource`.
+in bounded bands. The records are in :mod:`shardckpt.format.chunked`, the pure box arithmetic in
+:mod:`shardckpt.format.chunk_index`; this is the I/O side, used by consolidate, diff and the DCP
+reader. Every read goes through a :class:`RangeSource`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from collections.abc import Iterator, Sequence
 
-from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor, box_byte_span, chunks_for, intersection, row_bands
+from shardckpt.format.chunk_index import box_byte_span, chunks_for, intersection, row_bands
+from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.checkpoint.pieces import Piece

@@ -36,9 +36,8 @@ from shardckpt.interop.dcp import records as dcp_records
 from shardckpt.interop.dcp.payload import distinct_elements, plain_bytes, stored_only
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
-from shardckpt.format.chunked import (
-    Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name, tiling_problems,
-)
+from shardckpt.format.chunk_tiling import tiling_problems
+from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.dtypes import DTYPES, itemsize
 from shardckpt.format.layout import Mesh, prod
