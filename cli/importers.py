@@ -38,7 +38,7 @@ def _report(m: Any, dst: str, importer: Any, json_out: bool,
     line ``line`` makes of it."""
     from shardckpt.interop.importing import import_summary
 
-    summary = import_summary(m, dst, importer)
+    summary = import_summary(m, dst, importer.summary)
     if json_out:
         echo_json(summary)
     else:

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 from shardckpt.checkpoint.chunked_read import iter_elements, iter_tensor_bands
-from shardckpt.format import chunk_index
+from shardckpt.format import chunk_index, chunked
 from shardckpt.format.chunk_index import row_bands
 from shardckpt.format.chunk_tiling import overlap
 from shardckpt.format.chunked import ChunkRecord, ChunkedTensor
@@ -65,7 +65,7 @@ def test_every_band_of_many_chunks_costs_log_n_plus_its_chunks(layout: str, budg
     work = chunk_index.IndexWork()
     bands = returned = 0
     for off, size in _bands(shape, budget):
-        found = chunk_index.chunks_for(t, off, size, work)
+        found = chunked.chunks_for(t, off, size, work)
         bands, returned = bands + 1, returned + len(found)
         # every chunk of these rows, and only those (spot-checked: the full check is quadratic)
         if bands % 9973 == 1:
@@ -80,10 +80,10 @@ def test_the_index_is_built_once_and_kept_on_the_record() -> None:
     shape, boxes = LARGE["rows"]()
     t = _tensor(shape, boxes)
     first = chunk_index.IndexWork()
-    chunk_index.chunks_for(t, (5, 0), (3, 8), first)
+    chunked.chunks_for(t, (5, 0), (3, 8), first)
     assert first.built >= len(boxes)
     again = chunk_index.IndexWork()
-    assert [c.offsets for c in chunk_index.chunks_for(t, (7, 0), (2, 8), again)] == [(7, 0), (8, 0)]
+    assert [c.offsets for c in chunked.chunks_for(t, (7, 0), (2, 8), again)] == [(7, 0), (8, 0)]
     assert again.built == 0 and again.queried <= 4 * (math.log2(len(boxes)) + 2) + 4
     assert t.index() is t.index()
     # a cache, not part of the record: equality, repr and pickles leave it out
@@ -193,4 +193,4 @@ def test_index_returns_what_the_full_scan_returns(shape: list[int], cuts: list[i
     t = _tensor(shape_, boxes)
     asked = list(_bands(shape_, budget)) + [clip(o, s) for o, s in queries]
     for off, size in asked:
-        assert list(chunk_index.chunks_for(t, off, size)) == _brute_force(t, off, size), (off, size)
+        assert list(chunked.chunks_for(t, off, size)) == _brute_force(t, off, size), (off, size)

@@ -1,25 +1,21 @@
-"""Which stored boxes of a chunked tensor meet a box: the readers' queries (a band of rows, a
-chunk of another tensor) over a :class:`ChunkIndex` built once per tensor, and the box
-arithmetic around them (the byte span of a sub-box, two boxes' intersection, bands of rows).
-Pure; no torch.
+"""Which stored boxes of a chunked tensor meet a box: the index the readers' queries (a band of
+rows, a chunk of another tensor; :func:`shardckpt.format.chunked.chunks_for`) go through, a
+:class:`ChunkIndex` built once per tensor, and the box arithmetic around them (the byte span of a
+sub-box, two boxes' intersection, bands of rows). Pure; no torch.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Iterator, Sequence
 
-from shardckpt.format.chunk_tiling import overlap
-from shardckpt.format.dtypes import itemsize
+from shardckpt.format.chunk_tiling import Box
 from shardckpt.format.layout import prod
 
-if TYPE_CHECKING:
-    from shardckpt.format.chunked import ChunkRecord, ChunkedTensor
 
-
-def box_byte_span(c: ChunkRecord, elem: int, offsets: Sequence[int],
+def box_byte_span(c: Box, elem: int, offsets: Sequence[int],
                   lengths: Sequence[int]) -> tuple[int, int]:
     """Bytes ``[a, b)`` (relative to the chunk's first byte) of the smallest contiguous span of
     the row-major box ``c`` that holds the sub-box at ``offsets`` (relative to the chunk) with
@@ -32,22 +28,6 @@ def box_byte_span(c: ChunkRecord, elem: int, offsets: Sequence[int],
     first = sum(o * s for o, s in zip(offsets, strides, strict=True))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
     return first * elem, (last + 1) * elem
-
-
-def chunks_for(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int],
-               work: IndexWork | None = None) -> list[ChunkRecord]:
-    """The chunks of ``t`` that share elements with the box (``offsets``, ``sizes``), in the
-    order ``t`` lists them: a query of the tensor's :class:`ChunkIndex` (built once per tensor),
-    O(log n + m) steps (and a sort of m positions) for the m chunks that meet the box's rows
-    (dim 0): the chunks returned, for a band that spans the other dims as the readers' bands do.
-    ``work``, if given, counts the steps (and the building, if this query builds the index)."""
-    chunks = t.chunks
-    rows = t.index(work).query(offsets, sizes, work)
-    if len(sizes) < 2:
-        return [chunks[i] for i in rows]
-    if work is not None:
-        work.queried += len(rows)
-    return [c for c in (chunks[i] for i in rows) if overlap(c.offsets, c.sizes, offsets, sizes)]
 
 
 @dataclass
@@ -78,7 +58,7 @@ class ChunkIndex:
 
     __slots__ = ("starts", "start_pos", "nodes", "root", "log_n")
 
-    def __init__(self, chunks: Sequence[ChunkRecord], work: IndexWork | None = None) -> None:
+    def __init__(self, chunks: Sequence[Box], work: IndexWork | None = None) -> None:
         work = work if work is not None else IndexWork()
         items = sorted(((c.offsets[0], c.offsets[0] + c.sizes[0], i) if c.sizes else (0, 1, i)
                         for i, c in enumerate(chunks) if c.numel), key=lambda x: x[0])
@@ -171,16 +151,3 @@ def row_bands(offsets: Sequence[int], sizes: Sequence[int], elem: int,
     for r in range(0, sizes[0], step):
         n = min(step, sizes[0] - r)
         yield (offsets[0] + r, *offsets[1:]), (n, *sizes[1:])
-
-
-def iter_pairs(ta: ChunkedTensor, tb: ChunkedTensor, budget: int
-               ) -> Iterator[tuple[ChunkRecord, ChunkRecord, tuple[int, ...], tuple[int, ...]]]:
-    """Every (chunk of a, chunk of b, band) whose elements both hold, bands within ``budget``
-    bytes: what comparing two equally shaped tensors element by element reads."""
-    elem = max(itemsize(ta.dtype), itemsize(tb.dtype))
-    for ca in ta.chunks:
-        for cb in chunks_for(tb, ca.offsets, ca.sizes):
-            box = intersection(ca.offsets, ca.sizes, cb.offsets, cb.sizes)
-            if box is not None:
-                for off, size in row_bands(box[0], box[1], elem, budget):
-                    yield ca, cb, off, size

@@ -13,17 +13,43 @@ import bisect
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 from collections.abc import Iterator, Sequence
 
 from shardckpt.format.layout import prod
 from shardckpt.format.parse_context import MAX_LISTED
 
-if TYPE_CHECKING:
-    from shardckpt.format.chunked import ChunkRecord, ChunkedTensor
+
+class Box(Protocol):
+    """An N-D box of a tensor (a :class:`~shardckpt.format.chunked.ChunkRecord`)."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def numel(self) -> int: ...
 
 
-def _box(c: ChunkRecord) -> str:
+class Boxed(Protocol):
+    """A tensor stored as boxes (a :class:`~shardckpt.format.chunked.ChunkedTensor`)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def numel(self) -> int: ...
+
+    @property
+    def chunks(self) -> Sequence[Box]: ...
+
+
+B = TypeVar("B", bound=Box)
+
+
+def _box(c: Box) -> str:
     return f"offsets {list(c.offsets)} sizes {list(c.sizes)}"
 
 
@@ -56,7 +82,7 @@ MAX_CORNER_DIMS = 6
 PAIR_BUDGET = 32
 
 
-def tiling_problems(t: ChunkedTensor, work: TilingWork | None = None) -> list[str]:
+def tiling_problems(t: Boxed, work: TilingWork | None = None) -> list[str]:
     """Every box outside the shape; else the pairs of boxes that overlap (at most
     ``MAX_LISTED + 1``); else, if the boxes leave elements uncovered, how many they hold: the
     boxes of a tensor must tile it exactly. ``work``, if given, counts what was done.
@@ -98,7 +124,7 @@ def tiling_problems(t: ChunkedTensor, work: TilingWork | None = None) -> list[st
             "they tile it"]
 
 
-def _exact_cover(shape: Sequence[int], live: Sequence[ChunkRecord], dims: Sequence[int],
+def _exact_cover(shape: Sequence[int], live: Sequence[Box], dims: Sequence[int],
                  work: TilingWork) -> bool:
     """Whether the boxes ``live`` cover every element of ``shape`` exactly once.
 
@@ -124,8 +150,8 @@ def _exact_cover(shape: Sequence[int], live: Sequence[ChunkRecord], dims: Sequen
     return not any(counts.values())
 
 
-def _overlapping_pairs(live: Sequence[ChunkRecord], dims: Sequence[int], work: TilingWork
-                       ) -> tuple[list[tuple[ChunkRecord, ChunkRecord]], bool]:
+def _overlapping_pairs(live: Sequence[B], dims: Sequence[int], work: TilingWork
+                       ) -> tuple[list[tuple[B, B]], bool]:
     """Pairs of boxes that share an element (at most ``MAX_LISTED + 1``), and whether the search
     was complete (it stops once that many are found, or after :data:`PAIR_BUDGET` steps per box).
 
@@ -154,7 +180,7 @@ def _overlapping_pairs(live: Sequence[ChunkRecord], dims: Sequence[int], work: T
     longest: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])  # (-length, index)
     active = _SortedKeys()
     is_active: set[int] = set()
-    out: list[tuple[ChunkRecord, ChunkRecord]] = []
+    out: list[tuple[B, B]] = []
 
     def reach(heap: list[tuple[int, int]]) -> int:
         while heap and heap[0][1] not in is_active:

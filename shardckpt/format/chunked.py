@@ -8,9 +8,9 @@ as a ``uint8`` tensor and shardckpt never interprets its bytes. docs/FORMAT.md s
 specification; :func:`parse_section` refuses a box outside its tensor, two boxes that overlap, a
 tensor its boxes do not tile, and a byte range outside the file that holds it.
 
-This module holds the records and their codec; whether a tensor's boxes tile it is
-:mod:`shardckpt.format.chunk_tiling`, and which boxes meet a box (the readers' queries) is
-:mod:`shardckpt.format.chunk_index`.
+This module holds the records, their codec and the readers' queries (:func:`chunks_for`,
+:func:`iter_pairs`); whether a tensor's boxes tile it is :mod:`shardckpt.format.chunk_tiling`,
+and the index the queries go through :mod:`shardckpt.format.chunk_index`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-from shardckpt.format.chunk_index import ChunkIndex, IndexWork
-from shardckpt.format.chunk_tiling import tiling_problems
+from shardckpt.format.chunk_index import ChunkIndex, IndexWork, intersection, row_bands
+from shardckpt.format.chunk_tiling import overlap, tiling_problems
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.format.parse_context import ParseContext, listed
@@ -239,3 +239,32 @@ def file_layout(s: ChunkedSection, path: str) -> list[tuple[str, str, tuple[int,
     out += [(blob_name(b.key), "uint8", (b.nbytes,), b.begin, b.end)
             for b in s.blobs.values() if b.file == path]
     return sorted(out, key=lambda x: (x[3], x[4]))
+
+
+def chunks_for(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int],
+               work: IndexWork | None = None) -> list[ChunkRecord]:
+    """The chunks of ``t`` that share elements with the box (``offsets``, ``sizes``), in the
+    order ``t`` lists them: a query of the tensor's :class:`ChunkIndex` (built once per tensor),
+    O(log n + m) steps (and a sort of m positions) for the m chunks that meet the box's rows
+    (dim 0): the chunks returned, for a band that spans the other dims as the readers' bands do.
+    ``work``, if given, counts the steps (and the building, if this query builds the index)."""
+    chunks = t.chunks
+    rows = t.index(work).query(offsets, sizes, work)
+    if len(sizes) < 2:
+        return [chunks[i] for i in rows]
+    if work is not None:
+        work.queried += len(rows)
+    return [c for c in (chunks[i] for i in rows) if overlap(c.offsets, c.sizes, offsets, sizes)]
+
+
+def iter_pairs(ta: ChunkedTensor, tb: ChunkedTensor, budget: int
+               ) -> Iterator[tuple[ChunkRecord, ChunkRecord, tuple[int, ...], tuple[int, ...]]]:
+    """Every (chunk of a, chunk of b, band) whose elements both hold, bands within ``budget``
+    bytes: what comparing two equally shaped tensors element by element reads."""
+    elem = max(itemsize(ta.dtype), itemsize(tb.dtype))
+    for ca in ta.chunks:
+        for cb in chunks_for(tb, ca.offsets, ca.sizes):
+            box = intersection(ca.offsets, ca.sizes, cb.offsets, cb.sizes)
+            if box is not None:
+                for off, size in row_bands(box[0], box[1], elem, budget):
+                    yield ca, cb, off, size

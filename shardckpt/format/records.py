@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.errors import ManifestError
 from shardckpt.format.integrity import MAX_FREE, MAX_NAME
 from shardckpt.format.parse_context import ParseContext, Problem
-
-if TYPE_CHECKING:
-    from shardckpt.format.manifest import Manifest, OptimizerInfo
 
 R = TypeVar("R")
 Check = Callable[[ParseContext, Any, str], Any]
@@ -276,7 +273,28 @@ class ParamGroupRecord(_Codec):
 # ------------------------------------------------------------------------------------ readers
 
 
-def run_extras(m: Manifest, source: str = _MANIFEST) -> RunExtras:
+class _Recorded(Protocol):
+    """What the readers below take of a :class:`~shardckpt.format.manifest.Manifest` (which
+    imports this module, so it is not named here)."""
+
+    @property
+    def extras(self) -> Mapping[str, Any]: ...
+
+    @property
+    def run_extras(self) -> RunExtras: ...
+
+    @property
+    def per_rank_state(self) -> Mapping[str, Any]: ...
+
+
+class _Groups(Protocol):
+    """What :func:`param_groups` takes of a :class:`~shardckpt.format.manifest.OptimizerInfo`."""
+
+    @property
+    def param_groups(self) -> Sequence[Mapping[str, Any]]: ...
+
+
+def run_extras(m: _Recorded, source: str = _MANIFEST) -> RunExtras:
     """``m``'s extras as the typed record, parsed once (:attr:`Manifest.run_extras`; a manifest
     that was read had it checked then). ``source`` names the manifest should one a writer built
     hold a fault."""
@@ -286,12 +304,12 @@ def run_extras(m: Manifest, source: str = _MANIFEST) -> RunExtras:
         return RunExtras.from_doc(dict(m.extras), "extras", source)
 
 
-def per_rank_state(m: Manifest, source: str = _MANIFEST) -> PerRankState:
+def per_rank_state(m: _Recorded, source: str = _MANIFEST) -> PerRankState:
     """``m``'s per-rank state record, checked."""
     return PerRankState.from_doc(dict(m.per_rank_state), "per_rank_state", source)
 
 
-def param_groups(info: OptimizerInfo | None, source: str = _MANIFEST) -> tuple[ParamGroupRecord, ...]:
+def param_groups(info: _Groups | None, source: str = _MANIFEST) -> tuple[ParamGroupRecord, ...]:
     """The param groups of ``info`` (none without an optimizer), each checked."""
     if info is None:
         return ()

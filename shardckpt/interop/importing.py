@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from shardckpt.checkpoint.job import Job
     from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, Producer
     from shardckpt.format.manifest import FileEntry, Manifest
-    from shardckpt.interop.importer import Importer
+    from shardckpt.format.records import RunExtras
     from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,13 @@ def compile_units(patterns: Sequence[str]) -> list[re.Pattern[str]]:
     return out
 
 
-def import_summary(m: Manifest, dst: str, importer: Importer) -> dict[str, Any]:
+def import_summary(m: Manifest, dst: str,
+                   summary: Callable[[RunExtras, str], dict[str, Any]]) -> dict[str, Any]:
     """What an import wrote to ``dst``, as plain data (what ``shardckpt import --json`` prints).
 
-    Flat groups: the mesh, parameters, units and bytes, then what ``importer`` says the source
-    recorded (:meth:`~shardckpt.interop.importer.Importer.summary`); DCP's chunks kept as they
-    are: tensors, other values, files and bytes."""
+    Flat groups: the mesh, parameters, units and bytes, then what the importer says the source
+    recorded (``summary``: its :meth:`~shardckpt.interop.importer.Importer.summary`); DCP's
+    chunks kept as they are: tensors, other values, files and bytes."""
     if m.chunked is not None:
         return {"destination": dst, "save_id": m.save_id, "tensors": len(m.chunked.tensors),
                 "values": len(m.chunked.blobs), "files": len(m.files), "bytes": m.total_bytes}
@@ -66,7 +67,7 @@ def import_summary(m: Manifest, dst: str, importer: Importer) -> dict[str, Any]:
                            "units": len({g.unit for g in layout.groups}), "bytes": m.total_bytes}
     from shardckpt.format.records import run_extras
 
-    out.update(importer.summary(run_extras(m, dst), dst))
+    out.update(summary(run_extras(m, dst), dst))
     return out
 
 

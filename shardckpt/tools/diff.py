@@ -38,7 +38,7 @@ import numpy as np
 
 from shardckpt.checkpoint.job import Job, open_readers
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.format.chunk_index import iter_pairs
+from shardckpt.format.chunked import iter_pairs
 from shardckpt.checkpoint.chunked_read import read_blob, read_box
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import Component, Manifest

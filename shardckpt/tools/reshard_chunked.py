@@ -37,8 +37,10 @@ from collections.abc import Callable, Sequence
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.errors import ConfigError
-from shardckpt.format.chunk_index import chunks_for, intersection
-from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name
+from shardckpt.format.chunk_index import intersection
+from shardckpt.format.chunked import (
+    Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name, chunks_for,
+)
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import FileEntry, TensorSlot

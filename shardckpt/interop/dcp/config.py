@@ -1,6 +1,6 @@
-"""The options of the ``dcp`` importer (DCP) and the origin record it leaves in ``extras``
-(:class:`DcpOrigin`), apart from its reading code, so that the importer's registry entry and its
-reading code both use them without importing each other."""
+"""The options of the ``dcp`` importer (DCP), the origin record it leaves in ``extras``
+(:class:`DcpOrigin`) and the export's default file size, apart from the reading and writing
+code, so that the registry entries and that code both use them without importing each other."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from collections.abc import Mapping
 
 from shardckpt.format.records import Check, Origin, text, texts
 from shardckpt.interop.importer import ImportOptions, ImporterConfig, OptionError
+
+
+#: A payload file an export writes is closed once it holds this many bytes (``--file-size``;
+#: DCP reads files independently).
+DEFAULT_FILE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)

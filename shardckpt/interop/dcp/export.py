@@ -29,7 +29,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.interop.dcp.to_flat import as_tensor
-from shardckpt.interop.dcp.exporter import DEFAULT_FILE_BYTES
+from shardckpt.interop.dcp.config import DEFAULT_FILE_BYTES
 from shardckpt.storage import DEFAULT_BATCH, Storage
 
 if TYPE_CHECKING:

@@ -8,12 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Mapping
 
+from shardckpt.interop.dcp.config import DEFAULT_FILE_BYTES
 from shardckpt.interop.exporter import ExportOptions, ExporterConfig, Progress
 from shardckpt.storage import DEFAULT_BATCH
-
-#: A payload file is closed once it holds this many bytes (``--file-size``; DCP reads files
-#: independently).
-DEFAULT_FILE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
