@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from collections.abc import Iterator, Sequence
 
-from shardckpt.format.chunk_index import box_byte_span, intersection, row_bands
-from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor, chunks_for
+from shardckpt.format.chunk_index import intersection, row_bands
+from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor, box_byte_span, chunks_for
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.checkpoint.pieces import Piece

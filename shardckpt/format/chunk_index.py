@@ -1,7 +1,7 @@
 """Which stored boxes of a chunked tensor meet a box: the index the readers' queries (a band of
 rows, a chunk of another tensor; :func:`shardckpt.format.chunked.chunks_for`) go through, a
-:class:`ChunkIndex` built once per tensor, and the box arithmetic around them (the byte span of a
-sub-box, two boxes' intersection, bands of rows). Pure; no torch.
+:class:`ChunkIndex` built once per tensor, and the box arithmetic around them (two boxes'
+intersection, bands of rows). Pure; no torch.
 """
 
 from __future__ import annotations
@@ -13,21 +13,6 @@ from collections.abc import Iterator, Sequence
 
 from shardckpt.format.chunk_tiling import Box
 from shardckpt.format.layout import prod
-
-
-def box_byte_span(c: Box, elem: int, offsets: Sequence[int],
-                  lengths: Sequence[int]) -> tuple[int, int]:
-    """Bytes ``[a, b)`` (relative to the chunk's first byte) of the smallest contiguous span of
-    the row-major box ``c`` that holds the sub-box at ``offsets`` (relative to the chunk) with
-    ``lengths``. An empty sub-box spans nothing."""
-    if prod(lengths) == 0:
-        return 0, 0
-    strides = [1] * len(c.sizes)
-    for i in range(len(c.sizes) - 2, -1, -1):
-        strides[i] = strides[i + 1] * c.sizes[i + 1]
-    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
-    return first * elem, (last + 1) * elem
 
 
 @dataclass

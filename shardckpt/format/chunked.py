@@ -241,6 +241,21 @@ def file_layout(s: ChunkedSection, path: str) -> list[tuple[str, str, tuple[int,
     return sorted(out, key=lambda x: (x[3], x[4]))
 
 
+def box_byte_span(c: ChunkRecord, elem: int, offsets: Sequence[int],
+                  lengths: Sequence[int]) -> tuple[int, int]:
+    """Bytes ``[a, b)`` (relative to the chunk's first byte) of the smallest contiguous span of
+    the row-major box ``c`` that holds the sub-box at ``offsets`` (relative to the chunk) with
+    ``lengths``. An empty sub-box spans nothing."""
+    if prod(lengths) == 0:
+        return 0, 0
+    strides = [1] * len(c.sizes)
+    for i in range(len(c.sizes) - 2, -1, -1):
+        strides[i] = strides[i + 1] * c.sizes[i + 1]
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    return first * elem, (last + 1) * elem
+
+
 def chunks_for(t: ChunkedTensor, offsets: Sequence[int], sizes: Sequence[int],
                work: IndexWork | None = None) -> list[ChunkRecord]:
     """The chunks of ``t`` that share elements with the box (``offsets``, ``sizes``), in the

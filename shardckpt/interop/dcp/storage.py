@@ -47,8 +47,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from shardckpt.storage import commit as _commit
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
-from shardckpt.format.chunk_index import box_byte_span
-from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, blob_name, chunk_name
+from shardckpt.format.chunked import (
+    ChunkRecord, ChunkedTensor, blob_name, box_byte_span, chunk_name,
+)
 from shardckpt.errors import ConfigError, ManifestError, ShardckptError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh, prod
