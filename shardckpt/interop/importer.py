@@ -5,7 +5,9 @@ An importer (:class:`Importer`) turns a foreign checkpoint into a shardckpt one 
 :class:`ImportPlan`: the checkpoint's spec and what produces each file's bytes, holding whatever
 the source staged until it is closed); :meth:`~Importer.write` writes it, alone or as the
 processes of a ``torchrun`` job, and commits ``manifest.json`` last. :meth:`~Importer.describe_source`
-says what a source holds without importing it.
+says what a source holds without importing it. Each importer also names what it records of
+its source: its :attr:`~Importer.origin` record under ``extras`` (the format layer names no
+foreign format) and the keys of :meth:`~Importer.summary` in the summary of an import.
 
 Its options are one :class:`ImportOptions`: what every importer takes (source, destination, mesh,
 units, buffer, storage options) and, in ``config``, the importer's own frozen dataclass (an
@@ -16,7 +18,7 @@ options; a bad value is one :class:`OptionError` naming the fields.
 :data:`IMPORTERS` names every importer by the name ``shardckpt import <name>`` takes; an importer
 object and its config live in a light module (``shardckpt.interop.<format>.importer``) that loads
 the format's reading code only when a source is read. The command line builds its commands from
-this table and each config's fields.
+this table and each config's fields. The twin for the way out is :mod:`shardckpt.interop.exporter`.
 
 Does not import torch, numpy or fsspec.
 """

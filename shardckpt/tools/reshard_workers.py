@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
@@ -21,6 +21,9 @@ from shardckpt.format.manifest import Manifest
 from shardckpt.storage import Storage
 from shardckpt.tools.reshard_stream import Written
 from shardckpt.tools.reshard_target import ReshardTarget
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class WorkerTask:
     buffer_bytes: int
 
 
-def _worker(task: WorkerTask, conn: Any) -> None:
+def _worker(task: WorkerTask, conn: Connection) -> None:
     """Entry point of a worker process: write some target shards, send their entries as JSON."""
     try:
         reader = CheckpointReader(Storage(task.src_url, task.src_options), manifest=task.manifest)
