@@ -68,3 +68,14 @@ def test_export_hf_writes_what_consolidate_writes(tmp_path: Path) -> None:
         assert (tmp_path / "hf" / f["name"]).read_bytes() == (tmp_path / "c" / f["name"]).read_bytes()
     line = cli("export", "hf", str(src), str(tmp_path / "hf2"), "--max-shard-size", "1KB")
     assert line.exit_code == 0 and line.output.startswith(f"exported {src} -> {tmp_path / 'hf2'}: ")
+
+
+def test_export_hf_of_a_run_directory_exports_the_checkpoint_latest_names(tmp_path: Path) -> None:
+    from testing.ckpts import make_run_dir
+
+    run = make_run_dir(tmp_path / "run")
+    (run / "latest").write_text("step-00000200\n")
+    r = cli("export", "hf", str(run), str(tmp_path / "hf"), "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output)
+    assert summary["src"].endswith("step-00000200") and summary["step"] == 200

@@ -1,12 +1,13 @@
 """The ``hf`` exporter: a shardckpt checkpoint as a Hugging Face model folder
 (``model-*.safetensors``, their index, ``config.json``): ``consolidate``
 (:func:`shardckpt.tools.jobs.run_consolidate`) behind the :class:`~shardckpt.interop.exporter.Exporter`
-interface, one process alone. ``shardckpt consolidate`` is the same export with the command's
-run-directory lookup, ``torchrun`` shares and signing. Light: nothing of consolidate (nor
-numpy) is imported until an export runs."""
+interface, one process alone; a run directory means the checkpoint its ``latest`` names.
+``shardckpt consolidate`` is the same export with ``torchrun`` shares and signing. Light:
+nothing of consolidate (nor numpy) is imported until an export runs."""
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ DEFAULT_MAX_SHARD_SIZE = 5_000_000_000
 
 if TYPE_CHECKING:
     from shardckpt.tools.consolidate import ConsolidateResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,19 +70,23 @@ class HFExporter:
     destination_help = "Output directory (path or fsspec URL)."
 
     def export(self, options: ExportOptions, progress: Progress | None = None) -> dict[str, Any]:
+        from shardckpt.checkpoint.locate import locate_checkpoint
         from shardckpt.tools.jobs import run_consolidate
 
         c = options.config
         assert isinstance(c, HFExportConfig)
         opts = options.storage_options
+        where = locate_checkpoint(options.src, opts)  # a run directory: the checkpoint latest names
+        if where.note:
+            log.info("%s", where.note)
 
         def show(total: int) -> Any:
             return progress(total, "export hf") if progress is not None else nullcontext(lambda n: None)
 
-        r = run_consolidate(options.src, options.dst, c.dtype, c.max_shard_size, c.component,
+        r = run_consolidate(where.storage, options.dst, c.dtype, c.max_shard_size, c.component,
                             c.prefix, c.optimizer, c.overwrite, c.copy_from, opts, c.buffer_bytes,
                             None, show, c.keep_buffers)
-        return consolidation_summary(r, options.src, options.dst)
+        return consolidation_summary(r, where.url, options.dst)
 
     def summary_line(self, summary: Mapping[str, Any], options: ExportOptions,
                      size: Callable[[int], str]) -> str:
