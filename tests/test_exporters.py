@@ -21,7 +21,7 @@ def test_the_registry_names_every_exporter() -> None:
     for name in EXPORTERS:
         exp = get_exporter(name)
         assert isinstance(exp, Exporter) and exp.name == name
-        assert getattr(exp.Config, "__dataclass_params__").frozen
+        assert exp.Config.__dataclass_params__.frozen
     with pytest.raises(ConfigError, match="no exporter 'zip'; exporters: dcp, deepspeed, hf"):
         get_exporter("zip")
 
