@@ -516,3 +516,10 @@ def test_a_writer_writes_the_version_the_format_layer_names(tmp_path: Path) -> N
 
     for spec in (CheckpointSpec(Mesh.for_world(2), {}), CheckpointSpec(Mesh.for_world(2), {}, digests=True)):
         assert CheckpointWriter(Storage(str(tmp_path)), spec).manifest(()).version == version_for(spec)
+
+
+def test_each_data_file_header_records_the_version_of_its_kind() -> None:
+    from shardckpt.format.versions import file_version
+
+    assert [file_version(r) for r in ("shard", "buffers", "rank", "chunks", "frozen")] == \
+        ["1.1", "1.1", "1.1", "1.2", "1.3"]

@@ -21,13 +21,12 @@ from shardckpt.format.layout import Mesh
 from shardckpt.format.signing import SigningKey
 from shardckpt.storage.lease import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
-    CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, FROZEN_ROLE, FROZEN_VERSION, MANIFEST_NAME, VERSION,
-    Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, buffer_slots, frozen_file_name,
-    frozen_slots, has_frozen_groups, shard_slots, to_json,
+    DEFAULT_CHUNK_SIZE, FROZEN_ROLE, MANIFEST_NAME, Component, FileEntry, Manifest, OptimizerInfo,
+    TensorSlot, buffer_slots, frozen_file_name, frozen_slots, has_frozen_groups, shard_slots, to_json,
 )
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
-from shardckpt.format.versions import version_for
+from shardckpt.format.versions import file_version, version_for
 from shardckpt.storage import ChunkHasher, NotFoundError, Storage
 from shardckpt.checkpoint.references import RunFiles, file_crc
 from shardckpt.checkpoint.set_aside import supersede
@@ -101,7 +100,7 @@ class CheckpointWriter:
     def _stream(self, rel: str, role: str, index: int | None, slots: list[TensorSlot],
                 produce: Producer, meta: dict[str, str], header: bytes | None = None) -> FileEntry:
         if header is None:
-            header = build_header(slots, {"format": "shardckpt", "version": f"{VERSION[0]}.{VERSION[1]}",
+            header = build_header(slots, {"format": "shardckpt", "version": file_version(role),
                                           "save_id": self.save_id, **meta})
         positioned = getattr(produce, "write_positioned", None)  # parallel, on a local disk
         opener = self.storage.write_opener(rel) if positioned is not None else None
@@ -141,8 +140,8 @@ class CheckpointWriter:
         """The header of ``frozen`` file ``shard``: no save id in it, so that the file of a later
         save whose frozen bytes did not change is byte for byte the same (and its CRC32C too)."""
         S = self.spec.mesh.shard_degree
-        v = FROZEN_VERSION
-        return build_header(self.frozen_slots, {"format": "shardckpt", "version": f"{v[0]}.{v[1]}",
+        return build_header(self.frozen_slots, {"format": "shardckpt",
+                                                "version": file_version(FROZEN_ROLE),
                                                 "shard": str(shard), "shard_degree": str(S)})
 
     def write_frozen(self, shard: int, produce: Producer) -> FileEntry:
@@ -171,9 +170,8 @@ class CheckpointWriter:
     def write_chunks(self, rank: int, slots: list[TensorSlot], produce: Producer) -> FileEntry:
         """Stream one rank's file of chunked tensors and blobs (``slots`` named as
         :func:`shardckpt.format.chunked.chunk_name` / ``blob_name`` give, in byte order)."""
-        v = CHUNKED_VERSION
         return self._stream(f"{self.save_id}/chunks-{rank:05d}.safetensors", CHUNKS_ROLE, rank,
-                            slots, produce, {"rank": str(rank), "version": f"{v[0]}.{v[1]}"})
+                            slots, produce, {"rank": str(rank)})
 
     def manifest(self, files: Iterable[FileEntry]) -> Manifest:
         created = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -4,17 +4,19 @@ Each minor version adds something a reader of an earlier one would misread or mi
 section 2): 1.1 the manifest's own checksum (every manifest written now), 1.2 chunked tensors,
 1.3 ``frozen`` files, 1.4 a digest per file (and a signature). A writer says what its manifest
 holds (:class:`VersionedContent`, which :class:`~shardckpt.checkpoint.writer.CheckpointSpec` is)
-and :func:`version_for` names the version; the writer never picks one itself. Pure.
+and :func:`version_for` names the version; the writer never picks one itself. A data file's
+safetensors header records the version that brought in its kind (:func:`file_version`). Pure.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
 from shardckpt.format.digests import DIGESTS_VERSION
-from shardckpt.format.manifest import CHUNKED_VERSION, FROZEN_VERSION, VERSION
+from shardckpt.format.manifest import CHUNKED_VERSION, FROZEN_ROLE, FROZEN_VERSION, VERSION
 
-__all__ = ["VersionedContent", "version_for"]
+__all__ = ["VersionedContent", "file_version", "version_for"]
 
 
 class VersionedContent(Protocol):
@@ -42,3 +44,10 @@ def version_for(spec: VersionedContent) -> tuple[int, int]:
     if spec.with_digests:
         version = max(version, DIGESTS_VERSION)
     return version
+
+
+def file_version(role: str) -> str:
+    """``"MAJOR.MINOR"`` the header of a data file of ``role`` records: the version that brought
+    in ``chunks`` files (1.2) or ``frozen`` files (1.3); :data:`VERSION` for the others."""
+    v = {CHUNKS_ROLE: CHUNKED_VERSION, FROZEN_ROLE: FROZEN_VERSION}.get(role, VERSION)
+    return f"{v[0]}.{v[1]}"
