@@ -32,7 +32,7 @@ class HFExportConfig(ExporterConfig):
     prefix of chunked tensors, optimizer states and persistent buffers too, replacing files
     already there, a model folder to copy tokenizer files from, and the read buffer."""
 
-    dtype: str = field(default="bfloat16", metadata={"help": "bf16 | fp16 | fp32 (floating tensors)."})
+    dtype: str = field(default="bf16", metadata={"help": "bf16 | fp16 | fp32 (floating tensors)."})
     max_shard_size: int = field(default=DEFAULT_MAX_SHARD_SIZE, metadata={
         "bytes": "5GB", "help": "Largest output file: 5GB, 500MB, 1e9."})
     component: str = field(default="model", metadata={"help": "Which component to export."})
@@ -66,7 +66,7 @@ class HFExporter:
     name = "hf"
     Config = HFExportConfig
     help = "Write SRC as Hugging Face safetensors (and config.json) in DST; its index is written last."
-    source_help = "shardckpt checkpoint (path or fsspec URL)."
+    source_help = "shardckpt checkpoint or run directory (path or fsspec URL)."
     destination_help = "Output directory (path or fsspec URL)."
 
     def export(self, options: ExportOptions, progress: Progress | None = None) -> dict[str, Any]:
