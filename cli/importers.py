@@ -1,8 +1,7 @@
 """``shardckpt import``: foreign checkpoints into the shardckpt format (``hf``, ``deepspeed``,
-``dcp``); ``shardckpt export``: a shardckpt checkpoint out to a foreign format (``dcp``,
-``deepspeed``).
+``dcp``). Its twin, ``shardckpt export``, is :mod:`.exporters`.
 
-Thin: parse options, call the importer or exporter, print one line or JSON of what it wrote.
+Thin: parse options, call the importer, print one line or JSON of what it wrote.
 Errors become one line on stderr and a non-zero exit (``guarded``). The ``import`` commands are
 one body (:func:`_run_import`) for every importer of :data:`shardckpt.interop.importer.IMPORTERS`:
 each command's arguments and help come from its importer and the fields of its config.
@@ -11,7 +10,6 @@ each command's arguments and help come from its importer and the fields of its c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import Any
 from collections.abc import Callable
@@ -34,13 +32,13 @@ def _flag(field: str) -> str:
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
-def _report(m: Any, dst: str, source_format: str, json_out: bool,
+def _report(m: Any, dst: str, importer: Any, json_out: bool,
             line: Callable[[dict[str, Any]], str]) -> None:
     """What an import wrote (:func:`shardckpt.interop.importing.import_summary`): JSON, or the
     line ``line`` makes of it."""
     from shardckpt.interop.importing import import_summary
 
-    summary = import_summary(m, dst, source_format)
+    summary = import_summary(m, dst, importer.summary)
     if json_out:
         echo_json(summary)
     else:
@@ -106,7 +104,7 @@ def _import_parameters(importer: Any) -> list[inspect.Parameter]:
 def _run_import(importer: Any, args: dict[str, Any]) -> None:
     """``shardckpt import <importer.name>``: options checked (a bad one is exit code 2), the
     import run alone or as this process's part of a ``torchrun`` job, one line or JSON."""
-    from shardckpt.interop.importer import ImportOptions, OptionError, run_importer
+    from shardckpt.interop.importer import ImportOptions, OptionError
     from shardckpt.tools.distributed import job_from_environment
     from shardckpt.tools.jobs import run_import
 
@@ -125,11 +123,10 @@ def _run_import(importer: Any, args: dict[str, Any]) -> None:
     # under torchrun: each process writes its share of the files, or rank 0 imports while the
     # others wait (``importer.splits``)
     with job_from_environment() as job:
-        m = run_import(functools.partial(run_importer, importer), options, job=job,
-                       split=importer.splits(options))
+        m = run_import(importer, options, job)
     if m is None:  # another process of the job reports
         return
-    _report(m, options.dst, importer.name, args["json_out"],
+    _report(m, options.dst, importer, args["json_out"],
             lambda s: importer.summary_line(s, options, human_bytes))
 
 
@@ -153,68 +150,3 @@ def _register_importers() -> None:
 
 
 _register_importers()
-
-
-export_app = typer.Typer(help="Export a shardckpt checkpoint to a foreign format.",
-                         no_args_is_help=True, rich_markup_mode=None)
-app.add_typer(export_app, name="export")
-
-
-@export_app.command("dcp")
-@guarded
-def export_dcp_command(
-    src: str = typer.Argument(..., help="shardckpt checkpoint (path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Folder to write for DCP's FileSystemReader (must not "
-                                        "hold a .metadata)."),
-    model_key: str = typer.Option("model", "--model-key", help="Flat groups: the state-dict key "
-                                  "the model is written under."),
-    optim_key: str = typer.Option("optim", "--optim-key", help="Flat groups: the state-dict key "
-                                  "the optimizer is written under."),
-    buffer: str = typer.Option("32MB", "--buffer", help="Most bytes of one DCP chunk: a larger "
-                               "box is written as several (bounds memory)."),
-    file_size: str = typer.Option("1GiB", "--file-size", help="Start a new .distcp file once "
-                                  "one holds this many bytes."),
-    storage_option: list[str] | None = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write SRC as a directory stock dcp.load reads (.metadata and __<n>_0.distcp); .metadata last."""
-    from shardckpt.interop.dcp.export import export_dcp
-
-    opts = parse_storage_options(storage_option)
-    summary = export_dcp(src, dst, opts, opts, model_key, optim_key,
-                         parse_bytes(buffer, "--buffer"), parse_bytes(file_size, "--file-size"))
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"exported {src} -> {dst}: {summary['tensors']} tensors, {summary['values']} "
-                   f"other values, {len(summary['files'])} files, {human_bytes(summary['bytes'])}")
-
-
-@export_app.command("deepspeed")
-@guarded
-def export_deepspeed_command(
-    src: str = typer.Argument(..., help="shardckpt checkpoint of flat groups (path or fsspec URL)."),
-    dst: str = typer.Argument(..., help="Folder for DeepSpeed's engine.load_checkpoint (the tag "
-                                        "folder must be empty; 'latest' is written last)."),
-    ranks: int = typer.Option(..., "--ranks", help="Data-parallel world of the DeepSpeed job."),
-    stage: int = typer.Option(2, "--stage", help="ZeRO stage of the DeepSpeed job: 1, 2 or 3."),
-    tag: str | None = typer.Option(None, "--tag", help="Tag folder (default: "
-                                      "global_step<step>)."),
-    bf16: bool = typer.Option(False, "--bf16", help="Name the files and write the module as a "
-                              "bf16 run does."),
-    storage_option: list[str] | None = StorageOptionArg,
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary."),
-) -> None:
-    """Write SRC as DeepSpeed's save_checkpoint would for ZeRO --stage at --ranks; latest last."""
-    from .common import progress
-    from shardckpt.interop.deepspeed.export import export_deepspeed
-
-    opts = parse_storage_options(storage_option)
-    summary = export_deepspeed(src, dst, ranks, stage, tag, bf16, opts, opts,
-                               progress=lambda total, what: progress(total, what))
-    if json_out:
-        echo_json(summary)
-    else:
-        typer.echo(f"exported {src} -> {dst}/{summary['tag']}: ZeRO-{stage}, {ranks} ranks, "
-                   f"{summary['params']} parameters, {len(summary['files'])} files, "
-                   f"{human_bytes(summary['bytes'])}")

@@ -62,13 +62,9 @@ def consolidate(
         from shardckpt.tools.consolidate_sign import sign_consolidation
         sign_consolidation(dst, sign_key, opts)
     if json_out:
-        echo_json({"src": src, "dst": dst, "save_id": r.save_id, "step": r.step, "dtype": r.dtype,
-                   "component": r.component, "tensors": r.tensors, "total_size": r.total_size,
-                   "files": [{"name": n, "size": s} for n, s in r.files],
-                   "optimizer_files": [{"name": n, "size": s} for n, s in r.optimizer_files],
-                   "omitted_aliases": dict(r.omitted_aliases),
-                   "left_out_buffers": list(r.left_out_buffers), "bytes_read": r.bytes_read,
-                   "bytes_written": r.bytes_written, "seconds": round(r.seconds, 3)})
+        from shardckpt.tools.hf_export import consolidation_summary
+
+        echo_json(consolidation_summary(r, src, dst))
     else:
         extra = f" + {len(r.optimizer_files)} optimizer files" if r.optimizer_files else ""
         echo(f"consolidated {src} -> {dst}: {r.tensors} tensors ({r.dtype}) in {len(r.files)} "

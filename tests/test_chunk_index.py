@@ -14,8 +14,10 @@ from typing import Any, Iterator, Sequence
 import pytest
 
 from shardckpt.checkpoint.chunked_read import iter_elements, iter_tensor_bands
-from shardckpt.format import chunked
-from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, overlap, row_bands
+from shardckpt.format import chunk_index, chunked
+from shardckpt.format.chunk_index import row_bands
+from shardckpt.format.chunk_tiling import overlap
+from shardckpt.format.chunked import ChunkRecord, ChunkedTensor
 
 #: 25k chunks: a scan per band is 6e8 steps here; the bounds are per chunk and per band
 N = 25_000
@@ -60,7 +62,7 @@ def test_every_band_of_many_chunks_costs_log_n_plus_its_chunks(layout: str, budg
     t = _tensor(shape, boxes)
     n = len(t.chunks)
     assert n >= N
-    work = chunked.IndexWork()
+    work = chunk_index.IndexWork()
     bands = returned = 0
     for off, size in _bands(shape, budget):
         found = chunked.chunks_for(t, off, size, work)
@@ -77,10 +79,10 @@ def test_every_band_of_many_chunks_costs_log_n_plus_its_chunks(layout: str, budg
 def test_the_index_is_built_once_and_kept_on_the_record() -> None:
     shape, boxes = LARGE["rows"]()
     t = _tensor(shape, boxes)
-    first = chunked.IndexWork()
+    first = chunk_index.IndexWork()
     chunked.chunks_for(t, (5, 0), (3, 8), first)
     assert first.built >= len(boxes)
-    again = chunked.IndexWork()
+    again = chunk_index.IndexWork()
     assert [c.offsets for c in chunked.chunks_for(t, (7, 0), (2, 8), again)] == [(7, 0), (8, 0)]
     assert again.built == 0 and again.queried <= 4 * (math.log2(len(boxes)) + 2) + 4
     assert t.index() is t.index()

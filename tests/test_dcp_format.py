@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardckpt.format import manifest as manifest_mod
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.verify import verify
-from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, box_byte_span, tiling_problems
+from shardckpt.format.chunk_tiling import tiling_problems
+from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, box_byte_span
 from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 from shardckpt.errors import ManifestError
 from shardckpt.format.manifest import to_json

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from shardckpt.errors import IntegrityError, ShardckptError
-from shardckpt.format import chunked
-from shardckpt.format.chunked import ChunkRecord, ChunkedTensor, tiling_problems
+from shardckpt.format import chunk_tiling, chunked
+from shardckpt.format.chunk_tiling import tiling_problems
+from shardckpt.format.chunked import ChunkRecord, ChunkedTensor
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.parse_context import MAX_LISTED
 
@@ -256,7 +257,7 @@ def test_tiling_check_of_many_chunks_is_linear_work(layout: str) -> None:
     shape, boxes = LARGE[layout]()
     n = len(boxes)
     assert n >= MANY
-    work = chunked.TilingWork()
+    work = chunk_tiling.TilingWork()
     assert tiling_problems(_tensor(shape, boxes), work) == []
     assert work.total <= 20 * n, (work, n)
 
@@ -269,13 +270,13 @@ def test_one_bad_chunk_among_many_is_named_in_bounded_work(layout: str) -> None:
     # the middle chunk moved by one along a dim: an overlap and a gap
     d = next(d for d in range(len(shape)) if o[d] + s[d] < shape[d])
     moved = (tuple(x + (i == d) for i, x in enumerate(o)), s)
-    work = chunked.TilingWork()
+    work = chunk_tiling.TilingWork()
     problems = tiling_problems(_tensor(shape, rest + [moved]), work)
     assert problems and all(p.startswith("chunks offsets") and p.endswith("overlap")
                             for p in problems), problems[:2]
     assert work.total <= 64 * n, (work, n)
     # a chunk left out: a gap, found in linear work too
-    work = chunked.TilingWork()
+    work = chunk_tiling.TilingWork()
     problems = tiling_problems(_tensor(shape, rest), work)
     assert problems == [f"its chunks hold {_numel(shape) - _numel(s)} of its {_numel(shape)} "
                         "elements; a chunked tensor must be stored whole"]
@@ -297,7 +298,7 @@ def test_import_of_many_chunks_counts_no_pairs(tmp_path: Path) -> None:
     real = chunked.tiling_problems
 
     def counted(t: Any, work: Any = None) -> list[str]:
-        seen.append(chunked.TilingWork())
+        seen.append(chunk_tiling.TilingWork())
         return real(t, seen[-1])
 
     import shardckpt.interop.dcp.import_ as dcp_import
@@ -332,7 +333,7 @@ def brute_force(t: ChunkedTensor) -> tuple[str, set[tuple[int, int]]]:
 
 
 def _pairs(t: ChunkedTensor, problems: list[str]) -> set[tuple[int, int]]:
-    from shardckpt.format.chunked import _box
+    from shardckpt.format.chunk_tiling import _box
 
     index = {_box(c): i for i, c in reversed(list(enumerate(t.chunks)))}
     out = set()

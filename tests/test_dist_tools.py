@@ -136,33 +136,51 @@ def _hf_folder(path: Path) -> str:
 def test_an_import_as_a_job_of_one_writes_what_the_import_alone_does(tmp_path: Path) -> None:
     """The job's path of :func:`write_import` (agreement, rank 0's lease and commit) in one
     process without a process group: the same files and manifest as the import alone."""
-    from shardckpt.interop.hf.import_ import import_hf
+    from shardckpt.interop.hf.importer import HF
+    from shardckpt.interop.importer import ImportOptions
     from shardckpt.tools.jobs import run_import
     from testing.torchrun import contents
 
     src = _hf_folder(tmp_path / "hf")
-    alone = run_import(import_hf, src, str(tmp_path / "one"), 3, job=None)
-    as_job = run_import(import_hf, src, str(tmp_path / "job"), 3, job=Job(0, 1))
+    alone = run_import(HF, ImportOptions(src, str(tmp_path / "one"), 3), None)
+    as_job = run_import(HF, ImportOptions(src, str(tmp_path / "job"), 3), Job(0, 1))
     assert alone is not None and as_job is not None
     assert len(as_job.files) == 3 and contents(str(tmp_path / "job")) == contents(str(tmp_path / "one"))
     assert sorted(p.name for p in (tmp_path / "job").iterdir()) == sorted(["manifest.json", as_job.save_id])
     with pytest.raises(ConfigError, match="exists; import into an empty location"):
-        run_import(import_hf, src, str(tmp_path / "job"), 3, job=Job(0, 1))
+        run_import(HF, ImportOptions(src, str(tmp_path / "job"), 3), Job(0, 1))
 
 
 def test_an_import_that_does_not_split_runs_on_rank_0_alone() -> None:
-    calls: list[tuple] = []
+    """An importer whose work does not split is run by rank 0 alone, without the job; one that
+    splits gets the job; a process other than rank 0 reports no manifest."""
+    from dataclasses import dataclass
 
-    def importer(*args: object, **kwargs: object) -> str:
-        calls.append((args, kwargs))
-        return "manifest"
-
+    from shardckpt.interop.importer import ImportOptions, ImporterConfig, ImportPlan
     from shardckpt.tools.jobs import run_import
 
-    assert run_import(importer, "a", job=Job(0, 1), split=False) == "manifest"
-    assert run_import(importer, "b", job=Job(0, 1)) == "manifest"
-    assert calls[0] == (("a",), {}) and calls[1][1]["job"] == Job(0, 1)
-    assert run_import(importer, "c", job=Job(1, 2, group=None), split=True) is None
+    calls: list[tuple[str, Job]] = []
+
+    @dataclass(frozen=True)
+    class Fake:
+        name: str = "fake"
+        Config: type = ImporterConfig
+        split: bool = False
+
+        def splits(self, options: ImportOptions) -> bool:
+            return self.split
+
+        def plan(self, options: ImportOptions) -> ImportPlan:
+            return ImportPlan(options, None, type("Spec", (), {"signing_key": None})(), "fake")  # type: ignore[arg-type]
+
+        def write(self, plan: ImportPlan, job: Job | None = None) -> str:
+            calls.append((plan.options.src, job))
+            return "manifest"
+
+    assert run_import(Fake(), ImportOptions("a", "x"), Job(0, 1)) == "manifest"  # type: ignore[arg-type]
+    assert run_import(Fake(split=True), ImportOptions("b", "x"), Job(0, 1)) == "manifest"  # type: ignore[arg-type]
+    assert calls == [("a", Job.single()), ("b", Job(0, 1))]
+    assert run_import(Fake(split=True), ImportOptions("c", "x"), Job(1, 2, group=None)) is None  # type: ignore[arg-type]
 
 
 def test_import_hf_outside_torchrun_loads_no_torch(tmp_path: Path) -> None:

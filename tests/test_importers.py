@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from shardckpt.errors import ConfigError
+from shardckpt.errors import ConfigError, ManifestError
 from shardckpt.interop.dcp.importer import DcpConfig
 from shardckpt.interop.deepspeed.importer import DeepSpeedConfig
 from shardckpt.interop.hf.importer import HF, HFConfig
@@ -127,3 +127,27 @@ def test_the_commands_come_from_the_registry(tmp_path: Path) -> None:
     assert summary["ranks"] == 2 and summary["params"] == len(tensors())
     shard = load_file(str(next((tmp_path / "ck").rglob("shard-00000-of-00002.safetensors"))))
     assert all(v.dtype == np.float32 for v in shard.values())
+
+
+def test_each_importer_registers_its_origin_and_summary_and_the_format_layer_names_none() -> None:
+    """Where an import came from is its importer's record: the format layer's extras know no
+    importer's key, and what an import's summary says of its source is the importer's to say."""
+    from shardckpt.format.records import Origin, RunExtras
+    from shardckpt.interop.dcp.config import DcpOrigin
+    from shardckpt.interop.deepspeed.config import DeepSpeedOrigin
+
+    origins = {name: get_importer(name).origin for name in IMPORTERS}
+    assert origins == {"hf": None, "deepspeed": DeepSpeedOrigin, "dcp": DcpOrigin}
+    for name, origin in origins.items():
+        assert name not in RunExtras.KEYS
+        assert origin is None or (issubclass(origin, Origin) and origin.KEY == name)
+    ds = DeepSpeedOrigin("0.14", 3, 8, "global_step5", "bf16")
+    extras = RunExtras.from_doc(RunExtras(step=5, other=ds.entry()).to_doc(), "extras")
+    assert extras.origin(DeepSpeedOrigin) == ds and extras.origin(DcpOrigin) is None
+    assert get_importer("deepspeed").summary(extras, "d") == {
+        "step": 5, "zero_stage": 3, "source_world_size": 8}
+    assert get_importer("dcp").summary(extras, "d") == {"step": 5}
+    assert get_importer("hf").summary(extras, "d") == {"hf_config": False}
+    bad = RunExtras.from_doc({"deepspeed": {"stage": "3"}}, "extras")
+    with pytest.raises(ManifestError, match=r"^s3://b/ck: extras\.deepspeed\.stage: expected an integer"):
+        get_importer("deepspeed").summary(bad, "s3://b/ck")

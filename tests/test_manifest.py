@@ -492,3 +492,34 @@ def test_shard_slots_order_and_offsets() -> None:
 def test_mesh_round_trips_axis_order() -> None:
     m = manifest_from_spec(synth_spec(TINY_PARAMS, 6, replicate=3))
     assert parse(to_json(m)).mesh == Mesh.hsdp(3, 2)
+
+
+@pytest.mark.parametrize("chunked, frozen_files, digests, version", [
+    (None, False, False, (1, 1)), ("section", False, False, (1, 2)), (None, True, False, (1, 3)),
+    (None, False, True, (1, 4)), ("section", False, True, (1, 4)), (None, True, True, (1, 4)),
+])
+def test_the_format_layer_names_the_lowest_version_that_holds_what_a_manifest_records(
+        chunked: object, frozen_files: bool, digests: bool, version: tuple[int, int]) -> None:
+    from types import SimpleNamespace
+
+    from shardckpt.format.versions import version_for
+
+    spec = SimpleNamespace(chunked=chunked, frozen_files=frozen_files, with_digests=digests)
+    assert version_for(spec) == version
+
+
+def test_a_writer_writes_the_version_the_format_layer_names(tmp_path: Path) -> None:
+    from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
+    from shardckpt.format.layout import Mesh
+    from shardckpt.format.versions import version_for
+    from shardckpt.storage import Storage
+
+    for spec in (CheckpointSpec(Mesh.for_world(2), {}), CheckpointSpec(Mesh.for_world(2), {}, digests=True)):
+        assert CheckpointWriter(Storage(str(tmp_path)), spec).manifest(()).version == version_for(spec)
+
+
+def test_each_data_file_header_records_the_version_of_its_kind() -> None:
+    from shardckpt.format.versions import file_version
+
+    assert [file_version(r) for r in ("shard", "buffers", "rank", "chunks", "frozen")] == \
+        ["1.1", "1.1", "1.1", "1.2", "1.3"]

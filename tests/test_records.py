@@ -14,9 +14,10 @@ import pytest
 from shardckpt.errors import ManifestError
 from shardckpt.format.parse_context import ParseContext, Problem
 from shardckpt.format.records import (
-    DcpOrigin, DeepSpeedOrigin, ParamGroupRecord, PerRankState, RunExtras, param_groups,
-    per_rank_state, run_extras,
+    ParamGroupRecord, PerRankState, RunExtras, param_groups, per_rank_state, run_extras,
 )
+from shardckpt.interop.dcp.config import DcpOrigin
+from shardckpt.interop.deepspeed.config import DeepSpeedOrigin
 
 GOLDEN = Path(__file__).parent / "golden"
 MANIFESTS = sorted(GOLDEN.glob("*/manifest.json"))
@@ -95,12 +96,12 @@ def test_writer_built_records_write_what_the_writers_wrote() -> None:
         "world_size", "dropped_from_world_size", "note", "files"]
     assert ParamGroupRecord(("a", "b")).to_doc() == {"params": ["a", "b"], "hparams": {}, "step": 0}
     assert RunExtras(step=0, source="s3://b/m").to_doc() == {"step": 0, "source": "s3://b/m"}
-    assert RunExtras(source="x", dcp=DcpOrigin(None, ("b", "a"))).to_doc() == {
+    assert RunExtras(source="x", other=DcpOrigin(None, ("b", "a")).entry()).to_doc() == {
         "source": "x", "dcp": {"version": None, "files": ["b", "a"]}}
     ds = DeepSpeedOrigin("0.14", 3, 8, "global_step5", "bf16")
-    assert RunExtras(deepspeed=ds).to_doc()["deepspeed"] == {
+    assert RunExtras(other=ds.entry()).to_doc()["deepspeed"] == {
         "version": "0.14", "stage": 3, "world_size": 8, "tag": "global_step5", "precision": "bf16"}
-    assert list(RunExtras(step=1, dcp=None, source="s", keys=("source", "dcp", "step")).to_doc()) \
+    assert list(RunExtras(step=1, other={"dcp": None}, source="s", keys=("source", "dcp", "step")).to_doc()) \
         == ["source", "dcp", "step"]
 
 
@@ -134,8 +135,8 @@ MALFORMED = [
     (RunExtras, {"hf_config": "llama"}, "extras.hf_config", "expected an object"),
     (RunExtras, {"hf_config": {"x": float("inf")}}, "extras.hf_config.x", "not a finite"),
     (RunExtras, {"source": 3}, "extras.source", "expected a string"),
-    (RunExtras, {"dcp": {"files": ["a", 2]}}, "extras.dcp.files[1]", "expected a string"),
-    (RunExtras, {"deepspeed": {"stage": "3"}}, "extras.deepspeed.stage", "expected an integer"),
+    (DcpOrigin, {"files": ["a", 2]}, "extras.dcp.files[1]", "expected a string"),
+    (DeepSpeedOrigin, {"stage": "3"}, "extras.deepspeed.stage", "expected an integer"),
     (RunExtras, {"user": {"v": float("-inf")}}, "extras.user.v", "not a finite"),
     (RunExtras, {"user": object()}, "extras.user", "is not JSON"),
     (RunExtras, [], "extras", "expected an object"),
@@ -158,7 +159,7 @@ MALFORMED = [
 def test_malformed_value_is_one_error_naming_key_and_file(cls: Any, doc: Any, key: str,
                                                          what: str) -> None:
     where = "optimizer.param_groups[0]" if cls is ParamGroupRecord else \
-        "per_rank_state" if cls is PerRankState else "extras"
+        "per_rank_state" if cls is PerRankState else f"extras.{cls.KEY}" if hasattr(cls, "KEY") else "extras"
     with pytest.raises(ManifestError) as e:
         cls.from_doc(doc, where, "s3://b/run/step-7/manifest.json")
     msg = str(e.value)
@@ -187,3 +188,17 @@ def test_every_record_field_is_a_key() -> None:
 
     for cls in (DcpOrigin, DeepSpeedOrigin, RunExtras, PerRankState, ParamGroupRecord):
         assert [f.name for f in fields(cls)] == list(cls.KEYS) + ["other", "keys"], cls
+
+
+def test_a_manifest_decodes_its_extras_once_and_a_fault_names_the_file() -> None:
+    import dataclasses
+
+    from shardckpt.format.manifest_parse import parse
+
+    m = parse((GOLDEN / "v1_1" / "manifest.json").read_bytes())
+    assert m.run_extras is m.run_extras and run_extras(m, "elsewhere") is m.run_extras
+    assert m.run_extras.step == 42
+    assert dataclasses.replace(m, extras={**m.extras, "step": 7}).run_extras.step == 7
+    bad = dataclasses.replace(m, extras={**m.extras, "step": "42"})
+    with pytest.raises(ManifestError, match=r"^s3://b/run/step-7: extras\.step: expected an integer"):
+        run_extras(bad, "s3://b/run/step-7")

@@ -272,6 +272,29 @@ def test_format_flat_is_import_dcp_ranks(saved: tuple[Path, dict], tmp_path: Pat
         assert da == (tmp_path / "flat" / fb.path).read_bytes()[fb.data_start:], fa.path
 
 
+def test_every_kind_of_target_is_a_reshard_target_reading_through_a_range_source(
+        saved: tuple[Path, dict], tmp_path: Path) -> None:
+    """The seams of reshard are typed: the target of each kind of source and ``--format`` is a
+    :class:`ReshardTarget`, and what the chunked reads go through (the reader, or the counting
+    reader of ``--format flat``) is a :class:`RangeSource`."""
+    from shardckpt.checkpoint.chunked_read import RangeSource
+    from shardckpt.tools.reshard import open_source
+    from shardckpt.tools.reshard_target import ReshardTarget
+    from shardckpt.tools.reshard_to_flat import _Counted
+
+    root, _ = saved
+    assert cli("import", "dcp", str(root / "dcp"), str(tmp_path / "flat"), "--ranks", "2").exit_code == 0
+    kinds = {}
+    for src, fmt in ((root / "ck", None), (root / "ck", "flat"), (tmp_path / "flat", None)):
+        source = open_source(str(src), 3, fmt=fmt)
+        assert isinstance(source.target, ReshardTarget), type(source.target)
+        assert isinstance(source.reader, RangeSource)
+        kinds[type(source.target).__name__] = source
+    assert sorted(kinds) == ["ChunkedTarget", "FlatFromChunks", "FlatTarget"]
+    counted = _Counted(kinds["FlatFromChunks"].reader, None)
+    assert isinstance(counted, RangeSource) and counted.url == str(root / "ck")
+
+
 def test_overwrite_workers_guards_and_bad_format(saved: tuple[Path, dict], tmp_path: Path) -> None:
     root, _ = saved
     out = str(tmp_path / "out")

@@ -1,24 +1,50 @@
 """Reading chunked tensors (format 1.2) through a checkpoint reader: boxes, blobs, whole tensors
-in bounded bands. The records and the pure box arithmetic are in :mod:`shardckpt.format.chunked`; this is
-the I/O side, used by consolidate, diff and the DCP reader.
+in bounded bands. The records are in :mod:`shardckpt.format.chunked`, the pure box arithmetic in
+:mod:`shardckpt.format.chunk_index`; this is the I/O side, used by consolidate, diff and the DCP
+reader. Every read goes through a :class:`RangeSource`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from collections.abc import Iterator, Sequence
 
-from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor, box_byte_span, chunks_for, intersection, row_bands
+from shardckpt.format.chunk_index import intersection, row_bands
+from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedTensor, box_byte_span, chunks_for
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.checkpoint.pieces import Piece
 
+if TYPE_CHECKING:
+    from shardckpt.format.manifest import FileEntry, Manifest
 
-def read_box(reader: Any, t: ChunkedTensor, c: ChunkRecord, offsets: Sequence[int],
+
+@runtime_checkable
+class RangeSource(Protocol):
+    """Checked ranged reads of one checkpoint's files: a
+    :class:`~shardckpt.checkpoint.reader.CheckpointReader`, or one that wraps it (to count the
+    bytes it reads)."""
+
+    @property
+    def manifest(self) -> Manifest:
+        """The checkpoint's manifest: where each chunk and blob lies."""
+        ...
+
+    @property
+    def url(self) -> str:
+        """Where the checkpoint is, for messages."""
+        ...
+
+    def read_ranges(self, requests: list[tuple[FileEntry, int, int]],
+                    workers: int = 8) -> list[memoryview]:
+        """The bytes ``[start, end)`` of each ``(file, start, end)``, every chunk checked."""
+        ...
+
+
+def read_box(reader: RangeSource, t: ChunkedTensor, c: ChunkRecord, offsets: Sequence[int],
              sizes: Sequence[int]) -> bytes:
     """The elements of the global box (``offsets``, ``sizes``), inside chunk ``c``, as row-major
-    bytes; ``reader`` is a :class:`shardckpt.checkpoint.reader.CheckpointReader` (checked reads of only
-    the span of ``c`` that holds the box)."""
+    bytes (checked reads of only the span of ``c`` that holds the box)."""
     import numpy as np
 
     elem = itemsize(t.dtype)
@@ -37,13 +63,13 @@ def read_box(reader: Any, t: ChunkedTensor, c: ChunkRecord, offsets: Sequence[in
     return np.ascontiguousarray(box).tobytes()
 
 
-def read_blob(reader: Any, b: Blob) -> bytes:
-    """A blob's bytes, checked (``reader``: a :class:`shardckpt.checkpoint.reader.CheckpointReader`)."""
+def read_blob(reader: RangeSource, b: Blob) -> bytes:
+    """A blob's bytes, checked."""
     entry = reader.manifest.file(b.file)
     return bytes(reader.read_ranges([(entry, entry.data_start + b.begin, entry.data_start + b.end)])[0])
 
 
-def iter_tensor_bands(reader: Any, t: ChunkedTensor, budget: int) -> Iterator[tuple[int, bytes]]:
+def iter_tensor_bands(reader: RangeSource, t: ChunkedTensor, budget: int) -> Iterator[tuple[int, bytes]]:
     """(first element, row-major bytes) of the whole tensor ``t`` in bands along dim 0 of at most
     ``budget`` bytes (at least one row), each assembled from the chunks it meets: memory is one
     band, whatever the tensor or chunk size."""
@@ -58,7 +84,7 @@ def iter_tensor_bands(reader: Any, t: ChunkedTensor, budget: int) -> Iterator[tu
         yield off[0] * row, read_rows(reader, t, off[0], size[0])
 
 
-def read_rows(reader: Any, t: ChunkedTensor, first: int, n: int) -> bytes:
+def read_rows(reader: RangeSource, t: ChunkedTensor, first: int, n: int) -> bytes:
     """Rows ``[first, first + n)`` (along dim 0) of tensor ``t`` (at least 1-D) as row-major
     bytes, assembled from the chunks they meet."""
     import numpy as np
@@ -75,7 +101,7 @@ def read_rows(reader: Any, t: ChunkedTensor, first: int, n: int) -> bytes:
     return band.tobytes()
 
 
-def iter_elements(reader: Any, t: ChunkedTensor, start: int, end: int,
+def iter_elements(reader: RangeSource, t: ChunkedTensor, start: int, end: int,
                   budget: int) -> Iterator[bytes]:
     """Elements ``[start, end)`` of tensor ``t`` in row-major order, as bytes, in pieces of
     whole rows of at most ``budget`` bytes (at least one row) trimmed to the range."""
@@ -100,11 +126,12 @@ class ChunkedPieces:
     of one checkpoint: ``pieces(items)`` yields ``(index, start, end, (bytes,))`` in order for
     items ``(numel, (source,))`` whose ``source.fqn`` names a chunked tensor."""
 
-    def __init__(self, reader: Any, buffer_bytes: int) -> None:
+    def __init__(self, reader: RangeSource, buffer_bytes: int) -> None:
         self.reader, self.buffer_bytes, self.bytes_read = reader, buffer_bytes, 0
 
-    def pieces(self, items: Sequence[tuple[int, Sequence[Any]]]) -> Iterator[Any]:
+    def pieces(self, items: Sequence[tuple[int, Sequence[Any]]]) -> Iterator[Piece]:
         section = self.reader.manifest.chunked
+        assert section is not None, "pieces of chunked tensors come from a chunked section"
         for i, (_, (src, *_)) in enumerate(items):
             t = section.tensors[src.fqn]
             elem = itemsize(t.dtype)

@@ -17,17 +17,16 @@ from collections.abc import Callable, Iterable, Mapping
 from shardckpt.storage import commit as _commit
 from shardckpt.errors import CommitConflictError, IncompleteCheckpointError, ShardckptError
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
-from shardckpt.format.digests import DIGESTS_VERSION
 from shardckpt.format.layout import Mesh
 from shardckpt.format.signing import SigningKey
 from shardckpt.storage import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
-    CHUNKED_VERSION, DEFAULT_CHUNK_SIZE, FROZEN_ROLE, FROZEN_VERSION, MANIFEST_NAME, VERSION,
-    Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, buffer_slots, frozen_file_name,
-    frozen_slots, has_frozen_groups, shard_slots, to_json,
+    DEFAULT_CHUNK_SIZE, FROZEN_ROLE, MANIFEST_NAME, Component, FileEntry, Manifest, OptimizerInfo,
+    TensorSlot, buffer_slots, frozen_file_name, frozen_slots, has_frozen_groups, shard_slots, to_json,
 )
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.safetensors_header import build_header
+from shardckpt.format.versions import file_version, version_for
 from shardckpt.storage import ChunkHasher, NotFoundError, Storage
 from shardckpt.checkpoint.references import RunFiles, file_crc
 from shardckpt.checkpoint.set_aside import supersede
@@ -101,7 +100,7 @@ class CheckpointWriter:
     def _stream(self, rel: str, role: str, index: int | None, slots: list[TensorSlot],
                 produce: Producer, meta: dict[str, str], header: bytes | None = None) -> FileEntry:
         if header is None:
-            header = build_header(slots, {"format": "shardckpt", "version": f"{VERSION[0]}.{VERSION[1]}",
+            header = build_header(slots, {"format": "shardckpt", "version": file_version(role),
                                           "save_id": self.save_id, **meta})
         positioned = getattr(produce, "write_positioned", None)  # parallel, on a local disk
         opener = self.storage.write_opener(rel) if positioned is not None else None
@@ -141,8 +140,8 @@ class CheckpointWriter:
         """The header of ``frozen`` file ``shard``: no save id in it, so that the file of a later
         save whose frozen bytes did not change is byte for byte the same (and its CRC32C too)."""
         S = self.spec.mesh.shard_degree
-        v = FROZEN_VERSION
-        return build_header(self.frozen_slots, {"format": "shardckpt", "version": f"{v[0]}.{v[1]}",
+        return build_header(self.frozen_slots, {"format": "shardckpt",
+                                                "version": file_version(FROZEN_ROLE),
                                                 "shard": str(shard), "shard_degree": str(S)})
 
     def write_frozen(self, shard: int, produce: Producer) -> FileEntry:
@@ -171,20 +170,15 @@ class CheckpointWriter:
     def write_chunks(self, rank: int, slots: list[TensorSlot], produce: Producer) -> FileEntry:
         """Stream one rank's file of chunked tensors and blobs (``slots`` named as
         :func:`shardckpt.format.chunked.chunk_name` / ``blob_name`` give, in byte order)."""
-        v = CHUNKED_VERSION
         return self._stream(f"{self.save_id}/chunks-{rank:05d}.safetensors", CHUNKS_ROLE, rank,
-                            slots, produce, {"rank": str(rank), "version": f"{v[0]}.{v[1]}"})
+                            slots, produce, {"rank": str(rank)})
 
     def manifest(self, files: Iterable[FileEntry]) -> Manifest:
         created = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         order = {"shard": 0, FROZEN_ROLE: 1, "buffers": 2, "rank": 3, CHUNKS_ROLE: 4}
         entries = sorted(files, key=lambda f: (order[f.role], f.index or 0, f.path))
         s = self.spec
-        version = (FROZEN_VERSION if s.frozen_files else
-                   VERSION if s.chunked is None else CHUNKED_VERSION)
-        if s.with_digests:
-            version = max(version, DIGESTS_VERSION)
-        return Manifest(version, self.save_id, created,
+        return Manifest(version_for(s), self.save_id, created,
                         s.mesh, s.chunk_size, dict(s.components), s.optimizer, dict(s.extras),
                         dict(s.per_rank_state), tuple(entries), s.chunked, s.frozen_files)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -21,6 +22,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import FlatGroup, Layout, Mesh, prod
 from shardckpt.format.integrity import MAX_SHORT, ChunkCrcs, seal
 from shardckpt.format.parse_context import MAX_INT, ParseContext
+from shardckpt.format.records import RunExtras
 from shardckpt.format.signing import SigningKey, seal_signed
 
 FORMAT_NAME = "shardckpt"
@@ -180,6 +182,13 @@ class Manifest:
     files: tuple[FileEntry, ...]
     chunked: ChunkedSection | None = None  # format 1.2: DCP-style chunked tensors and blobs
     frozen: bool = False  # format 1.3: frozen groups' slots lie in "frozen" files, not shard files
+
+    @cached_property
+    def run_extras(self) -> RunExtras:
+        """:attr:`extras` as the typed record, decoded on first use and kept. Extras are free-form
+        JSON to the parser: a fault in a key shardckpt relies on is an error of whoever reads it
+        (:func:`shardckpt.format.records.run_extras` names the file), not of the manifest."""
+        return RunExtras.from_doc(dict(self.extras), "extras")
 
     def file(self, path: str) -> FileEntry:
         for f in self.files:

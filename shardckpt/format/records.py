@@ -5,7 +5,8 @@
 the one place that knows its keys' names and types (docs/FORMAT.md section 3.9 lists them):
 
 * :class:`RunExtras`: ``extras`` (step, samples seen, seed, application state, Hugging Face
-  config, where an import came from: :class:`DcpOrigin`, :class:`DeepSpeedOrigin`);
+  config; where an import came from is the importer's own :class:`Origin` record, which it
+  registers with its importer, so that this layer names no foreign format);
 * :class:`PerRankState`: ``per_rank_state`` (the world that wrote the rank files, a reshard's
   drop);
 * :class:`ParamGroupRecord`: one of ``optimizer.param_groups`` (``params``, ``hparams``, ``step``).
@@ -24,15 +25,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.errors import ManifestError
 from shardckpt.format.integrity import MAX_FREE, MAX_NAME
 from shardckpt.format.parse_context import ParseContext, Problem
-
-if TYPE_CHECKING:
-    from shardckpt.format.manifest import Manifest, OptimizerInfo
 
 R = TypeVar("R")
 Check = Callable[[ParseContext, Any, str], Any]
@@ -96,11 +94,6 @@ def fqns(ctx: ParseContext, v: Any, where: str) -> tuple[str, ...]:
 
 def texts(ctx: ParseContext, v: Any, where: str) -> tuple[str, ...]:
     return tuple(text(ctx, p, f"{where}[{i}]") for i, p in enumerate(ctx.lst(v, where)))
-
-
-def record_of(cls: Any) -> Check:
-    """The check of a key whose value is a nested record."""
-    return lambda ctx, v, where: cls.decode(ctx, v, where)
 
 
 class _Faults(Problem):
@@ -192,36 +185,23 @@ def _encode(v: Any) -> Any:
 # ------------------------------------------------------------------------------------ records
 
 
-@dataclass(frozen=True, slots=True)
-class DcpOrigin(_Codec):
-    """``extras.dcp`` of a checkpoint imported from DCP: the source's metadata version and its
-    payload files, sorted (the import writes one chunks file per source file, in that order)."""
+class Origin(_Codec):
+    """Where an imported checkpoint came from, as its importer records it: a record of its own
+    under ``extras[KEY]``. The format layer knows no origin: each importer names its record
+    (:attr:`shardckpt.interop.importer.Importer.origin`), and a reader asks :meth:`RunExtras.origin`
+    for it, which checks it then."""
 
-    version: str | None = None
-    files: tuple[str, ...] = ()
-    other: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    __slots__ = ()
+    #: the key of ``extras`` the record lies under
+    KEY: ClassVar[str]
 
-    KEYS: ClassVar[dict[str, tuple[Check, bool, bool]]] = {
-        "version": (text, False, True), "files": (texts, False, True)}
+    def entry(self) -> dict[str, Any]:
+        """``{KEY: the record's object}``: the record's place in ``extras`` (``other`` of a
+        :class:`RunExtras` a writer builds)."""
+        return {self.KEY: self.to_doc()}
 
 
-@dataclass(frozen=True, slots=True)
-class DeepSpeedOrigin(_Codec):
-    """``extras.deepspeed`` of a checkpoint imported from DeepSpeed."""
-
-    version: str | None = None
-    stage: int | None = None        # the ZeRO stage that wrote it
-    world_size: int | None = None   # the data-parallel world that wrote it
-    tag: str | None = None
-    precision: str | None = None    # "bf16" or "fp32" optimizer files
-    other: Mapping[str, Any] = field(default_factory=dict, repr=False)
-    keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
-
-    KEYS: ClassVar[dict[str, tuple[Check, bool, bool]]] = {
-        "version": (text, False, True), "stage": (count, False, True),
-        "world_size": (count, False, True), "tag": (text, False, True),
-        "precision": (text, False, True)}
+OriginT = TypeVar("OriginT", bound=Origin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +214,6 @@ class RunExtras(_Codec):
     source: str | None = None                # importers: where the weights came from
     hf_config: Mapping[str, Any] | None = None  # a Hugging Face config.json
     hf_prefix: str | None = None             # chunked tensors: the model's names start with it
-    dcp: DcpOrigin | None = None
-    deepspeed: DeepSpeedOrigin | None = None
     seed: int | None = None                  # Checkpointer: base of the re-seed after a world change
     app: Mapping[str, Any] | None = None     # Checkpointer: app_state name -> its state_dict()
     run: str | None = None                   # Checkpointer with a local tier: the run's identity
@@ -246,10 +224,14 @@ class RunExtras(_Codec):
         "step": (count, False, False), "samples_seen": (count, False, False),
         "source": (text, False, False), "hf_config": (json_object, False, False),
         "hf_prefix": (text, False, False),
-        "dcp": (record_of(DcpOrigin), False, False),
-        "deepspeed": (record_of(DeepSpeedOrigin), False, False),
         "seed": (seed_int, False, False), "app": (json_object, False, False),
         "run": (text, False, False)}
+
+    def origin(self, record: type[OriginT], source: str = _MANIFEST) -> OriginT | None:
+        """The importer's record ``record`` (an :class:`Origin`) under ``extras[record.KEY]``,
+        checked (a fault names ``source``); None where absent or null."""
+        doc = self.other.get(record.KEY)
+        return None if doc is None else record.from_doc(doc, f"extras.{record.KEY}", source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,17 +273,43 @@ class ParamGroupRecord(_Codec):
 # ------------------------------------------------------------------------------------ readers
 
 
-def run_extras(m: Manifest, source: str = _MANIFEST) -> RunExtras:
-    """``m``'s extras, checked (a fault names ``source``)."""
-    return RunExtras.from_doc(dict(m.extras), "extras", source)
+class _Recorded(Protocol):
+    """What the readers below take of a :class:`~shardckpt.format.manifest.Manifest` (which
+    imports this module, so it is not named here)."""
+
+    @property
+    def extras(self) -> Mapping[str, Any]: ...
+
+    @property
+    def run_extras(self) -> RunExtras: ...
+
+    @property
+    def per_rank_state(self) -> Mapping[str, Any]: ...
 
 
-def per_rank_state(m: Manifest, source: str = _MANIFEST) -> PerRankState:
+class _Groups(Protocol):
+    """What :func:`param_groups` takes of a :class:`~shardckpt.format.manifest.OptimizerInfo`."""
+
+    @property
+    def param_groups(self) -> Sequence[Mapping[str, Any]]: ...
+
+
+def run_extras(m: _Recorded, source: str = _MANIFEST) -> RunExtras:
+    """``m``'s extras as the typed record, parsed once (:attr:`Manifest.run_extras`; a manifest
+    that was read had it checked then). ``source`` names the manifest should one a writer built
+    hold a fault."""
+    try:
+        return m.run_extras
+    except ManifestError:
+        return RunExtras.from_doc(dict(m.extras), "extras", source)
+
+
+def per_rank_state(m: _Recorded, source: str = _MANIFEST) -> PerRankState:
     """``m``'s per-rank state record, checked."""
     return PerRankState.from_doc(dict(m.per_rank_state), "per_rank_state", source)
 
 
-def param_groups(info: OptimizerInfo | None, source: str = _MANIFEST) -> tuple[ParamGroupRecord, ...]:
+def param_groups(info: _Groups | None, source: str = _MANIFEST) -> tuple[ParamGroupRecord, ...]:
     """The param groups of ``info`` (none without an optimizer), each checked."""
     if info is None:
         return ()

@@ -5,7 +5,9 @@ An importer (:class:`Importer`) turns a foreign checkpoint into a shardckpt one 
 :class:`ImportPlan`: the checkpoint's spec and what produces each file's bytes, holding whatever
 the source staged until it is closed); :meth:`~Importer.write` writes it, alone or as the
 processes of a ``torchrun`` job, and commits ``manifest.json`` last. :meth:`~Importer.describe_source`
-says what a source holds without importing it.
+says what a source holds without importing it. Each importer also names what it records of
+its source: its :attr:`~Importer.origin` record under ``extras`` (the format layer names no
+foreign format) and the keys of :meth:`~Importer.summary` in the summary of an import.
 
 Its options are one :class:`ImportOptions`: what every importer takes (source, destination, mesh,
 units, buffer, storage options) and, in ``config``, the importer's own frozen dataclass (an
@@ -16,7 +18,7 @@ options; a bad value is one :class:`OptionError` naming the fields.
 :data:`IMPORTERS` names every importer by the name ``shardckpt import <name>`` takes; an importer
 object and its config live in a light module (``shardckpt.interop.<format>.importer``) that loads
 the format's reading code only when a source is read. The command line builds its commands from
-this table and each config's fields.
+this table and each config's fields. The twin for the way out is :mod:`shardckpt.interop.exporter`.
 
 Does not import torch, numpy or fsspec.
 """
@@ -36,6 +38,7 @@ from shardckpt.storage import DEFAULT_BATCH
 if TYPE_CHECKING:
     from shardckpt.checkpoint.writer import CheckpointSpec, Producer
     from shardckpt.format.manifest import Manifest
+    from shardckpt.format.records import Origin, RunExtras
     from shardckpt.checkpoint.job import Job
     from shardckpt.storage import Storage
 
@@ -165,8 +168,7 @@ class Importer(Protocol):
 
     @property
     def name(self) -> str:
-        """``shardckpt import <name>``; the ``source_format`` of
-        :func:`shardckpt.interop.importing.import_summary`."""
+        """``shardckpt import <name>``."""
         ...
 
     @property
@@ -193,6 +195,12 @@ class Importer(Protocol):
         """Unit patterns when ``units`` is None."""
         ...
 
+    @property
+    def origin(self) -> type[Origin] | None:
+        """The record this importer leaves in ``extras`` (under its ``KEY``) saying where the
+        checkpoint came from; None where it leaves none."""
+        ...
+
     def splits(self, options: ImportOptions) -> bool:
         """Whether the processes of a job share the writing (each plans and writes its share of
         the files); otherwise one process imports while the others wait."""
@@ -211,6 +219,12 @@ class Importer(Protocol):
         """Write ``plan``'s files and commit the manifest last; on any error nothing is
         committed. Every process of ``job`` calls this with the same plan (None: one process
         alone, :meth:`~shardckpt.checkpoint.job.Job.single`)."""
+        ...
+
+    def summary(self, extras: RunExtras, dst: str) -> dict[str, Any]:
+        """What an import of flat groups recorded of its source, from the ``extras`` it wrote
+        (a fault in them names ``dst``): the importer's keys of
+        :func:`~shardckpt.interop.importing.import_summary`."""
         ...
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from shardckpt.checkpoint.job import Job
     from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, Producer
     from shardckpt.format.manifest import FileEntry, Manifest
+    from shardckpt.format.records import RunExtras
     from shardckpt.storage import Storage
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,13 @@ def compile_units(patterns: Sequence[str]) -> list[re.Pattern[str]]:
     return out
 
 
-def import_summary(m: Manifest, dst: str, source_format: str) -> dict[str, Any]:
+def import_summary(m: Manifest, dst: str,
+                   summary: Callable[[RunExtras, str], dict[str, Any]]) -> dict[str, Any]:
     """What an import wrote to ``dst``, as plain data (what ``shardckpt import --json`` prints).
 
-    Flat groups: the mesh, parameters, units and bytes, and per ``source_format`` (``hf``,
-    ``deepspeed``, ``dcp``) what the source recorded; DCP's chunks kept as they are: tensors,
-    other values, files and bytes."""
+    Flat groups: the mesh, parameters, units and bytes, then what the importer says the source
+    recorded (``summary``: its :meth:`~shardckpt.interop.importer.Importer.summary`); DCP's
+    chunks kept as they are: tensors, other values, files and bytes."""
     if m.chunked is not None:
         return {"destination": dst, "save_id": m.save_id, "tensors": len(m.chunked.tensors),
                 "values": len(m.chunked.blobs), "files": len(m.files), "bytes": m.total_bytes}
@@ -63,16 +65,9 @@ def import_summary(m: Manifest, dst: str, source_format: str) -> dict[str, Any]:
     out: dict[str, Any] = {"destination": dst, "save_id": m.save_id, "ranks": m.mesh.world_size,
                            "replicate": m.mesh.replicate_degree, "params": len(layout.params),
                            "units": len({g.unit for g in layout.groups}), "bytes": m.total_bytes}
-    from shardckpt.format.records import DeepSpeedOrigin, run_extras
+    from shardckpt.format.records import run_extras
 
-    extras = run_extras(m, dst)
-    if source_format == "hf":
-        out["hf_config"] = extras.hf_config is not None
-    elif source_format == "deepspeed":
-        ds = extras.deepspeed or DeepSpeedOrigin()
-        out.update(step=extras.step, zero_stage=ds.stage, source_world_size=ds.world_size)
-    else:
-        out["step"] = extras.step
+    out.update(summary(run_extras(m, dst), dst))
     return out
 
 

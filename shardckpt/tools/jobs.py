@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 if TYPE_CHECKING:
     from shardckpt.checkpoint.verify import VerifyResult
+    from shardckpt.interop.importer import ImportOptions, Importer
     from shardckpt.format.manifest import Manifest
     from shardckpt.tools.consolidate import ConsolidateResult
     from shardckpt.tools.diff import DiffResult
@@ -137,21 +138,22 @@ def run_diff(a: str | Storage, b: str | Storage, storage_options: Mapping[str, A
         return df.run_diff(ra, rb, plan, buffer_bytes, tick, job, tolerance)
 
 
-def run_import(importer: Callable[..., Manifest], *args: Any, job: Job | None,
-               split: bool = True, **kwargs: Any) -> Manifest | None:
-    """``importer(*args, **kwargs)`` (an importer of :mod:`shardckpt.interop`) as the processes
-    of ``job`` (None: one process alone, a job of one): with ``split`` every process calls it
-    with ``job=job`` and writes its share of the files; without, rank 0 imports alone while the
-    others wait for its outcome. The manifest it committed, on the process that reports it (None
-    on the job's others)."""
+def run_import(importer: Importer, options: ImportOptions, job: Job | None = None) -> Manifest | None:
+    """The import ``options`` by ``importer`` (:func:`shardckpt.interop.importer.run_importer`)
+    as the processes of ``job`` (None: one process alone, a job of one): where the importer
+    :meth:`~shardckpt.interop.importer.Importer.splits` the work every process writes its share of
+    the files; otherwise rank 0 imports alone while the others wait for its outcome. The manifest
+    it committed, on the process that reports it (None on the job's others)."""
     from shardckpt.checkpoint.job import Job
+    from shardckpt.interop.importer import run_importer, with_config
 
     job = job or Job.single()
+    options = with_config(importer, options)
     m: Manifest | None
-    if split:
-        m = importer(*args, job=job, **kwargs)
+    if importer.splits(options):
+        m = run_importer(importer, options, job)
     else:
         here: dict[str, Any] = {}
-        job.on_root(lambda: here.update(m=importer(*args, **kwargs)), "import")
+        job.on_root(lambda: here.update(m=run_importer(importer, options)), "import")
         m = here.get("m")
     return m if job.is_root else None

@@ -42,7 +42,7 @@ from shardckpt.format.reshard_plan import ReshardPlan, plan_reshard
 from shardckpt.storage import DEFAULT_BATCH, Storage
 from shardckpt.format.manifest import FileEntry
 from shardckpt.tools.reshard_stream import Written, write_shards
-from shardckpt.tools.reshard_target import discard_attempt, prepare_dst, remove_replaced
+from shardckpt.tools.reshard_target import ReshardTarget, discard_attempt, prepare_dst, remove_replaced
 from shardckpt.tools.split import shard_bytes
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ReshardSource:
     """The opened source and what follows from it alone: the target (its spec and plan)."""
 
     reader: CheckpointReader
-    target: Any  # FlatTarget, or a target of shardckpt.tools.reshard_chunked
+    target: ReshardTarget
     started: float  # time.perf_counter() when the work began (the result's seconds count from it)
 
     @property

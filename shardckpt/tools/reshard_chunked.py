@@ -32,25 +32,27 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
 from collections.abc import Callable, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.errors import ConfigError
+from shardckpt.format.chunk_index import intersection
 from shardckpt.format.chunked import (
     Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name, chunks_for,
-    intersection,
 )
 from shardckpt.format.dtypes import FLOATS, itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import FileEntry, TensorSlot
 from shardckpt.storage import Storage
 from shardckpt.tools.reshard_stream import Batcher, Written, stream_files
+from shardckpt.tools.reshard_target import ReshardTarget
 
 __all__ = ["fsdp_rows", "Item", "rank_items", "dedup", "ChunkedTarget", "chunked_target"]
 
 FORMATS = ("chunked", "flat")
+#: What names a write item in DCP's dedup: its key and, for a tensor's box, the box's offsets.
+ItemIndex = tuple[str, tuple[int, ...] | None]
 
 
 def fsdp_rows(rows: int, shards: int, rank: int) -> tuple[int, int]:
@@ -80,7 +82,7 @@ class Item:
     weight: int
 
     @property
-    def index(self) -> tuple[str, tuple[int, ...] | None]:
+    def index(self) -> ItemIndex:
         return self.key, self.offsets
 
 
@@ -117,8 +119,8 @@ def dedup(plans: Sequence[Sequence[Item]]) -> list[list[Item]]:
     """DCP's ``dedup_save_plans`` (torch 2.13, ``save_to_lowest_rank=False``), step for step:
     an item in several plans stays in the one with the least weight planned so far (ties: as
     ``min`` meets them in the set of plan indices). Pure."""
-    where: dict[Any, set[int]] = defaultdict(set)
-    weight: dict[Any, int] = {}
+    where: dict[ItemIndex, set[int]] = defaultdict(set)
+    weight: dict[ItemIndex, int] = {}
     keep = [{it.index for it in p} for p in plans]
     for i, p in enumerate(plans):
         for it in p:
@@ -293,7 +295,7 @@ def plan_chunks(source: ChunkedSection, mesh: Mesh) -> tuple[tuple[Item, ...], .
     return tuple(tuple(p) for p in plans)
 
 
-def chunked_target(reader: CheckpointReader, mesh: Mesh, fmt: str | None = None) -> Any:
+def chunked_target(reader: CheckpointReader, mesh: Mesh, fmt: str | None = None) -> ReshardTarget:
     """The target of resharding the chunked checkpoint of ``reader`` for ``mesh``: chunks
     (``fmt`` None or ``"chunked"``) or flat groups (``"flat"``)."""
     m = reader.manifest

@@ -14,7 +14,7 @@ from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.checkpoint.writer import CheckpointWriter
+from shardckpt.checkpoint.writer import CheckpointWriter, Producer
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import FileEntry, TensorSlot
 from shardckpt.format.reshard_plan import Copy, ReshardPlan
@@ -135,7 +135,7 @@ class ShardStream:
         self.taken += 1
         return True
 
-    def for_shard(self, shard: int, slots: Sequence[TensorSlot]) -> Callable[[TensorSlot], Iterator[Any]]:
+    def for_shard(self, shard: int, slots: Sequence[TensorSlot]) -> Producer:
         """The producer of file ``shard``'s bytes, its ``slots`` (the batches' slot indices)."""
         index = {s.name: i for i, s in enumerate(slots)}
 
@@ -172,7 +172,7 @@ def write_shards(reader: CheckpointReader, plans: Mapping[str, ReshardPlan],
 
 
 def stream_files(reader: CheckpointReader, batches: Sequence[tuple[int, Batch]],
-                 files: Sequence[int], write: Callable[[int, Any], FileEntry],
+                 files: Sequence[int], write: Callable[[int, Producer], FileEntry],
                  slots_of: Callable[[int], Sequence[TensorSlot]],
                  on_bytes: Callable[[int], None] | None = None) -> Written:
     """Write each of ``files`` in turn (``write(file, producer)``), its bytes streamed from

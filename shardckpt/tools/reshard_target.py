@@ -1,5 +1,5 @@
-"""Reshard's destination: the guards before anything is written, the removals after an
-``--overwrite`` commit, and the clean-up after a failure.
+"""Reshard's destination: what a target is (:class:`ReshardTarget`), the guards before anything
+is written, the removals after an ``--overwrite`` commit, and the clean-up after a failure.
 
 Removals stay inside DST and never go through a symbolic link: a link where a removal would
 go is refused before anything is written, and one that appears later is left alone and logged.
@@ -8,7 +8,8 @@ go is refused before anything is written, and one that appears later is left alo
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
 
 from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.errors import ConfigError, LinkRefusedError, ShardckptError
@@ -17,7 +18,65 @@ from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import Storage, contains
 from shardckpt.tools.clean import SAVE_ID, remove_stale_saves, sibling_references
 
+if TYPE_CHECKING:
+    from shardckpt.checkpoint.reader import CheckpointReader
+    from shardckpt.checkpoint.writer import CheckpointSpec
+    from shardckpt.format.manifest import FileEntry
+    from shardckpt.tools.reshard_stream import Written
+
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ReshardTarget(Protocol):
+    """What a reshard writes: flat groups from flat groups (:class:`~shardckpt.tools.reshard.FlatTarget`),
+    chunks from chunks (:class:`~shardckpt.tools.reshard_chunked.ChunkedTarget`), flat groups
+    from chunks (:class:`~shardckpt.tools.reshard_to_flat.FlatFromChunks`).
+
+    A target names its files by index (``0 .. len(costs()) - 1``: shard ranks, or ranks' chunks
+    files) plus, where :meth:`has_buffers`, one buffers file. A frozen dataclass: it travels to
+    ``--workers`` processes pickled, and ``dataclasses.replace`` gives it a signed ``spec``.
+
+    Call order (:func:`~shardckpt.tools.reshard.write_reshard`): rank 0 makes the attempt's
+    :meth:`writer` and checks the destination has room for :meth:`data_bytes`; every process
+    (and worker) makes a writer of that save id, splits :meth:`costs` and calls :meth:`write` on
+    its share; the last process calls :meth:`write_buffers` where :meth:`has_buffers`; rank 0
+    commits the entries. Pure but for :meth:`write` and :meth:`write_buffers`, which read the
+    source and write the destination.
+    """
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def spec(self) -> CheckpointSpec:
+        """The target's manifest-to-be."""
+        ...
+
+    def writer(self, dst: Storage, save_id: str | None = None) -> CheckpointWriter:
+        """The writer of the target at ``dst`` (a new save id where None)."""
+        ...
+
+    def data_bytes(self, writer: CheckpointWriter) -> int:
+        """Bytes the target's files take."""
+        ...
+
+    def costs(self) -> list[int]:
+        """Per target file, what writing it costs (bytes read plus written), to balance shares."""
+        ...
+
+    def write(self, reader: CheckpointReader, writer: CheckpointWriter, files: Sequence[int],
+              buffer_bytes: int, on_bytes: Callable[[int], None] | None) -> Written:
+        """Write target files ``files``, reading at most ``buffer_bytes`` at a time."""
+        ...
+
+    def has_buffers(self, reader: CheckpointReader) -> bool:
+        """Whether the target has a buffers file."""
+        ...
+
+    def write_buffers(self, reader: CheckpointReader, writer: CheckpointWriter,
+                      buffer_bytes: int) -> FileEntry | None:
+        """Write the buffers file (None where nothing was written)."""
+        ...
 
 
 def prepare_dst(dst: Storage, src: Storage, overwrite: bool) -> bytes | None:

@@ -14,7 +14,7 @@ and casting to fp32 load torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator, Sequence
 
 from shardckpt.checkpoint.chunked_read import iter_elements
@@ -25,20 +25,29 @@ from shardckpt.format.manifest import FileEntry, TensorSlot, shard_slots
 from shardckpt.storage import Storage
 from shardckpt.tools.reshard_stream import Written
 
+if TYPE_CHECKING:
+    from shardckpt.format.manifest import Manifest
+    from shardckpt.interop.dcp.model_state import DcpModel
+
 __all__ = ["FlatFromChunks", "flat_target"]
 
 
 class _Counted:
-    """A reader whose checked reads count their bytes (and tell ``on_bytes``)."""
+    """A :class:`~shardckpt.checkpoint.chunked_read.RangeSource` whose checked reads count their
+    bytes (and tell ``on_bytes``)."""
 
     def __init__(self, reader: CheckpointReader, on_bytes: Callable[[int], None] | None) -> None:
-        self.reader, self.manifest, self.on_bytes, self.bytes_read = reader, reader.manifest, on_bytes, 0
+        self.reader, self.on_bytes, self.bytes_read = reader, on_bytes, 0
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.reader.manifest
 
     @property
     def url(self) -> str:
         return self.reader.url
 
-    def read_ranges(self, requests: list[Any], workers: int = 8) -> list[memoryview]:
+    def read_ranges(self, requests: list[tuple[FileEntry, int, int]], workers: int = 8) -> list[memoryview]:
         views = self.reader.read_ranges(requests, workers)
         n = sum(len(v) for v in views)
         self.bytes_read += n
@@ -54,7 +63,7 @@ class FlatFromChunks:
 
     spec: CheckpointSpec
     layout: Layout
-    model: Any  # shardckpt.interop.dcp.model_state.DcpModel
+    model: DcpModel
 
     def writer(self, dst: Storage, save_id: str | None = None) -> CheckpointWriter:
         return CheckpointWriter(dst, self.spec, save_id)
@@ -72,8 +81,7 @@ class FlatFromChunks:
         from shardckpt.interop.dcp.to_flat import flat_producer
 
         counted = _Counted(reader, on_bytes)
-        # _Counted stands in for the reader (the same read methods, counted); no Protocol names them yet
-        entries = tuple(writer.write_shard(s, flat_producer(counted, self.model, self.layout, s,  # type: ignore[arg-type]
+        entries = tuple(writer.write_shard(s, flat_producer(counted, self.model, self.layout, s,
                                                             buffer_bytes)) for s in files)
         return Written(entries, counted.bytes_read)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
@@ -20,6 +20,10 @@ from shardckpt.errors import StorageError
 from shardckpt.format.manifest import Manifest
 from shardckpt.storage import Storage
 from shardckpt.tools.reshard_stream import Written
+from shardckpt.tools.reshard_target import ReshardTarget
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,13 @@ class WorkerTask:
     manifest: Manifest
     dst_url: str
     dst_options: Mapping[str, Any]
-    target: Any  # a target of shardckpt.tools.reshard (its spec and plan)
+    target: ReshardTarget
     save_id: str
     shards: tuple[int, ...]
     buffer_bytes: int
 
 
-def _worker(task: WorkerTask, conn: Any) -> None:
+def _worker(task: WorkerTask, conn: Connection) -> None:
     """Entry point of a worker process: write some target shards, send their entries as JSON."""
     try:
         reader = CheckpointReader(Storage(task.src_url, task.src_options), manifest=task.manifest)
@@ -50,7 +54,7 @@ def _worker(task: WorkerTask, conn: Any) -> None:
         conn.close()
 
 
-def run_workers(reader: CheckpointReader, target: Any, writer: CheckpointWriter,
+def run_workers(reader: CheckpointReader, target: ReshardTarget, writer: CheckpointWriter,
                 parts: Sequence[Sequence[int]], buffer_bytes: int) -> Written:
     """Write the target files of ``parts[w]`` of ``target`` in spawned process ``w``; fail if
     any fails."""

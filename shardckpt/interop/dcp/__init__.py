@@ -10,5 +10,7 @@
 - :mod:`.export` — any shardckpt checkpoint as a directory stock ``dcp.load`` reads.
 - :mod:`.metadata`, :mod:`.records`, :mod:`.payload`, :mod:`.flat_view` — DCP's metadata as
   JSON and as plain records, tensor payloads without torch, flat groups as DCP's pieces.
-- :mod:`.importer` — the ``dcp`` importer (:mod:`shardckpt.interop.importer`).
+- :mod:`.importer` — the ``dcp`` importer (:mod:`shardckpt.interop.importer`); :mod:`.exporter`
+  the ``dcp`` exporter (:mod:`shardckpt.interop.exporter`); :mod:`.config` their options and the
+  import's origin record (``extras.dcp``).
 """

@@ -1,12 +1,36 @@
-"""The options of the ``dcp`` importer (DCP), apart from its reading code, so that the
-importer's registry entry and its reading code both use them without importing each other."""
+"""The options of the ``dcp`` importer (DCP), the origin record it leaves in ``extras``
+(:class:`DcpOrigin`) and the export's default file size, apart from the reading and writing
+code, so that the registry entries and that code both use them without importing each other."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
+from collections.abc import Mapping
 
+from shardckpt.format.records import Check, Origin, text, texts
 from shardckpt.interop.importer import ImportOptions, ImporterConfig, OptionError
+
+
+#: A payload file an export writes is closed once it holds this many bytes (``--file-size``;
+#: DCP reads files independently).
+DEFAULT_FILE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class DcpOrigin(Origin):
+    """``extras.dcp`` of a checkpoint imported from DCP: the source's metadata version and its
+    payload files, sorted (the import writes one chunks file per source file, in that order)."""
+
+    version: str | None = None
+    files: tuple[str, ...] = ()
+    other: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    KEY: ClassVar[str] = "dcp"
+    KEYS: ClassVar[dict[str, tuple[Check, bool, bool]]] = {
+        "version": (text, False, True), "files": (texts, False, True)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import prod
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.interop.dcp.model_state import as_tensor
+from shardckpt.interop.dcp.config import DEFAULT_FILE_BYTES
 from shardckpt.storage import DEFAULT_BATCH, Storage
 
 if TYPE_CHECKING:
@@ -40,8 +41,6 @@ __all__ = ["export_dcp", "blocks"]
 
 METADATA_NAME = ".metadata"
 DCP_VERSION = "1.0.0"  # the version DCP's FileSystemWriter records (its CURRENT_DCP_VERSION)
-#: A payload file is closed once it holds this many bytes (DCP reads files independently).
-DEFAULT_FILE_BYTES = 1 << 30
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 

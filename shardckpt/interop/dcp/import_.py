@@ -36,14 +36,14 @@ from shardckpt.interop.dcp import records as dcp_records
 from shardckpt.interop.dcp.payload import distinct_elements, plain_bytes, stored_only
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
-from shardckpt.format.chunked import (
-    Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name, tiling_problems,
-)
+from shardckpt.format.chunk_tiling import tiling_problems
+from shardckpt.format.chunked import Blob, ChunkRecord, ChunkedSection, ChunkedTensor, blob_name, chunk_name
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.dtypes import DTYPES, itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.format.manifest import MANIFEST_NAME, Manifest, TensorSlot
-from shardckpt.format.records import DcpOrigin, RunExtras
+from shardckpt.format.records import RunExtras
+from shardckpt.interop.dcp.config import DcpConfig, DcpOrigin
 from shardckpt.storage import NotFoundError, Storage
 from shardckpt.storage import check_inside
 from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
@@ -364,8 +364,6 @@ def import_dcp(src: str | Storage, dst: str | Storage,
     a ``dst`` that holds a checkpoint; on any error nothing is committed. The ``dcp`` importer
     (:mod:`shardckpt.interop.dcp.importer`) without ``ranks``.
     """
-    from shardckpt.interop.dcp.config import DcpConfig
-
     options = ImportOptions(src, dst, storage_options=storage_options,
                             dst_storage_options=dst_storage_options, config=DcpConfig())
     return run_importer(get_importer("dcp"), options)
@@ -394,8 +392,8 @@ def plan_chunks(options: ImportOptions) -> ImportPlan:
     save_id = new_save_id()
     files, section, by_name = _plan(source, save_id)
     spec = CheckpointSpec(Mesh.for_world(max(1, len(files))), {},
-                          extras=RunExtras(source=store.url, dcp=DcpOrigin(
-                              source.version, tuple(sorted(source.items)))).to_doc(),
+                          extras=RunExtras(source=store.url, other=DcpOrigin(
+                              source.version, tuple(sorted(source.items))).entry()).to_doc(),
                           chunked=section)
     return ImportPlan(options, out, spec, "import dcp",
                       state=_Chunks(store, save_id, files, by_name, section))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
 from shardckpt.errors import ConfigError
-from shardckpt.interop.dcp.config import DcpConfig
+from shardckpt.interop.dcp.config import DcpConfig, DcpOrigin
 from shardckpt.interop.importer import (
     ImportOptions, ImportPlan, ImporterConfig, SourceInfo, file_bytes, write_flat,
 )
@@ -18,6 +18,7 @@ from shardckpt.interop.importing import BLOCK_UNITS
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
+    from shardckpt.format.records import RunExtras
     from shardckpt.checkpoint.job import Job
 
 log = logging.getLogger("shardckpt.interop.dcp.to_flat")
@@ -37,6 +38,7 @@ class DcpImporter:
                    "or fsspec URL).")
     ranks_help = "Write ZeroEngine flat groups for this world size (default: keep DCP's chunks)."
     default_units = BLOCK_UNITS
+    origin = DcpOrigin
 
     def splits(self, options: ImportOptions) -> bool:
         # flat groups: each process writes its share of the files; chunks: one process imports
@@ -76,6 +78,9 @@ class DcpImporter:
         log.info("imported %s -> %s (%d parameters, %d frozen, %d ranks)", plan.options.src,
                  plan.out.url, len(model.params), len(model.frozen), plan.spec.mesh.world_size)
         return m
+
+    def summary(self, extras: RunExtras, dst: str) -> dict[str, Any]:
+        return {"step": extras.step}
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
                      size: Callable[[int], str]) -> str:

@@ -33,6 +33,7 @@ from shardckpt.format.chunked import ChunkedSection, ChunkedTensor
 from shardckpt.format.dtypes import FLOATS
 from shardckpt.format.manifest import OptimizerInfo
 from shardckpt.format.records import ParamGroupRecord, run_extras
+from shardckpt.interop.dcp.config import DcpOrigin
 from shardckpt.interop.importing import ADAM_HPARAMS
 
 __all__ = ["DcpModel", "read_model", "as_tensor"]
@@ -102,7 +103,7 @@ FLAGS = ("amsgrad", "maximize", "nesterov")
 def _origin(reader: CheckpointReader, section: ChunkedSection, key: str) -> str:
     """Where the value ``key`` came from: the source's payload file (the import keeps one
     ``chunks`` file per source file, in the order of the source's sorted names)."""
-    origin = run_extras(reader.manifest, reader.url).dcp
+    origin = run_extras(reader.manifest, reader.url).origin(DcpOrigin, reader.url)
     files = origin.files if origin is not None else ()
     where = section.blobs[key].file if key in section.blobs else \
         section.tensors[key].chunks[0].file if key in section.tensors and section.tensors[key].chunks else ""

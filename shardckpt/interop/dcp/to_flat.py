@@ -24,10 +24,10 @@ from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec
 from shardckpt.format.chunked import ChunkedTensor
-from shardckpt.checkpoint.chunked_read import iter_elements
+from shardckpt.checkpoint.chunked_read import RangeSource, iter_elements
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.dcp.config import DcpConfig
+from shardckpt.interop.dcp.config import DcpConfig, DcpOrigin
 from shardckpt.interop.dcp.model_state import DcpModel, as_tensor, read_model
 from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 from shardckpt.interop.importing import BLOCK_UNITS, compile_units, unit_of
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 __all__ = ["import_dcp_flat", "plan_flat", "flat_spec", "flat_producer"]
 
 
-def flat_producer(reader: CheckpointReader, model: DcpModel, layout: Layout, shard: int,
+def flat_producer(reader: RangeSource, model: DcpModel, layout: Layout, shard: int,
                   buffer_bytes: int) -> Callable[[Any], Iterator[Any]]:
     """Shard ``shard``'s ``<group>.<kind>`` states: masters in the group's master dtype (fp32;
     a frozen group's own dtype), moments fp32, then the padding."""
@@ -117,7 +117,8 @@ def flat_spec(reader: CheckpointReader, model: DcpModel, mesh: Mesh,
     steps = [g.step for g in param_groups(model.optimizer, reader.url)]
     step = model.step if model.step is not None else max(steps) if steps else None
     # source, dcp (null when the source recorded none), then step
-    extras = RunExtras(step=step, source=str(src), dcp=run_extras(reader.manifest, reader.url).dcp,
+    origin = run_extras(reader.manifest, reader.url).origin(DcpOrigin, reader.url)
+    extras = RunExtras(step=step, source=str(src), other={DcpOrigin.KEY: origin and origin.to_doc()},
                        keys=("source", "dcp") + (("step",) if step is not None else ())).to_doc()
     spec = CheckpointSpec(mesh, {"model": Component("model", layout, states, model.aliases, bufs)},
                           model.optimizer, extras, PerRankState(world_size=mesh.world_size).to_doc())

@@ -51,12 +51,12 @@ from shardckpt.interop.deepspeed.rank_files import RankInfo, read_models, stage_
 from shardckpt.interop.foreign import check_link, source_root
 from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.storage import DEFAULT_BATCH
-from shardckpt.interop.deepspeed.config import DeepSpeedConfig
+from shardckpt.interop.deepspeed.config import DeepSpeedConfig, DeepSpeedOrigin
 from shardckpt.interop.importer import ImportOptions, ImportPlan, get_importer, run_importer
 from shardckpt.interop.importing import ADAM_HPARAMS, BLOCK_UNITS, compile_units, unit_of
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import MANIFEST_NAME, BufferSpec, Component, Manifest, OptimizerInfo
-from shardckpt.format.records import DeepSpeedOrigin, ParamGroupRecord, PerRankState, RunExtras
+from shardckpt.format.records import ParamGroupRecord, PerRankState, RunExtras
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def read_deepspeed(location: str | Storage, staged: Staged, tag: str | None = No
     prec = "bf16" if any(os.path.basename(f).startswith("bf16_") for f in optim) else "fp32"
     extras = RunExtras(step=info.extras["step"], samples_seen=info.extras["samples_seen"],
                        source=storage.url,
-                       deepspeed=DeepSpeedOrigin(info.extras["version"], stage, world, tag, prec)).to_doc()
+                       other=DeepSpeedOrigin(info.extras["version"], stage, world, tag, prec).entry()).to_doc()
     return DeepSpeedSource(storage.url, tag, stage, world, order, shapes, trained, segments,
                            aliases, info.buffers, _optimizer(ranks, trained, info.optimizer_config),
                            extras, staged)

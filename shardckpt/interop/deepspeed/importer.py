@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
-from shardckpt.interop.deepspeed.config import DeepSpeedConfig
+from shardckpt.interop.deepspeed.config import DeepSpeedConfig, DeepSpeedOrigin
 from shardckpt.interop.importer import (
     ImportOptions, ImportPlan, ImporterConfig, SourceInfo, file_bytes, write_flat,
 )
@@ -16,6 +16,7 @@ from shardckpt.interop.importing import BLOCK_UNITS
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
+    from shardckpt.format.records import RunExtras
     from shardckpt.checkpoint.job import Job
 
 log = logging.getLogger("shardckpt.interop.deepspeed.import_")
@@ -29,6 +30,7 @@ class DeepSpeedImporter:
                    "folders), or one tag folder (global_step100); path or fsspec URL.")
     ranks_help = None
     default_units = BLOCK_UNITS
+    origin = DeepSpeedOrigin
 
     def splits(self, options: ImportOptions) -> bool:
         # every process stages the source (each target shard takes a piece of every DeepSpeed
@@ -58,6 +60,10 @@ class DeepSpeedImporter:
         log.info("imported %s (ZeRO-%d, %d ranks) -> %s (%d ranks)", source.url, source.stage,
                  source.world_size, plan.out.url, plan.spec.mesh.world_size)
         return m
+
+    def summary(self, extras: RunExtras, dst: str) -> dict[str, Any]:
+        ds = extras.origin(DeepSpeedOrigin, dst) or DeepSpeedOrigin()
+        return {"step": extras.step, "zero_stage": ds.stage, "source_world_size": ds.world_size}
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
                      size: Callable[[int], str]) -> str:

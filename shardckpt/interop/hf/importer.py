@@ -14,6 +14,7 @@ from shardckpt.interop.importer import (
 
 if TYPE_CHECKING:
     from shardckpt.format.manifest import Manifest
+    from shardckpt.format.records import RunExtras
     from shardckpt.checkpoint.job import Job
 
 
@@ -24,6 +25,7 @@ class HFImporter:
     source_help = "Hugging Face model folder, index or .safetensors file (path or fsspec URL)."
     ranks_help = None
     default_units = DEFAULT_UNITS
+    origin = None  # the source's config.json is the checkpoint's own hf_config
 
     def splits(self, options: ImportOptions) -> bool:
         return True  # each process reads only the ranges of its own shard files
@@ -44,6 +46,9 @@ class HFImporter:
 
     def write(self, plan: ImportPlan, job: Job | None = None) -> Manifest:
         return write_flat(plan, job)
+
+    def summary(self, extras: RunExtras, dst: str) -> dict[str, Any]:
+        return {"hf_config": extras.hf_config is not None}
 
     def summary_line(self, summary: Mapping[str, Any], options: ImportOptions,
                      size: Callable[[int], str]) -> str:
