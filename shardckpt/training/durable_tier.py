@@ -56,7 +56,7 @@ class DurableTier:
         """Begin the save of ``step`` from memory (staged, where async), or None if not due."""
         if not self.due(step):
             return None
-        staging, snapshot, on_disk = None, None, set()
+        staging, snapshot, on_disk = None, None, set[str]()
         engine, stager = self.state.engine, self.stager
         if stager is not None:
             on_disk, snapshot = self._offload_snapshot()
