@@ -157,7 +157,7 @@ def _resume(pm, run: str) -> dict:
     return {"step": step, "differ": differ,
             "opt_steps": [g["step"] for g in opt.optimizer_metadata()["param_groups"]],
             "logs": [(r.levelname, r.getMessage()) for r in records
-                     if r.name in ("shardckpt.training.resume", "shardckpt.checkpoint.set_aside")]}
+                     if r.name in ("shardckpt.checkpoint.resume_policy", "shardckpt.checkpoint.set_aside")]}
 
 
 # ------------------------------------------------------------------------------ the launch

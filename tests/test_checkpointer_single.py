@@ -159,3 +159,37 @@ def test_resume_passes_over_a_thinned_newest_checkpoint_and_says_why(tmp_path, c
     for g, kinds in last.local_shards().items():
         assert torch.equal(kinds["master"], states[2][g]["master"]), g
         assert all(not t.any() for k, t in kinds.items() if k != "master"), g
+
+
+def test_weights_only_last_resort_that_fails_its_checksums_falls_back_to_an_older_one(tmp_path, caplog):
+    """No checkpoint holds optimizer state and the newest weights fail their checksums while
+    loading: the next older weights load (a fresh optimizer), and the damaged step is put
+    aside. (It was tried again and again, for ever, before.)"""
+    import os
+
+    from testing.ckpt_runs import flip_bit
+    from shardckpt.checkpoint.thin import thin
+    from shardckpt.storage import Storage
+
+    engine = _engine()
+    opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2)
+    ckpt = Checkpointer(str(tmp_path / "run"), engine, keep_last=None)
+    masters = {}
+    for step in (1, 2):
+        _step(engine, opt, step)
+        ckpt.save(step)
+        masters[step] = {g: kinds["master"].clone() for g, kinds in engine.local_shards().items()}
+    for step in (1, 2):
+        thin(Storage(ckpt.manager.url_for(step)))
+    flip_bit(ckpt.manager.url_for(2), "shard-")
+    fresh = _engine()
+    ShardedAdamW(fresh, decay_param_groups(fresh, 0.1), lr=1e-2)
+    again = Checkpointer(str(tmp_path / "run"), fresh)
+    with caplog.at_level(logging.WARNING):
+        assert again.resume() == 1
+    assert f"{again.manager.url_for(2)} fails its checksums" in caplog.text
+    assert f"resuming from the weights of {again.manager.url_for(1)}" in caplog.text
+    for g, kinds in fresh.local_shards().items():
+        assert torch.equal(kinds["master"], masters[1][g]), g
+    assert [f.step for f in again.manager.committed()] == [1]
+    assert [n.split(".")[0] for n in os.listdir(tmp_path / "run" / "passed-over")] == ["step-00000002"]

@@ -30,7 +30,8 @@ serializes itself, loaded back with ``torch.load(weights_only=True)``.
 
 Resume: ``resume_from_checkpoint=True`` takes the newest committed checkpoint under the run that
 passes :meth:`~shardckpt.checkpoint.run_dir.CheckpointManager.check` (directories without a
-manifest are skipped, whatever their step); a path or URL names one. Trainer reads the trainer
+manifest are skipped, whatever their step), chosen alike on every rank by the one resume policy
+(:func:`~shardckpt.checkpoint.resume_policy.pick_committed`); a path or URL names one. Trainer reads the trainer
 state from a local copy of ``trainer_state.json`` made for the run and removed after it, without
 ``best_model_checkpoint`` (:mod:`~shardckpt.integrations.trainer_checks`: Trainer would delete
 by it; a path there that is not a committed checkpoint of the run is named in a warning). On
@@ -59,9 +60,10 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping
 
-from shardckpt.checkpoint.collective import all_gather_bytes, broadcast_bytes, rank_and_world
+from shardckpt.checkpoint.collective import all_gather_bytes, rank_and_world
 from shardckpt.checkpoint.reader import as_storage
-from shardckpt.checkpoint.run_dir import CheckpointManager, Found
+from shardckpt.checkpoint.resume_policy import pick_committed
+from shardckpt.checkpoint.run_dir import CheckpointManager
 from shardckpt.checkpoint.run_names import TRAINER_DIR
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, ManifestError
 from shardckpt.format.manifest import MANIFEST_NAME
@@ -246,17 +248,12 @@ class ShardckptTrainerMixin:
         if resume is None or resume is False:
             return None
         if resume is True:
-            rank, _ = rank_and_world()
-            mine: bytes | None = None
-            if rank == 0:
-                found: Found | None = self.shardckpt_run.resume_point(self.shardckpt_full_verify)
-                mine = found.url.encode() if found is not None else b""
-            url = broadcast_bytes(mine).decode()
-            if not url:
+            found = pick_committed(self.shardckpt_run, self.shardckpt_full_verify)
+            if found is None:
                 raise IncompleteCheckpointError(
                     f"{self.shardckpt_run.url} holds no committed checkpoint-<step> that checks out; "
                     "nothing to resume from")
-            return url
+            return found.url
         path = str(resume)
         storage = as_storage(path, self.shardckpt_storage_options)
         if storage.exists(MANIFEST_NAME):

@@ -37,7 +37,8 @@ Tiers: with ``local=LocalTier(path=..., every=K, keep=2, peers=1)`` and ``durabl
 background), and commits the same checkpoint at ``run_url`` every M steps, copied from the node
 directories in the background; ``resume`` takes the newest checkpoint it can assemble from the
 local tier (own copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`,
-:mod:`shardckpt.training.resume`); the newer checkpoints it passed over are put aside.
+:mod:`shardckpt.checkpoint.resume_policy`); the newer checkpoints it passed over are put aside.
+Each tier is a :class:`~shardckpt.training.tier.Tier` (call order there).
 Without ``local``, every ``save`` goes to ``run_url`` (or every M-th step with ``durable_every``).
 
 Hugging Face config: ``extras["hf_config"]`` of every save holds the model's ``config.json`` dict
@@ -48,27 +49,26 @@ model), so that ``shardckpt consolidate`` can write ``config.json``.
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import threading
-from concurrent.futures import Future
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from shardckpt.checkpoint.trust import SigningKey, Trust, signing_key as load_signing_key
-from shardckpt.checkpoint.collective import agree, is_distributed, rank_and_world
-from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
+from shardckpt.checkpoint.collective import is_distributed, rank_and_world
+from shardckpt.checkpoint.resume_policy import resume_newest
 from shardckpt.checkpoint.run_dir import CheckpointManager
-from shardckpt.checkpoint.set_aside import raise_damaged_role
+from shardckpt.checkpoint.tiers import LocalTier
+from shardckpt.checkpoint.trust import SigningKey, Trust, signing_key as load_signing_key
+from shardckpt.errors import ConfigError
 from shardckpt.format.manifest import Manifest
-from shardckpt.format.records import RunExtras, per_rank_state, run_extras
-from shardckpt.checkpoint.tiers import LocalTier, Transfer
-from shardckpt.training.staging import Staging
-from shardckpt.training.save_load import LoadResult, SaveJob, Sharded, begin_save, load, read_rank_state
-from shardckpt.training.direct_load import load_direct
-from shardckpt.training.resume import resume_durable, resume_tiers
-from shardckpt.training.tiers import LocalSave, NodeTier
+from shardckpt.format.records import RunExtras
+from shardckpt.training.durable_tier import DurableTier
 from shardckpt.training.hf_record import default_hf_config, hf_config_dict  # noqa: F401 - public here too
+from shardckpt.training.run_state import RunState, rng_state, set_rng_state  # noqa: F401 - public here too
+from shardckpt.training.save_executor import SaveExecutor
+from shardckpt.training.save_load import LoadResult, Sharded
+from shardckpt.training.staging import Staging
+from shardckpt.training.tier import Tier
+from shardckpt.training.tiers import NodeTier
 
 log = logging.getLogger(__name__)
 
@@ -84,23 +84,6 @@ class JsonState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.data = copy.deepcopy(dict(state))
-
-
-def rng_state() -> dict[str, Any]:
-    import torch
-
-    state = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    import torch
-
-    torch.set_rng_state(state["torch_cpu"])
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["torch_cuda"])
 
 
 class Checkpointer:
@@ -119,37 +102,35 @@ class Checkpointer:
         for name, obj in (app_state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"app_state[{name!r}] has no state_dict()/load_state_dict()")
-        self.engine = engine
-        self.signing_key = load_signing_key(signing_key)  # a path: read once, here
-        self.app_state = dict(app_state or {})
-        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every, keep_optimizer_last=keep_optimizer_last)
-        self.storage_options = storage_options
-        self.chunk_size = chunk_size
-        self.seed = seed
-        self.async_save = async_save
-        self.hf_config = (hf_config_dict(hf_config) if hf_config is not None
-                          else default_hf_config(engine))
         if durable_every is not None and (not isinstance(durable_every, int) or durable_every < 1):
             raise ConfigError(f"durable_every: {durable_every!r}; expected an integer >= 1 or None")
         if local is not None and not isinstance(local, LocalTier):
             raise ConfigError(f"local: a {type(local).__name__}; expected a LocalTier")
-        self.durable_every = durable_every
+        self.engine = engine
         self.rank, self.world_size = rank_and_world()
+        self.state = RunState(engine, dict(app_state or {}), seed, self.rank, self.world_size,
+                              storage_options, chunk_size, load_signing_key(signing_key))
+        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every, keep_optimizer_last=keep_optimizer_last)
+        self.async_save = async_save
+        self.hf_config = (hf_config_dict(hf_config) if hf_config is not None
+                          else default_hf_config(engine))
         #: where the last resume came from: tier ("local", "durable" or None), step, files fetched
         self.last_resume: dict[str, Any] | None = None
         self._group: Any = None
-        # async: the host copies of the shards, allocated in the background from now on
-        self._stager = Staging(engine.local_shards(), max_staging_bytes) if async_save else None
-        self._pending: Future[Manifest] | None = None
-        self._staged = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._staged.set()
         if (async_save or local is not None) and is_distributed():
             import torch.distributed as dist
 
             # checkpoint collectives run in a background thread: keep them off the training group
             self._group = dist.new_group(backend="gloo")
-        self.tier = NodeTier(local, self.rank, self.world_size, self._group, run_url) if local else None
+        # async: the host copies of the shards, allocated in the background from now on
+        self._stager = Staging(engine.local_shards(), max_staging_bytes) if async_save else None
+        self.durable = DurableTier(self.manager, self.state, durable_every, self._group, self._stager)
+        #: node-local first: at each save, the first tier that takes it
+        self.tiers: list[Tier] = [self.durable]
+        if local is not None:
+            self.tiers.insert(0, NodeTier(local, self.state, self._group, run_url, self.durable))
+        self._executor = SaveExecutor()
+        self._staged = self._executor.staged
         # the staging copy runs in the background: the next update waits until it is done
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()  # ids of optimizers hooked directly
@@ -158,6 +139,11 @@ class Checkpointer:
         if async_save and callable(update_pre_hook):
             self._hooks.append(update_pre_hook(self._before_step))
             self._engine_hooked = True
+
+    @property
+    def tier(self) -> NodeTier | None:
+        """The node-local tier, if any."""
+        return next((t for t in self.tiers if isinstance(t, NodeTier)), None)
 
     def _hook_optimizer(self) -> None:
         """An engine without update hooks: hook its optimizer of now (at each save, so that one
@@ -171,128 +157,30 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ save
 
-    def _app_json(self) -> dict[str, Any]:
-        out = {}
-        for name, obj in self.app_state.items():
-            state = obj.state_dict()
-            try:
-                json.dumps(state, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"app_state[{name!r}].state_dict() is not JSON-serializable: {e}") from e
-            out[name] = state
-        return out
-
     @property
     def staging_bytes(self) -> int:
         """Host memory held for async saves' staging (0 before it is allocated, or without)."""
         return self._stager.bytes if self._stager is not None else 0
 
-    def _offload_snapshot(self) -> tuple[set[str], Any]:
-        """The optimizer's offload snapshot (nvme): its groups and the empty snapshot."""
-        opt = getattr(self.engine, "optimizer", None)
-        snap = getattr(opt, "offload_snapshot", lambda: None)()
-        return snap if snap is not None else (set(), None)
-
     def save(self, step: int, extras: Mapping[str, Any] | None = None) -> None:
         """Save ``step`` on every rank: synchronously, or async (see the module docstring); with
         tiers, to the tiers due at ``step`` (none: nothing is done)."""
         self.wait()  # at most one in flight; raises the previous save's error here
-        tier = self.tier if self.tier is not None and self.tier.enabled else None
-        local_due = tier is not None and step % tier.tier.every == 0
-        durable_due = self.durable_every is None or step % self.durable_every == 0
-        if not (local_due or durable_due):
+        if not any(t.due(step) for t in self.tiers):
             return
-        url = self.manager.url_for(step)
+        where = self.manager.url_for(step)
+        tier_extras = {k: v for t in self.tiers for k, v in t.extras().items()}
         # the caller's keys sit between hf_config and the Checkpointer's own, which win
         ext = RunExtras.from_doc({**({"hf_config": self.hf_config} if self.hf_config is not None else {}),
-                                  **dict(extras or {}), "step": step, "seed": self.seed,
-                                  "app": self._app_json(), **({"run": tier.run} if tier else {})}, "extras", f"save of {url}").to_doc()
-        if tier is not None and local_due and self._save_local(tier, step, ext, durable_due):
-            return
-        if not durable_due:
-            return
-        staging, snapshot = None, None
-        if self.async_save:
-            self._hook_optimizer()
-            on_disk, snapshot = self._offload_snapshot()
-        try:
-            if self.async_save:
-                assert self._stager is not None  # None while it is being allocated: see run()
-                staging = self._stager.get(self.engine.local_shards(), on_disk, wait=False)
-            job = begin_save(self.engine, url, ext, self.storage_options, self.chunk_size,
-                             self._group, rank_state=rng_state(), staging=staging, snapshot=snapshot,
-                             previous=self.manager.latest_url(), signing_key=self.signing_key)
-        except BaseException:
-            if snapshot is not None:
-                snapshot.remove()
-            raise
-        if not self.async_save:
-            self._finish(job, step)
-            return
-        fut: Future[Manifest] = Future()
-        self._staged.clear()
-
-        def run() -> None:
-            try:
-                try:
-                    if job.staging is None and job.shard is not None and self._stager is not None:
-                        job.staging = self._stager.get(self.engine.local_shards(), on_disk, True)
-                    job.stage()
-                finally:  # without staging (max_staging_bytes), updates wait for the write
-                    if job.staging is not None or job.shard is None:
-                        self._staged.set()
-                fut.set_result(self._finish(job, step))
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                fut.set_exception(e)
-            finally:
-                self._staged.set()
-                job.release()  # the offload snapshot, if any
-
-        thread = threading.Thread(target=run, name=f"shardckpt-save-{step}", daemon=True)
-        thread.start()
-        self._pending, self._thread = fut, thread
-
-    def _save_local(self, tier: NodeTier, step: int, ext: Mapping[str, Any], durable: bool) -> bool:
-        """Write ``step`` to the local tier, then copy to peers, commit, and (``durable``) copy to
-        the durable tier in the background. False where the local tier is full (it is then off,
-        and the durable save, if due, is the caller's)."""
-        job = begin_save(self.engine, tier.url_for(step), ext, None, self.chunk_size, self._group,
-                         rank_state=rng_state(), signing_key=self.signing_key)
-        written = tier.write(job, step)
-        if written is None:
-            return False
-        fut: Future[Manifest] = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self._finish_tiers(tier, written, durable))
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-                fut.set_exception(e)
-
-        thread = threading.Thread(target=run, name=f"shardckpt-tiers-{step}", daemon=True)
-        thread.start()
-        self._pending, self._thread = fut, thread
-        return True
-
-    def _finish_tiers(self, tier: NodeTier, written: LocalSave, durable: bool) -> Manifest:
-        local = tier.commit(written)
-        m = local
-        if durable:
-            step = written.step
-            try:
-                m = tier.copy_to_durable(written, self.manager.url_for(step), self.storage_options)
-            except CollectiveError:
-                if self.rank == 0 and self.manager.is_committed(step):
-                    self.manager.mark_committed(step)
-                raise
-            finally:
-                if local is None:  # the peer copy found no room: nothing committed locally
-                    tier.discard(written.step)
-            if self.rank == 0:
-                self.manager.mark_committed(step)
-        elif local is None:
-            tier.discard(written.step)
-        return m if m is not None else written.writer.manifest(written.entries)
+                                  **dict(extras or {}), "step": step, "seed": self.state.seed,
+                                  "app": self.state.app_json(), **tier_extras}, "extras", f"save of {where}").to_doc()
+        for tier in self.tiers:
+            if tier is self.durable and self.async_save and tier.due(step):
+                self._hook_optimizer()
+            pending = tier.save(step, ext)
+            if pending is not None:
+                self._executor.run(pending)
+                return
 
     def _before_step(self, *_: Any) -> None:
         self._staged.wait()
@@ -301,38 +189,13 @@ class Checkpointer:
         """Block until the save in flight has copied the shards aside (then they may change)."""
         self._staged.wait()
 
-    def _finish(self, job: SaveJob, step: int) -> Manifest:
-        try:
-            m = job.run()
-        except CollectiveError:
-            # a rank lost during the final exchange may leave a committed checkpoint: resume
-            # picks it, so latest must name it too
-            if self.rank == 0:
-                try:
-                    if self.manager.is_committed(step):
-                        self.manager.mark_committed(step)
-                except ShardckptError as e:
-                    log.warning("could not point latest at %s: %s", self.manager.url_for(step), e)
-            raise
-        if self.rank == 0:
-            self.manager.mark_committed(step)
-        return m
-
     def wait(self) -> Manifest | None:
         """Wait for the save in flight, if any; raise its error."""
-        fut, self._pending = self._pending, None
-        if fut is None:
-            return None
-        try:
-            return fut.result()
-        finally:
-            if self._thread is not None:
-                self._thread.join()  # the thread owns collectives until it has fully ended
-                self._thread = None
+        return self._executor.wait()
 
     @property
     def in_flight(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        return self._executor.in_flight
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error), then release the private group."""
@@ -354,69 +217,24 @@ class Checkpointer:
     def resume(self, full_verify: bool = False, strict: bool = True) -> int:
         """Load the newest committed checkpoint that checks out; return its step (0 if none).
 
-        Rank 0 picks the newest committed checkpoint that passes the check (manifest and sizes,
-        or every checksum with ``full_verify``) and tells the others; every rank loads it. If a
-        checksum fails on any rank while loading, all of them fall back to the next older one
-        alike (nothing is deleted). Raises if every candidate fails.
+        Over every tier (:func:`~shardckpt.checkpoint.resume_policy.resume_newest`): rank 0
+        checks each committed checkpoint of the run (manifest and sizes, or every checksum with
+        ``full_verify``), newest first, and every rank loads the first that passes; a local step
+        is assembled from the nodes' directories. If a checksum fails on any rank while loading,
+        all of them fall back to the next older one alike (nothing is deleted); the newer ones
+        passed over are put aside. Raises if every candidate fails its checksums.
         """
-        if self.tier is not None:
-            self.wait()
-            return resume_tiers(self, self.tier, full_verify, strict)
-        return resume_durable(self, full_verify, strict)
+        self.wait()  # a save in flight reads the state a load would overwrite
+        got = resume_newest([t.source(full_verify, strict) for t in self.tiers])
+        c = got.candidate
+        self.last_resume = {"tier": c.tier if c else None, "step": got.step, "url": c.url if c else None,
+                            "fetched": (got.outcome.value or 0) if c and got.outcome and c.tier == "local" else 0}
+        return got.step
 
     def load(self, url: str, strict: bool = True, weights_only: bool = False,
-             storage_options: Mapping[str, Any] | None = None, direct: bool = False,
-             peers: Sequence[Transfer] = (), flag_key: str | None = None,
-             manifest: Manifest | None = None, trust: Trust | None = None) -> LoadResult:
+             storage_options: Mapping[str, Any] | None = None, trust: Trust | None = None) -> LoadResult:
         """Load ``url`` (model, optimizer, application and per-rank state) on every rank, with
-        ``storage_options`` (default: the run's; ``{}`` for a node-local directory). ``direct``:
-        ``url`` is a directory on this machine; read its shards straight into the engine's, and
-        take the shard files ``peers`` names from other ranks' directories on the way
-        (:mod:`shardckpt.training.direct_load`; ``flag_key`` names that load's loss flag;
-        ``manifest``: the one the ranks agreed on, not read again; ``trust``: public keys that
-        must have signed it, as :func:`load`'s, never ``direct``)."""
+        ``storage_options`` (default: the run's); ``trust``: public keys that must have signed
+        it, as :func:`~shardckpt.training.save_load.load`'s."""
         self.wait()  # a save in flight reads the state a load would overwrite
-        options = self.storage_options if storage_options is None else storage_options
-        if direct and not weights_only and trust is None:
-            res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key,
-                              manifest=manifest)
-        else:
-            res = load(self.engine, url, strict=strict, weights_only=weights_only,
-                       storage_options=options, trust=trust)
-        extras = run_extras(res.manifest, url)
-        app = extras.app or {}
-        absent = [name for name in self.app_state if name not in app]
-        if absent and strict:
-            raise ShardckptError(f"{url}: no application state {absent} in the checkpoint; "
-                                 "load with strict=False to keep the current state of those")
-        per_rank = per_rank_state(res.manifest, url)
-        same_world = per_rank.restorable_on(self.world_size)
-
-        def rank_state() -> tuple[dict[str, Any] | None]:  # a tuple: not sent to the peers
-            if not same_world:
-                return (None,)
-            assert res.reader is not None  # the load's reader, flat groups and chunks alike
-            try:
-                return (read_rank_state(res.reader, self.rank),)
-            except IntegrityError as e:
-                if not direct:
-                    raise
-                raise_damaged_role(res.reader.files, res.manifest, "rank", self.rank, e)
-
-        # every rank reads its own file: agree, so that a damaged one fails all ranks alike
-        held, _ = agree(rank_state, f"load of per-rank state from {url}")
-        state = held[0] if held else None
-        for name, obj in self.app_state.items():
-            if name not in absent:
-                obj.load_state_dict(app[name])
-        if state is not None:
-            set_rng_state(state)
-        else:
-            import torch
-
-            seed = self.seed if extras.seed is None else extras.seed
-            torch.manual_seed(seed + self.rank)
-            if self.rank == 0:
-                log.info("per-rank state not restorable (world %s -> %s); RNG re-seeded with "
-                         "%d + rank", per_rank.world_size, self.world_size, seed)
-        return res
+        return self.state.load(url, strict, weights_only, storage_options, trust)

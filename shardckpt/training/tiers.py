@@ -22,68 +22,42 @@ A node out of room (``quota_bytes``, or ENOSPC) turns the tier off with one warn
 go to the durable tier alone, and a durable save due at that step still happens (from memory
 where the local write failed, from the node directories where only the peer copy did).
 
-Resume: every rank lists its node's directory; the candidates are the local steps with a manifest
-on some node and the durable committed ones, newest first (local first at equal steps). A local
-step is taken where every file each rank's load reads (its reshard plan's source shards, the
-buffers, its rank state on the same world size) is whole on some node: a missing shard file
-that one rank of its node alone reads goes from a node that holds it straight into that rank's
-shards during the load (every chunk's CRC32C checked as it arrives, nothing written); any other
-missing file is fetched into the rank's node directory, checked, then loaded from there (every
-chunk's CRC32C checked again as it is read). A candidate that cannot be assembled, or
-fails a checksum while loading on any rank, gives way to the next; every rank decides alike.
+Resume: :class:`~shardckpt.training.node_resume.LocalSource`, this tier's candidates for the one
+resume policy (:mod:`shardckpt.checkpoint.resume_policy`).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
-from shardckpt.checkpoint.node_files import below_node, held_whole, newest_committed, prune
+from shardckpt.checkpoint.collective import agree, failed_with
+from shardckpt.checkpoint.node_files import newest_committed, prune
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.references import RunFiles
-from shardckpt.checkpoint.run_dir import CheckpointManager, Found, step_dir
+from shardckpt.checkpoint.run_dir import step_dir
 from shardckpt.checkpoint.tiers import (
-    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references,
-    ensure_room, fetch_plan, files_needed, holdings, put_manifest,
+    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references, ensure_room,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
-from shardckpt.format.manifest import (
-    MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, frozen_file_name,
-)
-from shardckpt.format.manifest_parse import parse
+from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, frozen_file_name
 from shardckpt.storage import iter_file_chunks
-from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
+from shardckpt.training.abandon import LossFlag, watched_agree
+from shardckpt.training.durable_tier import DurableTier
+from shardckpt.training.node_resume import LocalSource
 from shardckpt.training.peer_checks import report_entries
 from shardckpt.training.peer_copy import run_transfers
+from shardckpt.training.run_state import RunState
+from shardckpt.training.save_executor import Pending
 from shardckpt.training.save_load import SaveJob
-from shardckpt.training.tier_guard import foreign_steps, own_holdings, private_node, run_identity
+from shardckpt.training.tier_guard import foreign_steps, private_node, run_identity
 
 log = logging.getLogger(__name__)
 
 COPY_PIECE = 8 << 20
-
-#: Numbers the resumes' fetches (the same on every rank): each gets a loss flag of its own.
-FETCHES = itertools.count()
-
-
-@dataclass(frozen=True)
-class Assembled:
-    """A local step made loadable: this node's URL of it, the files taken from peers in all
-    (to disk, or in ``peers`` straight into memory during the load), the loss flag's key
-    for that load, and the step's manifest."""
-
-    url: str
-    fetched: int
-    peers: list[Transfer]
-    flag_key: str
-    manifest: Manifest  # the one the ranks agreed on, read once
-
 
 @dataclass
 class LocalSave:
@@ -99,11 +73,18 @@ class LocalSave:
 
 
 class NodeTier:
-    """This rank's view of the local tier: its node, its peers, its node's directory."""
+    """This rank's view of the local tier: its node, its peers, its node's directory; a
+    :class:`~shardckpt.training.tier.Tier` whose saves also do ``durable``'s part where it is
+    due at the same step (copied from the node directories)."""
 
-    def __init__(self, tier: LocalTier, rank: int, world_size: int, group: Any, run_url: str = "") -> None:
-        self.tier, self.rank, self.group, self.run = tier, rank, group, run_identity(run_url)
-        self.nodes = tier.topology(world_size)
+    name = "local"
+
+    def __init__(self, tier: LocalTier, state: RunState, group: Any, run_url: str,
+                 durable: DurableTier | None = None) -> None:
+        rank = state.rank
+        self.tier, self.rank, self.group, self.state, self.durable = tier, rank, group, state, durable
+        self.run = run_identity(run_url)
+        self.nodes = tier.topology(state.world_size)
         self.node = self.nodes.node_of(rank)
         self.storage = private_node(tier, self.node, group)
         self.enabled = True
@@ -120,6 +101,49 @@ class NodeTier:
         self.enabled = False
 
     # ------------------------------------------------------------------------------ save
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.tier.every == 0
+
+    def extras(self) -> dict[str, Any]:
+        """The run's identity in every save's extras while the tier is on (:mod:`.tier_guard`)."""
+        return {"run": self.run} if self.enabled else {}
+
+    def save(self, step: int, ext: Mapping[str, Any]) -> Pending | None:
+        """Write ``step`` to the node directories; what is pending: the peer copies, the commit
+        and (where the durable tier is due too) the durable copy. None where not due, or a node
+        is full (the tier is then off, and the durable save, if due, is the next tier's)."""
+        if not self.due(step):
+            return None
+        written = self.write(self.state.begin(self.url_for(step), ext, None, self.group), step)
+        if written is None:
+            return None
+        durable = self.durable if self.durable is not None and self.durable.due(step) else None
+        return Pending(lambda staged: self._finish(written, durable), f"shardckpt-tiers-{step}")
+
+    def _finish(self, written: LocalSave, durable: DurableTier | None) -> Manifest:
+        local = self.commit(written)
+        m = local
+        if durable is not None:
+            step = written.step
+            try:
+                m = self.copy_to_durable(written, durable.manager.url_for(step),
+                                         self.state.storage_options)
+            except CollectiveError:
+                durable.after_loss(step)
+                raise
+            finally:
+                if local is None:  # the peer copy found no room: nothing committed locally
+                    self.discard(written.step)
+            durable.committed(step)
+        elif local is None:
+            self.discard(written.step)
+        return m if m is not None else written.writer.manifest(written.entries)
+
+    def source(self, full_verify: bool, strict: bool) -> LocalSource:
+        """This tier's resume candidates (``full_verify`` is the durable tier's: a local step's
+        every chunk is checked as it loads)."""
+        return LocalSource(self, self.state, strict)
 
     def write(self, job: SaveJob, step: int) -> LocalSave | None:
         """Write this rank's files of ``job`` into the node directory (collective on the
@@ -285,98 +309,6 @@ class NodeTier:
             log.info("durable copy of step %d: %d frozen file(s) referenced in the previous "
                      "checkpoint, not copied", save.step, len(refs))
         return writer.manifest(entries)
-
-    # ---------------------------------------------------------------------------- resume
-
-    def survey(self, manager: CheckpointManager) -> tuple[list[Any], list[int]]:
-        """Every rank's node holdings and the durable committed steps rank 0 lists (collective)."""
-        def survey() -> dict[str, Any]:
-            durable = [f.step for f in manager.committed()] if self.rank == 0 else []
-            return {"held": own_holdings(self.storage, holdings(self.storage), self.run),
-                    "durable": durable}
-
-        _, reports = agree(survey, "survey of the checkpoint tiers")
-        return [r["payload"]["held"] for r in reports], reports[0]["payload"]["durable"]
-
-    def check_durable(self, manager: CheckpointManager, step: int, full_verify: bool,
-                      optimizer: bool = False) -> str:
-        """What rank 0 finds wrong with durable ``step`` ("" if nothing; collective); with
-        ``optimizer``, a checkpoint thinned into weights only too."""
-        def check() -> str:
-            if self.rank:
-                return ""
-            found = Found(step, step_dir(step), manager.url_for(step))
-            problems = manager.check(found, full_verify) or manager.lacks(found, optimizer)
-            return problems[0] if problems else ""
-
-        try:
-            return str(agree(check, f"check of {manager.url_for(step)}")[1][0]["payload"])
-        except CollectiveError as e:
-            if lost_contact(e):
-                raise
-            return str(e)
-
-    def assemble(self, step: int, save_id: str, held: list[Any], layout: Any, world_size: int,
-                 direct: Callable[[Manifest], bool] = lambda m: False) -> Assembled | str:
-        """Make local ``step`` loadable from every rank's node directory (collective): the
-        manifest and the files each rank's load reads, fetched from other nodes where missing.
-        Where ``direct(manifest)`` holds on every rank (the load reads straight into the
-        engine's shards), a missing shard file that one rank of its node alone reads is not
-        fetched here: the load takes it from the peer into memory (:attr:`Assembled.peers`).
-        Returns what was done, or why it cannot be done."""
-        nodes = self.nodes
-        holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
-        here = self.storage.child(step_dir(step))
-        read: list[bytes] = []
-
-        def read_manifest() -> None:  # inside the agreement: a read that fails fails everywhere
-            if self.rank == holder:
-                read.append(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
-                parse(read[0], here.url_of(MANIFEST_NAME))
-        try:
-            agree(read_manifest, f"read of local step {step}'s manifest")
-        except CollectiveError as e:
-            if lost_contact(e):
-                raise
-            return f"its manifest on rank {holder}'s node cannot be read: {e}"
-        data = broadcast_bytes(read[0] if read else None, holder)
-        m = parse(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
-        shard = layout.mesh.shard_rank(self.rank)
-        mine = sorted(f.path for f in files_needed(m, layout, shard, self.rank, world_size))
-        _, reports = agree(lambda: {"needs": mine, "direct": bool(direct(m))},
-                           f"files needed from local step {step}")
-        needs = {r: rep["payload"]["needs"] for r, rep in enumerate(reports)}
-        by_node = {nodes.node_of(r): held_whole(held[r], step, m) for r in range(world_size)}
-        plan, lost = fetch_plan(nodes, needs, by_node)
-        if lost:
-            return f"{len(lost)} file(s) are whole on no node ({', '.join(lost[:3])})"
-        entries = {f.path: f for f in m.files}
-        readers = Counter((nodes.node_of(r), p) for r, paths in needs.items() for p in paths)
-        peers: list[Transfer] = []
-        if all(rep["payload"]["direct"] for rep in reports):
-            peers = [t for t in plan if entries[t.path].role in ("shard", "frozen")
-                     and not entries[t.path].is_reference and readers[(nodes.node_of(t.dst), t.path)] == 1]
-        files = [t for t in plan if t not in peers and not entries[t.path].is_reference]
-        # a referenced file goes where the referenced step holds it, below the node's directory
-        refs = [replace(t, path=below_node(t.path)) for t in plan if entries[t.path].is_reference]
-        below = {below_node(p): replace(e, path=below_node(p)) for p, e in entries.items() if e.is_reference}
-
-        def fetch() -> int:
-            n = run_transfers(files, self.rank, here, entries, m.chunk_size, None)
-            n += run_transfers(refs, self.rank, self.storage, below, m.chunk_size, None)
-            if self.rank == nodes.leader(self.node):
-                put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
-            return n
-
-        flag = LossFlag.for_group(None, f"fetch/{save_id}/{next(FETCHES)}")
-        try:
-            watched_agree(fetch, f"assembly of local step {step}", None, flag)
-        except CollectiveError as e:
-            if lost_contact(e):
-                raise
-            return f"fetching from peers failed: {e}"
-        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
-
 
 def planned_bytes(job: SaveJob) -> int:
     """About the bytes ``job`` writes on this rank (headers aside: an allowance for them)."""

@@ -17,8 +17,8 @@ import logging
 from typing import Any
 from collections.abc import Mapping
 
-import torch
-
+from shardckpt.checkpoint.collective import rank_and_world
+from shardckpt.checkpoint.resume_policy import LOADED, PASSED, Candidate, Outcome, pick_committed
 from shardckpt.errors import ShardckptError, UnsafePickleError
 from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter, WeightsOnlyLoadPlanner
 from shardckpt.format.records import RunExtras
@@ -81,50 +81,31 @@ class DcpCheckpointer:
     close = wait
 
     def _committed(self, step: int) -> None:
-        if _rank() == 0:
+        if rank_and_world()[0] == 0:
             self.manager.mark_committed(step)
 
     def load_latest(self, state_dict: dict[str, Any]) -> int | None:
         """Load the newest good checkpoint into ``state_dict`` (collective); its step, or None."""
+        found = pick_committed(self.manager, self.full_verify, lambda c: self._load(c, state_dict))
+        return found.step if found is not None else None
+
+    def _load(self, c: Candidate, state_dict: dict[str, Any]) -> Outcome:
+        """``dcp.load`` of ``c`` into ``state_dict``: passed over where it fails with shardckpt's
+        errors only; a value ``weights_only`` refuses is raised (see the class docstring)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        steps = [f.step for f in self.manager.resume_points(self.full_verify)] if _rank() == 0 else []
-        for step in _broadcast_ints(steps):
-            reader = ShardckptReader(self.manager.url_for(step), self.storage_options,
-                                     allow_pickle=self.allow_pickle)
-            planner = None if self.allow_pickle else WeightsOnlyLoadPlanner()
-            try:
-                dcp.load(state_dict, storage_reader=reader, planner=planner)
-                return step
-            except CheckpointException as e:
-                unsafe = [exc for exc, _ in e.failures.values()
-                          if isinstance(exc, UnsafePickleError)]
-                if unsafe:
-                    raise unsafe[0] from e
-                if not all(isinstance(exc, ShardckptError) for exc, _ in e.failures.values()):
-                    raise
-                log.warning("skipping %s: %s", self.manager.url_for(step),
-                            next(iter(e.failures.values()))[0])
-        return None
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _broadcast_ints(values: list[int]) -> list[int]:
-    """Rank 0's list on every rank (as tensors: nothing is pickled)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    n = torch.tensor([len(values)], dtype=torch.int64, device=dev)
-    dist.broadcast(n, 0)
-    t = torch.tensor(values, dtype=torch.int64, device=dev) if _rank() == 0 else \
-        torch.zeros(int(n.item()), dtype=torch.int64, device=dev)
-    dist.broadcast(t, 0)
-    return [int(x) for x in t.tolist()]
+        reader = ShardckptReader(c.url, self.storage_options, allow_pickle=self.allow_pickle)
+        planner = None if self.allow_pickle else WeightsOnlyLoadPlanner()
+        try:
+            dcp.load(state_dict, storage_reader=reader, planner=planner)
+            return Outcome(LOADED)
+        except CheckpointException as e:
+            unsafe = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafePickleError)]
+            if unsafe:
+                raise unsafe[0] from e
+            if not all(isinstance(exc, ShardckptError) for exc, _ in e.failures.values()):
+                raise
+            why = str(next(iter(e.failures.values()))[0])
+            log.warning("skipping %s: %s", c.url, why)
+            return Outcome(PASSED, why)

@@ -1,0 +1,75 @@
+"""The one resume policy (:func:`shardckpt.checkpoint.resume_policy.resume_newest`) over tiers
+that say what each attempt gives: the order candidates are tried in, the weights-only last
+resort, what is put aside with why, and the error past damaged checkpoints. One process: every
+agreement is the single-process case."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from shardckpt.checkpoint.resume_policy import (
+    DAMAGED, LACKING, LOADED, PASSED, Candidate, Outcome, resume_newest,
+)
+from shardckpt.errors import IntegrityError
+
+
+class Scripted:
+    """A tier whose steps give the outcomes given (``(step, last_resort) -> status``)."""
+
+    def __init__(self, name: str, outcomes: dict[tuple[int, bool], str], tried: list) -> None:
+        self.name, self.outcomes, self.tried = name, outcomes, tried
+        self.aside: list[tuple[int, dict[int, str]]] = []
+
+    @property
+    def where(self) -> str:
+        return f"the {self.name} tier"
+
+    def candidates(self) -> list[Candidate]:
+        steps = sorted({s for s, _ in self.outcomes}, reverse=True)
+        return [Candidate(s, self.name, f"{self.name}/step-{s}") for s in steps]
+
+    def attempt(self, candidate: Candidate, last_resort: bool) -> Outcome:
+        self.tried.append((candidate.tier, candidate.step, last_resort))
+        status = self.outcomes[(candidate.step, last_resort)]
+        return Outcome(status, "" if status == LOADED else f"{status} at {candidate.step}")
+
+    def put_aside(self, above: int, why: Mapping[int, str]) -> None:
+        self.aside.append((above, dict(why)))
+
+
+def test_newest_first_earlier_tier_first_at_equal_steps_and_why_per_tier() -> None:
+    tried: list = []
+    local = Scripted("local", {(5, False): PASSED, (3, False): LOADED}, tried)
+    durable = Scripted("durable", {(5, False): DAMAGED, (4, False): LACKING}, tried)
+    got = resume_newest([local, durable])
+    assert tried == [("local", 5, False), ("durable", 5, False), ("durable", 4, False),
+                     ("local", 3, False)]
+    assert got.step == 3 and got.candidate is not None and got.candidate.tier == "local"
+    assert local.aside == [(3, {5: "passed at 5"})]
+    assert durable.aside == [(3, {5: "damaged at 5", 4: "lacking at 4"})]
+
+
+def test_weights_only_last_resort_newest_first_past_one_that_fails() -> None:
+    tried: list = []
+    durable = Scripted("durable", {(4, False): LACKING, (4, True): DAMAGED,
+                                   (3, False): LACKING, (3, True): LOADED}, tried)
+    got = resume_newest([durable])
+    assert tried == [("durable", 4, False), ("durable", 3, False), ("durable", 4, True),
+                     ("durable", 3, True)]
+    assert got.step == 3 and durable.aside == [(3, {4: "damaged at 4"})]
+
+
+def test_past_damaged_ones_and_none_loads_an_error_and_nothing_put_aside() -> None:
+    durable = Scripted("durable", {(2, False): DAMAGED, (1, False): PASSED}, [])
+    with pytest.raises(IntegrityError, match="1 failed their checksums: durable/step-2"):
+        resume_newest([durable])
+    assert durable.aside == []
+
+
+def test_nothing_usable_is_a_fresh_start_and_the_rest_is_put_aside() -> None:
+    durable = Scripted("durable", {(2, False): PASSED}, [])
+    got = resume_newest([durable])
+    assert got.candidate is None and got.step == 0
+    assert durable.aside == [(0, {2: "passed at 2"})]
