@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 from collections.abc import Iterator, Mapping
 
+from shardckpt.checkpoint.attempt import Attempt, Steps
+from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.interop.dcp import records as dcp_records
 from shardckpt.interop.dcp.payload import distinct_elements, plain_bytes, stored_only
@@ -407,8 +409,6 @@ def write_chunks(plan: ImportPlan) -> Manifest:
     chunks, out, spec = plan.state, plan.out, plan.spec
     assert isinstance(chunks, _Chunks) and spec.chunked is not None
     store, files, by_name, section = chunks.store, chunks.files, chunks.by_name, chunks.section
-    writer = CheckpointWriter(out, spec, chunks.save_id)
-    out.ensure_free_space("", sum(s[-1].end for s in files if s), "import dcp")
 
     def producer(i: int) -> Any:
         def produce(slot: TensorSlot) -> Iterator[Any]:
@@ -416,13 +416,14 @@ def write_chunks(plan: ImportPlan) -> Manifest:
             yield _read_item(store, it) if it.offsets is None else chunk_bytes(store, it, slot.dtype)
         return produce
 
-    try:
-        with writer.lease():
-            entries = [writer.write_chunks(i, slots, producer(i)) for i, slots in enumerate(files)]
-            m = writer.commit(entries)
-    except BaseException:
-        writer.discard()
-        raise
+    # one process: the guard ran in plan_chunks, and the reports travel as they are
+    attempt = Attempt(Job.single(), out.url, Steps.named("import dcp"),
+                      lambda save_id: CheckpointWriter(out, spec, save_id), save_id=chunks.save_id,
+                      room=lambda w: out.ensure_free_space("", sum(s[-1].end for s in files if s),
+                                                           "import dcp"))
+    m = attempt.run(lambda w: [w.write_chunks(i, slots, producer(i)) for i, slots in enumerate(files)],
+                    lambda w, reports: w.commit(reports[0]))
+    assert m is not None
     log.info("imported %s (%d tensors, %d values) -> %s", store.url, len(section.tensors),
              len(section.blobs), out.url)
     return m
