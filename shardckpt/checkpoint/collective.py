@@ -121,7 +121,13 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
     (:func:`~shardckpt.checkpoint.loss_flag.watch`).
     """
     if flag is not None:
-        return watch(lambda: agree(fn, what, group, after_loss), what, flag, after_loss)
+        return watch(lambda: _agree(fn, what, group, after_loss), what, flag, after_loss)
+    return _agree(fn, what, group, after_loss)
+
+
+def _agree(fn: Callable[[], T], what: str, group: Any,
+           after_loss: Callable[[], str] | None) -> tuple[T | None, list[dict[str, Any]]]:
+    """:func:`agree`, unwatched."""
     result: T | None = None
     report: dict[str, Any]
     local: Exception | None
