@@ -92,7 +92,7 @@ def test_rank_killed_mid_save(tmp_path, victim):
 
 
 def job_die_after_manifest(rank: int, world: int, root: str, victim: int) -> dict:
-    from shardckpt.training import save_load
+    from shardckpt.checkpoint import collective
     from shardckpt.checkpoint.writer import CheckpointWriter
     from shardckpt.training.checkpointer import Checkpointer
     from shardckpt.errors import CollectiveError
@@ -117,16 +117,16 @@ def job_die_after_manifest(rank: int, world: int, root: str, victim: int) -> dic
 
         CheckpointWriter.commit = commit_then_die
     elif rank == victim:  # another rank dies once the manifest exists, before the last exchange
-        agree = save_load.agree
+        agree = collective.agree  # the save's attempt agrees through it
 
-        def die_once_committed(fn, what, group=None, after_loss=None):
+        def die_once_committed(fn, what, group=None, after_loss=None, flag=None):
             if what.startswith("commit of"):
                 while not os.path.exists(manifest):  # the parent's join timeout bounds this
                     time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return agree(fn, what, group, after_loss=after_loss)
+            return agree(fn, what, group, after_loss, flag)
 
-        save_load.agree = die_once_committed
+        collective.agree = die_once_committed
     try:
         ckpt.save(2)
     except CollectiveError as e:

@@ -223,18 +223,18 @@ class Tuned:
 def job_frozen(rank: int, world: int, root: str) -> dict:
     """Local tier every step (keep 3), durable every 2 (keep 2) up to step 6; record the state after 6 and
     every agreement the tier made (watched or not); then resume from the durable tier alone."""
-    import shardckpt.training.tiers as tiers_mod
+    import shardckpt.checkpoint.collective as collective_mod
     from shardckpt.checkpoint.tiers import LocalTier
     from shardckpt.runtime import init_distributed
     from shardckpt.training.checkpointer import Checkpointer
 
     seen: list = []
-    watched = tiers_mod.watched_agree
+    watched = collective_mod.agree
 
-    def record(fn, what, group, flag, *args, **kwargs):
+    def record(fn, what, group=None, after_loss=None, flag=None):
         seen.append([what, flag is not None])
-        return watched(fn, what, group, flag, *args, **kwargs)
-    tiers_mod.watched_agree = record
+        return watched(fn, what, group, after_loss, flag)
+    collective_mod.agree = record  # the durable copy's attempt agrees through it
     pm = init_distributed(timeout_s=PG_TIMEOUT)
     engine, opt = Tuned.build(pm)
     tier = LocalTier(path=f"{root}/local/node{{node}}", every=1, keep=3, peers=1, ranks_per_node=1)

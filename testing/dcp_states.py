@@ -64,7 +64,7 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def metadata(path: Path) -> Any:
-    from shardckpt.interop.dcp.import_ import read_dcp_metadata
+    from shardckpt.interop.dcp.source import read_dcp_metadata
     from shardckpt.storage import Storage
 
     return read_dcp_metadata(Storage(str(path)))

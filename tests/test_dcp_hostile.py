@@ -301,7 +301,7 @@ def test_import_of_many_chunks_counts_no_pairs(tmp_path: Path) -> None:
         seen.append(chunk_tiling.TilingWork())
         return real(t, seen[-1])
 
-    import shardckpt.interop.dcp.import_ as dcp_import
+    import shardckpt.interop.dcp.source as dcp_import
     mp = pytest.MonkeyPatch()
     mp.setattr(dcp_import, "tiling_problems", counted)
     mp.setattr(chunked, "tiling_problems", counted)

@@ -138,7 +138,7 @@ def test_cli_json_and_one_line_errors(tmp_path: Path) -> None:
 
 
 def test_failure_leaves_nothing_and_latest_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shardckpt.interop.deepspeed.export as ex
+    import shardckpt.interop.deepspeed.export_plan as ex
 
     src = str(tmp_path / "ours")
     import_deepspeed(str(FIXTURES / "zero2-fp32-2"), src, 2)

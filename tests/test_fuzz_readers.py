@@ -327,7 +327,7 @@ def dcp_copy(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_dcp_metadata_structure(dcp_copy: Path) -> None:
-    from shardckpt.interop.dcp.import_ import read_dcp, read_dcp_metadata
+    from shardckpt.interop.dcp.source import read_dcp, read_dcp_metadata
     from shardckpt.storage import Storage
 
     storage = Storage(str(dcp_copy))
@@ -351,7 +351,7 @@ def test_dcp_metadata_structure(dcp_copy: Path) -> None:
 @pytest.mark.parametrize("records", [True, False], ids=["records", "torch"])
 def test_dcp_metadata_bytes(dcp_copy: Path, records: bool) -> None:
     """Damaged ``.metadata`` bytes: through the allow-listing unpickler, one ShardckptError."""
-    from shardckpt.interop.dcp.import_ import read_dcp, read_dcp_metadata
+    from shardckpt.interop.dcp.source import read_dcp, read_dcp_metadata
     from shardckpt.storage import Storage
 
     storage = Storage(str(dcp_copy))
@@ -568,7 +568,7 @@ def test_commands_on_fuzzed_manifests(base: str, tiny: Path, dcp_import: Path,
 
 
 def test_import_dcp_fuzzed(source: Path, tmp_path: Path) -> None:
-    from shardckpt.interop.dcp.import_ import read_dcp_metadata
+    from shardckpt.interop.dcp.source import read_dcp_metadata
     from shardckpt.storage import Storage
 
     original = (source / ".metadata").read_bytes()

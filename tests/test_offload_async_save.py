@@ -66,7 +66,7 @@ def test_async_save_copies_on_the_offload_disk_and_equals_a_sync_save(tmp_path, 
                                                     real_read(fd, buf, off, path)))
     gate, real_write = threading.Event(), SaveJob.write_files
     monkeypatch.setattr(SaveJob, "write_files",
-                        lambda job: (gate.wait(120), real_write(job))[1])
+                        lambda job, writer: (gate.wait(120), real_write(job, writer))[1])
     ckpt.save(2)
     ckpt.wait_staged()
     assert len(_snapshots(opt)) == 1

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from collections.abc import Callable
 
 from shardckpt import errors
+from shardckpt.checkpoint.loss_flag import LossFlag, left_behind, watch
 from shardckpt.checkpoint.job_secret import AGREEMENTS, SECRET_VARIABLE, job_key, open_reports, sign_report
 from shardckpt.errors import CollectiveError, ShardckptError
 
@@ -106,15 +107,27 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> byte
 
 
 def agree(fn: Callable[[], T], what: str, group: Any = None,
-          after_loss: Callable[[], str] | None = None) -> tuple[T | None, list[dict[str, Any]]]:
+          after_loss: Callable[[], str] | None = None,
+          flag: LossFlag | None = None) -> tuple[T | None, list[dict[str, Any]]]:
     """Run ``fn`` on every rank, then exchange outcomes; raise the same error everywhere on failure.
 
     Returns this rank's result and every rank's report (``{"ok": bool, "payload": ...}``, where
     the payload is ``fn``'s result if it is JSON-serializable, else None). A rank that died makes
     the exchange itself fail (gloo/NCCL raise when the peer goes away or the group timeout
     passes); that too becomes a :class:`CollectiveError` naming ``what``, and ``after_loss()``,
-    if given, says what state that leaves behind (it is asked then, not assumed).
+    if given, says what state that leaves behind (it is asked then, not assumed). With ``flag``
+    (:class:`~shardckpt.checkpoint.loss_flag.LossFlag`), the agreement is watched: every
+    surviving rank abandons it as soon as any rank reports another rank lost
+    (:func:`~shardckpt.checkpoint.loss_flag.watch`).
     """
+    if flag is not None:
+        return watch(lambda: _agree(fn, what, group, after_loss), what, flag, after_loss)
+    return _agree(fn, what, group, after_loss)
+
+
+def _agree(fn: Callable[[], T], what: str, group: Any,
+           after_loss: Callable[[], str] | None) -> tuple[T | None, list[dict[str, Any]]]:
+    """:func:`agree`, unwatched."""
     result: T | None = None
     report: dict[str, Any]
     local: Exception | None
@@ -134,14 +147,9 @@ def agree(fn: Callable[[], T], what: str, group: Any = None,
     except CollectiveError:
         raise
     except Exception as e:  # noqa: BLE001 - a peer died or timed out
-        state = ""
-        if after_loss is not None:
-            try:
-                state = f"; {after_loss()}"
-            except Exception as probe:  # noqa: BLE001 - the lost contact is the error to report
-                state = f"; could not tell what was left behind ({type(probe).__name__}: {probe})"
         raise CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}){state}") from (local or e)
+                              f"{str(e).splitlines()[0] if str(e) else ''})"
+                              f"{left_behind(after_loss)}") from (local or e)
     failures = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
     if failures:
         first = min(failures)

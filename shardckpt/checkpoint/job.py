@@ -10,6 +10,13 @@ and raises the errors the work raises, as they are.
 In a job of several processes (``torchrun``), outcomes travel as JSON over
 :mod:`shardckpt.checkpoint.collective` (raw bytes, no pickling); a failure on any process is raised
 on every process, with the class and message of the lowest failing rank's error.
+
+A running training job is a job too (:meth:`Job.of_group`): its process group, and optionally a
+:class:`~shardckpt.checkpoint.loss_flag.LossFlag` that every agreement watches, so that a rank
+lost on the way fails every survivor at once. Its agreements raise what the exchange raised (a
+:class:`~shardckpt.errors.CollectiveError` naming every failing rank), even in a job of one: the
+contract the training save has always had. Write attempts over a job:
+:mod:`shardckpt.checkpoint.attempt`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from shardckpt.errors import CollectiveError, ShardckptError
 
 if TYPE_CHECKING:
+    from shardckpt.checkpoint.loss_flag import LossFlag
     from shardckpt.checkpoint.reader import CheckpointReader
     from shardckpt.storage import Storage
 
@@ -53,21 +61,38 @@ class Job:
     rank: int
     world_size: int
     group: Any = None
+    #: where set, every agreement is watched for a lost rank (:mod:`.loss_flag`)
+    flag: LossFlag | None = None
+    #: errors as the exchange raises them (a CollectiveError), in a job of one too
+    collective: bool = False
 
     @classmethod
     def single(cls) -> Job:
         """One process alone: a job of one, whose collectives are plain calls."""
         return cls(0, 1)
 
+    @classmethod
+    def of_group(cls, group: Any = None, flag: LossFlag | None = None) -> Job:
+        """The processes of ``group`` (the default group where None; a process alone without
+        torch.distributed) in a running training job: its agreements raise
+        :class:`~shardckpt.errors.CollectiveError`, watched through ``flag`` where given."""
+        from shardckpt.checkpoint.collective import rank_and_world
+
+        rank, world = rank_and_world(group)
+        return cls(rank, world, group, flag, collective=True)
+
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
     def gather(self, fn: Callable[[], T], tell: Callable[[Any], Any], what: str,
-               root_only: bool = False) -> tuple[T | None, list[Any]]:
+               root_only: bool = False,
+               after_loss: Callable[[], str] | None = None) -> tuple[T | None, list[Any]]:
         """Run ``fn`` here (on rank 0 only with ``root_only``; None elsewhere) and keep its
         result; every process learns each process's ``tell(result)`` (JSON), in rank order. If
-        ``fn`` failed anywhere, every process raises the lowest failing rank's error."""
+        ``fn`` failed anywhere, every process raises the lowest failing rank's error (with
+        :attr:`collective`, the exchange's :class:`CollectiveError`; ``after_loss()`` says
+        what a lost rank left behind)."""
         here: list[T] = []
 
         def run() -> Any:
@@ -77,14 +102,16 @@ class Job:
             here.append(result)
             return tell(result)
 
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.collective:
             told = run()
             return here[0], [told]
         from shardckpt.checkpoint.collective import agree, same_error
 
         try:
-            _, reports = agree(run, what, self.group)
+            _, reports = agree(run, what, self.group, after_loss, self.flag)
         except CollectiveError as e:
+            if self.collective:
+                raise
             raise same_error(e, what) from e
         return (here[0] if here else None), [r["payload"] for r in reports]
 

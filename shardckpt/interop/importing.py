@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import re
-from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Sequence
 
@@ -74,15 +72,6 @@ def import_summary(m: Manifest, dst: str,
 # ------------------------------------------------------------------------- writing and commit
 
 
-@dataclass
-class _Attempt:
-    """Rank 0's side of the attempt: the writer it prepared (from then on a failure removes the
-    attempt's directory) and, once committed, the manifest."""
-
-    writer: CheckpointWriter | None = None
-    manifest: Manifest | None = None
-
-
 def write_import(out: Storage, spec: CheckpointSpec, what: str,
                  shard: Callable[[int], Producer], buffers: Producer | None = None,
                  job: Job | None = None) -> Manifest:
@@ -92,11 +81,12 @@ def write_import(out: Storage, spec: CheckpointSpec, what: str,
 
     One flow for one process (``job`` None: :meth:`Job.single`, which writes every file, in
     order) and for the processes of a ``torchrun`` job, which all call this with the same
-    ``spec``: rank 0 checks the destination, picks the save id and holds the attempt's lease
-    until the outcome is known; each process writes its byte-balanced share of the files; rank 0
-    commits once every process has reported its files written. Any process's failure fails every
-    process with the same error (the lowest failing rank's).
+    ``spec``: an :class:`~shardckpt.checkpoint.attempt.Attempt` whose guard refuses a
+    destination that holds a checkpoint, and whose share is each process's byte-balanced part
+    of the files. Any process's failure fails every process with the same error (the lowest
+    failing rank's).
     """
+    from shardckpt.checkpoint.attempt import Attempt, Steps
     from shardckpt.checkpoint.job import Job
     from shardckpt.checkpoint.writer import CheckpointWriter
     from shardckpt.format.manifest import MANIFEST_NAME, FileEntry
@@ -105,44 +95,27 @@ def write_import(out: Storage, spec: CheckpointSpec, what: str,
     if len(set(job.agree(lambda: _spec_digest(out, spec), f"{what}: reading the source"))) != 1:
         raise ConfigError(f"{what}: the processes of the job read different sources (the source "
                           "changed while they read it, or their options differ); run again")
-    attempt = _Attempt()
-    try:
-        with ExitStack() as held:  # the lease, released before a failed attempt is removed
 
-            def prepare() -> CheckpointWriter:
-                if out.exists(MANIFEST_NAME):
-                    raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an "
-                                      "empty location")
-                w = attempt.writer = CheckpointWriter(out, spec)
-                out.ensure_free_space("", w.data_bytes(), what)
-                held.enter_context(w.lease())  # `shardckpt clean` leaves the attempt alone
-                return w
+    def guard() -> None:
+        if out.exists(MANIFEST_NAME):
+            raise ConfigError(f"{out.url_of(MANIFEST_NAME)} exists; import into an empty location")
 
-            mine, said = job.gather(prepare, lambda w: w.save_id,
-                                    f"{what}: preparing the destination", root_only=True)
-            writer = mine or CheckpointWriter(out, spec, said[0])
-            shard_bytes = writer.slots[-1].end if writer.slots else 0  # every shard file alike
-            costs = [shard_bytes] * spec.mesh.shard_degree + [writer.buffer_slots[-1].end
-                                                              if writer.buffer_slots else 0]
-            share = job.share(costs)
-            reports = job.agree(lambda: [e.to_doc() for e in _write_files(writer, share, shard,
-                                                                           buffers, what)],
-                                f"{what}: writing the files")
-            entries = [FileEntry.from_doc(d) for part in reports for d in part]
+    def share(writer: CheckpointWriter) -> list[dict[str, Any]]:
+        shard_bytes = writer.slots[-1].end if writer.slots else 0  # every shard file alike
+        costs = [shard_bytes] * spec.mesh.shard_degree + [writer.buffer_slots[-1].end
+                                                          if writer.buffer_slots else 0]
+        return [e.to_doc() for e in _write_files(writer, job.share(costs), shard, buffers, what)]
 
-            def commit() -> None:
-                attempt.manifest = writer.commit(entries)
+    def entries(reports: list[Any]) -> list[FileEntry]:
+        return [FileEntry.from_doc(d) for part in reports for d in part]
 
-            job.on_root(commit, f"{what}: committing")
-    except BaseException as e:
-        if attempt.manifest is None:
-            if attempt.writer is not None:
-                attempt.writer.discard()  # a failed import leaves no debris where it can
-            raise
-        # committed: only telling the others failed (one of them is gone)
-        log.warning("%s: committed save %s, but could not tell every process (%s)", out.url,
-                    attempt.manifest.save_id, e)
-    return attempt.manifest or writer.manifest(entries)
+    attempt = Attempt(job, out.url, Steps(f"{what}: preparing the destination",
+                                          f"{what}: writing the files", f"{what}: committing"),
+                      lambda save_id: CheckpointWriter(out, spec, save_id), guard=guard,
+                      room=lambda w: out.ensure_free_space("", w.data_bytes(), what))
+    m = attempt.run(share, lambda w, reports: w.commit(entries(reports)))
+    assert attempt.writer is not None
+    return m or attempt.writer.manifest(entries(attempt.reports))
 
 
 def _spec_digest(out: Storage, spec: CheckpointSpec) -> str:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
+from shardckpt.checkpoint.attempt import Attempt, Steps
 from shardckpt.checkpoint.job import Job, balance
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
@@ -42,7 +42,7 @@ from shardckpt.format.reshard_plan import ReshardPlan, plan_reshard
 from shardckpt.storage import DEFAULT_BATCH, Storage
 from shardckpt.format.manifest import FileEntry
 from shardckpt.tools.reshard_stream import Written, write_shards
-from shardckpt.tools.reshard_target import ReshardTarget, discard_attempt, prepare_dst, remove_replaced
+from shardckpt.tools.reshard_target import ReshardTarget, prepare_dst, remove_replaced
 from shardckpt.tools.split import shard_bytes
 
 log = logging.getLogger(__name__)
@@ -128,16 +128,6 @@ def signed_by(source: ReshardSource, key: str | SigningKey | None) -> ReshardSou
     return replace(source, target=replace(source.target, spec=replace(source.target.spec, signing_key=key)))
 
 
-@dataclass
-class _Attempt:
-    """Rank 0's side of the attempt: the writer it prepared, the manifest bytes the new one
-    replaces (None: create), and the manifest once committed."""
-
-    writer: CheckpointWriter | None = None
-    replacing: bytes | None = None
-    manifest: Manifest | None = None
-
-
 def _check_work(m: Manifest, mesh: Mesh, to: int, buffer_bytes: int) -> None:
     """Refuse work that cannot make progress: a shard degree beyond the data (every shard of
     every group mostly padding), or read batches so small that each checksum chunk of the source
@@ -206,71 +196,46 @@ def write_reshard(source: ReshardSource, dst: Storage, overwrite: bool = False, 
     complete, then what it replaced is removed.
     """
     job = job or Job.single()
-    attempt = _Attempt()
-    try:
-        with ExitStack() as held:  # the lease, released before a failed attempt is removed
-
-            def prepare() -> CheckpointWriter:
-                attempt.replacing = prepare_dst(dst, source.reader.storage, overwrite)
-                w = source.target.writer(dst)
-                dst.ensure_free_space("", source.target.data_bytes(w), "reshard")
-                attempt.writer = w  # from here on, a failure removes the attempt's directory
-                held.enter_context(w.lease())
-                return w
-
-            mine, said = job.gather(prepare, lambda w: w.save_id,
-                                    "reshard: preparing the destination", root_only=True)
-            writer = mine or source.target.writer(dst, said[0])
-            done = _write_share(job, source, writer, workers, buffer_bytes, progress)
-
-            def commit() -> None:
-                attempt.manifest = writer.commit(done.entries, attempt.replacing)
-
-            job.on_root(commit, "reshard: committing")
-    except BaseException as e:
-        if attempt.manifest is None:
-            if attempt.writer is not None:
-                discard_attempt(attempt.writer, dst.url, e)
-            raise
-        # committed: only telling the others failed (one of them is gone)
-        log.warning("%s: committed save %s, but could not tell every process (%s)", dst.url,
-                    attempt.manifest.save_id, e)
-    if overwrite and attempt.manifest is not None:
-        remove_replaced(dst, attempt.replacing, attempt.manifest.save_id)
-    manifest = attempt.manifest or writer.manifest(done.entries)
-    return ReshardResult(manifest, source.reader.manifest.mesh.world_size,
+    attempt = Attempt(job, dst.url, Steps("reshard: preparing the destination",
+                                          "reshard: writing the target files", "reshard: committing"),
+                      lambda save_id: source.target.writer(dst, save_id),
+                      guard=lambda: prepare_dst(dst, source.reader.storage, overwrite),
+                      room=lambda w: dst.ensure_free_space("", source.target.data_bytes(w), "reshard"))
+    attempt.run(lambda w: _write_share(job, source, w, workers, buffer_bytes, progress).to_doc(),
+                lambda w, reports: w.commit(Written.join([Written.from_doc(d) for d in reports]).entries,
+                                            attempt.guarded))
+    done = Written.join([Written.from_doc(d) for d in attempt.reports])
+    manifest = attempt.committed
+    if overwrite and manifest is not None:
+        remove_replaced(dst, attempt.guarded, manifest.save_id)
+    assert attempt.writer is not None
+    return ReshardResult(manifest or attempt.writer.manifest(done.entries),
+                         source.reader.manifest.mesh.world_size,
                          sum(e.size for e in done.entries), done.bytes_read,
                          time.perf_counter() - source.started)
 
 
 def _write_share(job: Job, source: ReshardSource, writer: CheckpointWriter, workers: int,
                  buffer_bytes: int, progress: Callable[[int], None] | None) -> Written:
-    """Write this process's share of the target files; every process's entries, and the bytes
-    the whole job read. The buffers file (small) goes to the last process, after its shards."""
+    """Write this process's share of the target files. The buffers file (small) goes to the
+    last process, after its shards."""
     target, reader = source.target, source.reader
     costs = target.costs()
     parts = balance(costs, job.world_size)
     mine = parts[job.rank]
-    takes_buffers = target.has_buffers(reader) and job.rank == len(parts) - 1
+    k = min(workers, len(mine))
+    if k <= 1:
+        done = target.write(reader, writer, mine, buffer_bytes, progress)
+    else:
+        from shardckpt.tools.reshard_workers import run_workers
 
-    def write() -> Written:
-        k = min(workers, len(mine))
-        if k <= 1:
-            done = target.write(reader, writer, mine, buffer_bytes, progress)
-        else:
-            from shardckpt.tools.reshard_workers import run_workers
-
-            split = balance([costs[t] for t in mine], k)
-            done = run_workers(reader, target, writer, [[mine[i] for i in p] for p in split],
-                               buffer_bytes)
-        if takes_buffers:
-            b = target.write_buffers(reader, writer, buffer_bytes)
-            if b is not None:
-                done = Written(done.entries + (b,), done.bytes_read)
-        return done
-
-    _, reports = job.gather(write, Written.to_doc, "reshard: writing the target files")
-    return Written.join([Written.from_doc(d) for d in reports])
+        split = balance([costs[t] for t in mine], k)
+        done = run_workers(reader, target, writer, [[mine[i] for i in p] for p in split], buffer_bytes)
+    if target.has_buffers(reader) and job.rank == len(parts) - 1:
+        b = target.write_buffers(reader, writer, buffer_bytes)
+        if b is not None:
+            done = Written(done.entries + (b,), done.bytes_read)
+    return done
 
 
 def reshard(src: str | Storage, dst: str | Storage, to: int, from_: int | None = None,

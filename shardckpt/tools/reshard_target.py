@@ -1,5 +1,6 @@
 """Reshard's destination: what a target is (:class:`ReshardTarget`), the guards before anything
-is written, the removals after an ``--overwrite`` commit, and the clean-up after a failure.
+is written and the removals after an ``--overwrite`` commit (the clean-up after a failure is the
+attempt's: :mod:`shardckpt.checkpoint.attempt`).
 
 Removals stay inside DST and never go through a symbolic link: a link where a removal would
 go is refused before anything is written, and one that appears later is left alone and logged.
@@ -11,7 +12,6 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from collections.abc import Callable, Sequence
 
-from shardckpt.checkpoint.writer import CheckpointWriter
 from shardckpt.errors import ConfigError, LinkRefusedError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from shardckpt.format.manifest_parse import parse
@@ -20,7 +20,7 @@ from shardckpt.tools.clean import SAVE_ID, remove_stale_saves, sibling_reference
 
 if TYPE_CHECKING:
     from shardckpt.checkpoint.reader import CheckpointReader
-    from shardckpt.checkpoint.writer import CheckpointSpec
+    from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
     from shardckpt.format.manifest import FileEntry
     from shardckpt.tools.reshard_stream import Written
 
@@ -152,10 +152,3 @@ def remove_replaced(dst: Storage, replaced: bytes | None, keep: str) -> None:
     if removed:
         log.info("%s: removed %d earlier save directories: %s", dst.url, len(removed), ", ".join(removed))
 
-
-def discard_attempt(writer: CheckpointWriter, dst: str, error: BaseException) -> None:
-    """After a failure (the lease released): remove the attempt's directory; where that fails,
-    the error says how to remove it."""
-    if not writer.discard() and isinstance(error, ShardckptError):
-        error.args = (f"{error.args[0] if error.args else type(error).__name__}; `shardckpt clean "
-                      f"{dst}` removes the unfinished {writer.save_id}/",)

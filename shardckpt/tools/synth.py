@@ -19,13 +19,15 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from shardckpt.format.signing import SigningKey
+from shardckpt.checkpoint.attempt import Attempt, Steps
+from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import as_storage
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.errors import ConfigError
 from shardckpt.format.layout import Layout, Mesh, ParamInfo, build_layout
 from shardckpt.format.manifest import (
-    BufferSpec, Component, Manifest, OptimizerInfo, TensorSlot, default_states, shard_slots,
+    BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, default_states, shard_slots,
 )
 from shardckpt.format.records import ParamGroupRecord, PerRankState, RunExtras
 from shardckpt.storage import crc32c
@@ -151,12 +153,10 @@ def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int
     if chunk_size:
         spec.chunk_size = chunk_size
     storage = as_storage(dst, storage_options)
-    writer = CheckpointWriter(storage, spec)
-    storage.ensure_free_space("", writer.data_bytes(), "synth")
     layout = spec.components["model"].layout
     buffers = spec.components["model"].buffers
 
-    def one(shard: int) -> Any:
+    def one(writer: CheckpointWriter, shard: int) -> Any:
         produce = shard_producer(layout, seed, shard)
         if progress is None:
             return writer.write_shard(shard, produce)
@@ -171,12 +171,16 @@ def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int
         n = math.prod(slot.shape)
         yield (1.0 / (10000.0 ** (np.arange(n, dtype=np.float32) / max(1, n)))).astype(np.float32)
 
-    try:
-        with writer.lease():
-            with ThreadPoolExecutor(max(1, workers)) as pool:
-                entries = list(pool.map(one, range(spec.mesh.shard_degree)))
-            b = writer.write_buffers(buffer_values) if buffers else None
-            return writer.commit(entries + ([b] if b else []))
-    except BaseException:
-        writer.discard()
-        raise
+    def write(writer: CheckpointWriter) -> list[FileEntry]:
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            entries = list(pool.map(lambda s: one(writer, s), range(spec.mesh.shard_degree)))
+        b = writer.write_buffers(buffer_values) if buffers else None
+        return entries + ([b] if b else [])
+
+    # one process; the destination is not guarded (synth writes where it is told, as before)
+    attempt = Attempt(Job.single(), storage.url, Steps.named("synth"),
+                      lambda save_id: CheckpointWriter(storage, spec, save_id),
+                      room=lambda w: storage.ensure_free_space("", w.data_bytes(), "synth"))
+    m = attempt.run(write, lambda w, reports: w.commit(reports[0]))
+    assert m is not None
+    return m

@@ -23,7 +23,7 @@ import logging
 from typing import Any
 from collections.abc import Sequence
 
-from shardckpt.checkpoint.collective import rank_and_world
+from shardckpt.checkpoint.collective import agree, rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.tiers import Transfer
 from shardckpt.checkpoint.set_aside import raise_damaged, raise_damaged_role
@@ -31,7 +31,7 @@ from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.storage import Storage, local_path, read_local_into
-from shardckpt.training.abandon import LossFlag, watched_agree
+from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.training.optim_info import load_optimizer_info
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import LoadResult, Sharded, load
@@ -69,7 +69,7 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
     on every rank, reading straight into its shards where it can (see the module docstring).
     ``peers``: shard files sent from one rank's ``url`` to another's memory on the way (the same
     list on every rank; only where :func:`direct_ready` holds on every rank); ``flag_key`` names
-    the load for :class:`~shardckpt.training.abandon.LossFlag`, so that a rank lost during the
+    the load for :class:`~shardckpt.checkpoint.loss_flag.LossFlag`, so that a rank lost during the
     transfers fails every survivor at once. ``manifest``: the one the ranks agreed on (this
     node's own copy is not read again). A shard file of this node that fails its checksums is
     moved aside and the load fails with :class:`DamagedCopyError` (the caller may load again
@@ -139,7 +139,7 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
                 "mismatched": list(plan.mismatched)}
 
     flag = LossFlag.for_group(None, flag_key) if peers and flag_key else None
-    out, _ = watched_agree(work, f"load of {url}", None, flag)
+    out, _ = agree(work, f"load of {url}", None, flag=flag)
     assert out is not None
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       m, counter["bytes"], reader)

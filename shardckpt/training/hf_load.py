@@ -35,7 +35,8 @@ from shardckpt.interop.hf.import_ import NameMap, as_bytes, fetch, match_tensors
 from shardckpt.interop.hf.source import HFSource, open_hf
 from shardckpt.storage import DEFAULT_BATCH
 from shardckpt.checkpoint.pieces import cast_bytes
-from shardckpt.training.save_load import Sharded, fresh_optimizer_state
+from shardckpt.training.optim_info import fresh_optimizer_state
+from shardckpt.training.save_load import Sharded
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from shardckpt.errors import CollectiveError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import Storage
-from shardckpt.training.abandon import LossFlag, lost_contact, watched_agree
+from shardckpt.checkpoint.loss_flag import LossFlag, lost_contact
 from shardckpt.training.direct_load import direct_ready
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.run_state import RunState
@@ -215,7 +215,7 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
 
     flag = LossFlag.for_group(None, f"fetch/{save_id}/{next(FETCHES)}")
     try:
-        watched_agree(fetch, f"assembly of local step {step}", None, flag)
+        agree(fetch, f"assembly of local step {step}", None, flag=flag)
     except CollectiveError as e:
         if lost_contact(e):
             raise

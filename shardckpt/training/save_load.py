@@ -17,21 +17,22 @@ from collections.abc import Mapping
 
 from shardckpt.checkpoint.trust import SigningKey, Trust
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
-from shardckpt.checkpoint.references import RunFiles, reference_to
-from shardckpt.checkpoint.run_dir import STEP_DIR
-
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
-from shardckpt.checkpoint.collective import agree, broadcast_bytes, rank_and_world
-from shardckpt.errors import IncompatibleLayoutError, ManifestError, ShardckptError
+from shardckpt.checkpoint.attempt import Attempt, Steps
+from shardckpt.checkpoint.job import Job
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
+from shardckpt.checkpoint.collective import agree, rank_and_world
+from shardckpt.errors import IncompatibleLayoutError, ManifestError
 from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.format.manifest import (
-    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, OptimizerInfo, TensorSlot, frozen_part,
+    MANIFEST_NAME, BufferSpec, Component, FileEntry, Manifest, TensorSlot,
 )
-from shardckpt.format.records import ParamGroupRecord, PerRankState
+from shardckpt.format.records import PerRankState
 from shardckpt.training.device_load import fill_shards
+from shardckpt.storage import Storage
 from shardckpt.training.device_save import ShardBytes
-from shardckpt.training.optim_info import load_optimizer_info
+from shardckpt.training.frozen_reuse import write_frozen
+from shardckpt.training.optim_info import fresh_optimizer_state, load_optimizer_info, optimizer_info
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,6 @@ class Sharded(Protocol):
     def refresh_params(self) -> None: ...
     def buffers(self) -> dict[str, Any]: ...                          # fqn -> tensor
     def load_buffers(self, buffers: Mapping[str, Any], strict: bool = True) -> None: ...
-
-
-def optimizer_info(model: Sharded) -> OptimizerInfo | None:
-    """The optimizer's name and param groups (``params``, ``hparams``, ``step``)."""
-    opt = getattr(model, "optimizer", None)
-    if opt is None:
-        return None
-    meta = opt.optimizer_metadata()
-    return OptimizerInfo(meta["name"], tuple(
-        ParamGroupRecord(tuple(g["params"]), dict(g["hparams"]), int(g["step"])).to_doc()
-        for g in meta["param_groups"]))
 
 
 def _bytes_of(t: Any) -> Any:
@@ -96,16 +86,18 @@ def checkpoint_spec(model: Sharded, extras: Mapping[str, Any] | None = None,
 class SaveJob:
     """One save attempt: :meth:`stage` copies the shards aside, :meth:`run` writes and commits.
 
-    :func:`begin_save` (local, no collective) snapshots what is small and decides what this rank
-    writes. ``stage`` copies the live shards into the staging buffers (if any); after it the
-    model may change. ``run`` agrees on the save id, writes this rank's files, exchanges the
-    entries and commits on rank 0: collective on ``group``, so it may run in a background thread
-    as long as nobody else uses ``group`` meanwhile.
+    :func:`begin_save` (local, no collective) opens the destination, snapshots what is small and
+    decides what this rank writes. ``stage`` copies the live shards into the staging buffers (if
+    any); after it the model may change. ``run`` is an
+    :class:`~shardckpt.checkpoint.attempt.Attempt` over ``group``: rank 0 picks the save id and
+    the previous checkpoint, each rank writes its files (:meth:`write_files`, through the
+    attempt's writer), rank 0 commits. Collective on ``group``, so it may run in a background
+    thread as long as nobody else uses ``group`` meanwhile. The node tier writes a job's files
+    through a writer of its own instead (:meth:`write_files` takes the writer).
     """
 
-    url: str
+    storage: Storage                         # the checkpoint's location, opened once
     spec: CheckpointSpec
-    storage_options: Any
     rank: int
     shard: int | None                       # shard rank this rank writes, if any
     shards: Mapping[str, Mapping[str, Any]]  # group -> kind -> 1-D tensor (live, then staged)
@@ -113,10 +105,13 @@ class SaveJob:
     rank_state: Mapping[str, Any]            # name -> tensor, written to rank-XXXXX.safetensors
     staging: dict[str, dict[str, Any]] | None = None
     group: Any = None
-    writer: CheckpointWriter | None = None
     snapshot: Any = None                    # offload files: copies on their disk (``take``)
     failure: BaseException | None = None    # of stage(); raised by run() on every rank
     previous: str | None = None             # rank 0's: the run's previous committed checkpoint
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
 
     def stage(self) -> None:
         """Copy the live shards aside (into the staging buffers; where they hold ``None``, into
@@ -145,16 +140,16 @@ class SaveJob:
             self.snapshot.remove()
             self.snapshot = None
 
-    def write_files(self) -> list[dict[str, Any]]:
-        assert self.writer is not None
-        w, entries = self.writer, []
+    def write_files(self, writer: CheckpointWriter) -> list[dict[str, Any]]:
+        """Write this rank's files through ``writer`` (opened for this save); their entries."""
+        w, entries = writer, []
         if self.failure is not None:
             raise self.failure
         if self.shard is not None:
             produce = ShardBytes(self.shards)  # written in parallel where the disk is local
             entries.append(w.write_shard(self.shard, produce))
             if w.frozen_slots:
-                entries.append(self.write_frozen(produce))
+                entries.append(write_frozen(w, self.shard, produce, self.previous))
         if self.rank == 0 and w.buffer_slots:
             bufs = self.buffers
             b = w.write_buffers(lambda slot: iter([_bytes_of(bufs[slot.name])]))
@@ -171,89 +166,41 @@ class SaveJob:
                                               lambda slot: iter([_bytes_of(state[slot.name])])))
         return [e.to_doc() for e in entries]
 
-    def write_frozen(self, produce: Any) -> FileEntry:
-        """This shard's frozen file, or, where its bytes are those of the previous checkpoint's
-        frozen file (same slots, same CRC32C of the file they would make), a reference to that
-        file: decided from the bytes in memory and the previous manifest, reading no old file."""
-        w, shard = self.writer, self.shard
-        assert w is not None and shard is not None
-        prev = self.previous_frozen()
-        if prev is not None:
-            pieces = [memoryview(p).cast("B") for slot in w.frozen_slots for p in produce(slot)]
-            size, header_size, crc = w.frozen_crc(shard, pieces)
-            entry, step = prev
-            path = reference_to(entry, step)
-            if ((size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c)
-                    and (entry.sha256 is not None or not self.spec.with_digests)
-                    and self.still_there(path, size)):
-                log.debug("%s: frozen shard %d unchanged; referencing %s", self.url, shard, path)
-                return replace(entry, path=path, sha256=entry.sha256 if self.spec.with_digests else None)
-            del pieces
-        return w.write_frozen(shard, produce)
-
-    def still_there(self, path: str, size: int) -> bool:
-        """Whether the file a reference would name is there with its size (a checkpoint it lies
-        in may have been removed since the previous manifest named it): else it is written."""
-        try:
-            return RunFiles(as_storage(self.url, self.storage_options)).size(path) == size
-        except ShardckptError as e:
-            log.info("%s: not referencing %s (%s); writing the frozen file", self.url, path, e)
-            return False
-
-    def previous_frozen(self) -> tuple[FileEntry, str] | None:
-        """(frozen entry of this shard, step directory name) of the previous checkpoint, where it
-        can stand for this save's: a sibling step directory whose manifest has the same mesh, chunk
-        size and frozen groups (names, dtypes, numel, padding, parameters) as this save."""
-        prev, shard, spec = self.previous, self.shard, self.spec
-        if not prev or shard is None:
-            return None
-        here, _, name = self.url.rstrip("/").rpartition("/")
-        there, _, step = prev.rstrip("/").rpartition("/")
-        if here != there or step == name or not STEP_DIR.match(step):
-            return None
-        try:
-            m = read_manifest(as_storage(prev, self.storage_options))
-        except ShardckptError as e:
-            log.info("%s: the previous checkpoint %s is unreadable (%s); writing the frozen files",
-                     self.url, prev, e)
-            return None
-        if (not m.frozen or m.mesh != spec.mesh or m.chunk_size != spec.chunk_size
-                or frozen_part(m.components) != frozen_part(spec.components)):
-            return None
-        return m.frozen_file(shard), step
-
     def run(self) -> Manifest:
-        """Agree on the save id (and, for frozen files, the previous checkpoint), write this
-        rank's files, exchange entries, commit on rank 0."""
-        mine = f"{new_save_id()}\n{self.previous or ''}" if self.rank == 0 else None
-        save_id, _, previous = broadcast_bytes(None if mine is None else mine.encode(), 0,
-                                               self.group).decode().partition("\n")
-        self.previous = previous or None
-        self.writer = writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec,
-                                                save_id)
-        # rank 0, which commits, holds the attempt's lease: `shardckpt clean` leaves it alone
-        with writer.lease(hold=self.rank == 0):
-            _, reports = agree(self.write_files, f"save to {self.url}", self.group,
-                               after_loss=lambda: self.commit_status(committing=False))
-            entries = [FileEntry.from_doc(d) for rep in reports for d in rep["payload"]]
+        """The attempt: agree on the save id (and, for frozen files, the previous checkpoint:
+        rank 0's), write this rank's files, exchange entries, commit on rank 0. A failed
+        attempt's files stay (resume passes over an uncommitted step; ``clean`` removes them)."""
+        def previous() -> str | None:
+            return self.previous
 
-            def commit() -> str | None:
-                return writer.commit(entries).save_id if self.rank == 0 else None
+        def entries(reports: list[Any]) -> list[FileEntry]:
+            return [FileEntry.from_doc(d) for rep in reports for d in rep]
 
-            agree(commit, f"commit of {self.url}", self.group,
-                  after_loss=lambda: self.commit_status(committing=True))
-        return writer.manifest(entries)
+        attempt = Attempt(Job.of_group(self.group), self.url,
+                          Steps(f"plan of the save to {self.url}", f"save to {self.url}",
+                                f"commit of {self.url}"),
+                          lambda save_id: CheckpointWriter(self.storage, self.spec, save_id),
+                          guard=previous, tell_guard=True, discard=False,
+                          after_loss=lambda committing: self.commit_status(committing, attempt.writer))
 
-    def commit_status(self, committing: bool) -> str:
+        def write(writer: CheckpointWriter) -> list[dict[str, Any]]:
+            self.previous = attempt.guarded or None
+            return self.write_files(writer)
+
+        m = attempt.run(write, lambda w, reports: w.commit(entries(reports)))
+        assert attempt.writer is not None
+        return m or attempt.writer.manifest(entries(attempt.reports))
+
+    def commit_status(self, committing: bool, writer: CheckpointWriter | None) -> str:
         """What a failed exchange left behind, as found in storage now (for error messages)."""
-        storage = as_storage(self.url, self.storage_options)
+        storage = self.storage
         where = storage.url_of(MANIFEST_NAME)
         if not storage.exists(MANIFEST_NAME):
             if committing and self.rank:
                 return (f"not committed when rank {self.rank} looked: {where} did not exist yet; "
                         "rank 0 may still create it, and then resume picks it")
             return f"nothing was committed: {where} does not exist"
-        ours = self.writer is not None and read_manifest(storage).save_id == self.writer.save_id
+        ours = writer is not None and read_manifest(storage).save_id == writer.save_id
         if not ours:
             return f"not committed by this save: {where} belongs to another save attempt"
         return (f"the checkpoint committed anyway: {where} exists, and resume picks it (the "
@@ -287,8 +234,8 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     shards = model.local_shards() if writes else {}
     buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
-    return SaveJob(url, spec, storage_options, rank, shard if writes else None, shards, buffers,
-                   state, staging, group, snapshot=snapshot, previous=previous)
+    return SaveJob(as_storage(url, storage_options), spec, rank, shard if writes else None, shards,
+                   buffers, state, staging, group, snapshot=snapshot, previous=previous)
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
@@ -416,25 +363,6 @@ def load(model: Sharded, url: str | CheckpointReader, strict: bool = True,
         return LoadResult((), (), (), m, 0, counter["reader"])
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       counter["manifest"], counter["bytes"], counter["reader"])
-
-
-def fresh_optimizer_state(model: Sharded) -> None:
-    """Zero every per-element optimizer state of ``model``'s shards and set each step to 0: the
-    state a newly built optimizer has."""
-    import torch
-
-    opt = getattr(model, "optimizer", None)
-    if opt is None:
-        return
-    with torch.no_grad():
-        for kinds in model.local_shards().values():
-            for kind, t in kinds.items():
-                if kind != "master":
-                    t.zero_()
-    meta = opt.optimizer_metadata()
-    for g in meta["param_groups"]:
-        g["step"] = 0
-    opt.load_optimizer_metadata(meta)
 
 
 def _to_tensors(bufs: Mapping[str, tuple[TensorSlot, bytes]]) -> dict[str, Any]:

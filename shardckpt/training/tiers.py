@@ -33,7 +33,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Mapping
 
+from shardckpt.checkpoint.attempt import Attempt, Steps
 from shardckpt.checkpoint.collective import agree, failed_with
+from shardckpt.checkpoint.job import Job
+from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.checkpoint.node_files import newest_committed, prune
 from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.references import RunFiles
@@ -45,7 +48,6 @@ from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, frozen_file_name
 from shardckpt.storage import iter_file_chunks
-from shardckpt.training.abandon import LossFlag, watched_agree
 from shardckpt.training.durable_tier import DurableTier
 from shardckpt.training.node_resume import LocalSource
 from shardckpt.training.peer_checks import report_entries
@@ -164,12 +166,12 @@ class NodeTier:
         if newest is not None and newest[0] < step and all(p["payload"]["newest"] == newest for p in plans):
             # committed on every node: its frozen files are where this save's would go
             job.previous = self.url_for(newest[0])
-        job.writer = writer = CheckpointWriter(self.storage.child(step_dir(step)), job.spec, save_id)
+        writer = CheckpointWriter(self.storage.child(step_dir(step)), job.spec, save_id)
 
         def write() -> list[dict[str, Any]]:
             try:
                 ensure_room(self.tier, self.storage, planned_bytes(job), f"local save of step {step}")
-                return job.write_files()
+                return job.write_files(writer)
             except ShardckptError as e:
                 full = as_full(e, job.url)
                 if full is e:
@@ -229,8 +231,8 @@ class NodeTier:
 
         save_id = save.writer.save_id
         try:
-            watched_agree(copy, f"peer copy of {here.url}", self.group,
-                          LossFlag.for_group(self.group, f"peer-copy/{save_id}"), left_behind)
+            agree(copy, f"peer copy of {here.url}", self.group, left_behind,
+                  LossFlag.for_group(self.group, f"peer-copy/{save_id}"))
         except CollectiveError as e:
             if not failed_with(e, InsufficientSpaceError):
                 raise
@@ -249,8 +251,8 @@ class NodeTier:
                 for name in prune(self.storage, self.tier.keep, foreign_steps(self.storage, self.run)):
                     log.info("local tier: removed %s", self.storage.url_of(name))
 
-        watched_agree(commit, f"local commit of {here.url}", self.group,
-                      LossFlag.for_group(self.group, f"node-commit/{save_id}"))
+        agree(commit, f"local commit of {here.url}", self.group,
+              flag=LossFlag.for_group(self.group, f"node-commit/{save_id}"))
         if self.rank == 0:
             log.info("local tier: committed step %d on %d node(s) (%d peer cop%s)", save.step,
                      nodes.count, len(plan), "y" if len(plan) == 1 else "ies")
@@ -258,38 +260,30 @@ class NodeTier:
 
     def copy_to_durable(self, save: LocalSave, url: str,
                         storage_options: Mapping[str, Any] | None) -> Manifest:
-        """Commit ``save`` at ``url`` from the node directories: each rank streams the files it
-        wrote, checked against what it wrote; rank 0 commits (collective on the tier's group).
-        A frozen file whose entry equals the frozen file of the run's latest committed durable
-        checkpoint is not copied: the durable manifest references that file (rank 0 decides, from
-        the manifests and the referenced files' sizes, reading none of their bytes). A rank lost
-        on the way fails every survivor at once (:func:`watched_agree`)."""
+        """Commit ``save`` at ``url`` from the node directories: an
+        :class:`~shardckpt.checkpoint.attempt.Attempt` over the tier's group under the save's id,
+        whose every agreement is watched (a rank lost on the way fails every survivor at once).
+        Its guard, on rank 0: a frozen file whose entry equals the frozen file of the run's latest
+        committed durable checkpoint is not copied; the durable manifest references that file
+        (decided from the manifests and the referenced files' sizes, reading none of their
+        bytes). Its share: each rank streams the files it wrote, checked against what it wrote.
+        Rank 0 commits."""
         dst = as_storage(url, storage_options)
-        writer = CheckpointWriter(dst, save.writer.spec, save.writer.save_id)
         here = self.storage.child(step_dir(save.step))
         chunk = save.writer.spec.chunk_size
         save_id = save.writer.save_id
-
-        def watched(fn: Any, what: str, key: str) -> list[dict[str, Any]]:
-            flag = LossFlag.for_group(self.group, f"{key}/{save_id}")
-            return watched_agree(fn, what, self.group, flag)[1]
-
         # a frozen file the node references in an earlier local step is the durable copy's own
         S, files = save.writer.spec.mesh.shard_degree, RunFiles(here)
         own = {e.path: replace(e, path=frozen_file_name(save_id, e.index or 0, S))
                if e.is_reference else e for e in save.entries}
 
-        def plan() -> dict[str, str] | None:
-            if self.rank:
-                return None
-            return durable_references(dst, save.writer.manifest(own.values()))
+        def refs() -> dict[str, str]:  # the guard's plan, on every rank once open
+            return attempt.guarded or {}
 
-        refs: dict[str, str] = {}  # set by the plan, before the copy runs
-
-        def copy() -> None:
+        def copy(_: CheckpointWriter) -> None:
             for e in save.by_rank.get(self.rank, []):
                 d = own[e.path]
-                if d.path in refs:
+                if d.path in refs():
                     continue  # referenced in the previous durable checkpoint: not a byte read
                 with dst.writer(d.path, chunk) as w:
                     for piece in iter_file_chunks(*files.locate(e.path), COPY_PIECE):
@@ -299,16 +293,20 @@ class NodeTier:
                     raise IntegrityError(f"{files.url_of(e.path)} no longer holds what was written "
                                          f"(size or CRC32C differ); {dst.url} is not committed")
 
-        with writer.lease(hold=self.rank == 0):
-            refs = watched(plan, f"durable copy plan of {url}", "durable-plan")[0]["payload"] or {}
-            entries = [replace(e, path=refs[e.path]) if e.path in refs else e for e in own.values()]
-            watched(copy, f"save to {url}", "durable-copy")
-            watched(lambda: writer.commit(entries).save_id if self.rank == 0 else None,
-                    f"commit of {url}", "durable-commit")
-        if self.rank == 0 and refs:
+        def entries() -> list[FileEntry]:
+            return [replace(e, path=refs()[e.path]) if e.path in refs() else e for e in own.values()]
+
+        job = Job.of_group(self.group, LossFlag.for_group(self.group, f"durable/{save_id}"))
+        attempt = Attempt(job, url, Steps(f"durable copy plan of {url}", f"save to {url}",
+                                          f"commit of {url}"),
+                          lambda sid: CheckpointWriter(dst, save.writer.spec, sid), save_id=save_id,
+                          guard=lambda: durable_references(dst, save.writer.manifest(own.values())),
+                          tell_guard=True, discard=False)
+        m = attempt.run(copy, lambda w, _: w.commit(entries()))
+        if self.rank == 0 and refs():
             log.info("durable copy of step %d: %d frozen file(s) referenced in the previous "
-                     "checkpoint, not copied", save.step, len(refs))
-        return writer.manifest(entries)
+                     "checkpoint, not copied", save.step, len(refs()))
+        return m or save.writer.manifest(entries())
 
 def planned_bytes(job: SaveJob) -> int:
     """About the bytes ``job`` writes on this rank (headers aside: an allowance for them)."""

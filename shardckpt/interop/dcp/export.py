@@ -21,6 +21,8 @@ import pickle
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator, Mapping, Sequence
 
+from shardckpt.checkpoint.attempt import Attempt, ForeignFiles, Steps
+from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.format.chunked import ChunkedSection
 from shardckpt.checkpoint.chunked_read import read_blob, read_box
@@ -71,13 +73,14 @@ def _payload(tensor: Any) -> bytes:
     return buf.getvalue()
 
 
-class _Files:
+class _Files(ForeignFiles):
     """``__<n>_0.distcp`` files written one after another: :meth:`next_file` starts the next one,
     and one that reached ``file_bytes`` is closed before the next payload. Records each item's
-    ``_StorageInfo``."""
+    ``_StorageInfo``; :meth:`discard` (a failed export) aborts the one open and removes them."""
 
-    def __init__(self, out: Storage, written: list[str], file_bytes: int) -> None:
-        self.out, self.written, self.file_bytes = out, written, file_bytes
+    def __init__(self, out: Storage, file_bytes: int) -> None:
+        super().__init__(out)
+        self.out, self.file_bytes = out, file_bytes
         self.storage_data: dict[Any, Any] = {}
         self._w: StreamWriter | None = None
         self.total, self._rel, self._pos = 0, "", 0
@@ -107,10 +110,11 @@ class _Files:
             self._w = None
         return self.total
 
-    def abort(self) -> None:
+    def discard(self) -> bool:
         if self._w is not None:
             self._w.abort()
             self._w = None
+        return super().discard()
 
 
 def _write_payloads(reader: CheckpointReader, section: ChunkedSection, files: _Files,
@@ -198,11 +202,14 @@ def export_dcp(src: str, dst: str, storage_options: Mapping[str, Any] | None = N
         reader.files.check_inside(entry.path)
     section = reader.manifest.chunked
     out = Storage(dst, dst_storage_options)
-    if out.exists(METADATA_NAME):
-        raise ConfigError(f"{out.url_of(METADATA_NAME)} exists; export into an empty location")
-    written: list[str] = []
-    files = _Files(out, written, file_bytes)
-    try:
+    files = _Files(out, file_bytes)
+
+    def guard() -> None:
+        if out.exists(METADATA_NAME):
+            raise ConfigError(f"{out.url_of(METADATA_NAME)} exists; export into an empty location")
+
+    def write(files: _Files) -> tuple[Any, tuple[int, int], int]:
+        """The payload files; DCP's metadata of them, (tensors, values) and their bytes."""
         if section is None:
             from shardckpt.interop.dcp.flat_view import FlatView
 
@@ -217,16 +224,12 @@ def export_dcp(src: str, dst: str, storage_options: Mapping[str, Any] | None = N
         total = files.close()
         _set_chunks(md, boxes)
         md.storage_data, md.version = files.storage_data, DCP_VERSION
-        out.create_only(METADATA_NAME, pickle.dumps(md))
-    except BaseException:
-        files.abort()
-        for rel in written:
-            try:
-                if out.exists(rel):
-                    out.rm(rel)
-            except Exception as e:  # noqa: BLE001 - best effort; the missing .metadata is what counts
-                log.warning("could not remove %s (%s)", out.url_of(rel), e)
-        raise
-    log.info("exported %s -> %s (%d files, %d bytes)", reader.url, out.url, len(written), total)
-    return {"destination": out.url, "tensors": counts[0], "values": counts[1], "files": written,
+        return md, counts, total
+
+    # one process, whose report travels as it is; the commit: ``.metadata``, create-only, last
+    attempt = Attempt(Job.single(), out.url, Steps.named("export dcp"), lambda _: files, guard=guard)
+    attempt.run(write, lambda f, reports: out.create_only(METADATA_NAME, pickle.dumps(reports[0][0])))
+    _, counts, total = attempt.reports[0]
+    log.info("exported %s -> %s (%d files, %d bytes)", reader.url, out.url, len(files.written), total)
+    return {"destination": out.url, "tensors": counts[0], "values": counts[1], "files": files.written,
             "bytes": total}

@@ -47,7 +47,7 @@ class DcpImporter:
     def describe_source(self, src: Any, storage_options: Mapping[str, Any] | None = None,
                         config: ImporterConfig | None = None) -> SourceInfo:
         from shardckpt.checkpoint.reader import as_storage
-        from shardckpt.interop.dcp.import_ import METADATA_NAME, read_dcp
+        from shardckpt.interop.dcp.source import METADATA_NAME, read_dcp
 
         storage = as_storage(src, storage_options)
         source = read_dcp(storage)

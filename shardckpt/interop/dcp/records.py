@@ -1,7 +1,7 @@
 """DCP's metadata classes as plain records: a ``.metadata`` pickle decoded without importing
 torch or ``torch.distributed.checkpoint`` (whose imports are most of the start-up of an import).
 
-:class:`shardckpt.interop.dcp.import_.MetadataUnpickler` maps exactly the globals it allows (DCP's
+:class:`shardckpt.interop.dcp.source.MetadataUnpickler` maps exactly the globals it allows (DCP's
 metadata dataclasses, the ``FileSystemWriter``'s ``_StorageInfo``, ``_MEM_FORMAT_ENCODING``,
 ``torch.Size``, dtypes, ``torch.serialization._get_layout``) to these records (a tuple, the
 dtype's name) when asked for records; each record takes the state pickle gives a dataclass (its

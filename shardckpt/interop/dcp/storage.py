@@ -28,7 +28,6 @@ import dataclasses
 import io
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping
@@ -46,17 +45,20 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from shardckpt.storage import commit as _commit
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
+from shardckpt.checkpoint.attempt import Attempt, Steps
+from shardckpt.checkpoint.job import Job
+from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.format.chunked import (
-    ChunkRecord, ChunkedTensor, blob_name, box_byte_span, chunk_name,
+    ChunkRecord, ChunkedTensor, blob_name, chunk_name,
 )
-from shardckpt.errors import ConfigError, ManifestError, ShardckptError
+from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import Mesh, prod
 from shardckpt.storage import DEFAULT_TTL_S
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, FileEntry, TensorSlot
 from shardckpt.format.records import RunExtras
 from shardckpt.interop.dcp.metadata import chunked_section, dtype_name, section_metadata
+from shardckpt.interop.dcp.read_items import apply_boxes, locate, read_values
 from shardckpt.interop.safe_unpickle import check_value
 from shardckpt.storage import Storage
 
@@ -107,15 +109,13 @@ class ShardckptWriter(StorageWriter):
                  lease_ttl_s: float = DEFAULT_TTL_S, replace_existing: bool = False) -> None:
         super().__init__()
         self.replace_existing = replace_existing
-        self._replacing: bytes | None = None
         self.storage_options = dict(storage_options or {})
         # checked now: the keys shardckpt reads must have their types (docs/FORMAT.md 3.9)
         checked = RunExtras.from_doc(dict(extras or {}), "extras", f"ShardckptWriter of {url}").to_doc()
         self.chunk_size, self.extras, self.lease_ttl_s = chunk_size, checked, lease_ttl_s
         self.checkpoint_id = str(url)
         self.is_coordinator, self.rank = True, 0
-        self._lease: Any = None
-        self._save_id: str | None = None
+        self._attempt: Attempt[CheckpointWriter] | None = None  # the coordinator's
         self._storage: Storage | None = None
 
     @property
@@ -128,7 +128,6 @@ class ShardckptWriter(StorageWriter):
         if checkpoint_id is not None and str(checkpoint_id) != self.checkpoint_id:
             self.checkpoint_id, self._storage = str(checkpoint_id), None
         self._release()  # a lease left by an attempt that failed on another rank
-        self._save_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives") is False:
@@ -141,11 +140,21 @@ class ShardckptWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = new_save_id()
-        self._save_id = save_id
-        writer = CheckpointWriter(self.storage, CheckpointSpec(Mesh.for_world(1), {}), save_id)
-        self._lease = writer.lease(self.lease_ttl_s).__enter__()
-        self._replacing = _commit.current_manifest(self.storage) if self.replace_existing else None
+        """Coordinator: open the attempt (:mod:`shardckpt.checkpoint.attempt`, its steps driven
+        by DCP: open here, each rank's share in :meth:`write_data`, commit in :meth:`finish`):
+        a new save id, its lease, and with ``replace_existing`` the manifest to replace."""
+        self._release()
+        storage = self.storage
+
+        def replacing() -> bytes | None:
+            return _commit.current_manifest(storage) if self.replace_existing else None
+
+        attempt = Attempt(Job.single(), storage.url, Steps.named(f"dcp.save to {storage.url}"),
+                          lambda save_id: CheckpointWriter(storage, CheckpointSpec(Mesh.for_world(1), {}),
+                                                           save_id),
+                          guard=replacing, lease_ttl_s=self.lease_ttl_s)
+        save_id = attempt.open().save_id
+        self._attempt = attempt
         return [dataclasses.replace(p, storage_data=_Attempt(save_id, i)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -203,25 +212,24 @@ class ShardckptWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: build the manifest from DCP's metadata and the results, then commit."""
-        save_id = self._save_id
-        if save_id is None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is None:
             raise ShardckptError("ShardckptWriter.finish before prepare_global_plan")
         spec = CheckpointSpec(Mesh.for_world(max(1, len(results))), {}, extras=self.extras,
                               chunk_size=self.chunk_size, chunked=chunked_section(metadata, results))
         entries = {r.storage_data.entry.path: r.storage_data.entry for rs in results for r in rs}
-        writer = CheckpointWriter(self.storage, spec, save_id)
         try:
-            writer.commit(entries.values(), replacing=self._replacing)
-        except BaseException:
-            self._release()
-            writer.discard()
-            raise
-        self._release()
+            attempt.commit(lambda w, _: CheckpointWriter(self.storage, spec, w.save_id).commit(
+                entries.values(), replacing=attempt.guarded), [])
+        except BaseException as e:  # noqa: BLE001 - fail() discards the attempt and raises it
+            attempt.fail(e)
+        attempt.release()
 
     def _release(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.__exit__(None, None, None)
+        """Release the coordinator's lease (an attempt that will not commit here)."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            attempt.release()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id)
@@ -309,48 +317,22 @@ class ShardckptReader(StorageReader):
             self._read_flat(plan, planner)
             return _done(None)
         values = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
-        for item, data in self._read_values(r, values):  # all checked before any is handed over
+        for item, data in read_values(r, self._chunks, values, self.read_batch_bytes, self.workers,
+                                      self._check):  # all checked before any is handed over
             planner.load_bytes(item, io.BytesIO(data))
         batch: list[tuple[ReadItem, tuple[FileEntry, int, int], Any]] = []
         size = 0
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 continue
-            entry, a, b, src = self._locate(r, item)
+            entry, a, b, src = locate(r, self._chunks, item)
             batch.append((item, (entry, a, b), src))
             size += b - a
             if size >= self.read_batch_bytes:
-                self._apply(r, batch, planner)
+                apply_boxes(r, batch, planner, self.workers)
                 batch, size = [], 0
-        self._apply(r, batch, planner)
+        apply_boxes(r, batch, planner, self.workers)
         return _done(None)
-
-    def _read_values(self, r: CheckpointReader,
-                     items: list[ReadItem]) -> list[tuple[ReadItem, bytes]]:
-        """The bytes of each value item, in batches of at most ``read_batch_bytes``, each checked
-        (class docstring) unless ``allow_pickle``."""
-        out: list[tuple[ReadItem, bytes]] = []
-        batch: list[tuple[ReadItem, FileEntry, tuple[FileEntry, int, int]]] = []
-        size = 0
-
-        def flush() -> None:
-            views = r.read_ranges([req for _, _, req in batch], workers=self.workers)
-            for (item, entry, _), view in zip(batch, views, strict=True):
-                data = bytes(view)
-                self._check(data, item.storage_index.fqn, entry.path)
-                out.append((item, data))
-            batch.clear()
-
-        for item in items:
-            entry, a, b, _ = self._locate(r, item)
-            batch.append((item, entry, (entry, a, b)))
-            size += b - a
-            if size >= self.read_batch_bytes:
-                flush()
-                size = 0
-        if batch:
-            flush()
-        return out
 
     def _check(self, data: bytes, key: str, file: str) -> None:
         if not self.allow_pickle:
@@ -373,36 +355,6 @@ class ShardckptReader(StorageReader):
             target.copy_(self._flat.box(fqn, item.storage_offsets, item.lengths))
             planner.commit_tensor(item, target)
 
-    def _locate(self, r: CheckpointReader, item: ReadItem) -> tuple[FileEntry, int, int, Any]:
-        section = r.manifest.chunked
-        assert section is not None
-        fqn = item.storage_index.fqn
-        if item.type == LoadItemType.BYTE_IO:
-            blob = section.blobs.get(fqn)
-            if blob is None:
-                raise ManifestError(f"{r.url}: no value {fqn!r} in the checkpoint")
-            entry = r.manifest.file(blob.file)
-            return entry, entry.data_start + blob.begin, entry.data_start + blob.end, None
-        off = tuple(item.storage_index.offset or ())
-        found = self._chunks.get((fqn, off))
-        if found is None:
-            raise ManifestError(f"{r.url}: no chunk of {fqn!r} at offsets {list(off)}")
-        t, chunk = found
-        entry = r.manifest.file(chunk.file)
-        a, b = box_byte_span(chunk, itemsize(t.dtype), item.storage_offsets, item.lengths)
-        base = entry.data_start + chunk.begin
-        return entry, base + a, base + b, (t, chunk)
-
-    def _apply(self, r: CheckpointReader, batch: list, planner: LoadPlanner) -> None:
-        if not batch:
-            return
-        views = r.read_ranges([req for _, req, _ in batch], workers=self.workers)
-        for (item, _, src), view in zip(batch, views, strict=True):
-            t, chunk = src
-            target = planner.resolve_tensor(item)
-            target.copy_(_box_tensor(view, t.dtype, chunk, item.lengths))
-            planner.commit_tensor(item, target)
-
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
@@ -423,18 +375,3 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-def _box_tensor(view: memoryview, dtype: str, chunk: ChunkRecord, lengths: Any) -> torch.Tensor:
-    """The requested box as a (strided) tensor over ``view``, which starts at its first element."""
-    lengths = tuple(lengths)
-    if prod(lengths) == 0:
-        return torch.empty(lengths, dtype=getattr(torch, dtype))
-    strides = [1] * len(chunk.sizes)
-    for i in range(len(chunk.sizes) - 2, -1, -1):
-        strides[i] = strides[i + 1] * chunk.sizes[i + 1]
-    with warnings.catch_warnings():  # read-only bytes: the tensor is only copied from
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(view, dtype=torch.uint8)
-    flat = flat.view(getattr(torch, dtype))
-    return torch.as_strided(flat, lengths, tuple(strides))

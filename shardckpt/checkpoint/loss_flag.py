@@ -2,13 +2,14 @@
 
 gloo fails an operation with a dead peer only on the ranks that talk to that peer directly: a
 rank whose ring all-gather waits on a live neighbour that has itself failed and left waits until
-the process group's timeout. So the tier's agreements run in a worker thread here, and the
-calling thread watches a flag in the group's rendezvous store: the first rank whose agreement
-loses contact with another rank raises the flag, and every other rank, wherever its worker is
-blocked, raises a :class:`~shardckpt.errors.CollectiveError` ("lost contact") as soon as it sees
-the flag (or sees that the store itself is gone with the rank hosting it). The worker is left
-behind (a daemon thread; gloo ends its wait at the group's timeout): after a lost rank the
-group is unusable, and the job is restarted.
+the process group's timeout. So a watched agreement (:func:`shardckpt.checkpoint.collective.agree`
+with a ``flag``; a :class:`~shardckpt.checkpoint.job.Job` that carries one) runs in a worker
+thread (:func:`watch`), and the calling thread watches a flag in the group's rendezvous store:
+the first rank whose agreement loses contact with another rank raises the flag, and every other
+rank, wherever its worker is blocked, raises a :class:`~shardckpt.errors.CollectiveError` ("lost
+contact") as soon as it sees the flag (or sees that the store itself is gone with the rank
+hosting it). The worker is left behind (a daemon thread; gloo ends its wait at the group's
+timeout): after a lost rank the group is unusable, and the job is restarted.
 
 The flag's key names the operation (the save id for a peer copy), so a flag raised in one save
 never stops another.
@@ -21,7 +22,6 @@ import threading
 from typing import Any, TypeVar
 from collections.abc import Callable
 
-from shardckpt.checkpoint.collective import agree
 from shardckpt.errors import CollectiveError
 
 log = logging.getLogger(__name__)
@@ -42,11 +42,10 @@ class LossFlag:
     def for_group(cls, group: Any, key: str) -> LossFlag | None:
         """The flag ``key`` in ``group``'s store (the default group's where ``group`` is None);
         None without torch.distributed, or where this torch does not expose the store."""
-        from shardckpt.checkpoint.collective import is_distributed
-
-        if not is_distributed():
-            return None
         import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
         from torch.distributed import distributed_c10d as c10d
 
         try:
@@ -79,22 +78,29 @@ def lost_contact(e: BaseException) -> bool:
     return isinstance(e, CollectiveError) and not e.failures
 
 
-def watched_agree(fn: Callable[[], T], what: str, group: Any, flag: LossFlag | None,
-                  after_loss: Callable[[], str] | None = None) -> tuple[T | None, list[dict[str, Any]]]:
-    """:func:`~shardckpt.checkpoint.collective.agree` (``fn``, ``what``, ``group``), abandoned
-    as soon as any rank of the group reports another rank lost (see the module docstring).
-    ``after_loss()`` says what a loss leaves behind (asked when it happens)."""
-    if flag is None:
-        return agree(fn, what, group, after_loss=after_loss)
+def left_behind(after_loss: Callable[[], str] | None) -> str:
+    """``"; <what a loss left behind>"`` as ``after_loss()`` says it (asked now), or ""."""
+    if after_loss is None:
+        return ""
+    try:
+        return f"; {after_loss()}"
+    except Exception as probe:  # noqa: BLE001 - the lost contact is the error to report
+        return f"; could not tell what was left behind ({type(probe).__name__}: {probe})"
+
+
+def watch(work: Callable[[], T], what: str, flag: LossFlag,
+          after_loss: Callable[[], str] | None = None) -> T:
+    """``work()`` (an agreement), abandoned as soon as any rank raises ``flag`` (see the module
+    docstring); a lost contact ``work`` meets itself raises the flag for the others."""
     box: dict[str, Any] = {}
 
-    def work() -> None:
+    def run() -> None:
         try:
-            box["out"] = agree(fn, what, group, after_loss=after_loss)
+            box["out"] = work()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             box["err"] = e
 
-    worker = threading.Thread(target=work, name=f"shardckpt-agree-{flag.key}", daemon=True)
+    worker = threading.Thread(target=run, name=f"shardckpt-agree-{flag.key}", daemon=True)
     worker.start()
     while True:
         worker.join(POLL_S)
@@ -102,18 +108,13 @@ def watched_agree(fn: Callable[[], T], what: str, group: Any, flag: LossFlag | N
             break
         seen = flag.seen()
         if seen is not None:
-            state = ""
-            if after_loss is not None:
-                try:
-                    state = f"; {after_loss()}"
-                except Exception as probe:  # noqa: BLE001 - the lost contact is the error
-                    state = f"; could not tell what was left behind ({probe})"
-            raise CollectiveError(f"{what}: lost contact with another rank ({seen}){state}")
+            raise CollectiveError(f"{what}: lost contact with another rank ({seen})"
+                                  f"{left_behind(after_loss)}")
     err = box.get("err")
     if err is not None:
         if lost_contact(err):
             cause = err.__cause__ or err
             flag.raise_flag(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
         raise err
-    out: tuple[T | None, list[dict[str, Any]]] = box["out"]
+    out: T = box["out"]
     return out
