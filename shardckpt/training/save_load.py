@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from shardckpt.checkpoint.trust import SigningKey, Trust
 from shardckpt.checkpoint.reader import CheckpointReader, as_storage, read_manifest
 from shardckpt.checkpoint.references import RunFiles, reference_to
+from shardckpt.checkpoint.replica_check import ReplicaCheck
 from shardckpt.checkpoint.run_dir import STEP_DIR
 
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
@@ -117,11 +118,14 @@ class SaveJob:
     snapshot: Any = None                    # offload files: copies on their disk (``take``)
     failure: BaseException | None = None    # of stage(); raised by run() on every rank
     previous: str | None = None             # rank 0's: the run's previous committed checkpoint
+    replicas: ReplicaCheck | None = None    # HSDP: replicas compare chunk CRCs before the commit
 
     def stage(self) -> None:
         """Copy the live shards aside (into the staging buffers; where they hold ``None``, into
         ``snapshot``); afterwards training may go on. A failure is raised by :meth:`run`,
         inside its collective agreement, so that every rank sees it."""
+        if self.replicas is not None:  # a replica that writes nothing: its CRCs, before they change
+            self.replicas.take()
         if self.staging is None or self.shard is None:
             return
         try:
@@ -231,11 +235,14 @@ class SaveJob:
         self.previous = previous or None
         self.writer = writer = CheckpointWriter(as_storage(self.url, self.storage_options), self.spec,
                                                 save_id)
+        write = self.write_files if self.replicas is None else self.replicas.around(self.write_files, save_id)
         # rank 0, which commits, holds the attempt's lease: `shardckpt clean` leaves it alone
         with writer.lease(hold=self.rank == 0):
-            _, reports = agree(self.write_files, f"save to {self.url}", self.group,
+            _, reports = agree(write, f"save to {self.url}", self.group,
                                after_loss=lambda: self.commit_status(committing=False))
             entries = [FileEntry.from_doc(d) for rep in reports for d in rep["payload"]]
+            if self.replicas is not None:  # HSDP: ReplicaMismatchError on every rank, no commit
+                self.replicas.compare(save_id, entries, self.url, self.group)
 
             def commit() -> str | None:
                 return writer.commit(entries).save_id if self.rank == 0 else None
@@ -264,7 +271,8 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
                staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None,
-               previous: str | None = None, signing_key: SigningKey | None = None) -> SaveJob:
+               previous: str | None = None, signing_key: SigningKey | None = None,
+               check_replicas: bool = True) -> SaveJob:
     """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
     With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
@@ -276,6 +284,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     ``previous``: the URL of the run's previous committed checkpoint, a sibling of ``url`` (rank
     0's is used on every rank). A frozen file whose bytes did not change since it is not written
     again: the manifest references that checkpoint's file (docs/FORMAT.md section 15).
+    ``check_replicas`` (HSDP): replicas compare chunk CRCs before the commit (:mod:`.replica_check`).
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
@@ -287,8 +296,9 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     shards = model.local_shards() if writes else {}
     buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
+    check = ReplicaCheck.of(spec, rank, writes, lambda: ShardBytes(model.local_shards()), check_replicas)
     return SaveJob(url, spec, storage_options, rank, shard if writes else None, shards, buffers,
-                   state, staging, group, snapshot=snapshot, previous=previous)
+                   state, staging, group, snapshot=snapshot, previous=previous, replicas=check)
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
