@@ -59,6 +59,7 @@ from shardckpt.checkpoint.trust import SigningKey, Trust, signing_key as load_si
 from shardckpt.checkpoint.collective import agree, is_distributed, rank_and_world
 from shardckpt.errors import CollectiveError, ConfigError, IntegrityError, ShardckptError
 from shardckpt.checkpoint.run_dir import CheckpointManager
+from shardckpt.checkpoint.thin import resign_with
 from shardckpt.checkpoint.set_aside import raise_damaged_role
 from shardckpt.format.manifest import Manifest
 from shardckpt.format.records import RunExtras, per_rank_state, run_extras
@@ -122,7 +123,8 @@ class Checkpointer:
         self.engine = engine
         self.signing_key = load_signing_key(signing_key)  # a path: read once, here
         self.app_state = dict(app_state or {})
-        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every, keep_optimizer_last=keep_optimizer_last)
+        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every, keep_optimizer_last=keep_optimizer_last,
+                                         resign=resign_with(self.signing_key) if self.signing_key else None)
         self.storage_options = storage_options
         self.chunk_size = chunk_size
         self.seed = seed
