@@ -9,7 +9,10 @@ rank's fp32 master shard in memory (what a silent memory error does) and saves a
 * ``writer_sync``: the flip is on rank 3, which writes shard 1 (synchronous save);
 * ``replica_async``: the flip is on rank 2, which writes nothing (async save: its CRCs are taken
   when the shards are copied aside); a flip made after that, while the write goes on, belongs to
-  the next save, not this one: that save commits, and the next one is refused.
+  the next save, not this one: that save commits, and the next one is refused;
+* ``frozen_replica``: two linear units, the first frozen; the flip is in the frozen group on
+  rank 1, which writes nothing; the writer's step-2 entry is a reference to step 1's frozen file
+  (its bytes did not change), which the error names.
 
 Each expects the error on every rank, the chunk computed here from the flipped element's byte
 offset, no manifest in the failed step, ``latest`` unchanged, and a clean save once the bit is
@@ -41,13 +44,14 @@ def _shared_dir(pm: Any) -> str:
     return broadcast_bytes(mine, 0).decode()
 
 
-def _flip(engine: Any, rank: int, who: int) -> tuple[str, int]:
-    """Flip bit 3 of an element three quarters into the largest group's master (some chunks in)
-    on rank ``who`` (every rank calls): (the slot's name, the element)."""
+def _flip(engine: Any, rank: int, who: int, frozen: bool = False) -> tuple[str, int]:
+    """Flip bit 3 of an element three quarters into the largest (``frozen``: frozen) group's
+    master (some chunks in) on rank ``who`` (every rank calls): (the slot's name, the element)."""
     import torch
 
     shards = engine.local_shards()
-    group = max(sorted(shards), key=lambda g: shards[g]["master"].numel())
+    grad = {g.name: g.requires_grad for g in engine.layout.groups}
+    group = max(sorted(g for g in shards if grad[g] != frozen), key=lambda g: shards[g]["master"].numel())
     element = shards[group]["master"].numel() * 3 // 4
     if rank == who:
         with torch.no_grad():
@@ -55,15 +59,17 @@ def _flip(engine: Any, rank: int, who: int) -> tuple[str, int]:
     return f"{group}.master", element
 
 
-def _expected_chunk(url: str, shard: int, slot_name: str, element: int) -> int:
-    """The chunk of shard file ``shard`` holding ``element`` of ``slot_name`` (from a committed checkpoint
-    of the same layout: its header size and the slot's offset)."""
+def _expected_chunk(url: str, shard: int, slot_name: str, element: int, role: str) -> int:
+    """The chunk of the ``role`` file of ``shard`` holding ``element`` of ``slot_name`` (from a
+    committed checkpoint of the same layout: its header size and the slot's offset)."""
     from shardckpt.checkpoint.reader import CheckpointReader
-    from shardckpt.format.manifest import shard_slots
+    from shardckpt.format.manifest import frozen_slots, shard_slots
 
     m = CheckpointReader(url).manifest
-    entry = next(f for f in m.files if f.role == "shard" and f.index == shard)
-    slot = next(s for s in shard_slots(m.components, m.mesh) if s.name == slot_name)
+    entry = next(f for f in m.files if f.role == role and f.index == shard)
+    slots = frozen_slots(m.components, m.mesh) if role == "frozen" else \
+        shard_slots(m.components, m.mesh, frozen=m.frozen)
+    slot = next(s for s in slots if s.name == slot_name)
     return (entry.data_start + slot.begin + 4 * element) // CHUNK
 
 
@@ -88,7 +94,7 @@ def _refused(ckpt: Any, step: int, run: str, expect: dict[str, Any], save: Calla
         if type(e).__name__ != "ReplicaMismatchError":
             problems.append(f"step {step}: {type(e).__name__}: {text}")
         want = [f"ranks {expect['ranks']}", expect["file"], f"chunk {expect['chunk']} ",
-                "silent data corruption", "previous checkpoint stays the latest"]
+                "silent data corruption", "previous checkpoint stays the latest", *expect["also"]]
         problems += [f"step {step}: the error does not say {w!r}: {text}" for w in want if w not in text]
     else:
         problems.append(f"step {step}: a save with a flipped bit in one replica committed")
@@ -100,7 +106,21 @@ def _refused(ckpt: Any, step: int, run: str, expect: dict[str, Any], save: Calla
     return problems
 
 
-def _case(pm: Any, flipped: int, async_save: bool) -> list[str]:
+def _frozen_engine(hsdp: Any) -> Any:
+    """Two linear units, the first frozen (its bytes go to ``frozen`` files), and AdamW."""
+    import torch
+    from torch import nn
+
+    from shardckpt.runtime import ShardedAdamW, ZeroEngine
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    net[0].requires_grad_(False)
+    engine = ZeroEngine(net, policy=(nn.Linear,), process_mesh=hsdp, deterministic=True)
+    return engine, ShardedAdamW(engine)
+
+
+def _case(pm: Any, flipped: int, async_save: bool, frozen: bool = False) -> list[str]:
     from shardckpt.checkpoint.run_dir import step_dir
     from shardckpt.format.layout import Mesh
     from shardckpt.runtime.mesh import ProcessMesh
@@ -108,8 +128,11 @@ def _case(pm: Any, flipped: int, async_save: bool) -> list[str]:
     from testing.engines import tiny_engine, tiny_step
 
     hsdp = ProcessMesh.from_process_group(Mesh.hsdp(2, 2))
-    engine, opt = tiny_engine(hsdp)
-    tiny_step(engine, opt, 0, pm.rank)
+    if frozen:
+        engine, opt = _frozen_engine(hsdp)
+    else:
+        engine, opt = tiny_engine(hsdp)
+        tiny_step(engine, opt, 0, pm.rank)
     root = _shared_dir(pm)
     run = f"{root}/run"
     ckpt = Checkpointer(run, engine, async_save=async_save, chunk_size=CHUNK, keep_last=None)
@@ -117,12 +140,15 @@ def _case(pm: Any, flipped: int, async_save: bool) -> list[str]:
     try:
         ckpt.save(1)
         ckpt.wait()
-        slot, element = _flip(engine, pm.rank, flipped)
+        slot, element = _flip(engine, pm.rank, flipped, frozen)
         shard = engine.layout.mesh.shard_rank(flipped)
-        expect = {"ranks": "1, 3" if flipped == 3 else "0, 2", "file": f"shard-{shard:05d}-of-00002",
-                  "chunk": _expected_chunk(f"{run}/{step_dir(1)}", shard, slot, element)}
+        role = "frozen" if frozen else "shard"
+        # a frozen file is referenced from step 1 (unchanged bytes): the reference is named
+        expect = {"ranks": "1, 3" if flipped in (1, 3) else "0, 2", "file": f"{role}-{shard:05d}-of-00002",
+                  "also": [f"../{step_dir(1)}/"] if frozen else [],
+                  "chunk": _expected_chunk(f"{run}/{step_dir(1)}", shard, slot, element, role)}
         problems += _refused(ckpt, 2, run, expect, lambda: (ckpt.save(2), ckpt.wait()))
-        _flip(engine, pm.rank, flipped)  # back: the replicas agree again
+        _flip(engine, pm.rank, flipped, frozen)  # back: the replicas agree again
         if async_save:  # a flip once the shards are copied aside belongs to the next save
             ckpt.save(3)
             ckpt.wait_staged()
@@ -155,8 +181,13 @@ def case_replica_async(pm: Any) -> list[str]:
     return _case(pm, flipped=2, async_save=True)
 
 
+def case_frozen_replica(pm: Any) -> list[str]:
+    return _case(pm, flipped=1, async_save=False, frozen=True)
+
+
 CASES: dict[str, Callable[..., Any]] = {"writer_sync": case_writer_sync,
-                                        "replica_async": case_replica_async}
+                                        "replica_async": case_replica_async,
+                                        "frozen_replica": case_frozen_replica}
 
 reports = case_suite(__name__, CASES, lambda world: list(CASES) if world == 4 else [], [4],
                      timeout_s=180)
@@ -168,3 +199,7 @@ def test_a_flipped_bit_in_the_writing_replica_fails_the_save(reports):
 
 def test_a_flipped_bit_in_a_replica_that_writes_nothing_fails_the_async_save(reports):
     check_case(reports, "replica_async")
+
+
+def test_a_flipped_bit_in_a_frozen_group_of_a_replica_fails_the_save(reports):
+    check_case(reports, "frozen_replica")
