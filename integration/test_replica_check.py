@@ -2,9 +2,10 @@
 ranks, the file and the chunk; nothing is committed and ``latest`` keeps the previous step.
 
 On a 2 x 2 mesh shard 0 is written by rank 0 (replica 0) and shard 1 by rank 3 (replica 1);
-ranks 1 and 2 write no shard and compare. Each case trains the tiny Llama one step in a
-deterministic engine (replicas bit for bit alike), saves a clean step, then flips one bit of one
-rank's fp32 master shard in memory (what a silent memory error does) and saves again:
+ranks 1 and 2 write no shard and compare. Each case trains the tiny Llama one step (in the
+runtime's default mode for the synchronous case, deterministic mode for the async one: replicas
+agree bit for bit in both), saves a clean step, then flips one bit of one rank's fp32 master shard
+in memory (what a silent memory error does) and saves again:
 
 * ``writer_sync``: the flip is on rank 3, which writes shard 1 (synchronous save);
 * ``replica_async``: the flip is on rank 2, which writes nothing (async save: its CRCs are taken
@@ -131,7 +132,8 @@ def _case(pm: Any, flipped: int, async_save: bool, frozen: bool = False) -> list
     if frozen:
         engine, opt = _frozen_engine(hsdp)
     else:
-        engine, opt = tiny_engine(hsdp)
+        # the runtime's default mode for the synchronous case: replicas agree bit for bit there too
+        engine, opt = tiny_engine(hsdp, deterministic=async_save)
         tiny_step(engine, opt, 0, pm.rank)
     root = _shared_dir(pm)
     run = f"{root}/run"
