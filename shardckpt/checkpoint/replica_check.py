@@ -2,7 +2,7 @@
 
 With HSDP (replicate degree R > 1) the R replicas of shard rank ``s`` hold the same bytes, bit
 for bit: gradients are reduced across replicas before every step and the optimizer step works
-element by element. Only replica ``s % R`` writes shard ``s`` (docs/FORMAT.md section 4). A rank
+element by element. Only replica ``s % R`` writes shard ``s`` (docs/FORMAT.md sections 3.3, 8). A rank
 whose memory or arithmetic went wrong without an error (silent data corruption) holds other
 bytes, and nothing else would notice: a checkpoint written from it reads back with every CRC
 right, and a run resumed from it carries the damage on. So every replica that writes nothing
