@@ -265,6 +265,7 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
     ck_async.wait()
     times: dict[str, list[float]] = {v: [] for v in variants}
     times["async_total"] = []
+    cpu: dict[str, list[float]] = {v: [] for v in ("shardckpt", "digests", "signed")}  # all threads
     cold, nbytes = True, {"raw": 0}
     for rep in range(reps):
         step = rep + 1
@@ -272,11 +273,15 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
             if v in ("digests", "signed"):
                 target = os.path.join(work, v)
                 cold &= _prepare(rank, lambda t=target: _remove(t), settle_s)
+                c0 = time.process_time()
                 dt, m = _timed(lambda t=target, s=v == "signed": _digest_save(engine, t, s))
+                cpu[v].append(time.process_time() - c0)
                 nbytes[v] = m.total_bytes
             elif v == "shardckpt":
                 cold &= _prepare(rank, lambda: _remove(ours), settle_s)
+                c0 = time.process_time()
                 dt, m = _timed(lambda: save(engine, ours))
+                cpu[v].append(time.process_time() - c0)
                 nbytes["shardckpt"] = m.total_bytes
             elif v == "dcp":
                 cold &= _prepare(rank, lambda: _remove(theirs), settle_s)
@@ -316,7 +321,7 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
                 times["async_total"].append(time.perf_counter() - t0)
             times[v].append(dt)
     ck_async.close()
-    return {"rank": rank, "times": times, "bytes": nbytes, "cold": cold, "setup_s": setup_s,
+    return {"rank": rank, "times": times, "cpu": cpu, "bytes": nbytes, "cold": cold, "setup_s": setup_s,
             "first_async_blocking_s": first_blocking, "digest": digest, "fsdp_digest": fsdp_sha,
             "params": sum(p.numel for p in engine.layout.params)}
 

@@ -39,6 +39,11 @@ class IntegrityError(IncompleteCheckpointError):
     """Bytes read back do not match their recorded checksum or size."""
 
 
+class ReplicaMismatchError(ShardckptError):
+    """HSDP replicas of a shard hold different bytes at a save (silent data corruption on one of
+    the ranks named); the save is not committed (:mod:`shardckpt.checkpoint.replica_check`)."""
+
+
 class TrustError(ShardckptError):
     """A checkpoint read with ``trust`` is unsigned, signed by a key not trusted, or its bytes do
     not match what its signed manifest records (docs/FORMAT.md section 16)."""

@@ -14,6 +14,9 @@ does them all):
    of rank 0's save id. From here on a failure discards what the attempt wrote.
 2. :meth:`~Attempt.write` (one agreement): each process writes its share and reports it (JSON);
    every process learns every report, in rank order.
+   Then ``check_written(writer, reports)`` on every process, where given: a check of what was
+   written that every process takes part in (it may run its own agreements: HSDP's replica
+   check); its error fails the attempt like a write's.
 3. :meth:`~Attempt.commit` (one agreement): on rank 0, ``verify_before_commit(writer, reports)``
    (a last check of what every process wrote: the place for a check that must pass before
    anything is committed; its error fails the attempt like a write's), then ``commit(writer,
@@ -90,11 +93,12 @@ class Attempt(Generic[W]):
                  tell_guard: bool = False, room: Callable[[W], None] | None = None,
                  discard: bool = True, lease_ttl_s: float = DEFAULT_TTL_S,
                  after_loss: Callable[[bool], str] | None = None,
-                 verify_before_commit: Callable[[W, list[Any]], None] | None = None) -> None:
+                 verify_before_commit: Callable[[W, list[Any]], None] | None = None,
+                 check_written: Callable[[W, list[Any]], None] | None = None) -> None:
         self.job, self.where, self.steps, self.open_writer = job, where, steps, open_writer
         self.save_id, self.guard, self.tell_guard, self.room = save_id, guard, tell_guard, room
         self.discard, self.lease_ttl_s, self.after_loss = discard, lease_ttl_s, after_loss
-        self.verify_before_commit = verify_before_commit
+        self.verify_before_commit, self.check_written = verify_before_commit, check_written
         self.writer: W | None = None      # this process's, once open
         self.guarded: Any = None          # guard()'s result: rank 0's (every process's with tell_guard)
         self.committed: Any = None        # commit()'s result, on rank 0 once committed
@@ -174,6 +178,8 @@ class Attempt(Generic[W]):
             with self._held:  # the lease, released before a failed attempt is discarded
                 self.open()
                 self.write(share)
+                if self.check_written is not None:
+                    self.check_written(self._writer(), self.reports)
                 self.commit(commit)
         except BaseException as e:  # noqa: BLE001 - fail() raises it unless committed
             self.fail(e)

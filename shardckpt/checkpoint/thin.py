@@ -49,6 +49,7 @@ from shardckpt.format.manifest import (
     MANIFEST_NAME, SAFE_NAME, Component, FileEntry, Manifest, TensorSlot, shard_slots, to_json,
 )
 from shardckpt.format.manifest_parse import parse
+from shardckpt.format.signing import SigningKey
 from shardckpt.storage import Storage, commit as _commit
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,13 @@ _OLD_SHARD = re.compile(r"shard-[0-9]{5,9}-of-[0-9]{5,9}\.safetensors\Z")
 Hook = Callable[[str], None]
 #: ``resign(manifest_bytes) -> manifest_bytes``: signs a thinned manifest (a signed checkpoint).
 Resign = Callable[[bytes], bytes]
+
+
+def resign_with(key: SigningKey) -> Resign:
+    """The :data:`Resign` of a caller that holds ``key``: the thinned manifest signed with it."""
+    def resign(data: bytes) -> bytes:
+        return to_json(parse(data, "thinned manifest"), key)
+    return resign
 
 
 def optimizer_kinds(m: Manifest) -> list[str]:
@@ -159,6 +167,8 @@ def thin(storage: Storage, resign: Resign | None = None, on_point: Hook | None =
     new_id = new_save_id()
     old_shards = [f for f in m.files if f.role == "shard"]
     spec = _weights_spec(m, new_id, [f.path for f in old_shards])
+    # the new shard files get digests where the old ones had them (every file of a signed one)
+    spec.digests = signed or all(f.sha256 is not None for f in m.files)
     writer = CheckpointWriter(storage, spec, new_id)
     with writer.lease():
         try:

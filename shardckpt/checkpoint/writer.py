@@ -50,6 +50,20 @@ def shard_file_name(save_id: str, shard: int, shard_degree: int) -> str:
     return f"{save_id}/shard-{shard:05d}-of-{shard_degree:05d}.safetensors"
 
 
+def shard_header(slots: list[TensorSlot], save_id: str, shard: int, shard_degree: int) -> bytes:
+    """The header of shard file ``shard`` of save ``save_id`` (its length does not depend on
+    which save id: :func:`new_save_id` gives ids of one length)."""
+    return build_header(slots, {"format": "shardckpt", "version": file_version("shard"),
+                                "save_id": save_id, "shard": str(shard),
+                                "shard_degree": str(shard_degree)})
+
+
+def frozen_header(slots: list[TensorSlot], shard: int, shard_degree: int) -> bytes:
+    """The header of ``frozen`` file ``shard`` (:meth:`CheckpointWriter.frozen_header`)."""
+    return build_header(slots, {"format": "shardckpt", "version": file_version(FROZEN_ROLE),
+                                "shard": str(shard), "shard_degree": str(shard_degree)})
+
+
 @dataclass
 class CheckpointSpec:
     """Everything a manifest says except its files: what a writer is asked to write."""
@@ -133,16 +147,13 @@ class CheckpointWriter:
         """Stream shard ``shard``: ``produce(slot)`` yields the bytes of each ``<group>.<kind>``."""
         S = self.spec.mesh.shard_degree
         rel = shard_file_name(self.save_id, shard, S)
-        return self._stream(rel, "shard", shard, self.slots, produce,
-                            {"shard": str(shard), "shard_degree": str(S)})
+        return self._stream(rel, "shard", shard, self.slots, produce, {},
+                            shard_header(self.slots, self.save_id, shard, S))
 
     def frozen_header(self, shard: int) -> bytes:
         """The header of ``frozen`` file ``shard``: no save id in it, so that the file of a later
         save whose frozen bytes did not change is byte for byte the same (and its CRC32C too)."""
-        S = self.spec.mesh.shard_degree
-        return build_header(self.frozen_slots, {"format": "shardckpt",
-                                                "version": file_version(FROZEN_ROLE),
-                                                "shard": str(shard), "shard_degree": str(S)})
+        return frozen_header(self.frozen_slots, shard, self.spec.mesh.shard_degree)
 
     def write_frozen(self, shard: int, produce: Producer) -> FileEntry:
         """Stream frozen file ``shard`` (format 1.3): the slots of the frozen groups."""

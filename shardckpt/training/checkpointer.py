@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from shardckpt.checkpoint.collective import is_distributed, rank_and_world
 from shardckpt.checkpoint.resume_policy import resume_newest
 from shardckpt.checkpoint.run_dir import CheckpointManager
+from shardckpt.checkpoint.thin import resign_with
 from shardckpt.checkpoint.tiers import LocalTier
 from shardckpt.checkpoint.trust import SigningKey, Trust, signing_key as load_signing_key
 from shardckpt.errors import ConfigError
@@ -110,7 +111,10 @@ class Checkpointer:
         self.rank, self.world_size = rank_and_world()
         self.state = RunState(engine, dict(app_state or {}), seed, self.rank, self.world_size,
                               storage_options, chunk_size, load_signing_key(signing_key))
-        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every, keep_optimizer_last=keep_optimizer_last)
+        key = self.state.signing_key
+        self.manager = CheckpointManager(run_url, keep_last, storage_options, keep_every=keep_every,
+                                         keep_optimizer_last=keep_optimizer_last,
+                                         resign=resign_with(key) if key else None)
         self.async_save = async_save
         self.hf_config = (hf_config_dict(hf_config) if hf_config is not None
                           else default_hf_config(engine))

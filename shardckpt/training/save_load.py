@@ -21,6 +21,7 @@ from shardckpt.checkpoint.attempt import Attempt, Steps
 from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter
 from shardckpt.checkpoint.collective import agree, rank_and_world
+from shardckpt.checkpoint.replica_check import ReplicaCheck
 from shardckpt.errors import IncompatibleLayoutError, ManifestError
 from shardckpt.format.layout import Layout
 from shardckpt.format.reshard_plan import plan_reshard
@@ -108,6 +109,7 @@ class SaveJob:
     snapshot: Any = None                    # offload files: copies on their disk (``take``)
     failure: BaseException | None = None    # of stage(); raised by run() on every rank
     previous: str | None = None             # rank 0's: the run's previous committed checkpoint
+    replicas: ReplicaCheck | None = None    # HSDP: replicas compare chunk CRCs before the commit
 
     @property
     def url(self) -> str:
@@ -117,6 +119,8 @@ class SaveJob:
         """Copy the live shards aside (into the staging buffers; where they hold ``None``, into
         ``snapshot``); afterwards training may go on. A failure is raised by :meth:`run`,
         inside its collective agreement, so that every rank sees it."""
+        if self.replicas is not None:  # a replica that writes nothing: its CRCs, before they change
+            self.replicas.take()
         if self.staging is None or self.shard is None:
             return
         try:
@@ -176,15 +180,22 @@ class SaveJob:
         def entries(reports: list[Any]) -> list[FileEntry]:
             return [FileEntry.from_doc(d) for rep in reports for d in rep]
 
+        def replicas_agree(writer: CheckpointWriter, reports: list[Any]) -> None:
+            if self.replicas is not None:  # HSDP: ReplicaMismatchError on every rank, no commit
+                self.replicas.compare(writer.save_id, entries(reports), self.url, self.group)
+
         attempt = Attempt(Job.of_group(self.group), self.url,
                           Steps(f"plan of the save to {self.url}", f"save to {self.url}",
                                 f"commit of {self.url}"),
                           lambda save_id: CheckpointWriter(self.storage, self.spec, save_id),
                           guard=previous, tell_guard=True, discard=False,
-                          after_loss=lambda committing: self.commit_status(committing, attempt.writer))
+                          after_loss=lambda committing: self.commit_status(committing, attempt.writer),
+                          check_written=replicas_agree)
 
         def write(writer: CheckpointWriter) -> list[dict[str, Any]]:
             self.previous = attempt.guarded or None
+            if self.replicas is not None:  # a replica that writes nothing: its CRCs, meanwhile
+                self.replicas.take(writer.save_id)
             return self.write_files(writer)
 
         m = attempt.run(write, lambda w, reports: w.commit(entries(reports)))
@@ -211,7 +222,8 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
                storage_options: Mapping[str, Any] | None = None, chunk_size: int | None = None,
                group: Any = None, rank_state: Mapping[str, Any] | None = None,
                staging: dict[str, dict[str, Any]] | None = None, snapshot: Any = None,
-               previous: str | None = None, signing_key: SigningKey | None = None) -> SaveJob:
+               previous: str | None = None, signing_key: SigningKey | None = None,
+               check_replicas: bool = True) -> SaveJob:
     """Snapshot what is small (buffers, rank state, metadata) and plan this rank's writes. Local.
 
     With ``staging`` (tensors shaped like ``local_shards()``, allocated once by the caller),
@@ -223,6 +235,7 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     ``previous``: the URL of the run's previous committed checkpoint, a sibling of ``url`` (rank
     0's is used on every rank). A frozen file whose bytes did not change since it is not written
     again: the manifest references that checkpoint's file (docs/FORMAT.md section 15).
+    ``check_replicas`` (HSDP): replicas compare chunk CRCs before the commit (:mod:`.replica_check`).
     """
     rank, _ = rank_and_world(group)
     mesh = model.layout.mesh
@@ -234,8 +247,9 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     shards = model.local_shards() if writes else {}
     buffers = {f: t.detach().clone() for f, t in model.buffers().items()} if rank == 0 else {}
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
+    check = ReplicaCheck.of(spec, rank, writes, lambda: ShardBytes(model.local_shards()), check_replicas)
     return SaveJob(as_storage(url, storage_options), spec, rank, shard if writes else None, shards,
-                   buffers, state, staging, group, snapshot=snapshot, previous=previous)
+                   buffers, state, staging, group, snapshot=snapshot, previous=previous, replicas=check)
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
