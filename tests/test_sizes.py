@@ -22,21 +22,6 @@ FILE_EXCEPTIONS: dict[str, str] = {}
 #: Functions allowed over the budget for good ("path::qualified.name" -> reason).
 FUNCTION_EXCEPTIONS: dict[str, str] = {}
 
-#: IN PROGRESS, to be emptied as that work lands: files being split right now by other changes
-#: (issue 40's attempt, tiers and seams work). The file and every function in it are exempt for
-#: now (some are within budget today, but are being rewritten). An entry whose file is gone fails
-#: ``test_no_stale_exemptions``.
-IN_PROGRESS: frozenset[str] = frozenset({
-    "shardckpt/format/chunked.py",
-    "shardckpt/interop/dcp/storage.py",
-    "shardckpt/interop/dcp/import_.py",
-    "shardckpt/interop/deepspeed/export.py",
-    "shardckpt/training/save_load.py",
-    "shardckpt/training/checkpointer.py",
-    "shardckpt/training/tiers.py",
-    "shardckpt/integrations/transformers.py",
-    "shardckpt/integrations/torchtitan.py",
-})
 
 
 def _library_files() -> list[Path]:
@@ -76,7 +61,7 @@ def _over_budget_functions(path: Path) -> list[tuple[str, int, int]]:
 
 def test_no_library_file_over_budget() -> None:
     over = [f"{_rel(p)}: {n} lines" for p in _library_files()
-            if (n := _lines(p)) > MAX_FILE_LINES and _rel(p) not in set(FILE_EXCEPTIONS) | IN_PROGRESS]
+            if (n := _lines(p)) > MAX_FILE_LINES and _rel(p) not in FILE_EXCEPTIONS]
     assert not over, (f"over {MAX_FILE_LINES} lines; split by responsibility into well-named "
                       "modules:\n" + "\n".join(over))
 
@@ -84,8 +69,6 @@ def test_no_library_file_over_budget() -> None:
 def test_no_function_over_budget() -> None:
     over = []
     for path in _library_files():
-        if _rel(path) in IN_PROGRESS:
-            continue
         for name, line, n in _over_budget_functions(path):
             if f"{_rel(path)}::{name}" not in FUNCTION_EXCEPTIONS:
                 over.append(f"{_rel(path)}:{line} {name}: {n} lines")
@@ -95,7 +78,7 @@ def test_no_function_over_budget() -> None:
 def test_no_stale_exemptions() -> None:
     """Every exemption names a file that exists; a permanent one, a file (or function) that is
     still over the budget."""
-    stale = [f"{rel}: no such file" for rel in sorted(set(FILE_EXCEPTIONS) | IN_PROGRESS)
+    stale = [f"{rel}: no such file" for rel in sorted(FILE_EXCEPTIONS)
              if not (ROOT / rel).is_file()]
     stale += [f"{rel}: within budget now" for rel in sorted(FILE_EXCEPTIONS)
               if (ROOT / rel).is_file() and _lines(ROOT / rel) <= MAX_FILE_LINES]
