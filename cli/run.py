@@ -17,7 +17,7 @@ import sys
 COMMAND_MODULES = {
     "synth": "commands", "inspect": "commands", "verify": "commands", "estimate": "estimate",
     "reshard": "reshard", "clean": "clean", "demo": "demo", "consolidate": "offline",
-    "diff": "offline", "watch": "watch", "import": "importers", "export": "importers",
+    "diff": "offline", "watch": "watch", "import": "importers", "export": "exporters",
     "sign": "sign",
 }
 
