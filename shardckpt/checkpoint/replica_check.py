@@ -33,7 +33,7 @@ from shardckpt.format.layout import REPLICATE_AXIS, Mesh
 from shardckpt.format.manifest import (
     FROZEN_ROLE, FileEntry, TensorSlot, frozen_slots, shard_slots,
 )
-from shardckpt.storage.writer import crc32c_combine
+from shardckpt.storage import crc32c_combine
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ from shardckpt.storage.retry import (
     DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
 )
 from shardckpt.storage.digest import ChunkHasher, hash_chunks
-from shardckpt.storage.writer import StreamWriter, crc32c
+from shardckpt.storage.writer import StreamWriter, crc32c, crc32c_combine
 from shardckpt.storage.checked import ChunkCheck, read_checked, spans
 from shardckpt.storage.links import check_inside, resolve_inside
 from shardckpt.storage.places import contains
@@ -97,7 +97,7 @@ __all__ = [
     "LEASE_PREFIX", "Lease", "LocalBackend", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "Reader",
     "Request", "RetryPolicy", "Ring", "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Slot", "Staged", "Storage",
     "StorageBackend", "StreamWriter", "Tuning", "abort_upload", "backend_class", "check_inside", "commit",
-    "contains", "crc32c", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until", "local_path",
+    "contains", "crc32c", "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until", "local_path",
     "local_reader", "mapped_errors", "open_regular", "open_storage", "pipelined_reads", "private_storage",
     "read_ahead", "read_checked", "read_local_into", "resolve_inside", "spans", "split_options",
     "storage_options_from_env", "whoami", "write_positioned",
