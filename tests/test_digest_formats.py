@@ -139,3 +139,14 @@ def test_a_signed_consolidation_of_either_algorithm_checks(tmp_path, monkeypatch
     weights.write_bytes(bytes(good))
     with pytest.raises(TrustError, match="its digest differs"):
         consolidate_sign.check_consolidation(str(hf), pub)
+
+
+def test_digests_true_says_once_in_the_log_which_algorithm(caplog):
+    from shardckpt.format import digests
+
+    digests._default.cache_clear()
+    with caplog.at_level("INFO", logger="shardckpt.format.digests"):
+        assert digests.algorithm_for(True) == digests.algorithm_for(True) == BLAKE3
+        assert digests.algorithm_for(SHA256) == SHA256
+    said = [r.getMessage() for r in caplog.records if r.name == "shardckpt.format.digests"]
+    assert said == ["file digests: BLAKE3 (manifest format 1.5)"]
