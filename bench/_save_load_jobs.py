@@ -6,9 +6,9 @@ FSDP2 copy (``fully_shard`` per decoder layer and the root on a CPU ``DeviceMesh
 ``to_empty``) + ``torch.optim.AdamW``. Each takes one training step so that the Adam moments
 exist. Then, for every repetition, in an order rotated by one each time, it times:
 
-* ``shardckpt``: ``save(engine, dir)``; ``digests``: the same with a SHA-256 per file computed as
-  it is written (``CheckpointSpec.digests``); ``signed``: the same, and the manifest signed
-  (Ed25519, a key made for the run);
+* ``shardckpt``: ``save(engine, dir)``; ``digests``: the same with a digest per file computed as
+  it is written (``CheckpointSpec.digests = True``: BLAKE3 where it imports); ``signed``: the
+  same, and the manifest signed (Ed25519, a key made for the run);
 * ``dcp``: ``dcp.save({"model": get_model_state_dict, "optim": get_optimizer_state_dict},
   checkpoint_id=dir)`` with the default ``FileSystemWriter`` (one file per rank, fsync on);
 * ``raw``: each rank writes the bytes of its engine shards (masters and moments) sequentially to

@@ -18,10 +18,11 @@ equal the saved ones (SHA-256 of the gathered whole weights, both sides). Rank j
     python bench/save_load.py [--params 125M] [--reps 7] [--ranks 4] [--load-ranks 2] [--settle 2]
                                 [--workdir DIR] [--keep] [--json] [--digests-only]
 
-``digests`` and ``signed``: shardckpt ``save`` with a SHA-256 per file computed as it is written,
-and with the manifest signed too; ``--digests-only`` times those two and the plain save alone
-(no DCP, no load) and prints their ratios to it, in wall-clock time and in CPU seconds (every
-thread of every rank): on a machine whose CPUs are the limit the two ratios meet.
+``digests`` and ``signed``: shardckpt ``save`` with a digest per file (BLAKE3 where the package
+imports, else SHA-256) computed as it is written, and with the manifest signed too;
+``--digests-only`` times those two and the plain save alone (no DCP, no load) and prints their
+ratios to it, in wall-clock time and in CPU seconds (every thread of every rank): on a machine
+whose CPUs are the limit the two ratios meet.
 
 Prints medians (seconds, GB/s) and the ratios the issue sets targets for. Nothing here asserts.
 """
@@ -193,7 +194,7 @@ def print_table(r: dict) -> None:
             ("save  raw sequential write+fsync", "save_raw"), (f"load  shardckpt load() {n2}", "load_shardckpt"),
             (f"load  DCP dcp.load() {n2}", "load_dcp"),
             ("save  dcp.save(ShardckptWriter)", "save_dcp_sc"),
-            ("save  shardckpt, SHA-256 digests", "save_digests"), ("save  shardckpt, signed", "save_signed"),
+            ("save  shardckpt, digests", "save_digests"), ("save  shardckpt, signed", "save_signed"),
             (f"load  dcp.load(ShardckptReader) {n2}", "load_dcp_sc")]
     for label, key in rows:
         print(f"{label:<34} {nb[key.split('_', 1)[1]] / 1e9:>7.3f} {sec[key]:>7.3f} {gb[key]:>6.2f} {dgb[key]:>9.2f}")

@@ -160,7 +160,7 @@ def verify(
     storage_option: list[str] | None = StorageOptionArg,
     workers: int = typer.Option(4, "--workers", help="Files checked in parallel."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON report."),
-    digests: bool = typer.Option(False, "--digests", help="Also check each file's SHA-256 digest."),
+    digests: bool = typer.Option(False, "--digests", help="Also check each file's digest (BLAKE3 or SHA-256)."),
     trust: str | None = typer.Option(None, "--trust", help="Public key file(s), comma-separated: "
                                      "refuse a checkpoint not signed by one (implies --digests)."),
 ) -> None:

@@ -15,7 +15,8 @@ def sign(
     key: str = typer.Option(..., "--key", help="Ed25519 private key file (OpenSSH or PEM)."),
     storage_option: list[str] | None = StorageOptionArg,
 ) -> None:
-    """Record every file's SHA-256 digest and sign the manifest (each file read once)."""
+    """Record every file's digest (BLAKE3, or SHA-256 where the manifest records those) and sign
+    the manifest (each file read once)."""
     from shardckpt.format.signing import SigningKey
     from shardckpt.checkpoint.trust import signing_key
     from shardckpt.tools.sign import sign_checkpoint

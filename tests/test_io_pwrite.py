@@ -17,6 +17,7 @@ from shardckpt.errors import CollectiveError, ShardckptError
 from shardckpt.format.integrity import crc32c
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
 from shardckpt.storage import pwrite
+from shardckpt.format.digests import digest_of
 from shardckpt.storage.digest import ChunkHasher, hash_chunks
 from shardckpt.storage.pipeline import IOConfig, Ring
 from shardckpt.storage.pwrite import Staged, plan, write_positioned
@@ -55,22 +56,22 @@ def streamed(tmp_path, parts: list[bytes]) -> tuple[int, int, tuple[int, ...]]:
     return w.close()
 
 
-@pytest.mark.parametrize("buffers,size,threads", [(1, 4096, 1), (2, 8192, 3), (16, 4096, 8),
-                                                  (3, 1 << 20, 2)])
-def test_positioned_write_gives_the_streamed_bytes_and_checksums(tmp_path, buffers, size, threads):
+@pytest.mark.parametrize("buffers,size,threads,algorithm", [
+    (1, 4096, 1, "sha256"), (2, 8192, 3, "blake3"), (16, 4096, 8, "sha256"), (3, 1 << 20, 2, "blake3")])
+def test_positioned_write_gives_the_streamed_bytes_and_checksums(tmp_path, buffers, size, threads, algorithm):
     rng = torch.Generator().manual_seed(buffers)
     raw = [bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
            for n in (100, 10_000, 0, 5000, 4096, 1)]
     parts = [raw[0], HostStaged(raw[1]), raw[2], raw[3], HostStaged(raw[4]), raw[5]]
     cfg = IOConfig(buffers, size, threads)
     ring = host_ring(cfg, cfg.slot_bytes(CHUNK), pinned=False)
-    hasher = ChunkHasher(CHUNK)
+    hasher = ChunkHasher(CHUNK, algorithm)
     got = write_positioned(str(tmp_path / "f.bin"), "f", parts, CHUNK, cfg, ring, hasher=hasher)
     data = (tmp_path / "f.bin").read_bytes()
     assert data == b"".join(raw)
     assert got == streamed(tmp_path, raw) and got[1] == crc32c(data)
     # the digest of the parallel write is the file's, as the streamed write and verify compute it
-    assert hasher.hexdigest() == hash_chunks([data], CHUNK)
+    assert hasher.hexdigest() == hash_chunks([data], CHUNK, algorithm) == digest_of(data, CHUNK, algorithm)
     assert ring.made <= buffers
 
 

@@ -495,16 +495,17 @@ def test_mesh_round_trips_axis_order() -> None:
 
 
 @pytest.mark.parametrize("chunked, frozen_files, digests, version", [
-    (None, False, False, (1, 1)), ("section", False, False, (1, 2)), (None, True, False, (1, 3)),
-    (None, False, True, (1, 4)), ("section", False, True, (1, 4)), (None, True, True, (1, 4)),
+    (None, False, None, (1, 1)), ("section", False, None, (1, 2)), (None, True, None, (1, 3)),
+    (None, False, "sha256", (1, 4)), ("section", False, "sha256", (1, 4)), (None, True, "sha256", (1, 4)),
+    (None, False, "blake3", (1, 5)), ("section", True, "blake3", (1, 5)),
 ])
 def test_the_format_layer_names_the_lowest_version_that_holds_what_a_manifest_records(
-        chunked: object, frozen_files: bool, digests: bool, version: tuple[int, int]) -> None:
+        chunked: object, frozen_files: bool, digests: str | None, version: tuple[int, int]) -> None:
     from types import SimpleNamespace
 
     from shardckpt.format.versions import version_for
 
-    spec = SimpleNamespace(chunked=chunked, frozen_files=frozen_files, with_digests=digests)
+    spec = SimpleNamespace(chunked=chunked, frozen_files=frozen_files, digest_algorithm=digests)
     assert version_for(spec) == version
 
 

@@ -1,9 +1,11 @@
-"""Digests and signatures (format 1.4, docs/FORMAT.md section 16): a signed round trip, every
-single-byte change refused, a replayed older manifest refused, key rotation, the CLI's one line."""
+"""Digests and signatures (format 1.4, 1.5, docs/FORMAT.md section 16): a signed round trip, every
+single-byte change refused (with BLAKE3 and with SHA-256 digests), a replayed older manifest
+refused, key rotation, the CLI's one line."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -13,8 +15,8 @@ from typer.testing import CliRunner, Result
 from shardckpt.checkpoint.reader import CheckpointReader, read_manifest
 from shardckpt.checkpoint.trust import TrustedFiles, check_manifest, signing_key, trusted_keys
 from shardckpt.checkpoint.verify import verify
-from shardckpt.errors import ShardckptError, TrustError
-from shardckpt.format.digests import DIGESTS_VERSION
+from shardckpt.errors import ConfigError, ShardckptError, TrustError
+from shardckpt.format.digests import ALGORITHMS, BLAKE3, BLAKE3_VERSION, DIGESTS_VERSION
 from shardckpt.format.integrity import CHECKSUM_FIELD, crc32c
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.manifest_parse import parse
@@ -48,10 +50,19 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]
     return {"old": _keypair(d, "old"), "new": _keypair(d, "new"), "pem": _keypair(d, "pem", pem=True)}
 
 
-def _signed(dst: Path, key: str, step: int = 100) -> str:
+def _signed(dst: Path, key: str, step: int = 100, digests: bool | str = True) -> str:
     url = str(dst / f"step-{step:08d}")
-    synthesize(url, 3000, 2, units=1, step=step, chunk_size=CHUNK, signing_key=signing_key(key))
+    synthesize(url, 3000, 2, units=1, step=step, chunk_size=CHUNK, signing_key=signing_key(key),
+               digests=digests)
     return url
+
+
+def _hash(algorithm: str, data: bytes) -> bytes:
+    """``algorithm`` of ``data``, from its own package (independently of shardckpt's)."""
+    if algorithm == BLAKE3:
+        import blake3
+        return blake3.blake3(data).digest()
+    return hashlib.sha256(data).digest()
 
 
 def _all_states(url: str, trust: str) -> int:
@@ -64,34 +75,47 @@ def _all_states(url: str, trust: str) -> int:
     return n
 
 
-def test_digests_are_the_chunked_sha256_of_the_bytes_written(tmp_path):
-    m = synthesize(str(tmp_path / "ck"), 3000, 2, units=1, chunk_size=CHUNK, digests=True)
-    assert m.version == DIGESTS_VERSION
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_digests_are_the_chunked_hash_of_the_bytes_written(tmp_path, algorithm):
+    m = synthesize(str(tmp_path / "ck"), 3000, 2, units=1, chunk_size=CHUNK, digests=algorithm)
+    assert m.version == ALGORITHMS[algorithm]
+    doc = json.loads((tmp_path / "ck" / MANIFEST_NAME).read_bytes())
+    assert all(set(ALGORITHMS) & set(f) == {algorithm} for f in doc["files"])
     for f in m.files:  # computed here independently of shardckpt.storage.digest
         data = (tmp_path / "ck" / f.path).read_bytes()
-        chunks = b"".join(hashlib.sha256(data[i:i + CHUNK]).digest() for i in range(0, len(data), CHUNK))
-        assert f.sha256 == hashlib.sha256(chunks).hexdigest(), f.path
+        chunks = b"".join(_hash(algorithm, data[i:i + CHUNK]) for i in range(0, len(data), CHUNK))
+        assert f.algorithm == algorithm and f.digest == _hash(algorithm, chunks).hex(), f.path
     assert verify(str(tmp_path / "ck"), digests=True).ok
     plain = synthesize(str(tmp_path / "plain"), 3000, 2, units=1, chunk_size=CHUNK)
-    assert plain.version < DIGESTS_VERSION and all(f.sha256 is None for f in plain.files)
+    assert plain.version < DIGESTS_VERSION and all(f.digest is None for f in plain.files)
     problems = verify(str(tmp_path / "plain"), digests=True).problems
-    assert len(problems) == len(plain.files) and all("no SHA-256 digest" in p for p in problems)
+    assert len(problems) == len(plain.files) and all("no digest recorded" in p for p in problems)
 
 
-def test_signed_round_trip_openssh_and_pem(tmp_path, keys):
+def test_digests_true_means_blake3_where_it_imports(tmp_path):
+    m = synthesize(str(tmp_path / "ck"), 3000, 2, units=1, chunk_size=CHUNK, digests=True)
+    assert m.version == BLAKE3_VERSION and {f.algorithm for f in m.files} == {BLAKE3}
+    with pytest.raises(ConfigError, match="md5"):
+        synthesize(str(tmp_path / "bad"), 3000, 2, units=1, chunk_size=CHUNK, digests="md5")
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_signed_round_trip_openssh_and_pem(tmp_path, keys, algorithm):
     for name in ("old", "pem"):
-        url = _signed(tmp_path / name, keys[name][0])
+        url = _signed(tmp_path / name, keys[name][0], digests=algorithm)
         assert _all_states(url, keys[name][1]) > 0
         assert verify(url, trust=keys[name][1]).ok
-        assert read_manifest(Storage(url), trusted_keys(keys[name][1])).version == DIGESTS_VERSION
+        m = read_manifest(Storage(url), trusted_keys(keys[name][1]))
+        assert m.version == ALGORITHMS[algorithm] and {f.algorithm for f in m.files} == {algorithm}
 
 
-def test_unsigned_unknown_key_and_changed_bytes_are_named(tmp_path, keys):
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_unsigned_unknown_key_and_changed_bytes_are_named(tmp_path, keys, algorithm):
     plain = str(tmp_path / "plain")
     synthesize(plain, 3000, 2, units=1, chunk_size=CHUNK)
     with pytest.raises(TrustError, match="unsigned"):
         CheckpointReader(plain, trust=keys["old"][1])
-    url = _signed(tmp_path / "run", keys["old"][0])
+    url = _signed(tmp_path / "run", keys["old"][0], digests=algorithm)
     with pytest.raises(TrustError, match="unknown key"):
         CheckpointReader(url, trust=keys["new"][1])
     m = read_manifest(Storage(url))
@@ -110,10 +134,11 @@ def _reseal(raw: bytes) -> bytes:
     return raw[:at] + b'"%s": "%08x"\n}' % (CHECKSUM_FIELD.encode(), crc32c(raw[:at]))
 
 
-def test_every_single_byte_change_of_the_manifest_is_refused(tmp_path, keys):
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_single_byte_change_of_the_manifest_is_refused(tmp_path, keys, algorithm):
     """Every byte of the manifest, each changed once (xor 0x01; where it lies before the checksum
     member, with the checksum recomputed so that the signature alone must refuse it)."""
-    url = _signed(tmp_path / "run", keys["old"][0])
+    url = _signed(tmp_path / "run", keys["old"][0], digests=algorithm)
     raw = (Path(url) / MANIFEST_NAME).read_bytes()
     trust = trusted_keys(keys["old"][1])
     assert trust is not None
@@ -132,10 +157,12 @@ def test_every_single_byte_change_of_the_manifest_is_refused(tmp_path, keys):
     assert not accepted, f"changes at bytes {accepted[:10]} were accepted"
 
 
-def test_every_single_byte_change_of_every_file_is_refused(tmp_path, keys):
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_single_byte_change_of_every_file_is_refused(tmp_path, keys, algorithm):
     """Every byte of every file (header and data), each changed once (xor 0x01)."""
-    url = _signed(tmp_path / "run", keys["old"][0])
+    url = _signed(tmp_path / "run", keys["old"][0], digests=algorithm)
     m = CheckpointReader(url, trust=keys["old"][1]).manifest
+    assert {f.algorithm for f in m.files} == {algorithm}
     checked = 0
     for entry in m.files:
         path = Path(url) / entry.path
@@ -182,7 +209,7 @@ def test_sign_adds_digests_and_refuses_a_damaged_file(tmp_path, keys):
     url = str(tmp_path / "run" / "step-00000100")
     m = synthesize(url, 3000, 2, units=1, step=100, chunk_size=CHUNK)
     signed = sign_checkpoint(url, keys["old"][0])
-    assert all(f.sha256 for f in signed.files) and verify(url, trust=keys["old"][1]).ok
+    assert all(f.digest for f in signed.files) and verify(url, trust=keys["old"][1]).ok
     shard = Path(url) / m.files[0].path
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
@@ -233,7 +260,7 @@ def test_checkpointer_signs_and_load_trusts(tmp_path, keys, one_thread):
     ckpt.save(2)
     url = ckpt.manager.url_for(2)
     refs = CheckpointReader(url, trust=keys["old"][1]).manifest.references()
-    assert refs and all(r.sha256 for r in refs)  # the digest comes with the reference
+    assert refs and all(r.digest for r in refs)  # the digest comes with the reference
     assert verify(url, trust=keys["old"][1]).ok
     theirs = engine(1)
     load(theirs, url, trust=keys["old"][1])
@@ -292,7 +319,7 @@ def test_reshard_signs_what_it_writes(tmp_path, keys):
     synthesize(src, 3000, 2, units=1, step=100, chunk_size=CHUNK)
     dst = str(tmp_path / "ws4" / "step-00000100")
     m = reshard(src, dst, 4, workers=2, signing_key=keys["old"][0]).manifest
-    assert m.version == DIGESTS_VERSION and all(f.sha256 for f in m.files)
+    assert m.version == BLAKE3_VERSION and all(f.digest for f in m.files)
     assert verify(dst, trust=keys["old"][1]).ok and _all_states(dst, keys["old"][1])
     out = str(tmp_path / "ws1" / "step-00000100")
     r = CliRunner().invoke(app, ["reshard", src, out, "--to", "1", "--sign-key", keys["new"][0]])
@@ -316,7 +343,7 @@ def test_import_signs_what_it_writes(tmp_path, keys):
                "model.norm.weight": np.ones(4, np.float32)}, str(folder / "model.safetensors"))
     dst = str(tmp_path / "ck")
     m = run_importer(get_importer("hf"), ImportOptions(str(folder), dst, 2, signing_key=keys["old"][0]))
-    assert all(f.sha256 for f in m.files) and verify(dst, trust=keys["old"][1]).ok
+    assert all(f.digest for f in m.files) and verify(dst, trust=keys["old"][1]).ok
     out = str(tmp_path / "ck2")
     r = CliRunner().invoke(app, ["import", "hf", str(folder), out, "--ranks", "1", "--sign-key", keys["new"][0]])
     assert r.exit_code == 0, r.output

@@ -16,6 +16,7 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.thin import THINNED, resign_with, thin
 from shardckpt.checkpoint.trust import signing_key
 from shardckpt.checkpoint.verify import verify
+from shardckpt.format.digests import ALGORITHMS
 from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.storage import Storage
 from shardckpt.tools.synth import synthesize
@@ -37,7 +38,7 @@ def _trusted_weights_only(url: str, pub: str) -> None:
     r = CheckpointReader(url, trust=pub)
     m = r.manifest
     assert THINNED in m.extras and m.optimizer is None
-    assert all(f.sha256 for f in m.files), [f.path for f in m.files if not f.sha256]
+    assert all(f.digest for f in m.files), [f.path for f in m.files if not f.digest]
     for shard in range(m.mesh.shard_degree):  # every byte, each file's digest checked first
         for g, kinds in m.components["model"].states.items():
             assert [k for k, _ in kinds] == ["master"]
@@ -46,14 +47,19 @@ def _trusted_weights_only(url: str, pub: str) -> None:
     assert report.ok, report.problems
 
 
-def test_thin_with_the_key_signs_the_weights_only_manifest_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_thin_with_the_key_signs_the_weights_only_manifest_again(tmp_path: Path, algorithm: str) -> None:
     key, pub = _keypair(tmp_path)
     url = str(tmp_path / "run" / "step-00000100")
-    synthesize(url, 3000, 2, units=1, step=100, chunk_size=4096, signing_key=signing_key(key))
+    synthesize(url, 3000, 2, units=1, step=100, chunk_size=4096, signing_key=signing_key(key),
+               digests=algorithm)
     before = json.loads(Path(url, MANIFEST_NAME).read_bytes())
     assert thin(Storage(url), resign=resign_with(signing_key(key))) is not None
     after = json.loads(Path(url, MANIFEST_NAME).read_bytes())
     assert after["signature"]["key_id"] == before["signature"]["key_id"]
+    # the new shard files' digests are of the algorithm of the others: a manifest uses one
+    assert after["version"] == before["version"] == "%d.%d" % ALGORITHMS[algorithm]
+    assert all(algorithm in f for f in after["files"])
     assert after["save_id"] != before["save_id"]
     _trusted_weights_only(url, pub)
 

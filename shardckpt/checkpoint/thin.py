@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Mapping
 from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
 from shardckpt.errors import LinkRefusedError, ShardckptError
+from shardckpt.format.digests import recorded_algorithm
 from shardckpt.format.manifest import (
     MANIFEST_NAME, SAFE_NAME, Component, FileEntry, Manifest, TensorSlot, shard_slots, to_json,
 )
@@ -167,8 +168,9 @@ def thin(storage: Storage, resign: Resign | None = None, on_point: Hook | None =
     new_id = new_save_id()
     old_shards = [f for f in m.files if f.role == "shard"]
     spec = _weights_spec(m, new_id, [f.path for f in old_shards])
-    # the new shard files get digests where the old ones had them (every file of a signed one)
-    spec.digests = signed or all(f.sha256 is not None for f in m.files)
+    # the new shard files get digests where the old ones had them (every file of a signed one),
+    # of the same algorithm: a manifest uses one
+    spec.digests = (recorded_algorithm(m.files) or True) if signed or all(f.digest for f in m.files) else False
     writer = CheckpointWriter(storage, spec, new_id)
     with writer.lease():
         try:

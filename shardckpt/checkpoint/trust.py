@@ -80,7 +80,7 @@ def check_manifest(raw: bytes, m: Manifest, url: str, keys: Sequence[PublicKey])
     if step_dir is not None and step != int(step_dir.group(1)):
         raise TrustError(f"{url}: bytes do not match: signed for step {step}, found under "
                          f"{step_dir.group(0)} (an older signed manifest replayed?); refused")
-    bare = [f.path for f in m.files if f.sha256 is None]
+    bare = [f.path for f in m.files if f.digest is None]
     if bare:
         raise TrustError(f"{url}: the signature covers no digest of {len(bare)} file(s) "
                          f"({', '.join(bare[:3])}); refused")
@@ -90,7 +90,8 @@ def check_manifest(raw: bytes, m: Manifest, url: str, keys: Sequence[PublicKey])
 def file_digest(files: RunFiles, entry: FileEntry, chunk_size: int) -> str:
     """The digest (:mod:`shardckpt.format.digests`) of ``entry``'s bytes as stored now."""
     where, below = files.locate(entry.path)
-    return hash_chunks(iter_file_chunks(where, below, chunk_size, limit=entry.size + 1), chunk_size)
+    return hash_chunks(iter_file_chunks(where, below, chunk_size, limit=entry.size + 1), chunk_size,
+                       entry.algorithm)
 
 
 class TrustedFiles:
@@ -106,9 +107,9 @@ class TrustedFiles:
         with self._lock:
             if entry.path not in self._done:
                 got = file_digest(self.files, entry, self.manifest.chunk_size)
-                self._done[entry.path] = None if got == entry.sha256 else TrustError(
+                self._done[entry.path] = None if got == entry.digest else TrustError(
                     f"{self.files.url_of(entry.path)}: bytes do not match the signed digest "
-                    f"(sha256 {got[:16]}..., signed {str(entry.sha256)[:16]}...); refused")
+                    f"({entry.algorithm} {got[:16]}..., signed {str(entry.digest)[:16]}...); refused")
             err = self._done[entry.path]
         if err is not None:
             raise err

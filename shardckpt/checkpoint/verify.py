@@ -85,7 +85,7 @@ def verify(location: str | Storage, storage_options: Mapping[str, Any] | None = 
     the files (balanced by bytes); the processes must have read the same manifest, and every
     process gets every file's report, in manifest order.
 
-    ``digests``: also each file's SHA-256 digest (format 1.4; a file without one is a problem).
+    ``digests``: also each file's digest (SHA-256 or BLAKE3, format 1.4 or 1.5; a file without one is a problem).
     ``trust``: the manifest must be signed by one of these keys (else that is the one problem
     reported), and digests are checked.
     """
@@ -130,7 +130,7 @@ def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], work
             problems.append(f"{url}: {what}: {actual} bytes, the manifest records {entry.size}")
         crc, i, head = 0, 0, b""
         bad_chunks = []
-        hasher = ChunkHasher(m.chunk_size) if digests else None
+        hasher = ChunkHasher(m.chunk_size, entry.algorithm) if digests else None
         try:
             where, below = where_is.locate(entry.path)
             for data in iter_file_chunks(where, below, m.chunk_size, limit=entry.size):
@@ -166,9 +166,9 @@ def _check_files(storage: Storage, m: Manifest, files: Sequence[FileEntry], work
 
 def digest_problems(url: str, entry: FileEntry, got: str) -> list[str]:
     """What ``verify --digests`` says of ``entry`` whose bytes have digest ``got``."""
-    if entry.sha256 is None:
-        return [f"{url}: no SHA-256 digest recorded (written without digests; `shardckpt sign` adds them)"]
-    if got != entry.sha256:
-        return [f"{url}: SHA-256 digest {got[:16]}... differs from the recorded {entry.sha256[:16]}...; "
-                "the bytes were changed"]
+    if entry.digest is None:
+        return [f"{url}: no digest recorded (written without digests; `shardckpt sign` adds them)"]
+    if got != entry.digest:
+        return [f"{url}: {entry.algorithm} digest {got[:16]}... differs from the recorded "
+                f"{entry.digest[:16]}...; the bytes were changed"]
     return []

@@ -18,6 +18,7 @@ from shardckpt.storage import commit as _commit
 from shardckpt.errors import CommitConflictError, IncompleteCheckpointError, ShardckptError
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE, ChunkedSection
 from shardckpt.format.layout import Mesh
+from shardckpt.format.digests import SHA256, algorithm_for
 from shardckpt.format.signing import SigningKey
 from shardckpt.storage import DEFAULT_TTL_S, Lease
 from shardckpt.format.manifest import (
@@ -78,15 +79,23 @@ class CheckpointSpec:
     #: format 1.3: frozen groups' slots go to one ``frozen`` file per shard rank (where there are
     #: frozen groups), which a later checkpoint of the run may reference instead of rewriting
     frozen: bool = False
-    #: format 1.4: a SHA-256 digest per file (:mod:`shardckpt.format.digests`), computed as the
-    #: bytes are written; implied by ``signing_key``
-    digests: bool = False
+    #: a digest per file (:mod:`shardckpt.format.digests`), computed as the bytes are written;
+    #: implied by ``signing_key``: ``True`` BLAKE3 where the ``blake3`` package imports (format
+    #: 1.5), else SHA-256 (1.4); ``"blake3"`` or ``"sha256"`` that one
+    digests: bool | str = False
     #: format 1.4: sign the manifest with this Ed25519 key (:mod:`shardckpt.format.signing`)
     signing_key: SigningKey | None = None
 
     @property
     def with_digests(self) -> bool:
-        return self.digests or self.signing_key is not None
+        return bool(self.digests) or self.signing_key is not None
+
+    @property
+    def digest_algorithm(self) -> str | None:
+        """The algorithm of every file's digest, or None without digests."""
+        if not self.with_digests:
+            return None
+        return algorithm_for(self.digests or True)
 
     @property
     def frozen_files(self) -> bool:
@@ -119,13 +128,14 @@ class CheckpointWriter:
         positioned = getattr(produce, "write_positioned", None)  # parallel, on a local disk
         opener = self.storage.write_opener(rel) if positioned is not None else None
         if positioned is not None and opener is not None:
-            hasher = ChunkHasher(self.spec.chunk_size) if self.spec.with_digests else None
+            alg = self.spec.digest_algorithm
+            hasher = ChunkHasher(self.spec.chunk_size, alg) if alg is not None else None
             done = positioned(self.storage.full(rel), self.storage.url_of(rel), header, slots,
                               self.spec.chunk_size, opener, hasher)
             if done is not None:
                 return FileEntry(rel, role, done[0], len(header) - 8, done[1], done[2], index,
-                                 hasher.hexdigest() if hasher is not None else None)
-        with self.storage.writer(rel, self.spec.chunk_size, self.spec.with_digests) as w:
+                                 hasher.hexdigest() if hasher is not None else None, alg or SHA256)
+        with self.storage.writer(rel, self.spec.chunk_size, self.spec.digest_algorithm) as w:
             w.write(header)
             for slot in slots:
                 expected = slot.end - slot.begin
@@ -141,7 +151,8 @@ class CheckpointWriter:
                     raise ShardckptError(f"{self.storage.url_of(rel)}: producer gave {got} of "
                                          f"{expected} bytes for {slot.name}")
             size, crc, chunks = w.close()
-        return FileEntry(rel, role, size, len(header) - 8, crc, chunks, index, w.sha256)
+        return FileEntry(rel, role, size, len(header) - 8, crc, chunks, index, w.digest,
+                         self.spec.digest_algorithm or SHA256)
 
     def write_shard(self, shard: int, produce: Producer) -> FileEntry:
         """Stream shard ``shard``: ``produce(slot)`` yields the bytes of each ``<group>.<kind>``."""

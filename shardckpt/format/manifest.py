@@ -17,7 +17,7 @@ from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.format.chunked import FEATURE as CHUNKED_FEATURE, ChunkedSection, file_layout, section_doc
-from shardckpt.format.digests import DIGEST_FIELD, is_digest
+from shardckpt.format.digests import SHA256, digest_member
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.layout import FlatGroup, Layout, Mesh, prod
 from shardckpt.format.integrity import MAX_SHORT, ChunkCrcs, seal
@@ -70,7 +70,8 @@ class FileEntry:
     crc32c: int
     chunk_crc32c: Sequence[int]  # held as ChunkCrcs, whatever sequence of ints is given
     index: int | None = None  # shard rank for "shard" and "frozen", global rank for "rank"
-    sha256: str | None = None  # format 1.4: digest of shardckpt.format.digests (hex), if recorded
+    digest: str | None = None  # format 1.4: digest of shardckpt.format.digests (hex), if recorded
+    algorithm: str = SHA256    # the digest's: member "sha256" (1.4) or "blake3" (1.5)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_crc32c, ChunkCrcs):
@@ -92,8 +93,8 @@ class FileEntry:
             doc["index"] = self.index
         doc.update(size=self.size, header_size=self.header_size, crc32c=f"{self.crc32c:08x}",
                    chunk_crc32c=ChunkCrcs(self.chunk_crc32c).hex())
-        if self.sha256 is not None:
-            doc[DIGEST_FIELD] = self.sha256
+        if self.digest is not None:
+            doc[self.algorithm] = self.digest
         return doc
 
     @classmethod
@@ -134,10 +135,11 @@ class FileEntry:
         # int(x, 16) alone would take "0x12", " 1_2", "ABCD"
         if len(chunks) % 8 or not _LOWER_HEX.fullmatch(chunks):
             raise ctx.fail(f"{where}.chunk_crc32c", f"{path}: expected 8 lowercase hex digits per chunk")
-        digest = d.get(DIGEST_FIELD)
-        if digest is not None and not is_digest(digest):
-            raise ctx.fail(f"{where}.{DIGEST_FIELD}", f"{path}: expected 64 lowercase hex digits")
-        return cls(path, role, size, header_size, crc, ChunkCrcs.from_hex(chunks), index, digest)
+        algorithm, digest, problem = digest_member(d)
+        if problem is not None:
+            raise ctx.fail(f"{where}.{problem[0]}", f"{path}: {problem[1]}")
+        return cls(path, role, size, header_size, crc, ChunkCrcs.from_hex(chunks), index, digest, algorithm)
+
 
 
 @dataclass(frozen=True, slots=True)

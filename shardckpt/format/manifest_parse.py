@@ -24,6 +24,7 @@ from shardckpt.format.integrity import (
 )
 from shardckpt.format.component_parse import parse_components
 from shardckpt.format.layout import Mesh
+from shardckpt.format.digests import ALGORITHMS
 from shardckpt.format.manifest import (
     CHUNKED_VERSION, FORMAT_NAME, FROZEN_FEATURE, FROZEN_ROLE, FROZEN_VERSION, KNOWN_FEATURES,
     MANIFEST_NAME, MAX_MANIFEST_BYTES, READABLE_MAJORS,
@@ -94,6 +95,8 @@ def _parse_body(ctx: ParseContext, doc: dict[str, Any], version: tuple[int, int]
         if problem is not None:
             ctx.note(*problem)
     files = _parse_files(ctx, files_doc, chunk_size)
+    if files is not None:
+        _check_digests(ctx, files, version)
     chunked = None
     if files is not None:
         chunked = ctx.attempt(_parse_chunked, ctx, doc, version, requires, files)
@@ -201,6 +204,17 @@ def _parse_files(ctx: ParseContext, files_doc: list[Any] | None,
         except Problem as p:
             ctx.add(p)
     return tuple(files) if ctx.clean_since(mark) and chunk_size is not None else None
+
+
+def _check_digests(ctx: ParseContext, files: tuple[FileEntry, ...], version: tuple[int, int]) -> None:
+    """One digest algorithm for every file, and a version that has it (docs/FORMAT.md section 16)."""
+    used = sorted({f.algorithm for f in files if f.digest is not None})
+    if len(used) > 1:
+        ctx.note("files", f"file digests of {' and '.join(used)}; a manifest uses one algorithm for all its files")
+    for a in used:
+        if version < ALGORITHMS[a]:
+            ctx.note("files", f"{a!r} digests need format {ALGORITHMS[a][0]}.{ALGORITHMS[a][1]} or "
+                     f"later; this manifest says {version[0]}.{version[1]}")
 
 
 def _parse_chunked(ctx: ParseContext, doc: dict[str, Any], version: tuple[int, int],

@@ -8,8 +8,8 @@ A signed manifest ends with two members, in this order and with exactly these by
 
 The **signed bytes** are :data:`DOMAIN` followed by the manifest's bytes, as stored, from the first
 byte up to and excluding the ``"`` that opens the ``"signature"`` key: every member before it (every
-file's size, CRC32Cs and SHA-256 digest, ``extras.step``, the save id), byte for byte, so that no
-re-serialization is involved. The checksum member after it covers the signature too (section 3.8),
+file's size, CRC32Cs and ``sha256`` or ``blake3`` digest, ``extras.step``, the save id), byte for
+byte, so that no re-serialization is involved. The checksum member after it covers the signature too (section 3.8),
 so a reader of 1.1-1.3 still reads a signed manifest, ignoring the unknown member. The **key id** is
 the key's OpenSSH fingerprint, as ``ssh-keygen -l`` prints it: ``SHA256:`` and the unpadded
 base64 of the SHA-256 of the public key's OpenSSH wire form.

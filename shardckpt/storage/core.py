@@ -156,9 +156,9 @@ class Storage:
 
     # ----------------------------------------------------------------------------- writes
 
-    def writer(self, rel: str, chunk_size: int, digest: bool = False) -> StreamWriter:
+    def writer(self, rel: str, chunk_size: int, digest: str | None = None) -> StreamWriter:
         """A checksumming streaming write of ``rel``: visible only once closed, never partial
-        (``digest``: with the SHA-256 digest of :mod:`shardckpt.format.digests` too)."""
+        (``digest``: with the digest of :mod:`shardckpt.format.digests` of that algorithm too)."""
         path, url = self.full(rel), self.url_of(rel)
         return StreamWriter(lambda: self.backend.sink(path, url), url, chunk_size, digest)
 

@@ -19,13 +19,13 @@ worker, removes the file, and raises; the caller's save then commits nothing.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardckpt.format.integrity import crc32c
+from shardckpt.format.digests import new_hash
 from shardckpt.storage.digest import ChunkHasher
 from shardckpt.storage.pipeline import IOConfig, Ring, Slot, run_workers
 from shardckpt.storage.retry import mapped_errors
@@ -176,9 +176,9 @@ def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int
 def _checksum(views: list[memoryview], w0: int, cs: int, crcs: list[int],
               hasher: ChunkHasher | None = None) -> None:
     """The CRC32C of each chunk of a window (``views``, consecutive bytes from ``w0``, which
-    starts a chunk), and its SHA-256 into ``hasher`` where given."""
+    starts a chunk), and its digest into ``hasher`` where given."""
     chunk, crc, fill = w0 // cs, 0, 0
-    sha = hashlib.sha256() if hasher is not None else None
+    sha = new_hash(hasher.algorithm) if hasher is not None else None
     for v in views:
         pos = 0
         while pos < len(v):
@@ -192,7 +192,7 @@ def _checksum(views: list[memoryview], w0: int, cs: int, crcs: list[int],
                 crcs[chunk] = crc
                 if hasher is not None and sha is not None:
                     hasher.chunk(chunk, sha.digest())
-                    sha = hashlib.sha256()
+                    sha = new_hash(hasher.algorithm)
                 chunk, crc, fill = chunk + 1, 0, 0
     if fill:
         crcs[chunk] = crc

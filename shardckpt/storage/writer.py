@@ -139,13 +139,13 @@ class StreamWriter:
     upload aborted) instead of committed; :meth:`close` returns the size and checksums. A writer
     that is neither closed nor aborted never commits anything either: on S3 its upload stays open
     until aborted here or by ``shardckpt clean``. ``open_sink`` opens where the bytes go (the
-    backend's sink), once the arguments are checked. ``digest``: also the per-chunk SHA-256
-    (:mod:`shardckpt.storage.digest`), on the thread that computes the CRC32C; :attr:`sha256`
-    holds the file's digest once closed.
+    backend's sink), once the arguments are checked. ``digest``: also the per-chunk digest of that
+    algorithm (:mod:`shardckpt.storage.digest`), on the thread that computes the CRC32C;
+    :attr:`digest` holds the file's digest once closed.
     """
 
     def __init__(self, open_sink: Callable[[], Sink], url: str, chunk_size: int,
-                 digest: bool = False) -> None:
+                 digest: str | None = None) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
         self.url, self.chunk_size = url, chunk_size
@@ -154,8 +154,8 @@ class StreamWriter:
         self._chunk_crc = 0
         self._chunk_fill = 0
         self._closed = False
-        self._hasher = ChunkHasher(chunk_size) if digest else None
-        self.sha256: str | None = None
+        self._hasher = ChunkHasher(chunk_size, digest) if digest else None
+        self.digest: str | None = None
         self._sink = open_sink()
 
     def write(self, data: Any) -> None:
@@ -207,7 +207,7 @@ class StreamWriter:
             raise
         self._closed = True
         if self._hasher is not None:
-            self.sha256 = self._hasher.hexdigest()
+            self.digest = self._hasher.hexdigest()
         return self.size, self.crc, tuple(self.chunks)
 
     def abort(self) -> None:

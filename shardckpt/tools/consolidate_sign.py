@@ -2,8 +2,8 @@
 
 A consolidation has no manifest; its provenance file, ``shardckpt_consolidated.json``, is what is
 signed. :func:`sign_consolidation` reads every other file of the folder once, records its digest
-(:mod:`shardckpt.format.digests`, chunks of :data:`CHUNK_SIZE`) under ``sha256`` in the
-provenance, and replaces the provenance (one atomic put) with one signed as a manifest is, under
+(:mod:`shardckpt.format.digests`, chunks of :data:`CHUNK_SIZE`) under ``blake3`` in the
+provenance (``sha256`` where the ``blake3`` package is not importable; either is checked), and replaces the provenance (one atomic put) with one signed as a manifest is, under
 its own domain separator. It runs after the consolidation committed (its index written): in
 between, the folder is unsigned, and a trusted check refuses it. :func:`check_consolidation`
 refuses, naming which: an unsigned provenance, an unknown key, changed bytes (of the provenance or
@@ -17,6 +17,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from shardckpt.errors import NotFoundError, TrustError
+from shardckpt.format.digests import ALGORITHMS, algorithm_for
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE
 from shardckpt.format.signing import CONSOLIDATION_DOMAIN, SIGNATURE_FIELD, check_signature, seal_signed
 from shardckpt.storage import Storage, iter_file_chunks, hash_chunks
@@ -35,9 +36,9 @@ def is_consolidation(url: str, storage_options: Mapping[str, Any] | None = None)
     return storage.exists(PROVENANCE) and not storage.exists("manifest.json")
 
 
-def _digests(storage: Storage) -> dict[str, str]:
+def _digests(storage: Storage, algorithm: str) -> dict[str, str]:
     names = sorted(n for n in storage.list_sizes("") if n != PROVENANCE)
-    return {n: hash_chunks(iter_file_chunks(storage, n, CHUNK_SIZE), CHUNK_SIZE) for n in names}
+    return {n: hash_chunks(iter_file_chunks(storage, n, CHUNK_SIZE), CHUNK_SIZE, algorithm) for n in names}
 
 
 def sign_consolidation(url: str | Storage, key: Any, storage_options: Mapping[str, Any] | None = None) -> str:
@@ -50,8 +51,9 @@ def sign_consolidation(url: str | Storage, key: Any, storage_options: Mapping[st
         doc = json.loads(storage.read(PROVENANCE))
     except NotFoundError:
         raise TrustError(f"{storage.url}: no {PROVENANCE}; not a committed consolidation, not signed") from None
-    doc = {k: v for k, v in doc.items() if k not in ("sha256", "chunk_size", SIGNATURE_FIELD, _CHECKSUM)}
-    doc.update(chunk_size=CHUNK_SIZE, sha256=_digests(storage))
+    doc = {k: v for k, v in doc.items() if k not in (*ALGORITHMS, "chunk_size", SIGNATURE_FIELD, _CHECKSUM)}
+    alg = algorithm_for(True)
+    doc.update({"chunk_size": CHUNK_SIZE, alg: _digests(storage, alg)})
     storage.put(PROVENANCE, seal_signed(doc, signer, CONSOLIDATION_DOMAIN))
     return signer.public.key_id
 
@@ -70,10 +72,12 @@ def check_consolidation(url: str | Storage, trust: Trust,
     except ValueError as e:
         raise TrustError(f"{source}: bytes do not match: not JSON ({e})") from None
     kid = check_signature(raw, doc, keys, source, CONSOLIDATION_DOMAIN)
-    signed = doc.get("sha256")
+    algs = [a for a in ALGORITHMS if a in doc]
+    signed = doc.get(algs[0]) if len(algs) == 1 else None
     if not isinstance(signed, dict) or doc.get("chunk_size") != CHUNK_SIZE:
-        raise TrustError(f"{source}: bytes do not match: no digests in the form shardckpt signs")
-    found = _digests(storage)
+        raise TrustError(f"{source}: bytes do not match: no digests in the form shardckpt signs "
+                         f"(one of {', '.join(ALGORITHMS)}; found {algs or 'none'})")
+    found = _digests(storage, algs[0])
     for name in sorted(set(found) | set(signed)):
         if name not in signed:
             raise TrustError(f"{storage.url_of(name)}: bytes do not match: a file the signature does not list")

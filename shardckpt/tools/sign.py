@@ -1,8 +1,10 @@
 """``shardckpt sign``: sign a committed checkpoint's manifest (format 1.4, docs/FORMAT.md section 16).
 
 Every file is read once: its chunks' CRC32C must hold (a damaged file is never signed), and its
-SHA-256 digest is computed (or, where the manifest records one, must be the recorded one). The
-manifest is then written again with every digest and the signature, and replaces the one there
+digest is computed (or, where the manifest records one, must be the recorded one). The algorithm
+is the one of the digests the manifest records, else BLAKE3 where the ``blake3`` package imports
+(format 1.5), else SHA-256 (1.4). The manifest is then written again with every digest and the
+signature, and replaces the one there
 only if that is still unchanged (:func:`shardckpt.storage.commit.replace`: on S3 a PUT with
 ``If-Match``): a reader sees the old manifest or the signed one, never a mix.
 """
@@ -15,7 +17,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from shardckpt.errors import IntegrityError, TrustError
-from shardckpt.format.digests import DIGESTS_VERSION
+from shardckpt.format.digests import ALGORITHMS, algorithm_for, recorded_algorithm
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, to_json
 from shardckpt.format.manifest_parse import parse
 from shardckpt.format.signing import SigningKey
@@ -29,10 +31,10 @@ from shardckpt.checkpoint.trust import signing_key as load_key
 log = logging.getLogger(__name__)
 
 
-def _digest(files: RunFiles, entry: FileEntry, chunk_size: int) -> str:
-    """``entry``'s digest, each chunk's CRC32C checked on the way."""
+def _digest(files: RunFiles, entry: FileEntry, chunk_size: int, algorithm: str) -> str:
+    """``entry``'s ``algorithm`` digest, each chunk's CRC32C checked on the way."""
     where, below = files.locate(entry.path)
-    h, i, size = ChunkHasher(chunk_size), 0, 0
+    h, i, size = ChunkHasher(chunk_size, algorithm), 0, 0
     url = files.url_of(entry.path)
     for data in iter_file_chunks(where, below, chunk_size, limit=entry.size + 1):
         size += len(data)
@@ -44,8 +46,8 @@ def _digest(files: RunFiles, entry: FileEntry, chunk_size: int) -> str:
     if size != entry.size:
         raise IntegrityError(f"{url}: {size} bytes, the manifest records {entry.size}; not signed")
     got = h.hexdigest()
-    if entry.sha256 is not None and got != entry.sha256:
-        raise TrustError(f"{url}: bytes do not match the recorded SHA-256 digest; not signed")
+    if entry.digest is not None and got != entry.digest:
+        raise TrustError(f"{url}: bytes do not match the recorded {algorithm} digest; not signed")
     return got
 
 
@@ -60,8 +62,9 @@ def sign_checkpoint(url: str, key: str | SigningKey,
     old = storage.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
     m = parse(old, storage.url_of(MANIFEST_NAME))
     files = RunFiles(storage)
-    entries = tuple(replace(f, sha256=_digest(files, f, m.chunk_size)) for f in m.files)
-    signed = replace(m, version=max(m.version, DIGESTS_VERSION), files=entries)
+    alg = recorded_algorithm(m.files) or algorithm_for(True)
+    entries = tuple(replace(f, digest=_digest(files, f, m.chunk_size, alg), algorithm=alg) for f in m.files)
+    signed = replace(m, version=max(m.version, ALGORITHMS[alg]), files=entries)
     data = to_json(signed, signer)
     parse(data, storage.url_of(MANIFEST_NAME))  # never write what could not be read back
     _commit.replace(storage, data, old, m.save_id)

@@ -144,7 +144,7 @@ def synth_bytes(params: int, ranks: int, replicate: int = 1, units: int = 2) -> 
 def synthesize(dst: str, params: int, ranks: int, replicate: int = 1, units: int = 2,
                seed: int = 0, step: int = 100, storage_options: Mapping[str, Any] | None = None,
                workers: int = 2, chunk_size: int | None = None,
-               progress: Callable[[int], None] | None = None, digests: bool = False,
+               progress: Callable[[int], None] | None = None, digests: bool | str = False,
                signing_key: SigningKey | None = None) -> Manifest:
     """Write a committed synthetic checkpoint to ``dst`` (an fsspec URL) and return its manifest
     (``digests``, ``signing_key``: as :class:`~shardckpt.checkpoint.writer.CheckpointSpec`'s)."""

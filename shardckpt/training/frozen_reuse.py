@@ -35,10 +35,11 @@ def write_frozen(writer: CheckpointWriter, shard: int, produce: Any, previous: s
         entry, step = prev
         path = reference_to(entry, step)
         if ((size, header_size, crc) == (entry.size, entry.header_size, entry.crc32c)
-                and (entry.sha256 is not None or not spec.with_digests)
+                and (entry.digest is not None and entry.algorithm == spec.digest_algorithm
+                     or not spec.with_digests)
                 and still_there(storage, path, size)):
             log.debug("%s: frozen shard %d unchanged; referencing %s", storage.url, shard, path)
-            return replace(entry, path=path, sha256=entry.sha256 if spec.with_digests else None)
+            return replace(entry, path=path, digest=entry.digest if spec.with_digests else None)
         del pieces
     return writer.write_frozen(shard, produce)
 
