@@ -7,10 +7,14 @@ every read is, and hands the writer the bytes wrapped by :func:`sourced`: bytes 
 where they came from (the object, its ETag when read, the range). A plain sink writes them like
 any bytes. An :class:`~shardckpt.storage.s3upload.S3Upload` on the same S3 service sends, for
 such a range of at least :data:`MIN_COPY` bytes, an ``UploadPartCopy`` instead of the bytes:
-the server copies them, pinned to the ETag (``x-amz-copy-source-if-match``), so what the target
-holds is exactly what was read and checked, and the target's chunk CRC32Cs are computed from
-those bytes as for any write. What is saved is the upload, not the read: "every byte read is
-checked" holds without a re-read.
+the server copies them, pinned to the ETag (``x-amz-copy-source-if-match``), and the part is
+kept only if its ETag, the MD5 the server computed of what it copied, is the MD5 of the bytes
+in hand (moto ignores the precondition; this check does not depend on it). So the target holds
+exactly what was read and checked, and its chunk CRC32Cs are computed from those bytes as for
+any write. What is saved is the upload, not the read: "every byte read is checked" holds without
+a re-read. (Skipping the read too would need the source's chunk CRC32Cs to carry over, which
+they do only where source and target offsets agree modulo the chunk size and the range is whole
+chunks: never for a flat reshard, whose target header and slot sizes differ from the source's.)
 
 Where it cannot apply (then the bytes go up as a normal part, nothing else changes):
 
@@ -21,8 +25,9 @@ Where it cannot apply (then the bytes go up as a normal part, nothing else chang
 * bytes that change on the way (a dtype cast in consolidate; consolidate also writes new files
   whose tensors gather pieces from every source file);
 * a server that refuses the copy (an error other than a deadline: ``NotImplemented``, access
-  denied on the source, the source replaced since it was read: ``PreconditionFailed``): the part
-  falls back to uploading the bytes, logged once per upload.
+  denied on the source, the source replaced since it was read: ``PreconditionFailed``), or whose
+  copy's MD5 is not the bytes' (a replaced source; an ETag that is no MD5, as with SSE-KMS): the
+  part falls back to uploading the bytes, logged once per upload, and no more copies are tried.
 """
 
 from __future__ import annotations

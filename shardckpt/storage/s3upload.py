@@ -149,26 +149,30 @@ class S3Upload:
             self.parts[number] = part
 
     def _copy_part(self, number: int, data: memoryview, src: CopySource) -> None:
-        """Part ``number`` copied by the server from ``src``; uploaded from ``data`` (the same
-        bytes, read and checked) where the server refuses the copy."""
+        """Part ``number`` copied by the server from ``src``, kept only if the part's ETag (the
+        MD5 of what the server copied) is the MD5 of ``data`` (the same bytes, read and
+        checked); else, or where the server refuses the copy, uploaded from ``data``."""
         if self.copy_refused is None:
             assert self.upload_id is not None
+            why = None
             try:
                 part = copy_part(self.backend, self.bucket, self.key, self.upload_id, number, src, self.url)
             except DeadlineExceededError:
                 raise  # the service is failing: an upload would fail the same way
             except StorageError as e:
-                with self._lock:
-                    if self.copy_refused is None:
-                        log.info("%s: the server refused a server-side copy from s3://%s/%s (%s); "
-                                 "uploading the bytes instead", self.url, src.bucket, src.key,
-                                 describe_error(e.__cause__ or e))
-                        self.copy_refused = describe_error(e.__cause__ or e)
+                why = f"the server refused it: {describe_error(e.__cause__ or e)}"
             else:
-                with self._lock:
-                    self.parts[number] = part
-                    self.copied += src.end - src.start
-                return
+                if part["ETag"].strip('"') == hashlib.md5(data).hexdigest():
+                    with self._lock:
+                        self.parts[number] = part
+                        self.copied += src.end - src.start
+                    return
+                why = "the server's copy is not the bytes that were read (the source changed)"
+            with self._lock:
+                if self.copy_refused is None:
+                    log.info("%s: no server-side copy from s3://%s/%s (%s); uploading the bytes "
+                             "instead", self.url, src.bucket, src.key, why)
+                    self.copy_refused = why
         self._upload_part(number, bytes(data))
 
     def _raise_failed(self) -> None:
