@@ -69,6 +69,7 @@ class S3Upload:
         self.submitted = 0
         self.parts: dict[int, dict[str, Any]] = {}
         self.pending: deque[Future] = deque()
+        self.spare: list[bytearray] = []  # one part buffer whose upload is done: filled again, no new pages
         self.pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.service = service_of(backend.fs)
@@ -106,7 +107,10 @@ class S3Upload:
         pos, n = 0, len(view)
         while pos < n:
             if not self.buf:  # one allocation per part, filled in place (no regrowth)
-                self.buf = bytearray(self._part_size())
+                size = self._part_size()
+                with self._lock:
+                    spare = self.spare.pop() if self.spare else None
+                self.buf = spare if spare is not None and len(spare) == size else bytearray(size)
             take = min(n - pos, len(self.buf) - self.fill)
             self.buf[self.fill:self.fill + take] = view[pos:pos + take]
             self.fill += take
@@ -147,6 +151,8 @@ class S3Upload:
             part["ChecksumSHA256"] = out["ChecksumSHA256"]
         with self._lock:
             self.parts[number] = part
+            if isinstance(data, bytearray) and len(data) == self.base_part and not self.spare:
+                self.spare.append(data)
 
     def _copy_part(self, number: int, data: memoryview, src: CopySource) -> None:
         """Part ``number`` copied by the server from ``src``, kept only if the part's ETag (the
