@@ -22,9 +22,7 @@ import pytest
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import StorageError
-from shardckpt.storage import Storage
-from shardckpt.storage.s3copy import MIN_COPY, copy_source_for, sourced
-from shardckpt.storage.s3upload import S3Upload
+from shardckpt.storage import MIN_COPY, S3Upload, Storage, copy_source_for, sourced
 from shardckpt.tools.consolidate import consolidate
 from shardckpt.tools.reshard import reshard
 from shardckpt.tools.synth import synthesize

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import RangeReader, Storage
-from shardckpt.storage.reads import REMOTE_READS_IN_FLIGHT
+from shardckpt.storage import REMOTE_READS_IN_FLIGHT, RangeReader, Storage
 
 CS = 64 << 10
 DATA = bytes(range(256)) * (CS * 16 // 256)  # 16 chunks

@@ -71,18 +71,18 @@ def sourced(data: Any, source: CopySource | None) -> Any:
         return data
     import numpy as np
 
-    arr = np.frombuffer(data, np.uint8).view(_sourced_class())
+    arr: Any = np.frombuffer(data, np.uint8).view(_sourced_class())
     arr.copy_source = source
     return arr
 
 
 def source_of(view: memoryview) -> CopySource | None:
     """The source of bytes :func:`sourced` marked (``view`` over all of them), else None."""
-    obj = view.obj
-    src = getattr(obj, "copy_source", None)
+    obj: Any = view.obj
+    src: CopySource | None = getattr(obj, "copy_source", None)
     if src is None or view.nbytes != src.end - src.start or view.nbytes != obj.nbytes:
         return None
-    return src  # type: ignore[no-any-return]
+    return src
 
 
 @functools.cache
@@ -91,7 +91,7 @@ def _sourced_class() -> type:
     are, and ``memoryview(...).obj`` leads a sink back to the marker."""
     import numpy as np
 
-    class Sourced(np.ndarray):  # type: ignore[type-arg]
+    class Sourced(np.ndarray):
         """Bytes with a ``copy_source`` attribute (set by :func:`sourced`)."""
 
         copy_source: CopySource | None = None

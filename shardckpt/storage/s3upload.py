@@ -128,7 +128,7 @@ class S3Upload:
         self.upload_id = self.backend.call("start upload", self.url, create)
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardckpt-upload")
 
-    def _submit(self, data: bytearray | memoryview, src: CopySource | None = None) -> None:
+    def _submit(self, data: Any, src: CopySource | None = None) -> None:
         if self.upload_id is None:
             self._create()
         self.submitted += 1
@@ -137,12 +137,12 @@ class S3Upload:
         if src is None:
             self.pending.append(self.pool.submit(self._upload_part, number, data))
         else:
-            self.pending.append(self.pool.submit(self._copy_part, number, data, src))
+            self.pending.append(self.pool.submit(self._copy_part, number, memoryview(data), src))
         while len(self.pending) >= self.concurrency:  # bound memory: wait for the oldest
             self.pending.popleft().result()
         self._raise_failed()
 
-    def _upload_part(self, number: int, data: bytearray) -> None:
+    def _upload_part(self, number: int, data: bytearray | bytes) -> None:
         out = self.backend.call(f"upload of part {number}", self.url, lambda: self.backend.fs.call_s3(
             "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
             PartNumber=number, Body=data))
