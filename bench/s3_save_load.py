@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from typing import Any
@@ -89,6 +90,24 @@ def _rank(side: str, op: str, src: str, dst: str, rank: int, barrier: Any, out: 
     out.put((rank, report))
 
 
+def _collect(procs: list[Any], out: Any) -> dict[int, dict[str, Any]]:
+    """Every rank's report; a rank process that ends without one (an error, a kill) ends the
+    job at once instead of leaving it waiting for a report that never comes."""
+    reports: dict[int, dict[str, Any]] = {}
+    while len(reports) < len(procs):
+        try:
+            rank, report = out.get(timeout=5)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if p.exitcode is not None and (p.exitcode != 0 or r not in reports)]
+            if dead and out.empty():
+                raise SystemExit(f"rank process {dead[0][0]} ended without a report "
+                                 f"(exit code {dead[0][1]})") from None
+            continue
+        reports[rank] = report
+    return reports
+
+
 def main(side: str, op: str, src: str, dst: str, ranks: int) -> None:
     from shardckpt.checkpoint.reader import CheckpointReader, as_storage
     from shardckpt.checkpoint.writer import CheckpointSpec, CheckpointWriter, new_save_id
@@ -107,7 +126,7 @@ def main(side: str, op: str, src: str, dst: str, ranks: int) -> None:
              for r in range(ranks)]
     for p in procs:
         p.start()
-    reports = dict(out.get(timeout=3600) for _ in procs)
+    reports = _collect(procs, out)
     for p in procs:
         p.join(timeout=600)
         if p.exitcode != 0:

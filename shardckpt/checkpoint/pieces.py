@@ -149,7 +149,7 @@ class PieceReader:
     """
 
     def __init__(self, readers: Sequence[CheckpointReader], buffer_bytes: int = DEFAULT_BUFFER,
-                 workers: int = 4) -> None:
+                 workers: int | None = None) -> None:
         if buffer_bytes < 1:
             raise ConfigError(f"buffer of {buffer_bytes} bytes; it must be positive")
         self.readers = list(readers)

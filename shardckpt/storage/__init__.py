@@ -15,15 +15,19 @@ Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
   environment variable ``SHARDCKPT_DEADLINE_S``, else 120 s. A user's own ``config_kwargs`` and
   ``retries`` (s3fs's count) override the defaults key by key.
 * **Reads** are ranged GETs of whole checksum chunks only; a range larger than ``range_piece`` is
-  split into pieces fetched concurrently, and each failed piece is retried alone. A chunk whose
-  CRC32C fails is read once more before the read is declared corrupt (a bad transfer is not a bad
-  object). Nothing is staged on local disk.
+  split into pieces fetched concurrently, and each failed piece is retried alone. A stream's batch
+  (reshard, consolidate) has all its reads in flight at once, up to :data:`REMOTE_READS_IN_FLIGHT`,
+  whichever files they are of. A chunk whose CRC32C fails is read once more before the read is
+  declared corrupt (a bad transfer is not a bad object). Nothing is staged on local disk.
 * **Writes** stream as multipart uploads that shardckpt drives itself (not ``fs.open("wb")``,
   whose ``__exit__`` on an exception completes the partial object): parts of ``part_size`` bytes
   go up concurrently, at most ``concurrency`` in flight, and each part is retried as a unit (it is
   still in memory) under the deadline. A file whose producer or any part fails is aborted: the
   multipart upload is aborted and nothing becomes visible. Memory per writer is at most
-  ``(concurrency + 1) x part_size``. Files smaller than a part are one PUT.
+  ``(concurrency + 1) x part_size``. Files smaller than a part are one PUT. A source range of at
+  least :data:`MIN_COPY` bytes that reshard moves unchanged between objects of one service is
+  copied by the server (``UploadPartCopy``) after it has been read and checked, and kept only if
+  the server's MD5 of the copy is that of the checked bytes (:mod:`.s3copy`).
 * **Commit** is a PUT with ``If-None-Match: *``. moto answers a conflict with FileExistsError,
   Ceph with 412 PreconditionFailed (OSError(EINVAL)); both become
   :class:`~shardckpt.errors.CommitConflictError`. If a retried commit meets a conflict, the object
@@ -36,7 +40,8 @@ Modules: :mod:`.core` (the :class:`Storage` handle), :mod:`.backend` (the backen
 the table that picks a backend class by URL scheme: :data:`BACKENDS`), :mod:`.backends` (the
 generic fsspec backend every other one extends), :mod:`.local` (the local disk), :mod:`.memory`
 (``memory://``), :mod:`.s3` (S3: options, error codes, the conditional writes) and
-:mod:`.s3upload` (its multipart uploads, open uploads), :mod:`.writer` (streaming, checksummed
+:mod:`.s3upload` (its multipart uploads, open uploads), :mod:`.s3copy` (server-side copies of
+checked ranges), :mod:`.writer` (streaming, checksummed
 writes), :mod:`.checked` and :mod:`.reads` (the checked read path: one range, many ranges,
 read-ahead), :mod:`.retry` (deadline, the shared error vocabulary, error mapping),
 :mod:`.options` (``storage_options``), :mod:`.places` (comparable locations, free space),
@@ -62,7 +67,10 @@ from shardckpt.storage.backend import (
 from shardckpt.storage.options import (
     DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, BackendOptions, MiB, Tuning,
 )
-from shardckpt.storage.reads import DEFAULT_BATCH, DEFAULT_BUFFER, RangeReader, read_ahead
+from shardckpt.storage.reads import (
+    DEFAULT_BATCH, DEFAULT_BUFFER, REMOTE_READS_IN_FLIGHT, RangeReader, read_ahead,
+)
+from shardckpt.storage.s3copy import MIN_COPY, CopySource, copy_source_for, sourced
 from shardckpt.storage.retry import (
     DEADLINE_ENV, DeadlineExceededError, NotFoundError, RetryPolicy, mapped_errors,
 )
@@ -82,7 +90,7 @@ from shardckpt.storage.pwrite import Staged, write_positioned
 from shardckpt.storage.lease import DEFAULT_TTL_S, LEASE_PREFIX, Lease, live_until, whoami
 from shardckpt.storage import commit
 
-_S3_NAMES = frozenset({"OpenUpload", "S3_CONFIG_DEFAULTS", "S3FS_RETRIES"})
+_S3_NAMES = frozenset({"OpenUpload", "S3_CONFIG_DEFAULTS", "S3FS_RETRIES", "S3Upload"})
 
 
 def __getattr__(name: str) -> Any:
@@ -92,13 +100,16 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BACKENDS", "BackendOptions", "ChunkCheck", "ChunkHasher", "DEADLINE_ENV", "DEFAULT_BATCH", "DEFAULT_BUFFER",
-    "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "DEFAULT_TTL_S", "DeadlineExceededError", "FileReads", "IOConfig",
-    "LEASE_PREFIX", "Lease", "LocalBackend", "MiB", "NotFoundError", "OpenUpload", "RangeReader", "Reader",
-    "Request", "RetryPolicy", "Ring", "S3FS_RETRIES", "S3_CONFIG_DEFAULTS", "Slot", "Staged", "Storage",
-    "StorageBackend", "StreamWriter", "Tuning", "abort_upload", "backend_class", "check_inside", "commit",
-    "contains", "crc32c", "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until", "local_path",
-    "local_reader", "mapped_errors", "open_regular", "open_storage", "pipelined_reads", "private_storage",
-    "read_ahead", "read_checked", "read_local_into", "resolve_inside", "spans", "split_options",
-    "storage_options_from_env", "whoami", "write_positioned",
+    "BACKENDS", "BackendOptions", "ChunkCheck", "ChunkHasher", "CopySource", "DEADLINE_ENV",
+    "DEFAULT_BATCH", "DEFAULT_BUFFER", "DEFAULT_CONCURRENCY", "DEFAULT_PART_SIZE", "DEFAULT_TTL_S",
+    "DeadlineExceededError", "FileReads", "IOConfig", "LEASE_PREFIX", "Lease", "LocalBackend",
+    "MIN_COPY", "MiB", "NotFoundError", "OpenUpload", "REMOTE_READS_IN_FLIGHT", "RangeReader",
+    "Reader", "Request", "RetryPolicy", "Ring", "S3FS_RETRIES", "S3Upload", "S3_CONFIG_DEFAULTS",
+    "Slot", "Staged", "Storage", "StorageBackend", "StreamWriter", "Tuning", "abort_upload",
+    "backend_class", "check_inside", "commit", "contains", "copy_source_for", "crc32c",
+    "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until",
+    "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",
+    "pipelined_reads", "private_storage", "read_ahead", "read_checked", "read_local_into",
+    "resolve_inside", "sourced", "spans", "split_options", "storage_options_from_env", "whoami",
+    "write_positioned",
 ]

@@ -9,9 +9,11 @@ A checked read fetches whole checksum chunks and verifies each against the manif
 * a **stream** (:meth:`RangeReader.fetch`: reshard, consolidate, diff): ranges read front to back.
   Where the backend can map files (local, POSIX) each range is a view of the mapped file, no copy,
   each chunk checked once (a bit per chunk remembers which were). Elsewhere consecutive ranges of
-  a file that meet are coalesced into one read, files are read concurrently, and a chunk two
-  requests share (a boundary chunk) is kept until its rest has been read, so a stream of ranges
-  reads each byte about once.
+  a file that meet are coalesced into one read, and those reads, of every file of the batch, are
+  in flight at once (:data:`REMOTE_READS_IN_FLIGHT` by default: on an object store a small ranged
+  GET costs its latency, not its bytes, so a batch of many small slices is read in parallel, not
+  file by file); a chunk two requests share (a boundary chunk) is kept until its rest has been
+  read, so a stream of ranges reads each byte about once.
 * **random access** (:meth:`RangeReader.gather`: checkpoint loads, DCP reads): ranges in any order,
   sorted per file, those whose chunks overlap or touch coalesced, spans read concurrently.
 
@@ -30,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage.checked import Files, map_chunks, read_checked, read_chunks
+from shardckpt.storage.s3copy import MIN_COPY, copy_source_for, sourced
 
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
@@ -41,6 +44,10 @@ DEFAULT_BUFFER = 64 << 20
 #: Default ``buffer_bytes`` of reshard and the importers: the bytes of one read batch (two are held
 #: at once).
 DEFAULT_BATCH = 32 << 20
+#: Reads in flight for one stream batch where the storage does not map files (object stores,
+#: ``memory://``): each read is one coalesced run of chunks; a run larger than the backend's
+#: ``range_piece`` is itself split into concurrent ranged GETs.
+REMOTE_READS_IN_FLIGHT = 16
 
 
 _END: Any = object()
@@ -86,6 +93,7 @@ class RangeReader:
         self._cache: OrderedDict[tuple[str, int], tuple[bytes, int]] = OrderedDict()  # data, consumed
         self._lock = threading.Lock()
         self._checked: dict[str, bytearray] = {}  # map_many: a bit per chunk already checked
+        self._etags: dict[str, str | None] = {}  # sourced: the ETag of each object, one HEAD each
         self.bytes_read = 0
 
     @property
@@ -93,11 +101,21 @@ class RangeReader:
         """Whether :meth:`fetch` maps files here instead of reading them."""
         return bool(self.storage.backend.can_map)
 
-    def fetch(self, requests: Sequence[Request], workers: int = 4) -> list[bytes | memoryview]:
-        """A stream's batch: :meth:`map_many` where the backend maps files, else :meth:`read_many`."""
+    def fetch(self, requests: Sequence[Request], workers: int | None = None) -> list[bytes | memoryview]:
+        """A stream's batch: :meth:`map_many` where the backend maps files, else :meth:`read_many`
+        (``workers`` reads in flight, :data:`REMOTE_READS_IN_FLIGHT` unless given)."""
         if self.maps:
             return self.map_many(requests)  # type: ignore[return-value]
         return self.read_many(requests, workers)
+
+    def sourced(self, request: Request, data: Any) -> Any:
+        """``data`` (the checked bytes of ``request``) marked with where they came from, so that a
+        writer on the same object store may have the server copy them instead of uploading them
+        (:mod:`.s3copy`); as it is where that cannot apply (small ranges, mapped files)."""
+        entry, a, b = request
+        if b - a < MIN_COPY or self.maps:
+            return data
+        return sourced(data, copy_source_for(self.storage, self.prefix + entry.path, a, b, self._etags))
 
     def _outside(self, entry: FileEntry, start: int, end: int) -> IntegrityError:
         return IntegrityError(f"{self.storage.url_of(self.prefix + entry.path)}: range [{start}, "
@@ -226,20 +244,23 @@ class RangeReader:
             out.append(runs)
         return out
 
-    def read_many(self, requests: Sequence[Request], workers: int = 4) -> list[bytes | memoryview]:
-        """Each range through :meth:`read`; files concurrently, each file in order, consecutive
-        requests of a file that meet coalesced into one read (one ranged GET for a stream of
-        adjacent slices)."""
+    def read_many(self, requests: Sequence[Request], workers: int | None = None) -> list[bytes | memoryview]:
+        """Each range through :meth:`read`; consecutive requests of a file that meet coalesced
+        into one read (one ranged GET for a stream of adjacent slices), and those reads, of all
+        files, on up to ``workers`` threads (:data:`REMOTE_READS_IN_FLIGHT` unless given). Two
+        reads of one file that share a boundary chunk may both fetch it (each checks it); the
+        cache keeps at most ``capacity`` chunks whatever the order they end in."""
         out: list[bytes | memoryview] = [b""] * len(requests)
 
-        def run(runs: list[tuple[FileEntry, int, int, list[int]]]) -> None:
-            for entry, lo, hi, members in runs:
-                view = memoryview(self.read(entry, lo, hi))
-                for i in members:
-                    _, a, b = requests[i]
-                    out[i] = view[a - lo:b - lo]
+        def run(item: tuple[FileEntry, int, int, list[int]]) -> None:
+            entry, lo, hi, members = item
+            view = memoryview(self.read(entry, lo, hi))
+            for i in members:
+                _, a, b = requests[i]
+                out[i] = view[a - lo:b - lo]
 
-        pool_map(run, self._runs(requests), workers)
+        runs = [r for file_runs in self._runs(requests) for r in file_runs]
+        pool_map(run, runs, REMOTE_READS_IN_FLIGHT if workers is None else workers)
         return out
 
     # ------------------------------------------------------------------ stream: mapped

@@ -215,6 +215,10 @@ class S3Backend(Backend):
         except NotFoundError:
             return None
 
+    def etag(self, path: str, url: str) -> str | None:
+        """The object's ETag (one HEAD), None if there is none: what pins a server-side copy."""
+        return self._etag(*self.bucket_key(path), url)
+
     def _etag(self, bucket: str, key: str, url: str) -> str | None:
         info = self._head(bucket, key, url)
         return None if info is None else info.get("ETag")

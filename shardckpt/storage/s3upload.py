@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from collections.abc import Callable
 
-from shardckpt.errors import StorageError
-from shardckpt.storage.retry import NotFoundError
+from shardckpt.errors import DeadlineExceededError, StorageError
+from shardckpt.storage.retry import NotFoundError, describe_error
+from shardckpt.storage.s3copy import MIN_COPY, CopySource, copy_part, service_of, source_of
 
 if TYPE_CHECKING:
     from shardckpt.storage.options import Tuning
@@ -46,6 +47,11 @@ class S3Upload:
     The upload starts with the first full part; a file smaller than one part is a single PUT at
     close. Parts are uploaded on a small thread pool, at most ``concurrency`` in flight; a failed
     part fails the next ``write``/``close``, and the caller's abort aborts the upload.
+
+    Bytes marked by :func:`~shardckpt.storage.s3copy.sourced` from an object on the same service
+    become ``UploadPartCopy`` parts (:mod:`.s3copy`): the bytes pending before them are topped up
+    to a valid part (at least 5 MiB) from the range's head, and a copy the server refuses is
+    uploaded from the bytes in hand instead.
     """
 
     def __init__(self, backend: UploadHost, path: str, url: str) -> None:
@@ -63,8 +69,12 @@ class S3Upload:
         self.submitted = 0
         self.parts: dict[int, dict[str, Any]] = {}
         self.pending: deque[Future] = deque()
+        self.spare: list[bytearray] = []  # one part buffer whose upload is done: filled again, no new pages
         self.pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.service = service_of(backend.fs)
+        self.copied = 0  # bytes the server copied (parts sent as UploadPartCopy that succeeded)
+        self.copy_refused: str | None = None  # why the server refused a copy (then no more are tried)
 
     def _part_size(self) -> int:
         # S3 allows 10,000 parts: grow the part size as the upload grows (all parts >= 5 MiB)
@@ -72,10 +82,35 @@ class S3Upload:
 
     def write(self, view: memoryview) -> None:
         self._raise_failed()
+        src = source_of(view) if self.copy_refused is None else None
+        if src is not None and src.service == self.service and self._write_copied(view, src):
+            return
+        self._write_bytes(view)
+
+    def _write_copied(self, view: memoryview, src: CopySource) -> bool:
+        """``view`` (the bytes of ``src``) as a copy part where it can be one; False where not
+        (nothing written then)."""
+        need = max(0, MIN_COPY - self.fill) if self.fill else 0  # a pending part must be valid
+        if len(view) - need < MIN_COPY or (need and len(self.buf) - self.fill < need):
+            return False
+        if need:
+            self._write_bytes(view[:need])
+        if self.fill:
+            del self.buf[self.fill:]  # the pending part, cut short in place
+            self._submit(self.buf)
+            self.buf, self.fill = bytearray(), 0
+        rest = CopySource(src.service, src.bucket, src.key, src.etag, src.start + need, src.end)
+        self._submit(view[need:], rest)
+        return True
+
+    def _write_bytes(self, view: memoryview) -> None:
         pos, n = 0, len(view)
         while pos < n:
             if not self.buf:  # one allocation per part, filled in place (no regrowth)
-                self.buf = bytearray(self._part_size())
+                size = self._part_size()
+                with self._lock:
+                    spare = self.spare.pop() if self.spare else None
+                self.buf = spare if spare is not None and len(spare) == size else bytearray(size)
             take = min(n - pos, len(self.buf) - self.fill)
             self.buf[self.fill:self.fill + take] = view[pos:pos + take]
             self.fill += take
@@ -93,18 +128,21 @@ class S3Upload:
         self.upload_id = self.backend.call("start upload", self.url, create)
         self.pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="shardckpt-upload")
 
-    def _submit(self, data: bytearray) -> None:
+    def _submit(self, data: Any, src: CopySource | None = None) -> None:
         if self.upload_id is None:
             self._create()
         self.submitted += 1
         number = self.submitted
         assert self.pool is not None
-        self.pending.append(self.pool.submit(self._upload_part, number, data))
+        if src is None:
+            self.pending.append(self.pool.submit(self._upload_part, number, data))
+        else:
+            self.pending.append(self.pool.submit(self._copy_part, number, memoryview(data), src))
         while len(self.pending) >= self.concurrency:  # bound memory: wait for the oldest
             self.pending.popleft().result()
         self._raise_failed()
 
-    def _upload_part(self, number: int, data: bytearray) -> None:
+    def _upload_part(self, number: int, data: bytearray | bytes) -> None:
         out = self.backend.call(f"upload of part {number}", self.url, lambda: self.backend.fs.call_s3(
             "upload_part", Bucket=self.bucket, Key=self.key, UploadId=self.upload_id,
             PartNumber=number, Body=data))
@@ -113,6 +151,35 @@ class S3Upload:
             part["ChecksumSHA256"] = out["ChecksumSHA256"]
         with self._lock:
             self.parts[number] = part
+            if isinstance(data, bytearray) and len(data) == self.base_part and not self.spare:
+                self.spare.append(data)
+
+    def _copy_part(self, number: int, data: memoryview, src: CopySource) -> None:
+        """Part ``number`` copied by the server from ``src``, kept only if the part's ETag (the
+        MD5 of what the server copied) is the MD5 of ``data`` (the same bytes, read and
+        checked); else, or where the server refuses the copy, uploaded from ``data``."""
+        if self.copy_refused is None:
+            assert self.upload_id is not None
+            why = None
+            try:
+                part = copy_part(self.backend, self.bucket, self.key, self.upload_id, number, src, self.url)
+            except DeadlineExceededError:
+                raise  # the service is failing: an upload would fail the same way
+            except StorageError as e:
+                why = f"the server refused it: {describe_error(e.__cause__ or e)}"
+            else:
+                if part["ETag"].strip('"') == hashlib.md5(data).hexdigest():
+                    with self._lock:
+                        self.parts[number] = part
+                        self.copied += src.end - src.start
+                    return
+                why = "the server's copy is not the bytes that were read (the source changed)"
+            with self._lock:
+                if self.copy_refused is None:
+                    log.info("%s: no server-side copy from s3://%s/%s (%s); uploading the bytes "
+                             "instead", self.url, src.bucket, src.key, why)
+                    self.copy_refused = why
+        self._upload_part(number, bytes(data))
 
     def _raise_failed(self) -> None:
         for f in self.pending:
@@ -143,6 +210,8 @@ class S3Upload:
                 raise
         self.upload_id = None
         self._shutdown()
+        if self.copied:
+            log.info("%s: %d of %d bytes copied by the server (UploadPartCopy)", self.url, self.copied, size)
         if self.create_tries > 1:
             try:
                 self._abort_orphans()

@@ -107,7 +107,7 @@ class ShardStream:
     """
 
     def __init__(self, ranges: RangeReader, batches: Sequence[tuple[int, Batch]],
-                 on_bytes: Callable[[int], None] | None, read_workers: int = 4) -> None:
+                 on_bytes: Callable[[int], None] | None, read_workers: int | None = None) -> None:
         self.ranges, self.on_bytes, self.read_workers = ranges, on_bytes, read_workers
         self.batches = [(t, b) for t, b in batches if b]
         self.zeros = bytes(max((p for _, b in self.batches for _, p in b if isinstance(p, int)),
@@ -122,8 +122,8 @@ class ShardStream:
         data = iter(self.ranges.fetch([p for _, p in batch if isinstance(p, tuple)],
                                       self.read_workers))
         zview = memoryview(self.zeros)
-        return [(si, zview[:p] if isinstance(p, int) else next(data) if isinstance(p, tuple) else p())
-                for si, p in batch]
+        return [(si, zview[:p] if isinstance(p, int) else self.ranges.sourced(p, next(data))
+                 if isinstance(p, tuple) else p()) for si, p in batch]
 
     def _advance(self, shard: int) -> bool:
         """Make the file's next batch current (the read of the one after, maybe of the next
