@@ -5,6 +5,7 @@ read that fails in a worker thread fails the batch (an error, never a hang)."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -61,3 +62,27 @@ def test_a_read_that_fails_in_a_worker_fails_the_batch(stored: Any) -> None:
     storage.read = read  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="died"):
         RangeReader(storage, CS).read_many(_requests(entry, 8))
+
+
+def test_runs_that_share_a_chunk_fetch_it_once(stored: Any) -> None:
+    """Slices that do not meet but share a checksum chunk (small slots of a flat reshard) are read
+    one after the other, so every chunk of the file is fetched and checked once (in flight at
+    once, both would fetch the chunk they share)."""
+    storage, entry = stored
+    fetched: list[tuple[int, int]] = []
+    plain = storage.read
+
+    def read(rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        fetched.append((start or 0, end if end is not None else len(DATA)))
+        time.sleep(0.05)  # a GET's latency: reads that may overlap do
+        return plain(rel, start, end)
+
+    storage.read = read  # type: ignore[method-assign]
+    reqs = [(entry, 100, 3 * CS + 50), (entry, 3 * CS + 60, 5 * CS + 7), (entry, 5 * CS + 9, 6 * CS),
+            (entry, 9 * CS, 11 * CS)]
+    reader = RangeReader(storage, CS)
+    got = reader.read_many(reqs)
+    assert [bytes(g) for g in got] == [DATA[a:b] for _, a, b in reqs]
+    chunks = sorted(i for a, b in fetched for i in range(a // CS, -(-b // CS)))
+    assert chunks == sorted(set(chunks)) == [0, 1, 2, 3, 4, 5, 9, 10], fetched
+    assert reader.bytes_read == 8 * CS

@@ -247,21 +247,35 @@ class RangeReader:
     def read_many(self, requests: Sequence[Request], workers: int | None = None) -> list[bytes | memoryview]:
         """Each range through :meth:`read`; consecutive requests of a file that meet coalesced
         into one read (one ranged GET for a stream of adjacent slices), and those reads, of all
-        files, on up to ``workers`` threads (:data:`REMOTE_READS_IN_FLIGHT` unless given). Two
-        reads of one file that share a boundary chunk may both fetch it (each checks it); the
-        cache keeps at most ``capacity`` chunks whatever the order they end in."""
+        files, on up to ``workers`` threads (:data:`REMOTE_READS_IN_FLIGHT` unless given); two
+        reads of one file that share a boundary chunk go one after the other on one thread
+        (:meth:`_chains`), so that the chunk is fetched and checked once."""
         out: list[bytes | memoryview] = [b""] * len(requests)
 
-        def run(item: tuple[FileEntry, int, int, list[int]]) -> None:
-            entry, lo, hi, members = item
-            view = memoryview(self.read(entry, lo, hi))
-            for i in members:
-                _, a, b = requests[i]
-                out[i] = view[a - lo:b - lo]
+        def run(chain: list[tuple[FileEntry, int, int, list[int]]]) -> None:
+            for entry, lo, hi, members in chain:  # in order: a shared chunk is fetched once
+                view = memoryview(self.read(entry, lo, hi))
+                for i in members:
+                    _, a, b = requests[i]
+                    out[i] = view[a - lo:b - lo]
 
-        runs = [r for file_runs in self._runs(requests) for r in file_runs]
-        pool_map(run, runs, REMOTE_READS_IN_FLIGHT if workers is None else workers)
+        chains = [c for file_runs in self._runs(requests) for c in self._chains(file_runs)]
+        pool_map(run, chains, REMOTE_READS_IN_FLIGHT if workers is None else workers)
         return out
+
+    def _chains(self, runs: list[tuple[FileEntry, int, int, list[int]]]
+                ) -> list[list[tuple[FileEntry, int, int, list[int]]]]:
+        """One file's runs, cut where two neighbours share no checksum chunk: the runs of a chain
+        are read in order (the boundary chunk they share is fetched once and kept for the next),
+        the chains at once."""
+        cs = self.chunk_size
+        chains: list[list[tuple[FileEntry, int, int, list[int]]]] = []
+        for run in runs:
+            if chains and run[1] // cs <= (chains[-1][-1][2] - 1) // cs:
+                chains[-1].append(run)
+            else:
+                chains.append([run])
+        return chains
 
     # ------------------------------------------------------------------ stream: mapped
 
