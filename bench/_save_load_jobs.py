@@ -43,8 +43,16 @@ LOAD_VARIANTS = ("shardckpt", "dcp", "dcp_sc")
 
 
 def _rotated(variants: tuple[str, ...], rep: int) -> list[str]:
-    k = rep % len(variants)
-    return list(variants[k:] + variants[:k])
+    """The order of repetition ``rep``: a shuffle seeded by ``rep`` (the same on every rank), so
+    that each variant moves and has other neighbours from one repetition to the next (a plain
+    rotation kept every variant right after the same one: ``digests`` always followed DCP's
+    async save, and a save right after one runs slower here: 1.08 and 1.80 s after DCP's async
+    saves, 1.01 s after the raw write, against 0.54-1.07 s for the plain save)."""
+    import random
+
+    order = list(variants)
+    random.Random(rep).shuffle(order)
+    return order
 
 
 def drop_caches() -> bool:
