@@ -218,8 +218,7 @@ class ForeignFiles:
         """Remove every file recorded, best effort (what is left is logged)."""
         for rel in self.written:
             try:
-                if self.storage.exists(rel):
-                    self.storage.rm(rel)
+                self.storage.remove_inside(rel)  # no link followed out of the destination
             except Exception as e:  # noqa: BLE001 - best effort; the missing commit is what counts
                 log.warning("could not remove %s (%s)", self.storage.url_of(rel), e)
         return True

@@ -17,6 +17,7 @@ from shardckpt.errors import (
 )
 from shardckpt.format.chunked import ROLE as CHUNKS_ROLE
 from shardckpt.format.dtypes import itemsize
+from shardckpt.format.layout import Layout
 from shardckpt.format.manifest import (
     FROZEN_ROLE, MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorSlot, buffer_slots,
     chunked_slots, frozen_slots, shard_slots,
@@ -115,6 +116,19 @@ class CheckpointReader:
         except KeyError:
             raise ManifestError(f"{self.storage.url_of(MANIFEST_NAME)}: no state {kind!r} for "
                                 f"group {group!r}") from None
+
+    def param_elements(self, layout: Layout, group: str, offset: int, kind: str, first: int,
+                       last: int) -> bytes:
+        """Elements ``[first, last)`` of the parameter at ``offset`` of flat group ``group`` (of
+        ``layout``), state ``kind``: the pieces of every shard that holds some, checked, joined."""
+        g = layout.group(group)
+        requests = []
+        for s in range(self.manifest.mesh.shard_degree):
+            lo, hi = layout.shard_range(g, s)
+            a, b = max(lo, offset + first), min(hi, offset + last)
+            if a < b:
+                requests.append(self.state_range(s, g.name, kind, a - lo, b - lo))
+        return b"".join(bytes(v) for v in self.read_ranges(requests))
 
     def state_range(self, shard: int, group: str, kind: str, start: int, end: int,
                     check: bool = True) -> tuple[FileEntry, int, int]:

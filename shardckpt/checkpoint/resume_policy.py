@@ -239,7 +239,7 @@ def put_aside_run(manager: CheckpointManager, above: int, why: Mapping[int, str]
             if left:
                 manager.storage.put(LATEST, (left[-1] + "\n").encode())
             else:
-                manager.storage.rm(LATEST)
+                manager.storage.remove_inside(LATEST)
     except ShardckptError as e:
         log.warning("%s: could not put aside the checkpoints newer than step %d: %s",
                     manager.url, above, e)

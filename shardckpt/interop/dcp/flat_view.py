@@ -154,13 +154,5 @@ class FlatView:
 
     def _elements(self, fqn: str, kind: str, first: int, last: int) -> bytes:
         """Elements ``[first, last)`` of parameter ``fqn``'s ``kind``, from its shards."""
-        r, lay = self.reader, self.comp.layout
         p = self.params[fqn]
-        g = lay.group(p.group)
-        requests = []
-        for s in range(r.manifest.mesh.shard_degree):
-            lo, hi = lay.shard_range(g, s)
-            a, b = max(lo, p.offset + first), min(hi, p.offset + last)
-            if a < b:
-                requests.append(r.state_range(s, g.name, kind, a - lo, b - lo))
-        return b"".join(bytes(v) for v in r.read_ranges(requests))
+        return self.reader.param_elements(self.comp.layout, p.group, p.offset, kind, first, last)

@@ -96,17 +96,9 @@ class _Source:
 
         if first >= last:
             return torch.zeros(0, dtype=dtype)
-        r, lay = self.reader, self.comp.layout
         p = self.params[fqn]
-        g = lay.group(p.group)
-        stored = dict(self.comp.states[g.name])[kind]
-        requests = []
-        for s in range(r.manifest.mesh.shard_degree):
-            lo, hi = lay.shard_range(g, s)
-            a, b = max(lo, p.offset + first), min(hi, p.offset + last)
-            if a < b:
-                requests.append(r.state_range(s, g.name, kind, a - lo, b - lo))
-        data = b"".join(bytes(v) for v in r.read_ranges(requests))
+        stored = dict(self.comp.states[p.group])[kind]
+        data = self.reader.param_elements(self.comp.layout, p.group, p.offset, kind, first, last)
         return as_tensor(data, stored).reshape(-1).to(dtype)
 
     def whole(self, fqn: str, dtype: Any) -> Any:
