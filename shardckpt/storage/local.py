@@ -331,7 +331,8 @@ def _fsync_dir(path: str) -> None:
 # ------------------------------------------- straight into the caller's memory (local files)
 
 
-def _readinto(f: Any, view: memoryview, pos: int, url: str) -> None:
+def pread_full(f: Any, view: memoryview, pos: int, url: str) -> None:
+    """Fill ``view`` from descriptor ``f`` at ``pos``; a file that ends first is an IntegrityError."""
     done = 0
     while done < len(view):
         n = os.preadv(f, [view[done:]], pos + done)
@@ -374,5 +375,5 @@ def _read_run(fd: int, url: str, entry: FileEntry, cs: int, c0: int, c1: int,
               pieces: Sequence[tuple[int, int, memoryview]], scratch: bytearray) -> None:
     check = ChunkCheck(entry, cs, url, c0)
     for off, view in spans(entry.size, cs, c0, c1, pieces, memoryview(scratch)):
-        _readinto(fd, view, off, url)
+        pread_full(fd, view, off, url)
         check.feed(off, view)

@@ -35,6 +35,7 @@ from shardckpt.errors import ConfigError, IntegrityError
 from shardckpt.format.integrity import crc32c
 from shardckpt.format.manifest import FileEntry
 from shardckpt.format.quantities import parse_size
+from shardckpt.storage.local import pread_full
 
 T = TypeVar("T")
 ENV_BUFFERS, ENV_BUFFER_SIZE, ENV_THREADS = ("SHARDCKPT_IO_BUFFERS", "SHARDCKPT_IO_BUFFER_SIZE",
@@ -278,11 +279,6 @@ def local_reader(path: str, url: str, entry: FileEntry) -> tuple[Reader, Callabl
     fd = f.fileno()
 
     def read(view: memoryview, pos: int) -> None:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], pos + done)
-            if n <= 0:
-                raise IntegrityError(f"{url}: ends at byte {pos + done}, short of its recorded size")
-            done += n
+        pread_full(fd, view, pos, url)
 
     return read, f.close
