@@ -9,9 +9,11 @@ from collections.abc import Mapping
 
 import pytest
 
+import shardckpt.checkpoint.collective as collective
 from shardckpt.checkpoint.resume_policy import (
     DAMAGED, LACKING, LOADED, PASSED, Candidate, Outcome, resume_newest,
 )
+from shardckpt.checkpoint.tiers import LocalTier
 from shardckpt.errors import IntegrityError
 
 
@@ -26,7 +28,11 @@ class Scripted:
     def where(self) -> str:
         return f"the {self.name} tier"
 
-    def candidates(self) -> list[Candidate]:
+    def survey(self) -> str:
+        return f"{self.name} seen"
+
+    def candidates(self, surveyed: list) -> list[Candidate]:
+        assert surveyed == [f"{self.name} seen"]  # one process: this rank's part alone
         steps = sorted({s for s, _ in self.outcomes}, reverse=True)
         return [Candidate(s, self.name, f"{self.name}/step-{s}") for s in steps]
 
@@ -73,3 +79,35 @@ def test_nothing_usable_is_a_fresh_start_and_the_rest_is_put_aside() -> None:
     got = resume_newest([durable])
     assert got.candidate is None and got.step == 0
     assert durable.aside == [(0, {2: "passed at 2"})]
+
+
+def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeypatch) -> None:
+    """Every agreement is a round of every rank on the way back to training: the survey of both
+    tiers is one, the put-aside one, the manifest goes out in the round that reads it, and an
+    intact node fetches nothing (no round for it)."""
+    import torch
+
+    from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
+    from shardckpt.runtime.mesh import ProcessMesh
+    from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM
+    from shardckpt.training.checkpointer import Checkpointer
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    engine = ZeroEngine(LlamaForCausalLM(cfg), policy=LLAMA_POLICY, process_mesh=ProcessMesh.single())
+    ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=1e-2)
+    tier = LocalTier(path=str(tmp_path / "node{node}"), every=1)
+    run = str(tmp_path / "run")
+    saver = Checkpointer(run, engine, local=tier, durable_every=10 ** 9)
+    saver.save(3)
+    saver.close()
+    ckpt = Checkpointer(run, engine, local=tier, durable_every=10 ** 9)
+    rounds: list[str] = []
+    real = collective._agree
+    monkeypatch.setattr(collective, "_agree",
+                        lambda fn, what, *a: rounds.append(what) or real(fn, what, *a))
+    assert ckpt.resume() == 3 and ckpt.last_resume["tier"] == "local"
+    ckpt.close()
+    kinds = [w.split(" of ")[0].split(" from ")[0] for w in rounds]
+    assert kinds == ["survey", "read", "files needed", "load", "load", "putting aside the steps newer than 3"], rounds

@@ -7,9 +7,11 @@ and the torchtitan and ``Trainer`` integrations, which only name their run direc
 
 Call order (collective: every rank makes each call, in the same order):
 
-1. ``source.candidates()`` for each source, in the order given (the preferred tier first): every
-   rank gets the same list. The candidates of all sources are tried newest step first; at equal
-   steps the earlier source's first.
+1. One agreement, the survey: each rank runs ``source.survey()`` of every source (what it sees
+   of that tier: rank 0 lists a run directory, every rank its node's directory), then
+   ``source.candidates(surveyed)`` gets every rank's part and gives the same list on every rank.
+   The candidates of all sources are tried newest step first; at equal steps the earlier
+   source's first (the order given: the preferred tier first).
 2. ``source.attempt(candidate, last_resort=False)`` for each, until one is ``loaded``. Every read
    that can fail runs inside an agreement of the ranks, so an outcome is the same on every rank.
    A candidate ``passed`` over (it fails a check, cannot be assembled), ``damaged`` (a checksum
@@ -17,9 +19,15 @@ Call order (collective: every rank makes each call, in the same order):
    state) gives way to the next older one, and why is logged once, by rank 0.
 3. Where none loads: the ``lacking`` ones, newest first, with ``last_resort=True`` (better the
    newest weights with a fresh optimizer than step 0).
-4. ``source.put_aside(above, why)`` for each source: the committed steps newer than the one
-   loaded (0 where none did), each with why it was passed over (:mod:`.set_aside`), so that the
-   run can save those steps again. Sources that never put aside do nothing here.
+4. One agreement, the put-aside: each rank runs ``source.put_aside(above, why)`` of every source
+   (its share: rank 0 the run directory's, each node's leader its node's): the committed steps
+   newer than the one loaded (0 where none did), each with why it was passed over
+   (:mod:`.set_aside`), so that the run can save those steps again. No rank goes on (to a save
+   that may write one of those steps again) before every rank is done. Sources that never put
+   aside do nothing here.
+
+One agreement each for the survey and the put-aside, whatever the number of tiers: each is a
+round of every rank, and a resume is on the path back to training.
 5. Where nothing loaded and some candidate failed its checksums, :class:`IntegrityError` (a run
    never starts over silently past damaged checkpoints); else the fresh start is logged.
 """
@@ -73,7 +81,9 @@ class ResumeSource(Protocol):
     @property
     def where(self) -> str: ...
 
-    def candidates(self) -> list[Candidate]: ...
+    def survey(self) -> Any: ...
+
+    def candidates(self, surveyed: list[Any]) -> list[Candidate]: ...
 
     def attempt(self, candidate: Candidate, last_resort: bool) -> Outcome: ...
 
@@ -109,8 +119,10 @@ def resume_newest(sources: Sequence[ResumeSource]) -> Resumed:
     rank = rank_and_world()[0]
     by_name = {s.name: s for s in sources}
     order = {s.name: i for i, s in enumerate(sources)}
-    todo = sorted((c for s in sources for c in s.candidates()), key=lambda c: (-c.step, order[c.tier]))
     where = " and ".join(s.where for s in sources)
+    _, reports = agree(lambda: [s.survey() for s in sources], f"survey of {where}")
+    todo = sorted((c for i, s in enumerate(sources) for c in s.candidates([r["payload"][i] for r in reports])),
+                  key=lambda c: (-c.step, order[c.tier]))
     out = Resumed(None, None)
     broken: list[str] = []
     lacking: list[Candidate] = []
@@ -151,8 +163,12 @@ def _settle(sources: Sequence[ResumeSource], out: Resumed, c: Candidate | None,
                            sorted(out.why.items(), key=lambda x: (-x[0][1], x[0][0])))
         log.info("resumed from %s (step %d)%s%s", c.url, c.step, f", {got.note}" if got.note else "",
                  f" (passed over: {passed})" if passed and len(sources) > 1 else "")
-    for s in sources:
-        s.put_aside(out.step, {step: w for (t, step), w in out.why.items() if t == s.name})
+    def put_aside() -> None:
+        for s in sources:
+            s.put_aside(out.step, {step: w for (t, step), w in out.why.items() if t == s.name})
+
+    agree(put_aside, f"putting aside the steps newer than {out.step} of "
+          + " and ".join(s.where for s in sources))
     return out
 
 
@@ -180,11 +196,12 @@ class RunDirSource:
     def where(self) -> str:
         return self.manager.url
 
-    def candidates(self) -> list[Candidate]:
-        m = self.manager
-        steps = _agreed(lambda: [f.step for f in m.committed()],
-                        f"list of the committed checkpoints of {m.url}")
-        return [Candidate(s, self.name, m.url_for(s)) for s in reversed(steps or [])]
+    def survey(self) -> list[int] | None:
+        """Rank 0 lists the committed steps (the others: None)."""
+        return [f.step for f in self.manager.committed()] if rank_and_world()[0] == 0 else None
+
+    def candidates(self, surveyed: list[Any]) -> list[Candidate]:
+        return [Candidate(s, self.name, self.manager.url_for(s)) for s in reversed(surveyed[0] or [])]
 
     def attempt(self, candidate: Candidate, last_resort: bool) -> Outcome:
         m, step = self.manager, candidate.step
@@ -210,12 +227,10 @@ class RunDirSource:
         return self.load(candidate) if self.load is not None else Outcome(LOADED)
 
     def put_aside(self, above: int, why: Mapping[int, str]) -> None:
-        if not self.settle:
-            return
-        rank = rank_and_world()[0]
-        # rank 0 alone moves them while the others wait: none may write a step being moved
-        agree(lambda: put_aside_run(self.manager, above, why) if rank == 0 else None,
-              f"putting aside the checkpoints of {self.manager.url} newer than step {above}")
+        """Rank 0 alone moves them (inside the policy's agreement: the others wait, and none may
+        write a step being moved)."""
+        if self.settle and rank_and_world()[0] == 0:
+            put_aside_run(self.manager, above, why)
 
 
 def _agreed(fn: Callable[[], Any], what: str) -> Any:

@@ -15,6 +15,7 @@ each node's leader puts aside the steps newer than the one loaded that have a ma
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 from collections import Counter
@@ -22,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from collections.abc import Callable, Mapping
 
-from shardckpt.checkpoint.collective import agree, broadcast_bytes, failed_with
+from shardckpt.checkpoint.collective import agree, failed_with
 from shardckpt.checkpoint.node_files import below_node, held_whole
 from shardckpt.checkpoint.resume_policy import LOADED, PASSED, Candidate, Outcome, damaged
 from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
@@ -72,10 +73,14 @@ class Assembled:
     manifest: Manifest  # the one the ranks agreed on, read once
 
 
+def held_here(node: NodeTier) -> dict[str, Any]:
+    """This rank's node holdings (its part of a survey)."""
+    return own_holdings(node.storage, holdings(node.storage), node.run)
+
+
 def survey(node: NodeTier) -> list[Any]:
     """Every rank's node holdings (collective)."""
-    _, reports = agree(lambda: own_holdings(node.storage, holdings(node.storage), node.run),
-                       "survey of the local tier")
+    _, reports = agree(lambda: held_here(node), "survey of the local tier")
     return [r["payload"] for r in reports]
 
 
@@ -89,9 +94,12 @@ class LocalSource:
         self.node, self.state, self.strict = node, state, strict
         self.held: list[Any] = []
 
-    def candidates(self) -> list[Candidate]:
+    def survey(self) -> dict[str, Any]:
+        return held_here(self.node)
+
+    def candidates(self, surveyed: list[Any]) -> list[Candidate]:
         node = self.node
-        self.held = survey(node)
+        self.held = surveyed
         per_node = [self.held[node.nodes.leader(n)] for n in range(node.nodes.count)]
         return [Candidate(s, self.name, node.url_for(s), sid) for s, sid in committed_steps(per_node)]
 
@@ -138,27 +146,22 @@ class LocalSource:
                                                     if fetched else "the local tier, each rank's own node"))
 
     def put_aside(self, above: int, why: Mapping[int, str]) -> None:
-        """After a resume at ``above`` (collective): each node's leader puts aside the steps
-        newer than it that have a manifest there. No rank goes on (to a save that may write one
-        of those steps again) before every node is done."""
+        """After a resume at ``above`` (inside the policy's agreement): each node's leader puts
+        aside the steps newer than it that have a manifest there."""
         node = self.node
-
-        def work() -> None:
-            if node.rank != node.nodes.leader(node.node):
-                return
-            storage = node.storage
-            try:
-                names = [n for n in storage.ls("") if (m := STEP_DIR.match(n)) and int(m.group(1)) > above
-                         and storage.exists(f"{n}/{MANIFEST_NAME}")]
-            except ShardckptError as e:
-                log.warning("local tier: could not list %s to put aside passed-over steps: %s",
-                            storage.url, e)
-                return
-            newer = {n: why.get(int(n[5:])) or foreign_reason(storage, int(n[5:]), node.run)
-                     or "its nodes hold manifests of different saves, or none that parses" for n in names}
-            put_aside_all(storage, newer, f"local tier, node {node.node}")
-
-        agree(work, f"putting aside the steps newer than {step_dir(above)}", None)
+        if node.rank != node.nodes.leader(node.node):
+            return
+        storage = node.storage
+        try:
+            names = [n for n in storage.ls("") if (m := STEP_DIR.match(n)) and int(m.group(1)) > above
+                     and storage.exists(f"{n}/{MANIFEST_NAME}")]
+        except ShardckptError as e:
+            log.warning("local tier: could not list %s to put aside passed-over steps: %s",
+                        storage.url, e)
+            return
+        newer = {n: why.get(int(n[5:])) or foreign_reason(storage, int(n[5:]), node.run)
+                 or "its nodes hold manifests of different saves, or none that parses" for n in names}
+        put_aside_all(storage, newer, f"local tier, node {node.node}")
 
 
 def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: Any, world_size: int,
@@ -172,23 +175,26 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     nodes = node.nodes
     holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
     here = node.storage.child(step_dir(step))
-    read: list[bytes] = []
 
-    def read_manifest() -> None:  # inside the agreement: a read that fails fails everywhere
-        if node.rank == holder:
-            read.append(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
-            parse(read[0], here.url_of(MANIFEST_NAME))
+    def read_manifest() -> str | None:  # inside the agreement: a read that fails fails everywhere
+        if node.rank != holder:
+            return None
+        data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        parse(data, here.url_of(MANIFEST_NAME))
+        return base64.b64encode(data).decode("ascii")  # to every rank in the same round
     try:
-        agree(read_manifest, f"read of local step {step}'s manifest")
+        _, reports = agree(read_manifest, f"read of local step {step}'s manifest")
     except CollectiveError as e:
         if lost_contact(e):
             raise
         return f"its manifest on rank {holder}'s node cannot be read: {e}"
-    data = broadcast_bytes(read[0] if read else None, holder)
+    data = base64.b64decode(reports[holder]["payload"])
     m = parse(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
     shard = layout.mesh.shard_rank(node.rank)
     mine = sorted(f.path for f in files_needed(m, layout, shard, node.rank, world_size))
-    _, reports = agree(lambda: {"needs": mine, "direct": bool(direct(m))},
+    leader = node.rank == nodes.leader(node.node)
+    _, reports = agree(lambda: {"needs": mine, "direct": bool(direct(m)),
+                                "has_manifest": leader and _holds(here, data)},
                        f"files needed from local step {step}")
     needs = {r: rep["payload"]["needs"] for r, rep in enumerate(reports)}
     by_node = {nodes.node_of(r): held_whole(held[r], step, m) for r in range(world_size)}
@@ -209,10 +215,14 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     def fetch() -> int:
         n = run_transfers(files, node.rank, here, entries, m.chunk_size, None)
         n += run_transfers(refs, node.rank, node.storage, below, m.chunk_size, None)
-        if node.rank == nodes.leader(node.node):
+        if leader:
             put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
         return n
 
+    if not files and not refs and all(reports[nodes.leader(n)]["payload"]["has_manifest"]
+                                      for n in range(nodes.count)):
+        # nothing to fetch or put: every node holds what its ranks read (one round saved)
+        return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
     flag = LossFlag.for_group(None, f"fetch/{save_id}/{next(FETCHES)}")
     try:
         agree(fetch, f"assembly of local step {step}", None, flag=flag)
@@ -223,3 +233,9 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
 
 
+def _holds(here: Storage, data: bytes) -> bool:
+    """Whether this node's copy of the step's manifest is the agreed one, byte for byte."""
+    try:
+        return here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES) == data
+    except ShardckptError:
+        return False
