@@ -3,7 +3,7 @@
 
 Thin: parse options, call the importer, print one line or JSON of what it wrote.
 Errors become one line on stderr and a non-zero exit (``guarded``). The ``import`` commands are
-one body (:func:`_run_import`) for every importer of :data:`shardckpt.interop.importer.IMPORTERS`:
+one body (:func:`_run_import`, registered by :func:`.generated.add_commands`) for every importer of :data:`shardckpt.interop.importer.IMPORTERS`:
 each command's arguments and help come from its importer and the fields of its config.
 """
 
@@ -18,8 +18,9 @@ import typer
 
 from .app import app
 from .common import (
-    EXIT_USAGE, StorageOptionArg, echo_json, fail, guarded, human_bytes, parse_bytes, parse_storage_options,
+    EXIT_USAGE, StorageOptionArg, echo_json, fail, human_bytes, parse_bytes, parse_storage_options,
 )
+from .generated import add_commands, config_fields, config_flag, config_option, config_values, keyword
 
 
 #: Common options of :class:`shardckpt.interop.importer.ImportOptions` -> their flags.
@@ -30,6 +31,10 @@ _FLAGS = {"ranks": "--ranks", "replicate": "--replicate", "units": "--unit",
 def _flag(field: str) -> str:
     """The command-line spelling of an import option (common, or of an importer's config)."""
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def _config_flag(f: dataclasses.Field[Any]) -> str:
+    return config_flag(f, _FLAGS)
 
 
 def _report(m: Any, dst: str, importer: Any, json_out: bool,
@@ -50,32 +55,9 @@ import_app = typer.Typer(help="Import a foreign checkpoint as a shardckpt checkp
 app.add_typer(import_app, name="import")
 
 
-def _config_fields(importer: Any) -> list[dataclasses.Field[Any]]:
-    """The fields of the importer's config that the command line sets (those with a help)."""
-    return [f for f in dataclasses.fields(importer.Config) if "help" in f.metadata]
-
-
-def _config_option(f: dataclasses.Field[Any]) -> inspect.Parameter:
-    """A typer option for config field ``f``: a tuple is a repeatable option, None an optional
-    value, anything else a value with that default."""
-    default = f.default
-    if isinstance(default, tuple):
-        annotation: Any = list[str] | None
-        default = None
-    elif default is None:
-        annotation = str | None
-    else:
-        annotation = type(default)
-    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                             default=typer.Option(default, _flag(f.name), help=f.metadata["help"]))
-
-
 def _import_parameters(importer: Any) -> list[inspect.Parameter]:
     """The arguments and options of ``shardckpt import <importer.name>``."""
-    def param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                 default=default)
-
+    param = keyword
     needs_ranks = importer.ranks_help is None
     ranks = (param("ranks", int, typer.Option(..., "--ranks", help="World size the checkpoint is "
                                                                    "laid out for."))
@@ -91,7 +73,7 @@ def _import_parameters(importer: Any) -> list[inspect.Parameter]:
         param("replicate", int, typer.Option(1, "--replicate", help="HSDP replicate degree "
                                                                      "(divides --ranks).")),
         param("unit", list[str] | None, typer.Option(None, "--unit", help=unit_help)),
-        *(_config_option(f) for f in _config_fields(importer)),
+        *(config_option(f, _config_flag(f)) for f in config_fields(importer.Config)),
         param("buffer", str, typer.Option("32MB", "--buffer", help="Bytes per read (bounds "
                                                                     "memory).")),
         param("storage_option", list[str] | None, StorageOptionArg),
@@ -109,10 +91,7 @@ def _run_import(importer: Any, args: dict[str, Any]) -> None:
     from shardckpt.tools.jobs import run_import
 
     opts = parse_storage_options(args["storage_option"])
-    config = {}
-    for f in _config_fields(importer):
-        value = args[f.name]
-        config[f.name] = tuple(value or ()) if isinstance(f.default, tuple) else value
+    config = config_values(config_fields(importer.Config), args, _config_flag)
     try:
         options = ImportOptions(args["src"], args["dst"], args["ranks"], args["replicate"],
                                 tuple(args["unit"]) if args["unit"] else None,
@@ -130,23 +109,11 @@ def _run_import(importer: Any, args: dict[str, Any]) -> None:
             lambda s: importer.summary_line(s, options, human_bytes))
 
 
-def _import_command(importer: Any) -> Callable[..., None]:
-    """The command of one importer: its parameters (:func:`_import_parameters`), its help, and
-    :func:`_run_import` as the body."""
-    def command(**args: Any) -> None:
-        _run_import(importer, args)
-
-    command.__name__ = command.__qualname__ = f"import_{importer.name}_command"
-    command.__doc__ = importer.help
-    command.__signature__ = inspect.Signature(_import_parameters(importer))  # type: ignore[attr-defined]
-    return command
-
-
 def _register_importers() -> None:
     from shardckpt.interop.importer import IMPORTERS, get_importer
 
-    for name in IMPORTERS:
-        import_app.command(name)(guarded(_import_command(get_importer(name))))
+    add_commands(import_app, "import", (get_importer(n) for n in IMPORTERS), _import_parameters,
+                 _run_import)
 
 
 _register_importers()
