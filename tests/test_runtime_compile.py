@@ -72,6 +72,16 @@ def test_compiled_units_match_the_eager_engine_without_graph_breaks():
     assert all(not g.gathered for g in engine.groups.values())  # stage 3 freed every unit
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_compiled_units_at_stages_1_and_2(stage):
+    """Units stay gathered until the step: the compiled graph reads the same views throughout."""
+    eager_losses, eager_masters = _train(_engine(stage=stage), STEPS)
+    losses, masters = _train(_engine(stage=stage, compile_units=True), STEPS)
+    torch.testing.assert_close(losses, eager_losses, rtol=LOSS_RTOL, atol=0)
+    for name, master in masters.items():
+        torch.testing.assert_close(master, eager_masters[name], rtol=0, atol=MASTER_ATOL)
+
+
 def test_activation_checkpointing_wraps_the_compiled_forward():
     from torch._dynamo.utils import counters
 
