@@ -1,7 +1,7 @@
 """Compiled units: each unit's forward under ``torch.compile``, the ZeRO hooks outside the graph.
 
 ``ZeroEngine(..., compile_units=True)`` (or a dict of ``torch.compile`` keyword arguments, e.g.
-``{"fullgraph": True, "mode": "max-autotune"}``) replaces the ``forward`` of every non-root unit
+``{"fullgraph": True, "mode": "max-autotune-no-cudagraphs"}``) replaces the ``forward`` of every non-root unit
 module by ``torch.compile(forward, **kwargs)``, as torchtitan compiles each transformer block
 under FSDP2. What stays eager, and why:
 
@@ -22,6 +22,10 @@ Limits: the deterministic (bit-exact) mode stays eager, and asking for both is a
 so its results are close to, not bit for bit, those of the eager reference). Activation
 checkpointing (:func:`~shardckpt.runtime.activation.checkpoint_units`) wraps the compiled forward:
 the recomputation runs the compiled code again.
+The modes that capture CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``) record
+the parameters' addresses, and a stage-3 gather may place a unit's buffer elsewhere each time, as
+FSDP2's does: expect re-recording rather than a gain (the ``-no-cudagraphs`` modes do not have
+this problem; untested on a GPU so far).
 """
 
 from __future__ import annotations
