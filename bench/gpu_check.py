@@ -101,8 +101,8 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 
 #: Rough seconds per section on one H200 (full) and for a ``--small`` CPU run, process start-up
 #: included; a section starts only if the budget left covers its estimate.
-ESTIMATE_S = {"a": (40, 30), "b": (150, 40), "b2": (100, 120), "c": (110, 40), "d": (70, 40), "e": (25, 15),
-              "f": (120, 60)}
+ESTIMATE_S = {"a": (40, 30), "b": (150, 40), "b2": (100, 120), "c": (110, 40), "d": (70, 40),
+              "e": (25, 15), "f": (120, 60)}
 
 SECTIONS = {
     "a": ("parity", "ZeroEngine (deterministic) against plain PyTorch on the same device, world-1 "
@@ -1152,7 +1152,8 @@ def section_f(ctx: Ctx, rec: dict[str, Any]) -> None:
 
 
 RUNNERS: dict[str, Callable[[Ctx, dict[str, Any]], None]] = {
-    "a": section_a, "b": section_b, "b2": section_b2, "c": section_c, "d": section_d, "e": section_e, "f": section_f}
+    "a": section_a, "b": section_b, "b2": section_b2, "c": section_c, "d": section_d,
+    "e": section_e, "f": section_f}
 
 
 # ============================================================================ driver
