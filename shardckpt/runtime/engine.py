@@ -110,8 +110,9 @@ class ZeroEngine(GradientControls):
             :mod:`shardckpt.runtime.offload.store`); else in ``optimizer.step()``.
         compile_units: ``True`` (``torch.compile``'s defaults) or a dict of ``torch.compile``
             keyword arguments: the forward of each non-root unit is compiled, the gather, free
-            and reduce hooks stay outside the graph (:mod:`shardckpt.runtime.compiled`). Not
-            with ``deterministic=True``, which stays eager (a :class:`ConfigError`).
+            and reduce hooks stay outside the graph (:mod:`shardckpt.runtime.compiled`); the
+            units compiled are in ``compiled_units``. Not with ``deterministic=True``, which
+            stays eager (a :class:`ConfigError`).
 
     Public surface (what checkpointing and tools rely on):
 
