@@ -18,6 +18,8 @@ its own, so that a crash, a hang or a poisoned CUDA context costs only that sect
   FSDP2's ``fully_shard`` on the same device, weights and batches, steps interleaved A B B A ...;
   tokens/s and MFU (peak dense bf16 TFLOP/s from a table keyed by the device name, or
   ``--peak-tflops``);
+* b2: the same step with each decoder layer compiled on both sides (``compile_units`` against
+  FSDP2 + ``torch.compile`` per layer, torchtitan's setup; ``bench/_gpu_compile.py``), keys as b;
 * c: ``Checkpointer``: how long an async ``save()`` blocks, the device-to-host staging rate
   against a plain copy of the same bytes into pinned memory, the step that overlaps the write,
   sync save and load GB/s against a plain write + fsync and read of the same byte count;
@@ -46,6 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from typing import Any, Callable, Iterator
 
 SCHEMA = "shardckpt-gpu-check/1"
@@ -84,6 +87,8 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
           "small": dict(model=LLAMA_TINY, seq=8, micro_batch=2, micro=2, steps=2)},
     "b": {"full": dict(model=LLAMA_1B, seq=2048, batch=4, warmup=2, steps=6),
           "small": dict(model=LLAMA_SMALL, seq=64, batch=2, warmup=1, steps=2)},
+    "b2": {"full": dict(model=LLAMA_1B, seq=2048, batch=4, warmup=2, steps=6),
+           "small": dict(model=LLAMA_TINY, seq=16, batch=2, warmup=1, steps=2)},
     "c": {"full": dict(model=LLAMA_300M, seq=1024, batch=2),
           "small": dict(model=LLAMA_SMALL, seq=32, batch=2)},
     "d": {"full": dict(model=LLAMA_300M, seq=1024, batch=4, warmup=1, steps=4),
@@ -96,8 +101,8 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 
 #: Rough seconds per section on one H200 (full) and for a ``--small`` CPU run, process start-up
 #: included; a section starts only if the budget left covers its estimate.
-ESTIMATE_S = {"a": (40, 30), "b": (150, 40), "c": (110, 40), "d": (70, 40), "e": (25, 15),
-              "f": (120, 60)}
+ESTIMATE_S = {"a": (40, 30), "b": (150, 40), "b2": (100, 120), "c": (110, 40), "d": (70, 40),
+              "e": (25, 15), "f": (120, 60)}
 
 SECTIONS = {
     "a": ("parity", "ZeroEngine (deterministic) against plain PyTorch on the same device, world-1 "
@@ -105,6 +110,8 @@ SECTIONS = {
           "(no_sync and per micro-batch); fp32 masters, AdamW moments and losses bit for bit"),
     "b": ("train_step_vs_fsdp2", "bf16 train step of the built-in Llama, ZeRO-3 vs FSDP2 "
           "fully_shard, same device, weights and batches, interleaved: step time, tokens/s, MFU"),
+    "b2": ("train_step_vs_fsdp2_compile", "section b with each decoder layer torch.compile'd "
+           "on both sides (ZeroEngine compile_units vs FSDP2 + torch.compile per layer)"),
     "c": ("checkpointer", "Checkpointer async save: time save() blocks, staging GB/s vs a pinned "
           "copy of the same bytes, step time during the write; sync save and load GB/s vs plain "
           "write+fsync and read of the same byte count"),
@@ -600,6 +607,14 @@ def fsdp2_model(ctx: Ctx, cfg: Any, full: dict[str, Any]) -> tuple[Any, Any, dic
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": nodecay, "weight_decay": 0.0}], lr=3e-4, betas=(0.9, 0.95))
     return model, opt, info
+
+
+def section_b2(ctx: Ctx, rec: dict[str, Any]) -> None:
+    if HERE not in sys.path:  # loaded from a file by the tests
+        sys.path.insert(0, HERE)
+    import _gpu_compile  # bench/_gpu_compile.py
+
+    _gpu_compile.section_b2(ctx, rec, types.SimpleNamespace(**globals()))
 
 
 def section_b(ctx: Ctx, rec: dict[str, Any]) -> None:
@@ -1137,7 +1152,8 @@ def section_f(ctx: Ctx, rec: dict[str, Any]) -> None:
 
 
 RUNNERS: dict[str, Callable[[Ctx, dict[str, Any]], None]] = {
-    "a": section_a, "b": section_b, "c": section_c, "d": section_d, "e": section_e, "f": section_f}
+    "a": section_a, "b": section_b, "b2": section_b2, "c": section_c, "d": section_d,
+    "e": section_e, "f": section_f}
 
 
 # ============================================================================ driver
@@ -1151,6 +1167,9 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
         "b": lambda s: (f"Llama {fmt_params(llama_params(s['model']))} params, "
                         f"{s['batch']}x{s['seq']} tokens per step, {s['warmup']} + {s['steps']} "
                         "steps per side"),
+        "b2": lambda s: (f"Llama {fmt_params(llama_params(s['model']))} params, compiled layers, "
+                         f"{s['batch']}x{s['seq']} tokens per step, {s['warmup']} + "
+                         f"{s['steps']} steps per side"),
         "c": lambda s: (f"Llama {fmt_params(llama_params(s['model']))} params, about "
                         f"{12 * llama_params(s['model']) / 1e9:.2f} GB of state per save "
                         "(fp32 masters + 2 AdamW moments), 3 async saves, 1 sync save, 1 load"),

@@ -31,7 +31,7 @@ def test_dry_run_lists_sections_a_to_f_without_torch():
     res = run_script("--dry-run")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert [c["section"] for c in doc["checks"]] == list("abcdef")
+    assert [c["section"] for c in doc["checks"]] == ["a", "b", "b2", "c", "d", "e", "f"]
     for check in doc["checks"]:
         assert check["name"] and check["measures"] and check["size"] and check["selected"]
     assert doc["sizes"] == "full" and "1.03 B params" in doc["checks"][1]["size"]
@@ -43,7 +43,7 @@ def test_dry_run_honours_only_and_small():
     assert doc["sizes"] == "small"
     assert [c["section"] for c in doc["checks"] if c["selected"]] == ["a", "c"]
     res = run_script("--dry-run", "--only", "a,x")
-    assert res.returncode == 2 and "sections are a, b, c, d, e, f" in res.stderr
+    assert res.returncode == 2 and "sections are a, b, b2, c, d, e, f" in res.stderr
 
 
 def test_without_cuda_it_refuses_in_one_line():
@@ -69,6 +69,22 @@ def test_parity_section_runs_on_cpu(tmp_path):
     assert any(c["accumulation"] == "no_sync" for c in a["cases"])
     assert all(c["equal"] for c in a["cases"]), [c for c in a["cases"] if not c["equal"]]
     assert a["reference_repeatable"] is True
+
+
+def test_compile_section_runs_on_cpu():
+    res = run_script("--device", "cpu", "--small", "--only", "b2", "--no-isolate")
+    assert res.returncode == 0, res.stderr[-3000:]
+    b2 = json.loads(res.stdout)["sections"]["b2"]
+    assert b2["status"] == "ok", b2
+    assert "compile" in b2["name"] and b2["settings"]["fsdp2_weights"]["same_weights_as_shardckpt"]
+    ours, fsdp2 = b2["results"]["shardckpt"], b2["results"]["fsdp2"]
+    assert ours["first_step_dynamo"] == {"graph_breaks": 0, "graphs": 1}  # one graph, both layers
+    assert fsdp2["first_step_dynamo"]["graph_breaks"] == 0
+    assert ours["recompiled_graphs"] == fsdp2["recompiled_graphs"] == 0
+    for row in (ours, fsdp2):
+        assert row["median_step_s"] > 0 and row["tokens_per_s"] > 0 and "mfu" in row
+    assert b2["ratio_step_time_shardckpt_over_fsdp2"] > 0 and b2["paired_ratio"] > 0
+    assert ours["losses"] == pytest.approx(fsdp2["losses"], rel=1e-3)  # same weights, batches
 
 
 @pytest.mark.cuda

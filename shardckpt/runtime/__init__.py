@@ -28,8 +28,10 @@ turns on activation checkpointing per unit. ``ZeroEngine(..., zeropp=ZeroPP(qwz=
 qgz=True))`` turns on ZeRO++ (:mod:`shardckpt.runtime.zeropp`), with nodes of
 ``init_distributed(ranks_per_node=K)`` ranks. ``ZeroEngine(..., offload_optimizer="cpu")`` (or
 ``"nvme"`` with ``offload_dir=``) keeps the fp32 masters, optimizer state and step in host memory
-or in files (:mod:`shardckpt.runtime.offload`); ``engine.close()`` removes the files. The small
-Llama of the example is in :mod:`shardckpt.runtime.models`.
+or in files (:mod:`shardckpt.runtime.offload`); ``engine.close()`` removes the files.
+``ZeroEngine(..., compile_units=True)`` runs each unit's forward under ``torch.compile``, the
+hooks outside the graph (:mod:`shardckpt.runtime.compiled`). The small Llama of the example is
+in :mod:`shardckpt.runtime.models`.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from shardckpt.format.footprint_math import Estimate
 from shardckpt.format.layout import Layout, build_layout
 from shardckpt.runtime import footprint, full_params
 from shardckpt.runtime.accounting import Accounting
+from shardckpt.runtime.compiled import CompileLike, check_compile, compile_unit_forwards
 from shardckpt.runtime.contracts import EngineOptimizer, ReductionListener
 from shardckpt.runtime.engine_grads import GradientControls
 from shardckpt.runtime.flat import FlatParamGroup, GradBufferPool
@@ -107,6 +108,11 @@ class ZeroEngine(GradientControls):
             With ``offload_overlap_step`` each group's host step runs in backward, once its
             gradient is reduced: no clipping, ``no_sync`` to accumulate (the rule is in
             :mod:`shardckpt.runtime.offload.store`); else in ``optimizer.step()``.
+        compile_units: ``True`` (``torch.compile``'s defaults) or a dict of ``torch.compile``
+            keyword arguments: the forward of each non-root unit is compiled, the gather, free
+            and reduce hooks stay outside the graph (:mod:`shardckpt.runtime.compiled`); the
+            units compiled are in ``compiled_units``. Not with ``deterministic=True``, which
+            stays eager (a :class:`ConfigError`).
 
     Public surface (what checkpointing and tools rely on):
 
@@ -138,8 +144,10 @@ class ZeroEngine(GradientControls):
                  prefix: str = "model.", reshard_root_after_forward: bool = False,
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  zeropp: ZeroPP | None = None, offload_optimizer: str | None = None,
-                 offload_dir: Any = None, offload_overlap_step: bool = False) -> None:
+                 offload_dir: Any = None, offload_overlap_step: bool = False,
+                 compile_units: CompileLike = False) -> None:
         stage = check_stage(stage)
+        compile_options = check_compile(compile_units, deterministic)
         self.offload: OffloadConfig | None = check_offload(offload_optimizer, offload_dir,
                                                            offload_overlap_step)
         mixed_precision = check_policy(mixed_precision)
@@ -189,12 +197,15 @@ class ZeroEngine(GradientControls):
                                        input_cast_dtype(mixed_precision), prefetch, module,
                                        pool=pool)
         self.accounting.reset()  # construction gathered units one by one to initialize them
+        self.compiled_units: list[str] = ([] if compile_options is None else
+                                          compile_unit_forwards(self.units, compile_options))
         self._sharded = full_params.ShardedModule(module, self.layout, self.groups, params,
                                                   self.tied_aliases, pm, self._schedule)
         full_params.refuse_placeholder_state_dicts(self._sharded)
-        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s%s%s; %s",
+        log.info("ZeroEngine: stage %d, %d units, %d flat groups, %d parameters%s%s%s%s; %s",
                  stage, len(self.units), len(self.groups), len(params),
                  f", {mixed_precision}" if mixed_precision else "",
+                 f", {len(self.compiled_units)} units compiled" if self.compiled_units else "",
                  f", {zeropp.describe()}" if zeropp.enabled else "",
                  f", {self.offload.describe()}" if self.offload else "", pm.describe())
 
