@@ -7,7 +7,8 @@
 2. ``optimizer.step()`` of a bf16 ZeRO-3 Llama (world 1, ``--device``) with
    ``offload_optimizer="cpu"``: the unpipelined step (``OffloadConfig(pipeline=False)``; its
    gradient copies made in backward are not timed), the pipelined bit-exact step and the fused
-   opt-in; the final masters and moments compared bit for bit with the unpipelined run's.
+   opt-in (interleaved); the final masters and moments compared bit for bit with the
+   unpipelined run's.
 
     python bench/offload_step.py [--numel 50e6] [--params 30e6] [--reps 5] [--threads N]
 """
@@ -77,10 +78,8 @@ def _llama(params: float) -> LlamaConfig:
                        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2)
 
 
-def engine_step(cfg: LlamaConfig, device: torch.device, offload: OffloadConfig, reps: int
-                ) -> tuple[list[float], dict, int]:
-    """``reps`` timed ``optimizer.step()`` calls after one backward: seconds, the final shards,
-    the store's pinned bytes."""
+def build(cfg: LlamaConfig, device: torch.device, offload: OffloadConfig) -> tuple[Any, Any]:
+    """A bf16 ZeRO-3 engine and its AdamW, after one backward."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     engine = ZeroEngine(model, policy=LLAMA_POLICY, init_seed=0,
@@ -90,18 +89,30 @@ def engine_step(cfg: LlamaConfig, device: torch.device, offload: OffloadConfig, 
     opt = ShardedAdamW(engine, decay_param_groups(engine, 0.1), lr=3e-4, betas=(0.9, 0.95))
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     causal_lm_loss(engine(tokens.to(device)), tokens.to(device)).backward()
-    times = []
-    for _ in range(reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    state = {(g, k): t.detach().to("cpu", copy=True) for g, kinds in engine.local_shards().items()
-             for k, t in kinds.items()}
-    pinned = opt._offload.pinned_bytes if opt._offload is not None else 0
-    engine.close()
-    return times[1:], state, pinned
+    return engine, opt
+
+
+def engine_steps(cfg: LlamaConfig, device: torch.device, runs: dict[str, OffloadConfig],
+                 reps: int) -> dict[str, tuple[list[float], dict, int]]:
+    """Per run: ``reps`` timed ``optimizer.step()`` calls on the gradients of one backward
+    (the runs interleaved, one warm-up step each), the final shards, the pinned bytes."""
+    built = {name: build(cfg, device, off) for name, off in runs.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for rep in range(reps + 1):
+        for name, (engine, opt) in built.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, (engine, opt) in built.items():
+        state = {(g, k): t.detach().to("cpu", copy=True)
+                 for g, kinds in engine.local_shards().items() for k, t in kinds.items()}
+        out[name] = (times[name], state, opt._offload.pinned_bytes)
+        engine.close()
+    return out
 
 
 def main() -> None:
@@ -125,7 +136,7 @@ def main() -> None:
     runs = {"unpipelined": OffloadConfig("cpu", pipeline=False),
             "pipelined": OffloadConfig("cpu", host_threads=args.threads),
             "fused": OffloadConfig("cpu", host_threads=args.threads, fused_adamw=True)}
-    results = {name: engine_step(cfg, device, off, args.reps) for name, off in runs.items()}
+    results = engine_steps(cfg, device, runs, args.reps)
     n = sum(t.numel() for (g, kind), t in results["unpipelined"][1].items() if kind == "master")
     print(f"optimizer.step(), bf16 ZeRO-3 Llama, {n / 1e6:.1f} M elements, offload cpu "
           f"(median of {args.reps}):")

@@ -7,7 +7,8 @@ gradient (fp32) and its updated weights in the device shard's dtype:
 2. *step*: the host update on the group's master and state
    (:class:`~shardckpt.runtime.offload.host_step.HostStepper`), then the updated master cast into
    the slot (``Tensor.copy_``: round to nearest even, the cast of the resident path);
-3. *copy out*: the slot → the group's device shard (the same stream).
+3. *copy out*: the slot → the group's device shard (on a second stream, so that both directions
+   of PCIe carry data at once).
 
 The copy in of group k+1 is queued before the step of group k begins, and the copy out of group
 k is queued before the step of group k+1 begins, so on CUDA the gradients of the next group and
@@ -65,7 +66,8 @@ class StepPipeline:
         self.device = device
         self.pin = pin
         self.depth = depth
-        self._stream = torch.cuda.Stream(device) if pin else None
+        self._stream = torch.cuda.Stream(device) if pin else None  # copies in
+        self._out_stream = torch.cuda.Stream(device) if pin else None  # copies out
         self._ring: torch.Tensor | None = None
         self._slots: list[_Slot] = []
         self.trace: list[tuple[str, str]] | None = None
@@ -105,12 +107,12 @@ class StepPipeline:
 
     def _copy_out(self, slot: _Slot, name: str, out: torch.Tensor, shard: torch.Tensor) -> None:
         self._note("copy_out", name)
-        if self._stream is None:
+        if self._out_stream is None:
             shard.copy_(out)
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._out_stream):
             shard.copy_(out, non_blocking=True)
-            slot.free.record(self._stream)
+            slot.free.record(self._out_stream)
 
     def run(self, names: Sequence[str], windows: Windows,
             grads: Mapping[str, torch.Tensor], shards: Mapping[str, torch.Tensor],
@@ -122,8 +124,9 @@ class StepPipeline:
             return
         slots = self._ring_for(max(grads[n].numel() for n in names),
                                max(shards[n].element_size() for n in names))
-        if self._stream is not None:  # the reductions (and clipping) are done before copying
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        streams = [t for t in (self._stream, self._out_stream) if t is not None]
+        for t in streams:  # the reductions (and clipping), and reads of the shards, come first
+            t.wait_stream(torch.cuda.current_stream(self.device))
         where = ("copy in", names[0])
         try:
             with contextlib.closing(windows):  # its pending writes land, even on failure
@@ -152,8 +155,8 @@ class StepPipeline:
             raise ShardckptError(f"the offloaded optimizer step failed at flat group {group} "
                                  f"({stage}): {type(e).__name__}: {e}") from e
         finally:
-            if self._stream is not None:
-                self._stream.synchronize()
+            for t in streams:
+                t.synchronize()
 
     @staticmethod
     def _wait(event: Any) -> None:
