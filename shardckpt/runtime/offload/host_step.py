@@ -13,8 +13,9 @@ right after ATen's parallel ops, the same serial slices measured up to several t
 
 ``fused_adamw=True`` (opt-in) runs torch's fused CPU AdamW (``torch._fused_adamw_``, one pass
 per parameter, vectorized and threaded by ATen) instead of the optimizer's update. It computes
-the same formula in another order, so masters differ from a resident run's in the last bits; the
-moments are the same. Only the bit-exact default keeps the resident run's bits.
+the same formula in another order: after one step the moments are the same, the masters differ
+from a resident run's in the last bits, and from there the run drifts. Only the default keeps
+the resident run's bits.
 
 The work items are the optimizer's: ``(segment, step, hyper)`` with ``segment.lo``/``hi`` the
 segment's range in the group's shard (a frozen dataclass) and ``hyper`` its param group's

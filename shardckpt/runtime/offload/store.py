@@ -15,12 +15,10 @@ on the host, group by group:
    holding no fp32 copy: :mod:`shardckpt.runtime.offload.master`); with ``"nvme"`` the master
    and state are written back while the next group computes.
 
-By default (``OffloadConfig.pipeline``) ``optimizer.step()`` runs 1, 3 and 4 as a pipeline
-(:mod:`~shardckpt.runtime.offload.pipeline`): while group k steps, the gradient of group k+1
-comes in and the weights of group k-1 go out, through a ring of two host slots sized per group.
-``pipeline=False`` keeps the step as it was, for comparison: each gradient copied in backward,
-as its reduction finishes, to a host buffer of its own (per model) on one worker thread; then
-the groups stepped in turn, on one thread.
+By default ``optimizer.step()`` pipelines 1, 3 and 4 (:mod:`~shardckpt.runtime.offload.pipeline`):
+while group k steps, group k+1's gradient comes in and group k-1's weights go out.
+``OffloadConfig(pipeline=False)`` keeps the old step for comparison: gradients copied in
+backward to host buffers per model, on one worker thread, then the groups stepped in turn.
 
 When the step runs (DeepSpeed's rule): by default in ``optimizer.step()``, after backward, so
 that whatever needs every gradient first (the global norm of
@@ -33,18 +31,17 @@ needs every synced backward's gradient to be final: accumulate micro-batches und
 ``no_sync()``, follow each synced backward by ``step()``, set hyper-parameters before backward,
 and do not clip; ``clip_grad_norm_``, a second reduction of a group before ``step()`` and
 hyper-parameters changed since backward are each one :class:`~shardckpt.errors.ConfigError`.
-The bits are the same either way. The main thread leaves a reduced gradient unchanged until the
-worker has copied it (:meth:`OffloadStore.drain` runs before the next backward, ``zero_grad``
-and clipping).
+The bits are the same either way. A reduced gradient stays unchanged until the worker copied
+it (:meth:`OffloadStore.drain` runs before the next backward, ``zero_grad`` and clipping).
 
-Resident host memory: the state (12 bytes per element for AdamW; ``"nvme"``: at most three
-groups' of it, the one computing, the one read ahead, the one written back), plus the ring
-(2 x the largest group x 6-8 bytes, pinned on CUDA) or, unpipelined, the gradient copies (4
-bytes per element, pinned with the state on CUDA); ``offload_overlap_step`` uses one reused
-gradient buffer. A device master (compute in the master dtype) stays authoritative between
-steps: whatever writes it (a checkpoint load, ``summon_full_params(writeback=True)``) marks the
-group changed (:meth:`FlatParamGroup.refresh`), and the next step copies it into the store
-first. A master held in the store alone is written there, and the device shard cast from it.
+Host memory: the state (12 bytes per element for AdamW; ``"nvme"``: three groups' of it, the one
+computing, the one read ahead, the one written back) plus the ring (2 x the largest group x 6-8
+bytes, pinned on CUDA); unpipelined, gradient copies (4 bytes per element) pinned with the state;
+with ``offload_overlap_step`` one gradient buffer. A device master (compute in the master dtype)
+stays authoritative between steps: whatever writes it (a checkpoint load,
+``summon_full_params(writeback=True)``) marks the group changed (:meth:`FlatParamGroup.refresh`),
+and the next step copies it into the store first. A master held in the store alone is written
+there, and the device shard cast from it.
 """
 
 from __future__ import annotations
@@ -84,8 +81,7 @@ class OffloadStore:
         self.kinds = tuple(kinds)
         self.sizes = dict(sizes)
         self.pin = device.type == "cuda"
-        # the pipeline stages through its pinned ring: the state itself need not be pinned
-        self._pin_state = self.pin and not config.pipeline
+        self._pin_state = self.pin and not config.pipeline  # (else the pipeline's ring is)
         on = config.pipeline
         self._stepper = HostStepper(config.host_threads or torch.get_num_threads(),
                                     config.fused_adamw, self.kinds) if on else None
@@ -122,8 +118,7 @@ class OffloadStore:
 
     @property
     def pinned_bytes(self) -> int:
-        """Page-locked host bytes held now (CUDA; else 0), which is their peak: the pipeline's
-        ring, or the unpipelined step's state, gradient copies and buffer."""
+        """Page-locked host bytes held now, their peak (0 without CUDA): ring or buffers."""
         held = [*self._grads.values(), *([] if self._grad is None else [self._grad]),
                 *(t for k in self._host.values() for t in k.values() if self._pin_state)]
         ring = self._pipeline.buffer_bytes if self._pipeline is not None else 0
