@@ -912,11 +912,15 @@ def _d_run(ctx: Ctx, cfg: Any, batches: list[Any], sz: dict[str, Any], offload: 
 
     row: dict[str, Any] = {}
     ctx.free()
-    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks of the last run
-    if ctx.cuda and host_empty is not None:
-        host_empty()
     if ctx.cuda:
+        accel = getattr(torch, "accelerator", None)  # the pinned blocks of the last run go
+        empty = getattr(accel, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache",
+                                                                    None)
+        if empty is not None:
+            empty()
         torch.cuda.reset_peak_memory_stats(ctx.device)
+        with contextlib.suppress(Exception):  # the host caching allocator's own count
+            torch.cuda.reset_peak_host_memory_stats()
     base = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else None
     rss0 = rss_bytes()
     mode = OffloadConfig(**offload) if offload is not None else None
@@ -940,6 +944,10 @@ def _d_run(ctx: Ctx, cfg: Any, batches: list[Any], sz: dict[str, Any], offload: 
         if store is not None:
             row["offloaded_state_gb"] = gb(store.state_bytes)
             row["pinned_gb"] = gb(store.pinned_bytes)
+        if ctx.cuda:
+            with contextlib.suppress(Exception):
+                stats = torch.cuda.host_memory_stats()
+                row["pinned_peak_allocator_gb"] = gb(stats["allocated_bytes.peak"])
             row["host_rss_growth_over_offloaded_state"] = ratio(
                 row["host_rss_growth_gb"], row["offloaded_state_gb"])
     finally:

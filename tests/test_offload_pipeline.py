@@ -158,6 +158,37 @@ def test_the_next_groups_gradient_comes_in_before_this_group_steps(tmp_path, mod
     engine.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_pipeline_alone_moves_gradients_in_and_cast_weights_out(device):
+    """The pipeline on its own, five groups of uneven sizes through a ring of two slots: each
+    step sees its group's gradient, each device shard receives its cast master; on CUDA through
+    pinned slots, side streams and events."""
+    from shardckpt.runtime.offload.pipeline import StepPipeline
+
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    sizes = {f"g{i}": n for i, n in enumerate([48, 160, 32, 96, 160])}
+    masters = {n: torch.randn(k, generator=gen) for n, k in sizes.items()}
+    grads = {n: torch.randn(k, generator=gen).to(dev) for n, k in sizes.items()}
+    shards = {n: torch.zeros(k, dtype=torch.bfloat16, device=dev) for n, k in sizes.items()}
+    want = {n: (masters[n] + grads[n].cpu()).to(torch.bfloat16) for n in sizes}
+    pipe = StepPipeline(dev, pin=dev.type == "cuda")
+    pipe.trace = []
+    seen = {}
+
+    def step(name, window, grad):
+        seen[name] = grad.clone()
+        window["master"].add_(grad)
+
+    names = list(sizes)
+    pipe.run(names, ((n, {"master": masters[n]}) for n in names), grads, shards, step)
+    assert all(torch.equal(seen[n], grads[n].cpu()) for n in names)
+    assert all(torch.equal(shards[n].cpu(), want[n]) for n in names)
+    assert pipe.buffer_bytes == 2 * 160 * (4 + 2)
+    assert pipe._ring.is_pinned() == (dev.type == "cuda")
+    assert [s for s, n in pipe.trace if n == "g2"] == ["copy_in", "step", "copy_out"]
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_the_ring_is_sized_per_group_not_per_model(tmp_path, bf16):
     engine = _engine(3, "cpu", **(BF16 if bf16 else {}))
