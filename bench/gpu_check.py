@@ -944,12 +944,12 @@ def _d_run(ctx: Ctx, cfg: Any, batches: list[Any], sz: dict[str, Any], offload: 
         if store is not None:
             row["offloaded_state_gb"] = gb(store.state_bytes)
             row["pinned_gb"] = gb(store.pinned_bytes)
+            row["host_rss_growth_over_offloaded_state"] = ratio(
+                row["host_rss_growth_gb"], row["offloaded_state_gb"])
         if ctx.cuda:
             with contextlib.suppress(Exception):
                 stats = torch.cuda.host_memory_stats()
                 row["pinned_peak_allocator_gb"] = gb(stats["allocated_bytes.peak"])
-            row["host_rss_growth_over_offloaded_state"] = ratio(
-                row["host_rss_growth_gb"], row["offloaded_state_gb"])
     finally:
         engine.close()
         del engine, opt

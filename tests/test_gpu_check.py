@@ -107,6 +107,8 @@ def test_offload_section_runs_on_cpu_old_and_new_paths(tmp_path):
     assert all(row["median_step_s"] > 0 and "errors" not in row for row in rows.values()), rows
     for key in ("offload_cpu", "offload_cpu_unpipelined", "offload_cpu_fused"):
         assert rows[key]["offloaded_state_gb"] > 0 and rows[key]["pinned_gb"] == 0
+        assert rows[key]["host_rss_growth_over_offloaded_state"] is not None
+    assert d["host_rss_growth_over_offloaded_state"] is not None
     for key in ("step_time_offload_over_resident", "step_time_offload_unpipelined_over_resident",
                 "step_time_offload_fused_over_resident", "step_time_offload_over_unpipelined"):
         assert d[key] > 0, key
