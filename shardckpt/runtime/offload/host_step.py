@@ -94,7 +94,7 @@ class HostStepper:
         self.slice = SLICE
         self.timeout_s = JOIN_TIMEOUT_S
         self._pool: ThreadPoolExecutor | None = None
-        if not fused:  # (one thread too: ATen's serial kernels run slower on its pool's master)
+        if not fused:  # a pool of one thread too: not the main thread (module docstring)
             self._pool = ThreadPoolExecutor(self.threads,
                                             thread_name_prefix="shardckpt-offload-step")
 
