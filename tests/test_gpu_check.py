@@ -107,3 +107,26 @@ def test_stage3_parity_on_cuda_world1():
                                           "no_sync")
         result = g._compare(engine, ref, losses)
     assert result["equal"], result
+
+
+def test_offload_section_runs_on_cpu_old_and_new_paths(tmp_path):
+    """Section d on ``--device cpu --small``: the resident run, the pipelined offload, the
+    unpipelined one (the old path) and the fused opt-in, with the ratios against resident and
+    the host memory against the offloaded state."""
+    res = run_script("--device", "cpu", "--small", "--only", "d", "--no-isolate")
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = json.loads(res.stdout)["sections"]["d"]
+    assert d["status"] == "ok", d
+    rows = d["results"]
+    assert set(rows) == {"resident", "offload_cpu", "offload_cpu_unpipelined",
+                         "offload_cpu_fused"}
+    assert all(row["median_step_s"] > 0 and "errors" not in row for row in rows.values()), rows
+    for key in ("offload_cpu", "offload_cpu_unpipelined", "offload_cpu_fused"):
+        assert rows[key]["offloaded_state_gb"] > 0 and rows[key]["pinned_gb"] == 0
+        assert rows[key]["host_rss_growth_over_offloaded_state"] is not None
+    assert d["host_rss_growth_over_offloaded_state"] is not None
+    for key in ("step_time_offload_over_resident", "step_time_offload_unpipelined_over_resident",
+                "step_time_offload_fused_over_resident", "step_time_offload_over_unpipelined"):
+        assert d[key] > 0, key
+    assert d["targets"] == {"step_time_offload_over_resident": 1.5,
+                            "host_rss_growth_over_offloaded_state": 1.3}

@@ -17,6 +17,7 @@ from shardckpt.errors import ConfigError
 from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
 from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCausalLM, causal_lm_loss
 from shardckpt.runtime.mesh import ProcessMesh
+from shardckpt.runtime.offload import OffloadConfig
 from shardckpt.runtime.precision import MixedPrecisionPolicy
 from testing.engines import shard_state
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _engine(stage: int = 3, mode: str | None = None, where=None, **kwargs) -> ZeroEngine:
     torch.manual_seed(0)
-    if mode == "nvme":
+    if mode == "nvme":  # (an OffloadConfig carries its own directory)
         kwargs["offload_dir"] = where
     return ZeroEngine(LlamaForCausalLM(CFG), policy=LLAMA_POLICY, stage=stage,
                       process_mesh=ProcessMesh.single(), deterministic=True,
@@ -112,8 +113,9 @@ def test_clipping_scales_the_host_copies_made_in_backward_bit_exact(tmp_path, mo
 
 
 def test_gradients_reach_the_host_in_backward_and_the_step_waits_for_step(tmp_path):
-    """Default: each reduced gradient is on the host once backward is done; no update ran."""
-    engine = _engine(3, "nvme", tmp_path)
+    """Unpipelined (the step as it was, kept for comparison): each reduced gradient is on the
+    host once backward is done; no update ran."""
+    engine = _engine(3, OffloadConfig("nvme", tmp_path, pipeline=False))
     opt = _adamw(engine)
     calls: list[str] = []
     real = opt._update_segments

@@ -3,44 +3,45 @@
 ZeRO-Offload (Ren et al., 2021) and ZeRO-Infinity (Rajbhandari et al., 2021) for the sharded
 element-wise optimizers of :mod:`shardckpt.runtime.optim`. Per trained flat group the offload
 store holds an fp32 master and every per-element state kind (``exp_avg``, ...); the step runs
-on the host, group by group, on one worker thread:
+on the host, group by group:
 
-1. as each group's gradient reduction finishes in backward, the reduced gradient shard is
-   copied to the group's host buffer (pinned on CUDA) on the worker while backward goes on;
-2. the group's master and state are at hand: in place (``"cpu"``), or read from their files,
-   the next group's read already in flight (``"nvme"``);
+1. the group's reduced gradient comes to the host;
+2. its master and state are at hand: in place (``"cpu"``), or read from their files, the next
+   group's read already in flight (``"nvme"``: :mod:`~shardckpt.runtime.offload.windows`);
 3. the optimizer's update runs on them, op for op as in the resident step, so every element
-   gets the same bits;
-4. the updated master is copied to the device shard the all-gathers read (``group.shard``:
-   the master itself, or with a narrower compute dtype its cast on the host, the device then
+   gets the same bits, on several threads (:mod:`~shardckpt.runtime.offload.host_step`);
+4. the updated master goes to the device shard the all-gathers read (``group.shard``: the
+   master itself, or with a narrower compute dtype its cast on the host, the device then
    holding no fp32 copy: :mod:`shardckpt.runtime.offload.master`); with ``"nvme"`` the master
    and state are written back while the next group computes.
 
+By default ``optimizer.step()`` pipelines 1, 3 and 4 (:mod:`~shardckpt.runtime.offload.pipeline`):
+while group k steps, group k+1's gradient comes in and group k-1's weights go out.
+``OffloadConfig(pipeline=False)`` keeps the old step for comparison: gradients copied in
+backward to host buffers per model, on one worker thread, then the groups stepped in turn.
+
 When the step runs (DeepSpeed's rule): by default in ``optimizer.step()``, after backward, so
 that whatever needs every gradient first (the global norm of
-:meth:`~shardckpt.runtime.engine.ZeroEngine.clip_grad_norm_`, an inf/nan check) sees them all;
-clipping scales the host copies as it scales the device shards, and a gradient changed in place
-after its copy is copied again at the step. ``offload_overlap_step=True`` (opt-in: at backward
-time the engine cannot know whether the loop will clip) runs a group's step (2-4) on the worker
-right after its copy, while backward computes the remaining units; ``step()`` only waits for it.
-That needs every synced backward's gradient to be final: accumulate micro-batches under
-``no_sync()`` (or ``set_requires_gradient_sync(False)``), follow each synced backward by
-``step()``, set hyper-parameters (the LR schedule) before backward, and do not clip;
-``clip_grad_norm_``, a second reduction of a group before ``step()`` and hyper-parameters
-changed since backward are each one :class:`~shardckpt.errors.ConfigError`. The bits are the
-same either way. The main thread leaves a reduced gradient unchanged until the worker has copied
+:meth:`~shardckpt.runtime.engine.ZeroEngine.clip_grad_norm_`, an inf/nan check) sees them all
+(unpipelined, clipping scales the host copies alike; a gradient changed otherwise after its
+copy is copied again). ``offload_overlap_step=True`` (opt-in: at backward time the engine cannot
+know whether the loop will clip) runs a group's step (1-4) on the worker right after its
+reduction, while backward computes the remaining units; ``step()`` only waits for it. That
+needs every synced backward's gradient to be final: accumulate micro-batches under
+``no_sync()``, follow each synced backward by ``step()``, set hyper-parameters before backward,
+and do not clip; ``clip_grad_norm_``, a second reduction of a group before ``step()`` and
+hyper-parameters changed since backward are each one :class:`~shardckpt.errors.ConfigError`.
+The bits are the same either way. A reduced gradient stays unchanged until the worker copied
 it (:meth:`OffloadStore.drain` runs before the next backward, ``zero_grad`` and clipping).
 
-Resident host memory: with ``"cpu"`` the state (12 bytes per element for AdamW) plus the host
-gradient copies (4); with ``"nvme"`` the host gradient copies plus at most three groups' master
-and state (the one computing, the one being read ahead, the one being written back), whatever
-the model size; with ``offload_overlap_step`` one reused gradient buffer replaces the copies.
-A device master (compute in the master dtype) stays authoritative for the weights between
-steps: whatever writes it (a checkpoint load, ``summon_full_params(writeback=True)``) marks the
-group changed (:meth:`FlatParamGroup.refresh`), and the next step copies it into the store
-first. A master held in the store alone is written there, and the device shard cast from it.
-
-Files (``"nvme"``): :mod:`shardckpt.runtime.offload.files`.
+Host memory: the state (12 bytes per element for AdamW; ``"nvme"``: three groups' of it, the one
+computing, the one read ahead, the one written back) plus the ring (2 x the largest group x 6-8
+bytes, pinned on CUDA); unpipelined, gradient copies (4 bytes per element) pinned with the state;
+with ``offload_overlap_step`` one gradient buffer. A device master (compute in the master dtype)
+stays authoritative between steps: whatever writes it (a checkpoint load,
+``summon_full_params(writeback=True)``) marks the group changed (:meth:`FlatParamGroup.refresh`),
+and the next step copies it into the store first. A master held in the store alone is written
+there, and the device shard cast from it.
 """
 
 from __future__ import annotations
@@ -49,14 +50,17 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from shardckpt.errors import ConfigError, ShardckptError
 from shardckpt.runtime.offload.config import OffloadConfig
 from shardckpt.runtime.offload.files import (OffloadedShard, OffloadSnapshot, as_bytes,
-                                             create_files, pread_into, pwrite_from, remove_files)
+                                             create_files, remove_files)
+from shardckpt.runtime.offload.host_step import HostStepper
+from shardckpt.runtime.offload.pipeline import StepPipeline, Windows
+from shardckpt.runtime.offload.windows import file_windows, read_window, write_window
 
 __all__ = ["OffloadStore", "UpdateFn"]
 
@@ -77,6 +81,11 @@ class OffloadStore:
         self.kinds = tuple(kinds)
         self.sizes = dict(sizes)
         self.pin = device.type == "cuda"
+        self._pin_state = self.pin and not config.pipeline  # (else the pipeline's ring is)
+        on = config.pipeline
+        self._stepper = HostStepper(config.host_threads or torch.get_num_threads(),
+                                    config.fused_adamw, self.kinds) if on else None
+        self._pipeline = StepPipeline(device, self.pin) if on else None
         # the worker's copies: on CUDA on a stream of their own, not queued behind backward
         self._stream = torch.cuda.Stream(device) if self.pin else None
         self._grad: torch.Tensor | None = None
@@ -89,7 +98,8 @@ class OffloadStore:
         self.run_dir: Path | None = None
         self._failed: str | None = None  # a step failed half-way: the state is inconsistent
         if config.mode == "cpu":
-            self._host = {name: {k: torch.zeros(n, dtype=torch.float32, pin_memory=self.pin)
+            self._host = {name: {k: torch.zeros(n, dtype=torch.float32,
+                                                pin_memory=self._pin_state)
                                  for k in ("master", *self.kinds)}
                           for name, n in self.sizes.items()}
         else:
@@ -105,6 +115,14 @@ class OffloadStore:
     def state_bytes(self) -> int:
         """Bytes of masters and state this store holds (host memory or disk)."""
         return sum(self.sizes.values()) * 4 * (1 + len(self.kinds))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held now, their peak (0 without CUDA): ring or buffers."""
+        held = [*self._grads.values(), *([] if self._grad is None else [self._grad]),
+                *(t for k in self._host.values() for t in k.values() if self._pin_state)]
+        ring = self._pipeline.buffer_bytes if self._pipeline is not None else 0
+        return (ring + sum(t.numel() * t.element_size() for t in held)) if self.pin else 0
 
     # ----------------------------------------------------------------- checkpoint access
 
@@ -167,8 +185,8 @@ class OffloadStore:
         and copy the updated master into ``master``. The caller leaves ``grad`` unchanged until
         :meth:`drain`."""
         self._check_usable()
-        if name not in self.sizes or self._pool is None:
-            return
+        if name not in self.sizes or self._pool is None or (update is None and self._pipeline):
+            return  # the pipeline copies the gradients in during step()
         if name in self._early:
             raise ConfigError(
                 f"flat group {name} was reduced again before optimizer.step(), but its step "
@@ -214,11 +232,12 @@ class OffloadStore:
                 self._grad = torch.empty(n, dtype=torch.float32, pin_memory=self.pin)
             host = self._grad[:n]
             self._copy(host, grad, event)
-            window = self._host[name] if self._host else self._read(name)
-            update(window["master"], host, {k: window[k] for k in self.kinds}, work)
+            window = self._host[name] if self._host else read_window(
+                self._files, name, self.sizes[name], ("master", *self.kinds), self._pin_state)
+            self._update(update, name, window, host, work)
             self._copy(master, window["master"].to(master.dtype))  # the host cast
             if not self._host:
-                self._write(name, window)
+                write_window(self._files, name, window)
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"
             raise
@@ -268,47 +287,14 @@ class OffloadStore:
         out.copy_(grad)
         return out
 
-    def _read(self, name: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for kind in ("master", *self.kinds):
-            t = torch.empty(self.sizes[name], dtype=torch.float32, pin_memory=self.pin)
-            f = self._files[name, kind]
-            pread_into(f.fd, as_bytes(t), 0, f.path)
-            out[kind] = t
-        return out
-
-    def _write(self, name: str, window: dict[str, torch.Tensor]) -> None:
-        for kind, t in window.items():
-            f = self._files[name, kind]
-            pwrite_from(f.fd, as_bytes(t), 0, f.path)
-
-    def windows(self, names: Sequence[str]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """Each group's master and state kinds, in order; with ``"nvme"`` read one group ahead
-        and written back (in the background) once the caller moves on. Every write has landed
-        when the iteration ends."""
+    def windows(self, names: Sequence[str]) -> Windows:
+        """Each group's master and state kinds, in order; with ``"nvme"``
+        :func:`~shardckpt.runtime.offload.windows.file_windows` (read ahead, written back)."""
         if self._host:
-            for name in names:
-                yield name, self._host[name]
-            return
+            return ((name, self._host[name]) for name in names)
         assert self._pool is not None
-        pool = self._pool
-        reads: dict[int, Future[dict[str, torch.Tensor]]] = {}
-        writes: list[Future[None]] = []
-        if names:
-            reads[0] = pool.submit(self._read, names[0])
-        try:
-            for i, name in enumerate(names):
-                window = reads.pop(i).result()
-                if i + 1 < len(names):  # read-ahead; queued behind the previous write-back
-                    reads[i + 1] = pool.submit(self._read, names[i + 1])
-                yield name, window
-                writes = [w for w in writes if not w.done() or w.result()]
-                writes.append(pool.submit(self._write, name, window))
-                del window
-        finally:
-            pending: list[Future[Any]] = [*reads.values(), *writes]
-            for f in pending:
-                f.result()
+        return file_windows(self._pool, self._files, self.sizes, names, ("master", *self.kinds),
+                            self._pin_state)
 
     def step(self, work: Mapping[str, Any], masters: Mapping[str, torch.Tensor],
              grads: Mapping[str, torch.Tensor], update: UpdateFn) -> None:
@@ -328,7 +314,11 @@ class OffloadStore:
                     "their step in backward (offload_overlap_step=True) and optimizer.step(); "
                     "set the learning rate and other hyper-parameters before backward")
             rest = [n for n in work if n not in early]
-            for name, window in self.windows(rest):
+            if self._pipeline is not None:
+                self._pipeline.run(rest, self.windows(rest), grads, masters,
+                                   lambda n, w, g: self._update(update, n, w, g, work[n]))
+                return
+            for name, window in self.windows(rest):  # the unpipelined step
                 grad = self._grad_of(name, grads[name])
                 update(window["master"], grad, {k: window[k] for k in self.kinds}, work[name])
                 masters[name].copy_(window["master"].to(masters[name].dtype))  # the host cast
@@ -337,6 +327,14 @@ class OffloadStore:
             raise
         finally:
             self._copied.clear()
+
+    def _update(self, update: UpdateFn, name: str, window: dict[str, torch.Tensor],
+                grad: torch.Tensor, work: Any) -> None:
+        state = {k: window[k] for k in self.kinds}
+        if self._stepper is None:
+            update(window["master"], grad, state, work)
+        else:
+            self._stepper.run(update, window["master"], grad, state, work, name)
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -355,6 +353,8 @@ class OffloadStore:
                 pass
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._stepper is not None:
+            self._stepper.close()
         self._host = {}
         self._grad = None
         self._grads = {}
