@@ -102,7 +102,8 @@ class ZeroEngine(GradientControls):
         offload_optimizer: ``None`` (optimizer state and step on the device), ``"cpu"`` (fp32
             masters, optimizer state and step in host memory, pinned on CUDA) or ``"nvme"``
             (in files under ``offload_dir``, a writable local directory, streamed group by
-            group); the weight shard the gathers read stays on the device (in the compute
+            group), or an :class:`~shardckpt.runtime.offload.config.OffloadConfig` (the mode
+            and its knobs: the pipeline, host threads, fused AdamW); the weight shard the gathers read stays on the device (in the compute
             dtype alone if narrower: :mod:`~shardckpt.runtime.offload.master`). Same bits,
             same checkpoints (:mod:`shardckpt.runtime.offload.store`). :meth:`close` removes files.
             With ``offload_overlap_step`` each group's host step runs in backward, once its
@@ -143,7 +144,7 @@ class ZeroEngine(GradientControls):
                  init_fn: InitFn | None = None, init_seed: int | None = None,
                  prefix: str = "model.", reshard_root_after_forward: bool = False,
                  reshard_after_forward: bool = True, prefetch: bool = True,
-                 zeropp: ZeroPP | None = None, offload_optimizer: str | None = None,
+                 zeropp: ZeroPP | None = None, offload_optimizer: str | OffloadConfig | None = None,
                  offload_dir: Any = None, offload_overlap_step: bool = False,
                  compile_units: CompileLike = False) -> None:
         stage = check_stage(stage)
