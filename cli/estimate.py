@@ -48,8 +48,8 @@ OFFLOAD_CONVENTION = (
     "params, so fp16 params + grads = 4Ψ/S; with fsdp2-bf16 bf16 shard + fp32 grads = 6Ψ/S; "
     "at ZeRO-1/2 the shard (p·Ψ/S) sits beside the replicated compute copy; cpu holds them in host "
     "memory, nvme on disk with a host window of three groups of the largest unit "
-    "(--largest-unit); host memory also holds the fp32 gradient shards copied in backward "
-    "(4·Ψ/S), or one buffer of the largest unit's with --overlap-step"
+    "(--largest-unit); host memory also holds the pipelined step's ring, two slots of the "
+    "largest unit's shard ((4 + p) bytes each), or one fp32 buffer of it with --overlap-step"
 )
 
 
@@ -113,7 +113,7 @@ def estimate(
     overlap_step: bool = typer.Option(
         False, "--overlap-step",
         help="With --offload: the host step overlaps backward (offload_overlap_step=True), so host "
-             "memory holds one gradient buffer instead of every gradient shard."),
+             "memory holds one fp32 gradient buffer instead of the step's ring of two."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Model-state memory per GPU and communication per step: DDP, ZeRO-1/2/3, HSDP, and with

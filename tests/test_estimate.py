@@ -222,15 +222,17 @@ def test_offload_moves_master_copy_and_optimizer_state_off_the_device() -> None:
     # the device keeps the bf16 weight shard alone: the optimizer state and (4 - 2) bytes of
     # the fp32 master leave it (fsdp2-bf16: the compute copy is gathered per unit)
     assert cpu.device_bytes == nvme.device_bytes == z3.model_state_bytes - (8 + 2) * PSI / 64
-    grads = 4 * PSI / 64  # host copies of every group's reduced fp32 gradient shard
+    grads = 2 * (4 + 2) * 10**8 / 64  # the pipelined step's ring: two slots of fp32 + bf16
     assert (cpu.host_bytes, cpu.disk_bytes) == (moved + grads, 0.0)
+    unpipelined = offload_split(z3, "cpu", pipeline=False)  # copies of every group's gradient
+    assert unpipelined.host_bytes == moved + 4 * PSI / 64
     assert nvme.disk_bytes == moved
     assert nvme.host_bytes == 3 * 12 * 10**8 / 64 + grads  # window of three groups
     early = offload_split(z3, "nvme", overlap_step=True)  # one gradient buffer, reused
     assert early.host_bytes == 3 * 12 * 10**8 / 64 + 4 * 10**8 / 64
     assert offload_split(z3, "cpu", overlap_step=True).host_bytes == moved + 4 * 10**8 / 64
-    z1 = offload_split(estimate(PSI, "zero1", 64), "cpu")
-    assert z1.host_bytes == moved + grads and z1.device_bytes == (2 + 2) * PSI + 2 * PSI / 64
+    z1 = offload_split(estimate(PSI, "zero1", 64), "cpu", pipeline=False)
+    assert z1.host_bytes == moved + 4 * PSI / 64 and z1.device_bytes == (2 + 2) * PSI + 2 * PSI / 64
     fp32 = estimate(PSI, "zero3", 64, precision="fsdp2-fp32")  # there the shard is the master
     assert offload_split(fp32, "cpu").device_bytes == fp32.model_state_bytes - 8 * PSI / 64
     with pytest.raises(EstimateError, match="offload"):
@@ -265,7 +267,9 @@ def test_offload_device_bytes_against_a_hand_derived_table(precision: str) -> No
             for overlap in (False, True):
                 got = offload_split(row, mode, overlap)
                 assert got.device_bytes == a * psi + b * psi / s, (precision, strategy, mode)
-                grads = 4 * (unit if overlap else psi) / s  # host copies of the fp32 grads
+                shard = 2 if precision in ("paper", "fsdp2-bf16") else 4  # the device shard
+                # one fp32 buffer (overlap), else the ring: two slots of fp32 grad + shard
+                grads = (4 if overlap else 2 * (4 + shard)) * unit / s
                 moved = 12 * psi / s                        # fp32 master + two Adam moments
                 if mode == "cpu":
                     assert (got.host_bytes, got.disk_bytes) == (moved + grads, 0.0)

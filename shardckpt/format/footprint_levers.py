@@ -107,6 +107,9 @@ OFFLOAD_MODES = ("cpu", "nvme")
 #: Groups whose master and state an ``nvme`` step holds in host memory at once: the one
 #: computing, the one being read ahead, the one being written back.
 OFFLOAD_WINDOW_GROUPS = 3
+#: Slots of the pipelined step's host ring (:mod:`shardckpt.runtime.offload.pipeline`), each
+#: one group's fp32 gradient and its updated weights in the device shard's dtype.
+OFFLOAD_RING_GROUPS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,9 +126,12 @@ class OffloadSplit:
     is added. ``cpu``: host memory
     holds them; ``nvme``: the disk does, and host memory holds the streaming window of
     :data:`OFFLOAD_WINDOW_GROUPS` groups of the largest unit's shard (0 when ``largest_unit`` is
-    unknown). Host memory also holds the reduced fp32
-    gradients: a copy of every group's shard, made in backward (``4 · Ψ / S``), or, when the
-    step overlaps backward (``offload_overlap_step``), one buffer of the largest unit's shard."""
+    unknown). Host memory also holds the reduced fp32 gradients on their way: by default the
+    pipelined step's ring, :data:`OFFLOAD_RING_GROUPS` slots of the largest unit's shard, each
+    its fp32 gradient and its updated weights in the shard's dtype; when the step overlaps
+    backward (``offload_overlap_step``), one fp32 buffer of the largest unit's shard; with the
+    unpipelined step (``pipeline=False``), a copy of every group's shard made in backward
+    (``4 · Ψ / S``)."""
 
     mode: str
     strategy: str
@@ -138,9 +144,10 @@ class OffloadSplit:
         return fields_dict(self)
 
 
-def offload_split(row: Estimate, mode: str, overlap_step: bool = False) -> OffloadSplit:
+def offload_split(row: Estimate, mode: str, overlap_step: bool = False,
+                  pipeline: bool = True) -> OffloadSplit:
     """Where ``row``'s model state lives per rank with ``offload_optimizer=mode`` (and
-    ``offload_overlap_step``)."""
+    ``offload_overlap_step``; ``pipeline``: ``OffloadConfig.pipeline``)."""
     if mode not in OFFLOAD_MODES:
         raise EstimateError("offload", mode, f"unknown; known: {', '.join(OFFLOAD_MODES)}")
     if row.strategy == "ddp":
@@ -155,7 +162,13 @@ def offload_split(row: Estimate, mode: str, overlap_step: bool = False) -> Offlo
         if params.placement != SHARDED:  # else the held params shard is that shard already
             device += p * row.params / row.shard
     unit = (row.largest_unit or 0) / row.shard
-    grads = 4 * unit if overlap_step else 4 * row.params / row.shard
+    shard = p if 0 < p < 4 else 4  # bytes per element of the device shard the step writes
+    if overlap_step:
+        grads = 4 * unit
+    elif pipeline:
+        grads = OFFLOAD_RING_GROUPS * (4 + shard) * unit
+    else:
+        grads = 4 * row.params / row.shard
     if mode == "cpu":
         return OffloadSplit(mode, row.strategy, row.label, device, moved + grads, 0.0)
     window = OFFLOAD_WINDOW_GROUPS * per_param * unit + grads

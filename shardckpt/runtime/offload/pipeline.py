@@ -34,6 +34,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 import torch
 
 from shardckpt.errors import ShardckptError
+from shardckpt.format.footprint_levers import OFFLOAD_RING_GROUPS
 
 __all__ = ["StepPipeline"]
 
@@ -62,7 +63,7 @@ class StepPipeline:
     (``"copy_in"``, ``"step"``, ``"copy_out"``), or ``None``.
     """
 
-    def __init__(self, device: torch.device, pin: bool, depth: int = 2) -> None:
+    def __init__(self, device: torch.device, pin: bool, depth: int = OFFLOAD_RING_GROUPS) -> None:
         self.device = device
         self.pin = pin
         self.depth = depth
