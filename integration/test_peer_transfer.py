@@ -194,7 +194,7 @@ def test_transfers_check_every_chunk_and_stay_in_step_after_a_bad_one(ranks):
     err = receiver["error"]
     assert err.startswith("IntegrityError: peer copy: 2 file(s) not taken"), err
     # the damaged chunk is named (bytes 256..320 hold byte 300), and the missing file
-    assert "bad (from rank 0): bytes [256, 320) fail their CRC32C check" in err, err
+    assert "bad (from rank 0): chunk 4 (bytes [256, 320)) fails its CRC32C check" in err, err
     assert "offers" in err and "missing" in err and "-1 bytes" in err, err
     # after both, the file into memory arrived whole: each target its bytes, overlap included
     good = _data(1)
