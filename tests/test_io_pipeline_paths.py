@@ -199,3 +199,14 @@ def test_a_reader_that_dies_ends_the_dcp_load_in_an_error(dcp_saved, monkeypatch
     msg = "" if err is None else str(err) + "".join(
         str(e) for e, _ in getattr(err, "failures", {}).values())
     assert "injected" in msg, msg
+
+
+def test_the_pipeline_knob_is_checked():
+    from shardckpt.errors import ConfigError
+    from shardckpt.storage.pipeline import IOConfig
+
+    assert not IOConfig.from_env({}).every_device
+    assert IOConfig.from_env({pipeline.ENV_PIPELINE: "1"}).every_device
+    assert not IOConfig.from_env({pipeline.ENV_PIPELINE: "0"}).every_device
+    with pytest.raises(ConfigError, match="SHARDCKPT_IO_PIPELINE='yes': expected 0 or 1"):
+        IOConfig.from_env({pipeline.ENV_PIPELINE: "yes"})

@@ -42,7 +42,8 @@ from shardckpt.training.peer_pipe import Pieces, stream_into
 
 log = logging.getLogger(__name__)
 
-#: Bytes per message: memory for one transfer is one piece on each side.
+#: Bytes per message at most: the sender's memory for one transfer is one piece, as is the
+#: receiver's to disk; into memory the receiver holds the read pipeline's ring instead.
 PIECE = 64 << 20
 
 #: The receiver's answers to an offer: refused, the whole file in pieces, the spans it names.
