@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
@@ -42,8 +43,9 @@ from shardckpt.training.peer_pipe import Pieces, stream_into
 
 log = logging.getLogger(__name__)
 
-#: Bytes per message at most: the sender's memory for one transfer is one piece, as is the
-#: receiver's to disk; into memory the receiver holds the read pipeline's ring instead.
+#: Bytes per message at most: the sender's memory for one transfer is two pieces (the next one
+#: is read while one is sent), the receiver's to disk one; into memory the receiver holds the
+#: read pipeline's ring instead.
 PIECE = 64 << 20
 
 #: The receiver's answers to an offer: refused, the whole file in pieces, the spans it names.
@@ -82,16 +84,33 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
             sizes = checked_spans(lengths.tolist(), size, PIECE, dst, url)
         else:
             sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
-        buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
-        for n in sizes:
-            view = buf[:n]
-            got = f.readinto(view.numpy().data) if f is not None else 0
-            if got != n:
-                view.zero_()  # the receiver's checksum refuses it
-            ch.send(view)
+        _send_spans(f, sizes, ch)
     finally:
         if f is not None:
             f.close()
+
+
+def _send_spans(f: Any, sizes: Sequence[int], ch: Channel) -> None:
+    """Send the next ``sizes`` bytes of ``f`` (None: a file that cannot be read), span by span;
+    the next span is read into a second buffer while this one is sent."""
+    import torch
+
+    bufs = [torch.empty(max([1, *sizes]), dtype=torch.uint8) for _ in range(min(2, len(sizes)))]
+
+    def fill(k: int) -> Any:
+        view = bufs[k % 2][:sizes[k]]
+        got = f.readinto(view.numpy().data) if f is not None else 0
+        if got != sizes[k]:
+            view.zero_()  # the receiver's checksum refuses it
+        return view
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shardckpt-peer-read") as pool:
+        ahead = pool.submit(fill, 0) if sizes else None
+        for k in range(len(sizes)):
+            assert ahead is not None
+            view = ahead.result()
+            ahead = pool.submit(fill, k + 1) if k + 1 < len(sizes) else None
+            ch.send(view)  # returns once sent: its buffer is the one read into next but one
 
 
 def _authentic(ok: bool, peer: int, what: str, url: str) -> None:
