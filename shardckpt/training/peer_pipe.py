@@ -28,8 +28,7 @@ from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
 from shardckpt.checkpoint.tensor_reads import Copier, host_ring, pinnable
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import IOConfig, Slot
-from shardckpt.storage.pipeline import check_chunks, windows
+from shardckpt.storage import IOConfig, Slot, check_chunks, windows
 from shardckpt.training.peer_channel import Channel
 
 #: (start, end, target): file bytes [start, end) go to ``target``, a writable memoryview of
