@@ -70,8 +70,71 @@ def job(rank: int, world: int, root: str) -> dict:
     if rank == 1 and "disk" in out["files"]:
         with open(os.path.join(here, "disk"), "rb") as f:
             out["disk"] = f.read().hex()
+    _pipelined(rank, root, out)
     _hostile(rank, root, out)
     return out
+
+
+#: (ring buffers, bytes a buffer, bytes a message): one buffer of one chunk; two of two chunks;
+#: many of one chunk, each window sent as two messages
+RINGS = [(1, CS, 1 << 20), (2, 2 * CS, 1 << 20), (16, CS, 48)]
+#: byte ranges of the file: straddling windows, overlapping, to the end; and their targets
+#: (0: a memoryview; 1, 2: a uint8 tensor at a byte offset, 2 twice)
+PIPED = [((3, 10), 0, 0), ((30, 230), 1, 0), ((100, 150), 2, 10), ((500, SIZE), 2, 100)]
+
+
+def _pipelined(rank: int, root: str, out: dict) -> None:
+    """The peer stream into memory through the read pipeline's ring: rings of 1, 2 and 16
+    buffers, targets of both kinds; a flipped bit; a worker thread that dies (a target too small
+    for its bytes), then a transfer that still goes through."""
+    import os
+
+    import torch
+
+    from shardckpt.storage import IOConfig, Storage
+    from shardckpt.training import peer_copy, peer_pipe
+    from shardckpt.training.peer_copy import receive_into, send_file
+
+    here = os.path.join(root, f"r{rank}", "piped")
+    os.makedirs(here)
+    storage = Storage(here)
+    good = _data(4)
+    damaged = bytearray(good)
+    damaged[300] ^= 1
+    if rank == 0:
+        for name, data in (("good", good), ("bad", bytes(damaged))):
+            with open(os.path.join(here, name), "wb") as f:
+                f.write(data)
+    rings = []
+    real = peer_pipe.host_ring
+
+    def spy(cfg, nbytes, pinned):
+        rings.append(real(cfg, nbytes, pinned))
+        return rings[-1]
+
+    peer_pipe.host_ring = spy
+    cases = [("good", b, n, piece) for b, n, piece in RINGS]
+    cases += [("bad", 2, 2 * CS, 1 << 20), ("good", 2, CS, 1 << 20), ("good", 2, CS, 1 << 20)]
+    for i, (name, buffers, nbytes, piece) in enumerate(cases):
+        peer_copy.PIECE = piece
+        entry = _entry(name, good)
+        if rank == 0:
+            out.setdefault("piped_sent", []).append(_error(lambda e=entry: send_file(storage, e, 1, None)))
+            continue
+        view, t1, t2 = bytearray(7), torch.zeros(200, dtype=torch.uint8), torch.zeros(200, dtype=torch.uint8)
+        targets = [memoryview(view), (t1, 0), (t2, 0)]
+        pieces = [(a, b, targets[k] if k == 0 else (targets[k][0], off)) for (a, b), k, off in PIPED]
+        if i == len(cases) - 2:  # a target 3 bytes long for 200: its copy fails in a worker
+            pieces.append((30, 230, (torch.zeros(3, dtype=torch.uint8), 0)))
+        got = None
+        try:
+            got = receive_into(storage, entry, CS, 0, None, pieces, IOConfig(buffers, nbytes, 3))
+        except Exception as e:  # noqa: BLE001 - what the test inspects
+            got = f"raised {type(e).__name__}: {e}"
+        out.setdefault("piped", []).append({
+            "problem": got, "made": rings[-1].made, "buffers": buffers,
+            "bytes": [bytes(view).hex(), t1.numpy().tobytes().hex(), t2.numpy().tobytes().hex()]})
+    peer_copy.PIECE = 64 << 20
 
 
 def _error(fn) -> str | None:
@@ -194,7 +257,7 @@ def test_transfers_check_every_chunk_and_stay_in_step_after_a_bad_one(ranks):
     err = receiver["error"]
     assert err.startswith("IntegrityError: peer copy: 2 file(s) not taken"), err
     # the damaged chunk is named (bytes 256..320 hold byte 300), and the missing file
-    assert "bad (from rank 0): bytes [256, 320) fail their CRC32C check" in err, err
+    assert "bad (from rank 0): chunk 4 (bytes [256, 320)) fails its CRC32C check" in err, err
     assert "offers" in err and "missing" in err and "-1 bytes" in err, err
     # after both, the file into memory arrived whole: each target its bytes, overlap included
     good = _data(1)
@@ -202,6 +265,26 @@ def test_transfers_check_every_chunk_and_stay_in_step_after_a_bad_one(ranks):
     assert receiver["targets"] == [good[a:b].hex() for a, b in ranges]
     # and the file to disk is there, whole, under its name (nothing else: no partial, no "into")
     assert receiver["files"] == ["disk"] and receiver["disk"] == _data(2).hex()
+
+
+def test_into_memory_through_the_ring_is_bit_exact_bounded_and_checked(ranks):
+    root, sender, _ = ranks
+    receiver = json.loads((root / "rank1.json").read_text())
+    assert sender["piped_sent"] == [None] * 6  # every stream ended on both sides
+    good = _data(4)
+    want = [bytearray(7), bytearray(200), bytearray(200)]
+    for (a, b), k, off in PIPED:
+        want[k][off:off + b - a] = good[a:b]
+    *rings, bad, dying, after = receiver["piped"]
+    for case in [*rings, after]:  # rings of 1, 2 and 16 buffers; and after a worker died
+        assert case["problem"] is None, case
+        assert case["bytes"] == [w.hex() for w in want]
+        assert 1 <= case["made"] <= case["buffers"]  # the ring, whatever the file's size
+    # the flipped bit: the file, the peer and the chunk named
+    assert ("piped/bad (from rank 0): chunk 4 (bytes [256, 320)) fails its CRC32C check"
+            in bad["problem"][0]), bad
+    # a worker that dies: an error once the stream is over (the sender not left waiting)
+    assert dying["problem"].startswith("raised RuntimeError"), dying
 
 
 def test_a_reported_path_outside_the_step_and_a_fifo_are_refused(ranks):

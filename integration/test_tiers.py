@@ -9,7 +9,8 @@ One run, seven launches, shared by every test here (module-scoped):
 2. ``restart``: resume (the local tier, each node's own copies), train to 8, compare; then rank 1
    is SIGKILLed while writing its shard file of the step-8 save;
 3. node 1's directory is deleted; ``peers``: resume (step 6 from node 0's peer copies, not the
-   half step 8), train to 8, compare; then the local tier is full (a 1-byte quota): one warning,
+   half step 8; through the read pipeline, ``SHARDCKPT_IO_PIPELINE=1``, as into device shards),
+   train to 8, compare; then the local tier is full (a 1-byte quota): one warning,
    durable saves at 8 and 12 from memory;
 4. ``world1``: one rank resumes from the local tier alone (the run's durable checkpoints set
    aside meanwhile, so the local step 6 is the newest of the run; node 0 holds
@@ -68,12 +69,30 @@ def _capture():
     return records
 
 
+def _count_pipelined() -> dict:
+    """Counts of the peer streams into memory and the local files read through the read pipeline
+    (``SHARDCKPT_IO_PIPELINE=1``: the CPU shards take the path device shards take)."""
+    from shardckpt.training import direct_pipe, peer_copy
+
+    counts = {"streams": 0, "local": 0}
+
+    def counted(fn, key):
+        def run(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return run
+    peer_copy.stream_into = counted(peer_copy.stream_into, "streams")
+    direct_pipe.pipelined_reads = counted(direct_pipe.pipelined_reads, "local")
+    return counts
+
+
 def job(rank: int, world: int, root: str, phase: str) -> dict:
     from shardckpt.checkpoint.tiers import LocalTier
     from shardckpt.runtime import init_distributed
     from shardckpt.training.checkpointer import Checkpointer
 
     records = _capture()
+    piped = _count_pipelined() if phase == "peers" else {}
     pm = init_distributed(timeout_s=PG_TIMEOUT)
     engine, opt = tiny_engine(pm)
     tier = LocalTier(path=f"{root}/local/node{{node}}", every=2, keep=2, peers=1,
@@ -81,7 +100,7 @@ def job(rank: int, world: int, root: str, phase: str) -> dict:
     durable = f"{root}/durable"
     ckpt = Checkpointer(durable, engine, local=tier, durable_every=4, keep_last=3)
     start = ckpt.resume()
-    out: dict = {"start": start, "resume": ckpt.last_resume}
+    out: dict = {"start": start, "resume": ckpt.last_resume, "piped": dict(piped)}
     if phase == "world1":
         from shardckpt.training.save_load import load
 
@@ -253,8 +272,9 @@ def job_frozen(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def _launch(root: str, phase: str, world: int = 2):
-    return run_ranks(job, world, args=(root, phase), timeout_s=120, pg_timeout_s=PG_TIMEOUT)
+def _launch(root: str, phase: str, world: int = 2, env: dict | None = None):
+    return run_ranks(job, world, args=(root, phase), timeout_s=120, pg_timeout_s=PG_TIMEOUT,
+                     env=env)
 
 
 def _records(root: str, phase: str, ranks=range(2)) -> list[dict]:
@@ -278,7 +298,9 @@ def run(tmp_path_factory):
                                if os.path.isdir(os.path.join(root, "local", n, "step-00000008"))}
     out["durable_after_restart"] = [f.step for f in CheckpointManager(f"{root}/durable").committed()]
     shutil.rmtree(os.path.join(root, "local", "node1"))  # node 1 lost its memory
-    out["peers"] = _launch(root, "peers")
+    # the resume from peers through the read pipeline, as into device shards: two small buffers
+    out["peers"] = _launch(root, "peers", env={"SHARDCKPT_IO_PIPELINE": "1", "SHARDCKPT_IO_BUFFERS": "2",
+                                               "SHARDCKPT_IO_BUFFER_SIZE": "8K"})
     durable = os.path.join(root, "durable")
     os.rename(durable, f"{durable}-aside")  # the run's own local steps are all world1 finds
     out["world1"] = _launch(root, "world1", world=1)
@@ -330,6 +352,8 @@ def test_lost_node_recovers_from_peers_bit_exact(run):
         assert r.ok, r.describe()
         assert r.value["resume"]["tier"] == "local" and r.value["resume"]["step"] == 6
         assert r.value["resume"]["fetched"] > 0  # node 1's files came from node 0
+    # through the read pipeline: node 0 its own files, node 1 its shard straight from node 0
+    assert peers[0].value["piped"]["local"] > 0 and peers[1].value["piped"]["streams"] > 0
     assert _records(run["root"], "peers") == _records(run["root"], "first")
 
 

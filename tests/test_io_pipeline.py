@@ -154,9 +154,9 @@ def test_a_reader_that_dies_ends_the_load_in_an_error_not_a_hang(saved, monkeypa
         return read_then_die, close
 
     monkeypatch.setattr(pipeline, "local_reader", dying)
-    import shardckpt.training.device_load as device_load
+    import shardckpt.checkpoint.tensor_reads as tensor_reads
 
-    monkeypatch.setattr(device_load, "local_reader", dying)
+    monkeypatch.setattr(tensor_reads, "local_reader", dying)
     out: dict = {}
 
     def run():

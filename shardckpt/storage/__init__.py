@@ -83,7 +83,7 @@ from shardckpt.storage.reads import Request
 from shardckpt.storage.local import LocalBackend, local_path, open_regular, read_local_into
 from shardckpt.storage.private_dir import private_storage
 from shardckpt.storage.pipeline import (
-    FileReads, IOConfig, Reader, Ring, Slot, local_reader, pipelined_reads,
+    FileReads, IOConfig, Reader, Ring, Slot, check_chunks, local_reader, pipelined_reads, windows,
 )
 from shardckpt.storage.pwrite import Staged, write_positioned
 # After core and retry: these two import Storage and NotFoundError from this package.
@@ -106,10 +106,10 @@ __all__ = [
     "MIN_COPY", "MiB", "NotFoundError", "OpenUpload", "REMOTE_READS_IN_FLIGHT", "RangeReader",
     "Reader", "Request", "RetryPolicy", "Ring", "S3FS_RETRIES", "S3Upload", "S3_CONFIG_DEFAULTS",
     "Slot", "Staged", "Storage", "StorageBackend", "StreamWriter", "Tuning", "abort_upload",
-    "backend_class", "check_inside", "commit", "contains", "copy_source_for", "crc32c",
+    "backend_class", "check_chunks", "check_inside", "commit", "contains", "copy_source_for", "crc32c",
     "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until",
     "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",
     "pipelined_reads", "private_storage", "read_ahead", "read_checked", "read_local_into",
     "resolve_inside", "sourced", "spans", "split_options", "storage_options_from_env", "whoami",
-    "write_positioned",
+    "windows", "write_positioned",
 ]

@@ -19,8 +19,10 @@ thread: a worker that dies ends the load in an error, never in a hang.
 
 Knobs (:meth:`IOConfig.from_env`): ``SHARDCKPT_IO_BUFFERS`` (ring buffers, default 8),
 ``SHARDCKPT_IO_BUFFER_SIZE`` (bytes per buffer, ``16M`` by default; rounded down to whole
-chunks, at least one) and ``SHARDCKPT_IO_THREADS`` (workers, default 8: as many reads or writes
-in flight as the disk's parallel limit is measured with).
+chunks, at least one), ``SHARDCKPT_IO_THREADS`` (workers, default 8: as many reads or writes
+in flight as the disk's parallel limit is measured with) and ``SHARDCKPT_IO_PIPELINE`` (``1``:
+loads into CPU tensors that have a plain path of their own, the node-local tier's direct read and
+DCP's storage reader, take the pipeline too; tensors on a device always do).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from shardckpt.storage.local import pread_full
 T = TypeVar("T")
 ENV_BUFFERS, ENV_BUFFER_SIZE, ENV_THREADS = ("SHARDCKPT_IO_BUFFERS", "SHARDCKPT_IO_BUFFER_SIZE",
                                              "SHARDCKPT_IO_THREADS")
+ENV_PIPELINE = "SHARDCKPT_IO_PIPELINE"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class IOConfig:
     buffers: int = 8
     buffer_bytes: int = 16 << 20
     threads: int = 8
+    every_device: bool = False  # CPU destinations too, where they have a plain path
 
     def __post_init__(self) -> None:
         for name in ("buffers", "buffer_bytes", "threads"):
@@ -70,9 +74,12 @@ class IOConfig:
             return int(text)
 
         size = env.get(ENV_BUFFER_SIZE, "").strip()
+        every = env.get(ENV_PIPELINE, "").strip()
+        if every not in ("", "0", "1"):
+            raise ConfigError(f"{ENV_PIPELINE}={every!r}: expected 0 or 1")
         return cls(count(ENV_BUFFERS, d.buffers),
                    parse_size(size, ENV_BUFFER_SIZE) if size else d.buffer_bytes,
-                   count(ENV_THREADS, d.threads))
+                   count(ENV_THREADS, d.threads), every == "1")
 
     def slot_bytes(self, chunk_size: int) -> int:
         """Bytes of one ring buffer for chunks of ``chunk_size``: whole chunks, at least one."""

@@ -6,15 +6,17 @@ buffer). The file's safetensors header is checked against the manifest first, as
 does (:meth:`~shardckpt.checkpoint.reader.CheckpointReader.check_file`).
 
 :func:`load_direct` does what :func:`shardckpt.training.save_load.load` does for a checkpoint of
-flat groups loaded with its optimizer state into CPU shards (any reshard plan,
-:func:`direct_ready`); any other case (chunked tensors, weights only, state in offload files,
-device tensors, a weights-only checkpoint) goes through :func:`~shardckpt.training.save_load.load`
-itself.
+flat groups loaded with its optimizer state into shards of their own memory (any reshard
+plan, any device: CPU shards by ``readinto``, device shards through the read pipeline,
+:mod:`.direct_pipe`; :func:`direct_ready`); any other case (chunked tensors, weights only, state
+in offload files, a weights-only checkpoint) goes through
+:func:`~shardckpt.training.save_load.load` itself.
 
 Shard files this machine lacks can come from peers in the same pass (``peers``, transfers every
 rank walks alike): the sender streams the file from its node's directory, the receiver takes its
-bytes straight into its shards (:func:`~shardckpt.training.peer_copy.receive_into`, every chunk's
-CRC32C checked as it arrives), and nothing is written to the receiver's disk.
+bytes straight into its shards through the read pipeline's ring
+(:func:`~shardckpt.training.peer_copy.receive_into`: every chunk's CRC32C checked in worker
+threads while the next bytes arrive), and nothing is written to the receiver's disk.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from shardckpt.checkpoint.set_aside import raise_damaged, raise_damaged_role
 from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
-from shardckpt.storage import Storage, local_path, read_local_into
+from shardckpt.storage import local_path
 from shardckpt.checkpoint.loss_flag import LossFlag
+from shardckpt.training.direct_pipe import (
+    header_target, loadable, piece, pipelined, read_local, target_view,
+)
 from shardckpt.training.optim_info import load_optimizer_info
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import LoadResult, Sharded, load
@@ -39,22 +44,14 @@ from shardckpt.training.save_load import LoadResult, Sharded, load
 log = logging.getLogger(__name__)
 
 
-def _cpu_bytes(t: Any) -> memoryview | None:
-    """A writable byte view of CPU tensor ``t``'s own memory, or None where there is none."""
-    import torch
-
-    if getattr(t, "device", None) is None or t.device.type != "cpu" or not t.is_contiguous():
-        return None
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def direct_ready(model: Sharded, m: Manifest) -> bool:
     """Whether :func:`load_direct` reads ``m`` straight into ``model``'s shards (flat groups
-    with optimizer state into CPU shards of their own memory, every kind the model holds saved)."""
+    with optimizer state into shards of their own memory on any device, every kind the model
+    holds saved)."""
     shards = model.local_shards()
     if not ("model" in m.components and m.optimizer is not None
             and getattr(model, "optimizer", None) is not None
-            and all(_cpu_bytes(t) is not None for kinds in shards.values() for t in kinds.values())
+            and all(loadable(t) for kinds in shards.values() for t in kinds.values())
             and not any(hasattr(t, "write_bytes") for kinds in shards.values() for t in kinds.values())):
         return False
     src = m.components["model"]
@@ -78,7 +75,7 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
     reader = CheckpointReader(url, {}, manifest=manifest)
     m = reader.manifest
     shards = model.local_shards()
-    views = {(g, k): _cpu_bytes(t) for g, kinds in shards.items() for k, t in kinds.items()}
+    tensors = [t for kinds in shards.values() for t in kinds.values()]
     plain = direct_ready(model, m) and local_path(reader.storage.url) is not None
     if not plain:
         if peers:
@@ -86,41 +83,34 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
                                  "engine's shards cannot take one")
         return load(model, reader, strict=strict)
     counter = {"bytes": 0}
+    through = pipelined(tensors)
+    views = {(g, k): target_view(t, through) for g, kinds in shards.items() for k, t in kinds.items()}
 
     def work() -> dict[str, Any]:
         src = m.components["model"]
         plan = plan_reshard(src.layout, model.layout, strict=strict)
         my_shard = model.layout.mesh.shard_rank(rank)
-        by_file: dict[str, tuple[FileEntry, list[tuple[int, int, memoryview]]]] = {}
+        by_file: dict[str, tuple[FileEntry, list[tuple[int, int, Any]]]] = {}
         mine = {t.path for t in peers if t.dst == rank}  # from peers: their headers checked below
         for c in plan.for_dst_shard(my_shard):
             for kind, tensor in shards[c.dst_group].items():
                 entry, a, b = reader.state_range(c.src_shard, c.src_group, kind, c.src_offset,
                                                  c.src_offset + c.numel, check=False)
                 k = tensor.element_size()
-                view = views[(c.dst_group, kind)]
-                assert view is not None
                 by_file.setdefault(entry.path, (entry, []))[1].append(
-                    (a, b, view[c.dst_offset * k:(c.dst_offset + c.numel) * k]))
+                    (a, b, piece(views[(c.dst_group, kind)], c.dst_offset * k,
+                                 (c.dst_offset + c.numel) * k)))
                 counter["bytes"] += b - a
         if peers:
             entries = {f.path: f for f in m.files}
-            heads = {p: bytearray(entries[p].data_start) for p in mine}
-            into = {p: [(0, len(heads[p]), memoryview(heads[p])),
+            heads = {p: header_target(entries[p].data_start, through) for p in mine}
+            into = {p: [(0, entries[p].data_start, heads[p][1]),
                         *(by_file[p][1] if p in by_file else [])] for p in mine}
             run_transfers(peers, rank, reader.storage, entries, m.chunk_size, None, into=into)
             for p in sorted(mine):
-                reader.check_header_bytes(entries[p], bytes(heads[p]))
-        damaged: list[tuple[Storage, str, str]] = []
-        for entry, pieces in by_file.values():
-            if entry.path in mine:
-                continue
-            holder, rel = reader.files.locate(entry.path)
-            try:
-                reader.check_file(entry)
-                read_local_into(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
-            except IntegrityError as e:  # this node's copy: moved aside below, the rest read on
-                damaged.append((holder, rel, str(e)))
+                reader.check_header_bytes(entries[p], heads[p][0]())
+        # this node's copies that fail a check: moved aside below, the rest read on
+        damaged = read_local(reader, by_file, mine, through, tensors)
         if damaged:
             raise_damaged(damaged)
         if src.buffers:

@@ -11,9 +11,10 @@ remembered, its remaining pieces are still taken (so the two ranks stay in step)
 on, and the receiver raises at the end (inside the caller's agreement, so every rank sees it).
 
 A file can also go straight into the receiver's memory (:func:`receive_into`, a load from
-peers): the receiver then answers the offer with the spans it wants, in file order (each
-target of its load, and a scratch buffer for the bytes between), the sender sends span by span,
-and every chunk's CRC32C is checked as it arrives; nothing is written to disk.
+peers, into shards on any device): the receiver then answers the offer with the spans it wants,
+in file order (windows of whole chunks, one buffer of the read pipeline's ring each), the sender
+sends span by span, and worker threads check every chunk's CRC32C and copy each target's bytes
+out of the ring while the next window arrives (:mod:`.peer_pipe`); nothing is written to disk.
 
 What a peer says is checked before it is used (:mod:`.peer_checks`): a path must stay inside the
 step (a ``../step-N/...`` frozen reference is not a place to write), the spans a receiver asks
@@ -24,31 +25,31 @@ secret every message is authenticated (:mod:`.peer_channel`, :mod:`shardckpt.che
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from shardckpt.checkpoint.tiers import Transfer, is_full
 from shardckpt.errors import InsufficientSpaceError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import Storage, ChunkCheck, spans, open_regular
+from shardckpt.storage import IOConfig, Storage, open_regular
 from shardckpt.checkpoint.job_secret import SECRET_VARIABLE
 from shardckpt.training.peer_channel import Channel
 from shardckpt.training.peer_checks import checked_count, checked_spans, outside_step
+from shardckpt.training.peer_pipe import Pieces, stream_into
 
 log = logging.getLogger(__name__)
 
-#: Bytes per message: memory for one transfer is one piece on each side.
+#: Bytes per message at most: the sender's memory for one transfer is two pieces (the next one
+#: is read while one is sent), the receiver's to disk one; into memory the receiver holds the
+#: read pipeline's ring instead.
 PIECE = 64 << 20
 
 #: The receiver's answers to an offer: refused, the whole file in pieces, the spans it names.
 REFUSE, WHOLE, SPANS = 0, 1, 2
-
-Pieces = Sequence[tuple[int, int, memoryview]]
-
 
 def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
     """Offer ``entry`` (in ``storage``) to ``dst``; send it if it is taken, in pieces of
@@ -83,16 +84,33 @@ def send_file(storage: Storage, entry: FileEntry, dst: int, group: Any) -> None:
             sizes = checked_spans(lengths.tolist(), size, PIECE, dst, url)
         else:
             sizes = [min(PIECE, size - x) for x in range(0, max(size, 0), PIECE)]
-        buf = torch.empty(max([1, *sizes]), dtype=torch.uint8)
-        for n in sizes:
-            view = buf[:n]
-            got = f.readinto(view.numpy().data) if f is not None else 0
-            if got != n:
-                view.zero_()  # the receiver's checksum refuses it
-            ch.send(view)
+        _send_spans(f, sizes, ch)
     finally:
         if f is not None:
             f.close()
+
+
+def _send_spans(f: Any, sizes: Sequence[int], ch: Channel) -> None:
+    """Send the next ``sizes`` bytes of ``f`` (None: a file that cannot be read), span by span;
+    the next span is read into a second buffer while this one is sent."""
+    import torch
+
+    bufs = [torch.empty(max([1, *sizes]), dtype=torch.uint8) for _ in range(min(2, len(sizes)))]
+
+    def fill(k: int) -> Any:
+        view = bufs[k % 2][:sizes[k]]
+        got = f.readinto(view.numpy().data) if f is not None else 0
+        if got != sizes[k]:
+            view.zero_()  # the receiver's checksum refuses it
+        return view
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shardckpt-peer-read") as pool:
+        ahead = pool.submit(fill, 0) if sizes else None
+        for k in range(len(sizes)):
+            assert ahead is not None
+            view = ahead.result()
+            ahead = pool.submit(fill, k + 1) if k + 1 < len(sizes) else None
+            ch.send(view)  # returns once sent: its buffer is the one read into next but one
 
 
 def _authentic(ok: bool, peer: int, what: str, url: str) -> None:
@@ -198,45 +216,23 @@ def _take(w: Any, size: int, ch: Channel) -> BaseException | None:
 
 
 def receive_into(storage: Storage, entry: FileEntry, chunk_size: int, src: int, group: Any,
-                 pieces: Pieces) -> tuple[str, bool] | None:
+                 pieces: Pieces, config: IOConfig | None = None) -> tuple[str, bool] | None:
     """Take ``entry`` from ``src`` straight into memory: each target of ``pieces`` ((start, end,
-    target), byte ranges of the file) gets its bytes, every chunk of the file is checked against
-    its CRC32C as it arrives; nothing is written (``storage`` names the file in messages).
-    Returns None, or the problem (the targets then hold bytes that must not be used)."""
+    target), byte ranges of the file; a target is a memoryview or ``(uint8 tensor, byte
+    offset)`` on any device) gets its bytes through the read pipeline's ring, every chunk of the
+    file checked against its CRC32C in worker threads while the next bytes arrive
+    (:func:`~shardckpt.training.peer_pipe.stream_into`); nothing is written (``storage`` names
+    the file in messages). Returns None, or the problem (the targets then hold bytes that must
+    not be used)."""
     import torch
 
     ch = Channel(src, group, sending=False)
     problem = _offer(storage, entry, ch, lambda n: None)
     if problem:
         return problem
-    url = storage.url_of(entry.path)
-    ordered = sorted(pieces, key=lambda p: p[0])
-    whole: bytearray | None = None
-    if any(p[1] > q[0] for p, q in itertools.pairwise(ordered)):  # bytes wanted twice
-        whole = bytearray(entry.size)
-        ordered = [(0, entry.size, memoryview(whole))]
-    scratch = memoryview(bytearray(min(chunk_size, PIECE)))
-    plan = spans(entry.size, chunk_size, 0, -(-entry.size // chunk_size), ordered, scratch, cap=PIECE)
     ch.send(torch.tensor([SPANS], dtype=torch.int64))
-    ch.send(torch.tensor([len(plan)], dtype=torch.int64))
-    if plan:
-        ch.send(torch.tensor([len(v) for _, v in plan], dtype=torch.int64))
-    check = ChunkCheck(entry, chunk_size, f"{url} (from rank {src})")
-    bad: str | None = None
-    for off, view in plan:
-        if not ch.recv(torch.frombuffer(view, dtype=torch.uint8)) and bad is None:
-            bad = f"{url}: a piece from rank {src} fails its authentication ({SECRET_VARIABLE})"
-        if bad is None:
-            try:
-                check.feed(off, view)
-            except IntegrityError as e:  # the rest is still taken, then dropped
-                bad = str(e)
-    if bad is not None:
-        return bad, False
-    if whole is not None:
-        for a, b, target in pieces:
-            target[:b - a] = whole[a:b]
-    return None
+    bad = stream_into(ch, entry, chunk_size, storage.url_of(entry.path), pieces, PIECE, config)
+    return None if bad is None else (bad, False)
 
 
 def run_transfers(plan: Sequence[Transfer], rank: int, storage: Storage,

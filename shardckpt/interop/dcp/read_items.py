@@ -8,7 +8,7 @@ from typing import Any
 from collections.abc import Callable
 
 import torch
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import ManifestError
@@ -70,19 +70,6 @@ def locate(r: CheckpointReader, chunks: Chunks, item: ReadItem) -> tuple[FileEnt
     a, b = box_byte_span(chunk, itemsize(t.dtype), item.storage_offsets, item.lengths)
     base = entry.data_start + chunk.begin
     return entry, base + a, base + b, (t, chunk)
-
-
-def apply_boxes(r: CheckpointReader, batch: list, planner: LoadPlanner, workers: int) -> None:
-    """Read ``batch`` ((item, range, (tensor, chunk))) at once and copy each box into the
-    planner's tensor."""
-    if not batch:
-        return
-    views = r.read_ranges([req for _, req, _ in batch], workers=workers)
-    for (item, _, src), view in zip(batch, views, strict=True):
-        t, chunk = src
-        target = planner.resolve_tensor(item)
-        target.copy_(box_tensor(view, t.dtype, chunk, item.lengths))
-        planner.commit_tensor(item, target)
 
 
 def box_tensor(view: memoryview, dtype: str, chunk: ChunkRecord, lengths: Any) -> torch.Tensor:

@@ -58,7 +58,8 @@ from shardckpt.storage import DEFAULT_TTL_S
 from shardckpt.format.manifest import DEFAULT_CHUNK_SIZE, FileEntry, TensorSlot
 from shardckpt.format.records import RunExtras
 from shardckpt.interop.dcp.metadata import chunked_section, dtype_name, section_metadata
-from shardckpt.interop.dcp.read_items import apply_boxes, locate, read_values
+from shardckpt.interop.dcp.read_items import locate, read_values
+from shardckpt.interop.dcp.tensor_boxes import apply_boxes_pipelined
 from shardckpt.interop.safe_unpickle import check_value
 from shardckpt.storage import Storage
 
@@ -244,7 +245,10 @@ class ShardckptReader(StorageReader):
 
     Each rank reads only the byte ranges its load plan names (the smallest span of each stored
     chunk that holds the requested box), in batches of at most ``read_batch_bytes``, with every
-    CRC32C chunk it touches checked. A checkpoint of flat groups (``ZeroEngine``) is presented
+    CRC32C chunk it touches checked. Boxes for tensors on a device (for every tensor with
+    ``pipeline=True``, for none with ``False``) go through the read pipeline: a bounded ring of
+    host buffers, checks in worker threads, copies overlapped with the next reads
+    (:mod:`shardckpt.interop.dcp.tensor_boxes`). A checkpoint of flat groups (``ZeroEngine``) is presented
     as the state dict ``get_state_dict(model, optimizer)`` gives, under
     ``{model_key: ..., optim_key: ...}`` (:class:`shardckpt.interop.dcp.flat_view.FlatView`).
 
@@ -261,13 +265,14 @@ class ShardckptReader(StorageReader):
     def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, Any] | None = None, *,
                  workers: int = 8, read_batch_bytes: int = DEFAULT_READ_BATCH,
                  model_key: str = "model", optim_key: str = "optim",
-                 allow_pickle: bool = False, trust: Any = None) -> None:  # trust: CheckpointReader's
+                 allow_pickle: bool = False, trust: Any = None,  # trust: CheckpointReader's
+                 pipeline: bool | None = None) -> None:
         super().__init__()
         self.checkpoint_id = str(url)
         self.storage_options = dict(storage_options or {})
         self.workers, self.read_batch_bytes = workers, read_batch_bytes
         self.model_key, self.optim_key = model_key, optim_key
-        self.allow_pickle, self.trust = bool(allow_pickle), trust
+        self.allow_pickle, self.trust, self.pipeline = bool(allow_pickle), trust, pipeline
         if self.allow_pickle:
             log.info("%s: values are handed to DCP's planner unchecked (allow_pickle=True)",
                      self.checkpoint_id)
@@ -329,9 +334,9 @@ class ShardckptReader(StorageReader):
             batch.append((item, (entry, a, b), src))
             size += b - a
             if size >= self.read_batch_bytes:
-                apply_boxes(r, batch, planner, self.workers)
+                apply_boxes_pipelined(r, batch, planner, self.workers, self.pipeline)
                 batch, size = [], 0
-        apply_boxes(r, batch, planner, self.workers)
+        apply_boxes_pipelined(r, batch, planner, self.workers, self.pipeline)
         return _done(None)
 
     def _check(self, data: bytes, key: str, file: str) -> None:

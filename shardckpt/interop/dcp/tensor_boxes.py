@@ -1,0 +1,67 @@
+"""The boxes of a DCP load plan into the planner's tensors through the read pipeline
+(:mod:`shardckpt.checkpoint.tensor_reads`): for :class:`shardckpt.interop.dcp.storage.ShardckptReader`.
+
+A box that is one contiguous run of its stored chunk (whole rows of it), loaded into a
+contiguous tensor of the stored dtype, is read into the ring of host buffers (pinned where the
+tensor is on CUDA), each chunk's CRC32C checked in worker threads, and copied into the tensor's own
+memory (``non_blocking`` on a side stream on CUDA) while the next reads run: bounded host memory,
+read, check and copy overlapped. Which tensors take it: those on a device; CPU tensors too with
+``pipeline=True`` (or ``SHARDCKPT_IO_PIPELINE=1``); none with ``pipeline=False``. Any other box
+(a strided part of its chunk, another dtype, a tensor without memory of its own layout) is read
+in one batch and copied from a strided view of it (:func:`~shardckpt.interop.dcp.read_items.box_tensor`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import LoadPlanner
+
+from shardckpt.checkpoint.reader import CheckpointReader
+from shardckpt.checkpoint.tensor_reads import fill_tensors
+from shardckpt.format.dtypes import itemsize
+from shardckpt.interop.dcp.read_items import box_tensor
+from shardckpt.storage import IOConfig
+
+
+def through_pipeline(target: Any, dtype: str, span: int, pipeline: bool | None,
+                     config: IOConfig) -> bool:
+    """Whether the box of ``span`` stored bytes of ``dtype`` goes into ``target`` through the
+    pipeline (see the module docstring)."""
+    if pipeline is False or type(target) is not torch.Tensor or not target.is_contiguous():
+        return False
+    if str(target.dtype).removeprefix("torch.") != dtype or not target.numel():
+        return False
+    if target.numel() * itemsize(dtype) != span:  # strided in its chunk
+        return False
+    return bool(pipeline) or config.every_device or target.device.type != "cpu"
+
+
+def apply_boxes_pipelined(r: CheckpointReader, batch: list, planner: LoadPlanner, workers: int,
+                          pipeline: bool | None) -> None:
+    """Read ``batch`` ((item, (file, start, end), (tensor, chunk))) into the planner's tensors,
+    each committed once its bytes are in."""
+    if not batch:
+        return
+    cfg = IOConfig.from_env()
+    piped: list[tuple[Any, tuple[Any, int, int], Any]] = []
+    rest: list[tuple[Any, tuple[Any, int, int], Any, Any]] = []
+    for item, req, (t, chunk) in batch:
+        target = planner.resolve_tensor(item)
+        if through_pipeline(target, t.dtype, req[2] - req[1], pipeline, cfg):
+            piped.append((item, req, target))
+        else:
+            rest.append((item, req, (t, chunk), target))
+    if piped:
+        for entry in {req[0].path: req[0] for _, req, _ in piped}.values():
+            r.check_file(entry)
+        fill_tensors(r, [req for _, req, _ in piped],
+                     [(target, 0, target.numel()) for _, _, target in piped], cfg)
+        for item, _, target in piped:
+            planner.commit_tensor(item, target)
+    if rest:
+        views = r.read_ranges([req for _, req, _, _ in rest], workers=workers)
+        for (item, _, (t, chunk), target), view in zip(rest, views, strict=True):
+            target.copy_(box_tensor(view, t.dtype, chunk, item.lengths))
+            planner.commit_tensor(item, target)
