@@ -55,11 +55,11 @@ def _quantize(x: torch.Tensor, *, block: int, q: int, bits: int) -> torch.Tensor
     nb = xb.shape[1]
     scale = xb.abs().amax(dim=2) / q                                  # n x nb, as the reference
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    v = torch.clamp(torch.round(xb / safe.unsqueeze(2)), -q, q).view(n, nb * block)[:, :s]
-    if bits == 8:
-        payload = (v.to(torch.int16) & 0xFF).to(torch.uint8)          # two's complement
+    v = torch.clamp(torch.round(xb / safe.unsqueeze(2)), -q, q).view(n, nb * block)
+    if bits == 8:  # converted whole-row (contiguous), cut to s by the concatenation
+        payload = v.to(torch.int8).view(torch.uint8)[:, :s]
     else:
-        u = (v + 8).to(torch.uint8).view(n, s // 2, 2)
+        u = (v[:, :s] + 8).to(torch.uint8).view(n, s // 2, 2)
         payload = u[:, :, 0] | (u[:, :, 1] << 4)
     i = scale.view(torch.int32)
     sb = torch.stack([(i >> k) & 0xFF for k in (0, 8, 16, 24)], dim=2).to(torch.uint8)
