@@ -138,6 +138,32 @@ def test_the_kernel_is_chosen_by_argument_or_environment(monkeypatch) -> None:
         quant.kernel_choice("cuda")
 
 
+def test_a_kernel_that_does_not_compile_falls_back_to_the_reference(monkeypatch, caplog) -> None:
+    """No C++ compiler for inductor, say: one warning, the reference's bytes, and the reference
+    from then on."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from shardckpt.runtime.zeropp import fused
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise BackendCompilerFailed(broken, RuntimeError("no working C++ compiler"), None)
+
+    monkeypatch.setattr(fused, "quantize", broken)
+    monkeypatch.setattr(fused, "dequantize", broken)
+    monkeypatch.setattr(quant, "_FUSED_FAILED", [])
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING", logger="shardckpt.runtime.zeropp.quant"):
+        packed = quant.quantize(x, 8, 16)
+    assert torch.equal(packed, quant.quantize_reference(x, 8, 16))
+    assert "no working C++ compiler" in caplog.text and "SHARDCKPT_ZEROPP_KERNEL" in caplog.text
+    assert quant.kernel_choice() == "eager" and len(calls) == 1
+    back = quant.dequantize(packed, 40, 8, 16)
+    assert torch.equal(back, quant.dequantize_reference(packed, 40, 8, 16)) and len(calls) == 1
+
+
 def test_bf16_rows_dequantize_into_the_compute_dtype() -> None:
     x = torch.randn(2, 32).to(torch.bfloat16)
     back = quant.dequantize(quant.quantize(x, 8, 16), 32, 8, 16, torch.bfloat16)

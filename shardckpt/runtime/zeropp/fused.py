@@ -10,10 +10,11 @@ shifts (the reference copies their native bytes; :func:`usable` refuses big-endi
 
 Compilation is lazy, once per kernel (:func:`compiled`: quantize or dequantize, bits, block size,
 dtypes) and shape class, with dynamic shapes: a graph serves every row length, ragged or whole,
-and every row count of its class. The classes are the ones torch's 0/1 specialization makes (one
-row or several; one block or several; the last block ragged or whole; a single pair of
-elements), so a job compiles each kernel once or twice (a shard has one row; a gather has S). Each compilation is logged (INFO) with its
-duration and counted (:func:`compilations`; ``tests/test_zeropp_single.py`` holds the count).
+and every row count of its class. The classes are the ones torch's 0/1 specialization and
+contiguity checks make (one row or several; one block or several; the last block ragged or
+whole; a single pair of elements), so a job compiles each kernel a few times in its first steps,
+then never again. Each compilation is logged (INFO) with its duration and counted
+(:func:`compilations`; ``tests/test_zeropp_single.py`` holds the count).
 """
 
 from __future__ import annotations
