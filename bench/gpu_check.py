@@ -975,6 +975,9 @@ def section_e(ctx: Ctx, rec: dict[str, Any]) -> None:
     with guarded(rec, "cases", ctx):
         rec["cases"] = zeropp_quant.run(ctx.device, rows, cols, block, sz["reps"], ctx.sync,
                                         log=lambda m: log(f"  e: {m}"))
+    with guarded(rec, "error_bound", ctx):
+        over = [c["case"] for c in rec["cases"] if not c.get("within_error_bound_fused")]
+        assert not over, f"fused kernels past quant.error_bound: {', '.join(over)}"
     peak = (rec.get("memory_bandwidth") or {}).get("nominal_gbs")
     for row in rec["cases"]:
         for op in ("quantize", "dequantize"):

@@ -138,6 +138,24 @@ def test_the_kernel_is_chosen_by_argument_or_environment(monkeypatch) -> None:
         quant.kernel_choice("cuda")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits,dtype", PAIRS)
+def test_fused_kernels_within_the_bound_on_cuda(bits: int, dtype: torch.dtype) -> None:
+    """On a GPU (Triton) the bytes may differ from the CPU reference's in a rounding; every value
+    stays within :func:`quant.error_bound`, ragged rows and blocks of zeros included."""
+    gen = torch.Generator(device="cuda").manual_seed(bits)
+    for rows, s in [(1, 2), (3, 98), (1, 4098), (8, 1 << 16)]:
+        x = (torch.randn(rows, s, device="cuda", generator=gen) * 3).to(dtype)
+        x[0, : s // 3] = 0
+        packed = quant.quantize(x, bits, 256, kernel="fused")
+        assert packed.shape == (rows, quant.packed_size(s, bits, 256))
+        back = quant.dequantize(packed, s, bits, 256, torch.float32, kernel="fused")
+        assert ((back - x.float()).abs() <= quant.error_bound(x, bits, 256)).all()
+        assert (back[0, : s // 3] == 0).all()
+        ref = quant.dequantize(packed, s, bits, 256, torch.float32, kernel="eager")
+        assert torch.equal(back, ref)  # same bytes, same values: the dequantize is exact
+
+
 def test_a_kernel_that_does_not_compile_falls_back_to_the_reference(monkeypatch, caplog) -> None:
     """No C++ compiler for inductor, say: one warning, the reference's bytes, and the reference
     from then on."""
