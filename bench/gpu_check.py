@@ -93,8 +93,10 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
           "small": dict(model=LLAMA_SMALL, seq=32, batch=2)},
     "d": {"full": dict(model=LLAMA_300M, seq=1024, batch=4, warmup=1, steps=4),
           "small": dict(model=LLAMA_SMALL, seq=32, batch=2, warmup=1, steps=2)},
-    "e": {"full": dict(rows=8, cols=32 << 20, block=256, reps=5),
-          "small": dict(rows=8, cols=1 << 16, block=256, reps=2)},
+    "e": {"full": dict(rows=8, cols=32 << 20, block=256, reps=5, model=LLAMA_300M, seq=1024,
+                       batch=4, warmup=1, steps=3),
+          "small": dict(rows=8, cols=1 << 16, block=256, reps=2, model=LLAMA_TINY, seq=8,
+                        batch=2, warmup=1, steps=2)},
     "f": {"full": dict(model=LLAMA_300M, seq=1024, batch=4, warmup=2, steps=5, max_ranks=8),
           "small": dict(model=LLAMA_TINY, seq=16, batch=2, warmup=1, steps=2, max_ranks=2)},
 }
@@ -102,7 +104,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 #: Rough seconds per section on one H200 (full) and for a ``--small`` CPU run, process start-up
 #: included; a section starts only if the budget left covers its estimate.
 ESTIMATE_S = {"a": (40, 30), "b": (150, 40), "b2": (100, 120), "c": (110, 40), "d": (70, 40),
-              "e": (25, 15), "f": (120, 60)}
+              "e": (60, 90), "f": (120, 60)}
 
 SECTIONS = {
     "a": ("parity", "ZeroEngine (deterministic) against plain PyTorch on the same device, world-1 "
@@ -118,7 +120,8 @@ SECTIONS = {
     "d": ("offload_cpu", "offload_optimizer='cpu' vs resident optimizer: step time and "
           "torch.cuda.max_memory_allocated"),
     "e": ("zeropp_quant", "qwZ (int8 bf16 weights) and qgZ (int4/int8 fp32 gradients) blockwise "
-          "quantize and dequantize throughput, GB/s of input"),
+          "quantize and dequantize, fused kernels vs the eager reference in the same run: GB/s "
+          "of input, ratio to the memory bandwidth, share of a ZeRO++ step spent quantizing"),
     "f": ("multi_rank_nccl", "ZeRO-3 bf16 steps, a sync and an async save and a load on every "
           "CUDA device over NCCL; recorded as not run when torch.cuda.device_count() < 2"),
 }
@@ -1019,51 +1022,113 @@ def section_d(ctx: Ctx, rec: dict[str, Any]) -> None:
 
 
 def section_e(ctx: Ctx, rec: dict[str, Any]) -> None:
-    import torch
-
-    from shardckpt.runtime.zeropp import quant
+    """The fused kernels against the eager reference in the same run (``bench/zeropp_quant.py``),
+    their rate against the device's memory bandwidth, and the share of a ZeRO++ step spent
+    quantizing."""
+    import zeropp_quant
 
     sz = ctx.size("e")
     rows, cols, block = sz["rows"], sz["cols"], sz["block"]
     rec["settings"] = {"shape": [rows, cols], "block": block, "reps": sz["reps"],
                        "rate": "GB/s of the input tensor (quantize) or of the dequantized output "
-                               "(dequantize); median of reps after one warm-up"}
-    cases = [("qwZ weights, int8", torch.bfloat16, 8), ("qgZ gradients, int4", torch.float32, 4),
-             ("qgZ gradients, int8", torch.float32, 8)]
+                               "(dequantize); median of reps after one warm-up (which compiles "
+                               "the fused kernels); eager and fused take turns rep by rep"}
+    with guarded(rec, "bandwidth", ctx):
+        rec["memory_bandwidth"] = _e_bandwidth(ctx, rows * cols * 4)
     rec["cases"] = []
-    gen = torch.Generator(device=ctx.device).manual_seed(0)
-    for label, dtype, bits in cases:
-        row: dict[str, Any] = {"case": label, "dtype": str(dtype).removeprefix("torch."),
-                               "bits": bits}
-        with guarded(row, "run", ctx):
-            x = torch.randn(rows, cols, device=ctx.device, generator=gen).to(dtype)
-            packed = quant.quantize(x, bits, block)  # warm-up
-            out = quant.dequantize(packed, cols, bits, block, dtype)
+    with guarded(rec, "cases", ctx):
+        rec["cases"] = zeropp_quant.run(ctx.device, rows, cols, block, sz["reps"], ctx.sync,
+                                        log=lambda m: log(f"  e: {m}"))
+    with guarded(rec, "error_bound", ctx):
+        over = [c["case"] for c in rec["cases"] if not c.get("within_error_bound_fused")]
+        assert not over, f"fused kernels past quant.error_bound: {', '.join(over)}"
+    peak = (rec.get("memory_bandwidth") or {}).get("nominal_gbs")
+    for row in rec["cases"]:
+        for op in ("quantize", "dequantize"):
+            row[f"{op}_fused_over_hbm"] = ratio(row.get(f"{op}_fused_gbs"), peak)
+    fused = [r[f"{op}_fused_gbs"] for r in rec["cases"] for op in ("quantize", "dequantize")
+             if f"{op}_fused_gbs" in r]
+    rec["target"] = {"fused_gbs_of_input": 1500.0, "min_fused_gbs": min(fused, default=None),
+                     "met": (min(fused) >= 1500.0) if fused and ctx.cuda else None}
+    ctx.free()
+    with guarded(rec, "step_share", ctx):
+        rec["step_share"] = _e_step_share(ctx, sz)
+
+
+#: Nominal memory bandwidth, GB/s, by device name (the vendors' figures).
+HBM_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
+           "A100-SXM4-80GB": 2039.0, "A100": 1555.0}
+
+
+def _e_bandwidth(ctx: Ctx, nbytes: int) -> dict[str, Any]:
+    """The nominal figure for this device (None on CPU or an unknown device) and a measured
+    device-to-device copy of ``nbytes`` (read + write counted)."""
+    import torch
+
+    name = torch.cuda.get_device_name(ctx.device) if ctx.cuda else "cpu"
+    nominal = next((v for k, v in HBM_GBS.items() if k in name), None)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        ctx.sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        ctx.sync()
+        times.append(time.perf_counter() - t0)
+    return {"device": name, "nominal_gbs": nominal, "copy_gbs": rate(2 * nbytes, median(times))}
+
+
+def _e_step_share(ctx: Ctx, sz: dict[str, Any]) -> dict[str, Any]:
+    """A world-1 ZeRO-3 + qwZ + qgZ bf16 step of the section's Llama, per kernel: the median step
+    time without instrumentation, then the time inside ``quant.quantize``/``dequantize`` per step
+    (each call between device synchronizations) over the same number of steps."""
+    from shardckpt.runtime import ZeroPP
+    from shardckpt.runtime.zeropp import quant
+
+    cfg = llama_config(sz["model"], sz["seq"])
+    batches = token_batches(cfg, sz["seq"], sz["batch"], sz["warmup"] + sz["steps"], ctx.device)
+    out: dict[str, Any] = {"model": sz["model"], "params": llama_params(sz["model"]),
+                           "note": "world 1: qwZ quantizes every gather; qgZ with one rank "
+                                   "moves and quantizes nothing"}
+    real, env = (quant.quantize, quant.dequantize), os.environ.get(quant.KERNEL_ENV)
+    spent = [0.0]
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             ctx.sync()
-            tq, td = [], []
-            for _ in range(sz["reps"]):
-                ctx.sync()
-                t0 = time.perf_counter()
-                packed = quant.quantize(x, bits, block)
-                ctx.sync()
-                tq.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                out = quant.dequantize(packed, cols, bits, block, dtype)
-                ctx.sync()
-                td.append(time.perf_counter() - t0)
-            n_in = x.numel() * x.element_size()
-            row.update(input_bytes=n_in, packed_bytes=packed.numel(),
-                       quantize_s=median(tq), quantize_gbs=rate(n_in, median(tq)),
-                       dequantize_s=median(td), dequantize_gbs=rate(n_in, median(td)))
-            head = x[:1, : min(cols, 1 << 20)]
-            back = quant.dequantize(quant.quantize(head, bits, block), head.shape[1], bits, block)
-            err = (back - head.float()).abs()
-            row["within_error_bound"] = bool((err <= quant.error_bound(head, bits, block)).all())
-            del x, packed, out
+            t0 = time.perf_counter()
+            res = fn(*args, **kwargs)
+            ctx.sync()
+            spent[0] += time.perf_counter() - t0
+            return res
+        return wrapper
+
+    for kernel in ("eager", "fused"):
+        os.environ[quant.KERNEL_ENV] = kernel
+        engine, opt = zero_engine(ctx, cfg, zeropp=ZeroPP(qwz=True, qgz=True))
+        try:
+            plain, inside = [], []
+            for tokens in batches:
+                plain.append(train_step(ctx, engine, opt, tokens)[0])
+            quant.quantize, quant.dequantize = timed(real[0]), timed(real[1])
+            for tokens in batches:
+                spent[0] = 0.0
+                train_step(ctx, engine, opt, tokens)
+                inside.append(spent[0])
+        finally:
+            quant.quantize, quant.dequantize = real
+            os.environ.pop(quant.KERNEL_ENV, None)
+            if env is not None:
+                os.environ[quant.KERNEL_ENV] = env
+            engine.close()
+        step, q = median(plain[sz["warmup"]:]), median(inside[sz["warmup"]:])
+        out[kernel] = {"median_step_s": step, "quantization_s_per_step": q,
+                       "quantization_share": ratio(q, step)}
+        log(f"  e: {kernel} step {step} s, quantization {q} s per step")
         ctx.free()
-        rec["cases"].append(row)
-        log(f"  e: {label}: quantize {row.get('quantize_gbs')} GB/s, "
-            f"dequantize {row.get('dequantize_gbs')} GB/s")
+    return out
 
 
 # ====================================================================== f: multi-rank

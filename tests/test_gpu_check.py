@@ -87,6 +87,25 @@ def test_compile_section_runs_on_cpu():
     assert ours["losses"] == pytest.approx(fsdp2["losses"], rel=1e-3)  # same weights, batches
 
 
+def test_quantization_section_runs_on_cpu(tmp_path):
+    """Section e: the fused ZeRO++ kernels against the eager reference in one run (bit-equal on
+    CPU), the copy bandwidth they are compared with, and the share of a step spent quantizing."""
+    res = run_script("--device", "cpu", "--small", "--only", "e", "--no-isolate")
+    assert res.returncode == 0, res.stderr[-3000:]
+    e = json.loads(res.stdout)["sections"]["e"]
+    assert e["status"] == "ok" and "errors" not in e, e
+    assert [c["bits"] for c in e["cases"]] == [8, 4, 8]
+    for c in e["cases"]:
+        assert c["bit_equal"] and c["within_error_bound_fused"], c
+        assert c["quantize_fused_gbs"] > 0 and c["dequantize_eager_gbs"] > 0
+        assert c["quantize_fused_over_eager"] > 0 and c["quantize_fused_over_hbm"] is None
+    assert e["memory_bandwidth"]["copy_gbs"] > 0 and e["target"]["met"] is None
+    for kernel in ("eager", "fused"):
+        share = e["step_share"][kernel]
+        assert 0 < share["quantization_s_per_step"] < share["median_step_s"] * 2, share
+        assert share["quantization_share"] > 0
+
+
 @pytest.mark.cuda
 def test_stage3_parity_on_cuda_world1():
     import torch

@@ -31,9 +31,9 @@ def test_round_trip_within_half_a_step(rows: int, s: int, block: int, bits: int,
                                        seed: int) -> None:
     x = torch.randn(rows, s, generator=torch.Generator().manual_seed(seed)) * scale
     x[0, : s // 3] = 0  # a block of zeros has scale 0 and comes back as zeros
-    packed = quant.quantize(x, bits, block)
+    packed = quant.quantize(x, bits, block, kernel="eager")  # the fused kernels: below
     assert packed.dtype == torch.uint8 and packed.shape == (rows, quant.packed_size(s, bits, block))
-    back = quant.dequantize(packed, s, bits, block)
+    back = quant.dequantize(packed, s, bits, block, kernel="eager")
     err = (back - x).abs()
     assert (err <= quant.error_bound(x, bits, block)).all()
     # the bound is half a step: absmax / 254 (int8), absmax / 14 (int4), plus fp32 rounding
@@ -49,6 +49,137 @@ def test_wire_format_integers_then_scales() -> None:
     assert p[0, 6:].clone().view(torch.float32).tolist() == pytest.approx([1.0, 4 / 127])
     p4 = quant.quantize(torch.tensor([[7.0, -7.0, 1.0, 0.0]]), 4, 4)
     assert p4[0, :2].tolist() == [(7 + 8) | ((-7 + 8) << 4), (1 + 8) | (8 << 4)]
+
+
+# The fused kernels against the reference, bit for bit. Block 16 and the four (bits, dtype) pairs
+# only: each (kind, bits, block, dtype) is a kernel of its own, compiled on first use.
+PAIRS = [(8, torch.bfloat16), (8, torch.float32), (4, torch.float32), (4, torch.bfloat16)]
+
+
+def _fused_and_reference(x: torch.Tensor, bits: int, block: int) -> None:
+    s = x.shape[1]
+    ref = quant.quantize(x, bits, block, kernel="eager")
+    got = quant.quantize(x, bits, block, kernel="fused")
+    assert torch.equal(got, ref), (x.shape, (got != ref).nonzero()[:8].tolist())
+    want = quant.dequantize(ref, s, bits, block, x.dtype, kernel="eager")
+    back = quant.dequantize(ref, s, bits, block, x.dtype, kernel="fused")
+    assert back.dtype == x.dtype and torch.equal(back, want), x.shape
+    out = torch.full_like(x, float("nan"))  # written in place, every element
+    assert quant.dequantize(ref, s, bits, block, x.dtype, out=out, kernel="fused") is out
+    assert torch.equal(out, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pair=st.sampled_from(PAIRS), rows=st.integers(2, 4), s=st.integers(17, 100).map(lambda n: 2 * n),
+       scale=st.sampled_from([1e-30, 1e-6, 1.0, 3e4, 1e30]), zero_rows=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_fused_kernels_write_the_reference_bytes(pair, rows: int, s: int, scale: float,
+                                                 zero_rows: bool, seed: int) -> None:
+    """Several rows of several blocks, the last block of a row ragged or whole (``s`` from 34 to
+    200, block 16), blocks of zeros, tiny and huge magnitudes (subnormal scales included)."""
+    bits, dtype = pair
+    x = torch.randn(rows, s, generator=torch.Generator().manual_seed(seed)) * scale
+    x[0, : s // 3] = 0
+    if zero_rows:
+        x[-1] = 0
+    _fused_and_reference(x.to(dtype), bits, 16)
+
+
+@pytest.mark.parametrize("bits,dtype", [(8, torch.bfloat16), (4, torch.float32)])
+def test_fused_kernels_compile_once_per_shape_class(bits: int, dtype: torch.dtype) -> None:
+    """qwZ's (int8, bf16) and qgZ's (int4, fp32) kernels: a graph per shape class at most (one
+    row or several; one block or several; the last block ragged or whole; a single pair of
+    elements), compiled on first use; after that no row length or row count recompiles."""
+    from shardckpt.runtime.zeropp import fused
+
+    gen = torch.Generator().manual_seed(bits)
+    first = [(rows, s) for rows in (1, 3) for s in (2, 10, 16, 24, 32)]  # every class, once
+    again = [(2, 12), (4, 6), (1, 34), (1, 160), (1, 202), (2, 36), (4, 64), (3, 130), (5, 4),
+             (2, 2), (1, 1000), (6, 1024), (1, 8), (5, 16)]                 # ragged and whole
+    for rows, s in first:
+        _fused_and_reference(torch.randn(rows, s, generator=gen).to(dtype), bits, 16)
+    kernels = [fused.compiled(k, bits, 16, d, o) for k, d, o in
+               [("quantize", dtype, None), ("dequantize", torch.uint8, dtype)]]
+    assert all(1 <= k.compiles <= len(first) for k in kernels), [k.compiles for k in kernels]
+    before = fused.compilations()
+    for rows, s in again:
+        _fused_and_reference(torch.randn(rows, s, generator=gen).to(dtype), bits, 16)
+    assert fused.compilations() == before
+
+
+def test_fused_non_finite_blocks_as_the_reference() -> None:
+    """Non-finite inputs are not supported (:mod:`quant`): the block holding one gets a non-finite
+    scale in both implementations; every other block's bytes are the reference's."""
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    x[0, 5], x[1, 40] = float("inf"), float("nan")
+    for bits, dtype in PAIRS:
+        xd = x.to(dtype)
+        ref = quant.quantize(xd, bits, 16, kernel="eager")
+        got = quant.quantize(xd, bits, 16, kernel="fused")
+        pb = quant.payload_size(64, bits)
+        scales = [p[:, pb:].clone().view(torch.float32) for p in (ref, got)]
+        assert torch.equal(scales[0].isfinite(), scales[1].isfinite())
+        assert scales[1].isfinite().sum() == 6 and torch.equal(scales[0][0, 1:], scales[1][0, 1:])
+        per = 16 * bits // 8  # payload bytes per block
+        for row, bad in ((0, 0), (1, 2)):
+            keep = [b for b in range(4) if b != bad]
+            for b in keep:
+                assert torch.equal(ref[row, b * per:(b + 1) * per], got[row, b * per:(b + 1) * per])
+
+
+def test_the_kernel_is_chosen_by_argument_or_environment(monkeypatch) -> None:
+    assert quant.kernel_choice() == "fused"
+    monkeypatch.setenv(quant.KERNEL_ENV, "eager")
+    assert quant.kernel_choice() == "eager" and quant.kernel_choice("fused") == "fused"
+    monkeypatch.setenv(quant.KERNEL_ENV, "triton")
+    with pytest.raises(ConfigError, match="SHARDCKPT_ZEROPP_KERNEL='triton'"):
+        quant.quantize(torch.ones(1, 4), 8, 4)
+    with pytest.raises(ConfigError, match="kernel='cuda'.*fused or eager"):
+        quant.kernel_choice("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits,dtype", PAIRS)
+def test_fused_kernels_within_the_bound_on_cuda(bits: int, dtype: torch.dtype) -> None:
+    """On a GPU (Triton) the bytes may differ from the CPU reference's in a rounding; every value
+    stays within :func:`quant.error_bound`, ragged rows and blocks of zeros included."""
+    gen = torch.Generator(device="cuda").manual_seed(bits)
+    for rows, s in [(1, 2), (3, 98), (1, 4098), (8, 1 << 16)]:
+        x = (torch.randn(rows, s, device="cuda", generator=gen) * 3).to(dtype)
+        x[0, : s // 3] = 0
+        packed = quant.quantize(x, bits, 256, kernel="fused")
+        assert packed.shape == (rows, quant.packed_size(s, bits, 256))
+        back = quant.dequantize(packed, s, bits, 256, torch.float32, kernel="fused")
+        assert ((back - x.float()).abs() <= quant.error_bound(x, bits, 256)).all()
+        assert (back[0, : s // 3] == 0).all()
+        ref = quant.dequantize(packed, s, bits, 256, torch.float32, kernel="eager")
+        assert torch.equal(back, ref)  # same bytes, same values: the dequantize is exact
+
+
+def test_a_kernel_that_does_not_compile_falls_back_to_the_reference(monkeypatch, caplog) -> None:
+    """No C++ compiler for inductor, say: one warning, the reference's bytes, and the reference
+    from then on."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from shardckpt.runtime.zeropp import fused
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise BackendCompilerFailed(broken, RuntimeError("no working C++ compiler"), None)
+
+    monkeypatch.setattr(fused, "quantize", broken)
+    monkeypatch.setattr(fused, "dequantize", broken)
+    monkeypatch.setattr(quant, "_FUSED_FAILED", [])
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING", logger="shardckpt.runtime.zeropp.quant"):
+        packed = quant.quantize(x, 8, 16)
+    assert torch.equal(packed, quant.quantize_reference(x, 8, 16))
+    assert "no working C++ compiler" in caplog.text and "SHARDCKPT_ZEROPP_KERNEL" in caplog.text
+    assert quant.kernel_choice() == "eager" and len(calls) == 1
+    back = quant.dequantize(packed, 40, 8, 16)
+    assert torch.equal(back, quant.dequantize_reference(packed, 40, 8, 16)) and len(calls) == 1
 
 
 def test_bf16_rows_dequantize_into_the_compute_dtype() -> None:

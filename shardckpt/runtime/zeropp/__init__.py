@@ -30,6 +30,8 @@ hpZ and qgZ need the world size to be a multiple of it. ZeRO++ runs on a plain Z
 - :mod:`~shardckpt.runtime.zeropp.options` — :class:`ZeroPP` and its checks against the engine;
 - :mod:`~shardckpt.runtime.zeropp.comm` — the collectives above, as a flat group issues them;
 - :mod:`~shardckpt.runtime.zeropp.quant` — blockwise int8 / int4 quantization.
+- :mod:`~shardckpt.runtime.zeropp.fused` — the same quantization compiled (``torch.compile``), the
+  default; ``SHARDCKPT_ZEROPP_KERNEL=eager`` runs :mod:`quant`'s eager reference instead.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def start_quantized_gather(pm: ProcessMesh, full: torch.Tensor, shard: torch.Ten
             work = all_gather_single(wire, packed, pm.shard_group, async_op=True)
 
     def finish() -> None:
-        full.view(S, s).copy_(quant.dequantize(wire.view(S, -1), s, WEIGHT_BITS, block,
-                                               full.dtype))
+        quant.dequantize(wire.view(S, -1), s, WEIGHT_BITS, block, full.dtype,
+                         out=full.view(S, s))
     return work, (packed, wire), finish
 
 

@@ -18,15 +18,36 @@ Wire format of one row (:func:`packed_size` bytes, ``uint8``): the payload (``s`
 ``s / 2`` bytes of two int4 nibbles, low nibble first, each stored as ``q + 8``), then the
 ``ceil(s / block)`` fp32 scales in native byte order. Every rank of a job runs on the same
 architecture, so native order is what the peer reads.
+
+Two implementations write the same bytes: the eager reference below (:func:`quantize_reference`,
+:func:`dequantize_reference`, a few passes of torch operations each) and the fused kernels of
+:mod:`shardckpt.runtime.zeropp.fused` (``torch.compile`` of the same math: one pass each way, bit
+for bit the reference's on CPU, within :func:`error_bound` on a GPU). :func:`quantize` and
+:func:`dequantize` run the fused kernels unless ``SHARDCKPT_ZEROPP_KERNEL=eager`` (or
+``kernel="eager"``) asks for the reference.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+
+from shardckpt.errors import ConfigError
+from shardckpt.runtime.zeropp import fused
+
+log = logging.getLogger(__name__)
+
 
 #: Supported integer widths.
 BITS = (4, 8)
+
+#: The environment variable that picks the implementation, and its values.
+KERNEL_ENV = "SHARDCKPT_ZEROPP_KERNEL"
+KERNELS = ("fused", "eager")
 
 
 def num_blocks(s: int, block: int) -> int:
@@ -48,8 +69,56 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+def kernel_choice(kernel: str | None = None) -> str:
+    """``kernel``, else ``$SHARDCKPT_ZEROPP_KERNEL``, else "fused"; "eager" where the fused
+    kernels cannot run (a big-endian host)."""
+    choice = kernel or os.environ.get(KERNEL_ENV) or "fused"
+    if choice not in KERNELS:
+        where = "kernel" if kernel else KERNEL_ENV
+        raise ConfigError(f"{where}={choice!r}: the ZeRO++ quantization kernels are "
+                          f"{' or '.join(KERNELS)}")
+    return choice if fused.usable() and not _FUSED_FAILED else "eager"
+
+
+_FUSED_FAILED: list[str] = []
+
+
+def _fused_failed(exc: Exception) -> None:
+    """A fused kernel did not compile (no C++ compiler for inductor on this host, say): say so
+    once and run the reference from now on; its bytes are the same."""
+    _FUSED_FAILED.append(repr(exc))
+    log.warning("ZeRO++ quantization: the fused kernels did not compile (%s); using the eager "
+                "reference (set %s=eager to skip the attempt)", exc, KERNEL_ENV)
+
+
+def quantize(x: torch.Tensor, bits: int, block: int, kernel: str | None = None) -> torch.Tensor:
     """Pack ``x`` (``n x s``, any float dtype) row by row into ``n x packed_size`` bytes."""
+    if kernel_choice(kernel) == "fused":
+        try:
+            return fused.quantize(x.contiguous(), bits, block)
+        except BackendCompilerFailed as exc:
+            _fused_failed(exc)
+    return quantize_reference(x, bits, block)
+
+
+def dequantize(packed: torch.Tensor, s: int, bits: int, block: int,
+               dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None,
+               kernel: str | None = None) -> torch.Tensor:
+    """Unpack ``n x packed_size`` bytes into ``n x s`` values of ``dtype`` (computed in fp32),
+    written into ``out`` (contiguous, ``n x s`` of ``dtype``) when given."""
+    if kernel_choice(kernel) == "fused" and (out is None or out.is_contiguous()):
+        if out is None:
+            out = torch.empty(packed.shape[0], s, dtype=dtype, device=packed.device)
+        try:
+            return fused.dequantize(packed.contiguous(), out, bits, block)
+        except BackendCompilerFailed as exc:
+            _fused_failed(exc)
+    back = dequantize_reference(packed, s, bits, block, dtype)
+    return back if out is None else out.copy_(back)
+
+
+def quantize_reference(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
+    """:func:`quantize`, eager: the definition the fused kernel is checked against."""
     n, s = x.shape
     nb = num_blocks(s, block)
     xf = x.float()
@@ -71,9 +140,9 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     return out
 
 
-def dequantize(packed: torch.Tensor, s: int, bits: int, block: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Unpack ``n x packed_size`` bytes into ``n x s`` values of ``dtype`` (computed in fp32)."""
+def dequantize_reference(packed: torch.Tensor, s: int, bits: int, block: int,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`dequantize`, eager: the definition the fused kernel is checked against."""
     n = packed.shape[0]
     nb = num_blocks(s, block)
     pb = payload_size(s, bits)
