@@ -189,6 +189,25 @@ def test_direct_read_fills_each_target_and_checks_every_chunk_it_touches(tmp_pat
         read_into(str(path), "f", entry, cs, [(3, 10, memoryview(bytearray(7)))])
 
 
+def test_a_local_manifest_is_parsed_once_per_bytes_and_a_bad_one_every_time(tmp_path):
+    """The local tier's manifests are validated once per distinct bytes (a resume reads each
+    several times), until :func:`forget`; a manifest that fails is refused on every read."""
+    from shardckpt.checkpoint import manifest_memo
+    from shardckpt.errors import ManifestError
+    from shardckpt.format.manifest import to_json
+
+    m, _ = _manifest(tmp_path)
+    data = to_json(m)
+    manifest_memo.forget()
+    first = manifest_memo.parsed(data, "a/manifest.json")
+    assert first == m and manifest_memo.parsed(bytes(data), "b/manifest.json") is first
+    manifest_memo.forget()
+    assert manifest_memo.parsed(data, "a/manifest.json") is not first
+    for _ in range(2):
+        with pytest.raises(ManifestError, match="c/manifest.json"):
+            manifest_memo.parsed(data[:-2], "c/manifest.json")
+
+
 def test_durable_references_name_the_latest_durable_frozen_files_that_are_still_there(tmp_path):
     """What a durable copy references instead of copying: the frozen files of the run's latest
     committed checkpoint with the same entries, only while they are there with their size."""

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 from shardckpt.checkpoint.attempt import Attempt, Steps
 from shardckpt.checkpoint.collective import agree, failed_with
+from shardckpt.checkpoint import manifest_memo
 from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.checkpoint.node_files import newest_committed, prune
@@ -148,7 +149,9 @@ class NodeTier:
 
     def source(self, full_verify: bool, strict: bool) -> LocalSource:
         """This tier's resume candidates (``full_verify`` is the durable tier's: a local step's
-        every chunk is checked as it loads)."""
+        every chunk is checked as it loads). Each resume validates the manifests it finds, as a
+        job started afresh would: none is taken from this process's earlier reads."""
+        manifest_memo.forget()
         return LocalSource(self, self.state, strict)
 
     def write(self, job: SaveJob, step: int) -> LocalSave | None:
