@@ -30,13 +30,17 @@ from shardckpt.checkpoint.set_aside import raise_damaged, raise_damaged_role
 from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
-from shardckpt.storage import Storage, local_path, read_local_into
+from shardckpt.storage import IOConfig, Storage, local_path, read_local_into
+from shardckpt.storage.pipeline import run_workers
 from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.training.optim_info import load_optimizer_info
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.save_load import LoadResult, Sharded, load
 
 log = logging.getLogger(__name__)
+
+#: Bytes of a shard file that one thread reads and checks at a time (rounded to whole chunks).
+WINDOW_BYTES = 16 << 20
 
 
 def _cpu_bytes(t: Any) -> memoryview | None:
@@ -118,7 +122,7 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
             holder, rel = reader.files.locate(entry.path)
             try:
                 reader.check_file(entry)
-                read_local_into(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
+                read_windows(holder.full(rel), holder.url_of(rel), entry, m.chunk_size, pieces)
             except IntegrityError as e:  # this node's copy: moved aside below, the rest read on
                 damaged.append((holder, rel, str(e)))
         if damaged:
@@ -143,6 +147,29 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
     assert out is not None
     return LoadResult(tuple(out["missing"]), tuple(out["unexpected"]), tuple(out["mismatched"]),
                       m, counter["bytes"], reader)
+
+
+def read_windows(path: str, url: str, entry: FileEntry, chunk_size: int,
+                 pieces: Sequence[tuple[int, int, memoryview]], threads: int | None = None) -> None:
+    """:func:`~shardckpt.storage.read_local_into` of ``pieces``, the file cut into windows of
+    whole chunks that ``threads`` threads (``IOConfig.threads``) read and check at once: a
+    window's reads and CRC32Cs release the GIL, so one rank's load is not one core's copy and
+    checksum in series. Every chunk lies in one window, so each is read and checked once."""
+    step = max(1, WINDOW_BYTES // chunk_size) * chunk_size
+    windows: dict[int, list[tuple[int, int, memoryview]]] = {}
+    for a, b, view in pieces:
+        at = a
+        while at < b:
+            end = min(b, (at // step + 1) * step)
+            windows.setdefault(at // step, []).append((at, end, view[at - a:end - a]))
+            at = end
+    n = IOConfig.from_env().threads if threads is None else threads
+    if len(windows) < 2 or n < 2:
+        read_local_into(path, url, entry, chunk_size, pieces)
+        return
+    run_workers([windows[w] for w in sorted(windows)],
+                lambda group, _: read_local_into(path, url, entry, chunk_size, group),
+                min(n, len(windows)), "direct-load")
 
 
 def _tensor(dtype: str, shape: Sequence[int], data: memoryview) -> Any:
