@@ -20,6 +20,7 @@ CRC32C checked as it arrives), and nothing is written to the receiver's disk.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from collections.abc import Sequence
 
@@ -31,7 +32,6 @@ from shardckpt.errors import IntegrityError, ShardckptError
 from shardckpt.format.manifest import FileEntry, Manifest
 from shardckpt.format.reshard_plan import plan_reshard
 from shardckpt.storage import IOConfig, Storage, local_path, read_local_into
-from shardckpt.storage.pipeline import run_workers
 from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.training.optim_info import load_optimizer_info
 from shardckpt.training.peer_copy import run_transfers
@@ -167,9 +167,13 @@ def read_windows(path: str, url: str, entry: FileEntry, chunk_size: int,
     if len(windows) < 2 or n < 2:
         read_local_into(path, url, entry, chunk_size, pieces)
         return
-    run_workers([windows[w] for w in sorted(windows)],
-                lambda group, _: read_local_into(path, url, entry, chunk_size, group),
-                min(n, len(windows)), "direct-load")
+    pool = ThreadPoolExecutor(min(n, len(windows)), thread_name_prefix="shardckpt-direct-load")
+    try:
+        for done in [pool.submit(read_local_into, path, url, entry, chunk_size, windows[w])
+                     for w in sorted(windows)]:
+            done.result()  # the first failure is raised; the windows not started are cancelled
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _tensor(dtype: str, shape: Sequence[int], data: memoryview) -> Any:
