@@ -11,6 +11,8 @@ in memory (what a silent memory error does) and saves again:
 * ``replica_async``: the flip is on rank 2, which writes nothing (async save: its CRCs are taken
   when the shards are copied aside); a flip made after that, while the write goes on, belongs to
   the next save, not this one: that save commits, and the next one is refused;
+* ``local_tier``: the node-local tier's own save (2 nodes of 2 ranks), the flip on rank 3: no
+  node commits the failed step and every node keeps the previous one;
 * ``frozen_replica``: two linear units, the first frozen; the flip is in the frozen group on
   rank 1, which writes nothing; the writer's step-2 entry is a reference to step 1's frozen file
   (its bytes did not change), which the error names.
@@ -87,6 +89,17 @@ def _refused(ckpt: Any, step: int, run: str, expect: dict[str, Any], save: Calla
     """Problems with a save that must fail the replica check (``expect``: ranks, file, chunk)."""
     from shardckpt.checkpoint.run_dir import step_dir
 
+    problems = _raised(step, expect, save)
+    if os.path.exists(f"{run}/{step_dir(step)}/manifest.json"):
+        problems.append(f"step {step}: a manifest exists after the failed replica check")
+    latest = _latest(ckpt)
+    if not latest.endswith(step_dir(step - 1)):
+        problems.append(f"step {step}: latest names {latest}, not step {step - 1}")
+    return problems
+
+
+def _raised(step: int, expect: dict[str, Any], save: Callable[[], Any]) -> list[str]:
+    """Problems with the error of a save that must fail the replica check."""
     problems = []
     try:
         save()
@@ -99,11 +112,6 @@ def _refused(ckpt: Any, step: int, run: str, expect: dict[str, Any], save: Calla
         problems += [f"step {step}: the error does not say {w!r}: {text}" for w in want if w not in text]
     else:
         problems.append(f"step {step}: a save with a flipped bit in one replica committed")
-    if os.path.exists(f"{run}/{step_dir(step)}/manifest.json"):
-        problems.append(f"step {step}: a manifest exists after the failed replica check")
-    latest = _latest(ckpt)
-    if not latest.endswith(step_dir(step - 1)):
-        problems.append(f"step {step}: latest names {latest}, not step {step - 1}")
     return problems
 
 
@@ -187,9 +195,63 @@ def case_frozen_replica(pm: Any) -> list[str]:
     return _case(pm, flipped=1, async_save=False, frozen=True)
 
 
+def case_local_tier(pm: Any) -> list[str]:
+    """The node-local tier's own save (2 nodes of 2 ranks): the flip on rank 3, which writes
+    shard 1, fails the local save of step 2 on every rank; no node holds a manifest of step 2,
+    every node keeps step 1, and the clean step 3 commits on every node."""
+    import torch.distributed as dist
+
+    from shardckpt.checkpoint.run_dir import step_dir
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.format.layout import Mesh
+    from shardckpt.runtime.mesh import ProcessMesh
+    from shardckpt.training.checkpointer import Checkpointer
+    from testing.engines import tiny_engine, tiny_step
+
+    engine, opt = tiny_engine(ProcessMesh.from_process_group(Mesh.hsdp(2, 2)))
+    tiny_step(engine, opt, 0, pm.rank)
+    root = _shared_dir(pm)
+    nodes = [f"{root}/node{n}" for n in (0, 1)]
+    tier = LocalTier(path=f"{root}/node{{node}}", every=1, keep=3, peers=1, ranks_per_node=2)
+    ckpt = Checkpointer(f"{root}/run", engine, chunk_size=CHUNK, keep_last=None, local=tier,
+                        durable_every=10 ** 9)
+    problems: list[str] = []
+
+    def committed(step: int) -> list[bool]:
+        dist.barrier()  # every node's leader has finished with the step
+        return [os.path.exists(f"{n}/{step_dir(step)}/manifest.json") for n in nodes]
+    try:
+        ckpt.save(1)
+        ckpt.wait()
+        slot, element = _flip(engine, pm.rank, 3)
+        expect = {"ranks": "1, 3", "file": "shard-00001-of-00002", "also": [],
+                  "chunk": _expected_chunk(f"{nodes[0]}/{step_dir(1)}", 1, slot, element, "shard")}
+        problems += _raised(2, expect, lambda: (ckpt.save(2), ckpt.wait()))
+        failed, kept = committed(2), committed(1)
+        if any(failed):
+            problems.append(f"step 2 has a manifest on a node after the failed replica check: {failed}")
+        if not all(kept):
+            problems.append(f"step 1 is no longer committed on every node: {kept}")
+        _flip(engine, pm.rank, 3)  # back: the replicas agree again
+        ckpt.save(3)
+        ckpt.wait()
+        clean = committed(3)
+        if not all(clean):
+            problems.append(f"the clean save of step 3 is not committed on every node: {clean}")
+    except Exception as e:  # noqa: BLE001 - reported, the shared job goes on
+        problems.append(f"{type(e).__name__}: {e}")
+    finally:
+        ckpt.close()
+        dist.barrier()  # every rank is done with the directory
+        if pm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return problems
+
+
 CASES: dict[str, Callable[..., Any]] = {"writer_sync": case_writer_sync,
                                         "replica_async": case_replica_async,
-                                        "frozen_replica": case_frozen_replica}
+                                        "frozen_replica": case_frozen_replica,
+                                        "local_tier": case_local_tier}
 
 reports = case_suite(__name__, CASES, lambda world: list(CASES) if world == 4 else [], [4],
                      timeout_s=180)
@@ -205,3 +267,7 @@ def test_a_flipped_bit_in_a_replica_that_writes_nothing_fails_the_async_save(rep
 
 def test_a_flipped_bit_in_a_frozen_group_of_a_replica_fails_the_save(reports):
     check_case(reports, "frozen_replica")
+
+
+def test_a_flipped_bit_in_a_replica_fails_the_local_tier_save(reports):
+    check_case(reports, "local_tier")

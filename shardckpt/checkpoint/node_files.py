@@ -21,11 +21,11 @@ import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from shardckpt.checkpoint.manifest_memo import parsed
 from shardckpt.checkpoint.references import RunFiles, referenced_steps_in
 from shardckpt.checkpoint.run_dir import STEP_DIR
 from shardckpt.errors import ShardckptError
 from shardckpt.format.manifest import FROZEN_ROLE, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, reference_of
-from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def newest_committed(storage: Storage, shards: Iterable[int]) -> list[Any] | Non
         except NotFoundError:
             continue
         try:
-            man = parse(data, storage.url_of(f"{name}/{MANIFEST_NAME}"))
+            man = parsed(data, storage.url_of(f"{name}/{MANIFEST_NAME}"))
             files = RunFiles(storage.child(name))
             frozen = {f.index: f for f in man.files if f.role == FROZEN_ROLE}
             if all(s in frozen and files.size(frozen[s].path) == frozen[s].size for s in shards):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
 
+from shardckpt.checkpoint.manifest_memo import parsed
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.references import RunFiles, frozen_stand_ins, parent_of
 from shardckpt.checkpoint.run_dir import STEP_DIR, CheckpointManager, step_dir
@@ -151,8 +152,8 @@ def holdings(storage: Storage) -> dict[str, Any]:
         save_id = None
         if step.exists(MANIFEST_NAME):
             try:
-                save_id = parse(step.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES),
-                                step.url_of(MANIFEST_NAME)).save_id
+                save_id = parsed(step.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES),
+                                 step.url_of(MANIFEST_NAME)).save_id
             except ShardckptError as e:
                 log.warning("local tier: ignoring %s: %s", step.url, e)
         out[str(int(m.group(1)))] = {"manifest": save_id, "files": files}

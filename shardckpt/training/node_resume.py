@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from collections.abc import Callable, Mapping
 
 from shardckpt.checkpoint.collective import agree, failed_with
+from shardckpt.checkpoint.manifest_memo import parsed
 from shardckpt.checkpoint.node_files import below_node, held_whole
 from shardckpt.checkpoint.resume_policy import LOADED, PASSED, Candidate, Outcome, damaged
 from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
@@ -33,7 +34,6 @@ from shardckpt.checkpoint.tiers import (
 )
 from shardckpt.errors import CollectiveError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
-from shardckpt.format.manifest_parse import parse
 from shardckpt.storage import Storage
 from shardckpt.checkpoint.loss_flag import LossFlag, lost_contact
 from shardckpt.training.direct_load import direct_ready
@@ -180,7 +180,7 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
         if node.rank != holder:
             return None
         data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        parse(data, here.url_of(MANIFEST_NAME))
+        parsed(data, here.url_of(MANIFEST_NAME))
         return base64.b64encode(data).decode("ascii")  # to every rank in the same round
     try:
         _, reports = agree(read_manifest, f"read of local step {step}'s manifest")
@@ -189,7 +189,7 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
             raise
         return f"its manifest on rank {holder}'s node cannot be read: {e}"
     data = base64.b64decode(reports[holder]["payload"])
-    m = parse(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
+    m = parsed(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
     shard = layout.mesh.shard_rank(node.rank)
     mine = sorted(f.path for f in files_needed(m, layout, shard, node.rank, world_size))
     leader = node.rank == nodes.leader(node.node)

@@ -14,11 +14,11 @@ import logging
 from typing import Any
 
 from shardckpt.checkpoint.collective import agree, same_error
+from shardckpt.checkpoint.manifest_memo import parsed
 from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
 from shardckpt.checkpoint.tiers import LocalTier, node_storage
 from shardckpt.errors import CollectiveError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
-from shardckpt.format.manifest_parse import parse
 from shardckpt.format.records import run_extras
 from shardckpt.storage import Storage
 
@@ -47,7 +47,7 @@ def foreign_reason(storage: Storage, step: int, run: str) -> str | None:
     None where it is."""
     here = storage.child(step_dir(step))
     try:
-        m = parse(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES), here.url_of(MANIFEST_NAME))
+        m = parsed(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES), here.url_of(MANIFEST_NAME))
         theirs = run_extras(m, here.url_of(MANIFEST_NAME)).run
     except ShardckptError as e:
         return f"its manifest is unreadable ({e})"

@@ -6,7 +6,9 @@ Save (every ``LocalTier.every`` steps), on every rank:
 
 1. in the caller's thread: each rank writes its files (shard, rank state; buffers on rank 0)
    straight from the live tensors into its node's directory, and the ranks exchange the file
-   entries (size, CRC32C per chunk); then training may go on;
+   entries (size, CRC32C per chunk); with HSDP, the replicas that write nothing compare their
+   chunk CRCs with the writers' (:mod:`shardckpt.checkpoint.replica_check`: a mismatch fails
+   the save on every rank, and no node commits it); then training may go on;
 2. in the background, over the checkpointer's own process group: each rank sends its files to
    its peers (:mod:`.peer_copy`, checked on receipt); once every rank reports its files and their
    copies durable, each node's lowest rank creates the manifest there (create-only) and prunes
@@ -35,6 +37,7 @@ from collections.abc import Mapping
 
 from shardckpt.checkpoint.attempt import Attempt, Steps
 from shardckpt.checkpoint.collective import agree, failed_with
+from shardckpt.checkpoint import manifest_memo
 from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.checkpoint.node_files import newest_committed, prune
@@ -45,7 +48,9 @@ from shardckpt.checkpoint.tiers import (
     HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references, ensure_room,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
-from shardckpt.errors import CollectiveError, InsufficientSpaceError, IntegrityError, ShardckptError
+from shardckpt.errors import (
+    CollectiveError, InsufficientSpaceError, IntegrityError, ReplicaMismatchError, ShardckptError,
+)
 from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, frozen_file_name
 from shardckpt.storage import iter_file_chunks
 from shardckpt.training.durable_tier import DurableTier
@@ -144,7 +149,9 @@ class NodeTier:
 
     def source(self, full_verify: bool, strict: bool) -> LocalSource:
         """This tier's resume candidates (``full_verify`` is the durable tier's: a local step's
-        every chunk is checked as it loads)."""
+        every chunk is checked as it loads). Each resume validates the manifests it finds, as a
+        job started afresh would: none is taken from this process's earlier reads."""
+        manifest_memo.forget()
         return LocalSource(self, self.state, strict)
 
     def write(self, job: SaveJob, step: int) -> LocalSave | None:
@@ -171,6 +178,8 @@ class NodeTier:
         def write() -> list[dict[str, Any]]:
             try:
                 ensure_room(self.tier, self.storage, planned_bytes(job), f"local save of step {step}")
+                if job.replicas is not None:  # HSDP: a replica that writes nothing takes its CRCs
+                    job.replicas.take(save_id)
                 return job.write_files(writer)
             except ShardckptError as e:
                 full = as_full(e, job.url)
@@ -188,6 +197,12 @@ class NodeTier:
             return None
         by_rank = {r: report_entries(rep["payload"], r, f"local save of step {step}")
                    for r, rep in enumerate(reports)}
+        if job.replicas is not None:  # HSDP: ReplicaMismatchError on every rank, nothing committed
+            try:
+                job.replicas.compare(save_id, LocalSave(step, writer, by_rank).entries, job.url, self.group)
+            except ReplicaMismatchError:
+                self.discard(step)
+                raise
         return LocalSave(step, writer, by_rank)
 
     def frozen_held(self, mesh: Any) -> list[int]:
