@@ -80,6 +80,7 @@ from shardckpt.storage.checked import ChunkCheck, read_checked, spans
 from shardckpt.storage.links import check_inside, resolve_inside
 from shardckpt.storage.places import contains
 from shardckpt.storage.reads import Request
+from shardckpt.storage.read_window import windowed_reads
 from shardckpt.storage.local import LocalBackend, local_path, open_regular, read_local_into
 from shardckpt.storage.private_dir import private_storage
 from shardckpt.storage.pipeline import (
@@ -111,5 +112,5 @@ __all__ = [
     "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",
     "pipelined_reads", "private_storage", "read_ahead", "read_checked", "read_local_into",
     "resolve_inside", "sourced", "spans", "split_options", "storage_options_from_env", "whoami",
-    "write_positioned",
+    "windowed_reads", "write_positioned",
 ]
