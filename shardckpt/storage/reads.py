@@ -18,7 +18,9 @@ A checked read fetches whole checksum chunks and verifies each against the manif
   sorted per file, those whose chunks overlap or touch coalesced, spans read concurrently.
 
 :func:`read_ahead` is the batch loop of a stream: it fetches batch ``k + 1`` on one background
-thread while the caller uses batch ``k``.
+thread while the caller uses batch ``k``. Consolidate from an object store reads its batches'
+chains through :func:`~shardckpt.storage.read_window.windowed_reads` instead: in flight across
+batch boundaries, no batch waiting for the previous one's slowest read.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ Request = tuple[FileEntry, int, int]  # a file and an absolute byte range [start
 Chain = list[tuple[FileEntry, int, int, list[int]]]
 
 #: Default ``buffer_bytes`` of the tools that read pieces of tensors (consolidate, diff): a
-#: quarter of it per batch, so that it bounds the batch in use, the one read ahead and the cache.
+#: quarter of it per batch, so that it bounds the batch in use, those read ahead (one; two from an
+#: object store, :mod:`.read_window`) and the cache.
 DEFAULT_BUFFER = 64 << 20
 #: Default ``buffer_bytes`` of reshard and the importers: the bytes of one read batch (two are held
 #: at once).
