@@ -81,6 +81,28 @@ def test_the_bytes_held_stay_within_the_budget_counted_under_the_storage(stored:
     assert not _window_threads()
 
 
+def test_the_next_batch_is_read_during_a_slow_read_even_when_two_exceed_the_budget(stored: Any) -> None:
+    """Batches larger than the budget: the one after the caller's still goes while a read of
+    the caller's stalls (a window that waited for room would read them one at a time)."""
+    storage, entries, datas = stored
+    plain = storage.read
+    released = threading.Event()
+    stalled: list[bool] = []
+
+    def read(rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        if rel == "f0.bin" and not stalled:
+            stalled.append(released.wait(WAIT_S))
+        elif rel == "f1.bin":
+            released.set()
+        return plain(rel, start, end)
+    storage.read = read  # type: ignore[method-assign]
+    batches = [[(entries[0], 0, 4 * CS)], [(entries[1], 0, 4 * CS)]]
+    got = [bytes(g[0]) for _, g in windowed_reads(RangeReader(storage, CS), ((r, r) for r in batches),
+                                                  5 * CS, 4)]
+    assert stalled == [True]
+    assert got == [datas[0][:4 * CS], datas[1][:4 * CS]]
+
+
 def test_a_chunk_that_two_batches_share_is_fetched_once(stored: Any) -> None:
     """The end of one batch and the start of the next in one checksum chunk: the later read
     waits for the earlier and takes the chunk from the boundary cache (in flight together, both

@@ -12,7 +12,8 @@ Invariants:
 
 * results come back batch by batch, in order, each request's bytes those of its file, checked;
 * the requested bytes of the batches queued, being read, read or in the caller's hands are at
-  most ``budget`` (a batch larger than the budget still goes, alone);
+  most ``budget``, but the batch after the one the caller has is always queued (as a plain
+  read-ahead holds it): two batches larger than the budget together still go;
 * each byte is fetched about once: a chain that shares a checksum chunk with the latest chain
   of the same file (the end of one batch and the start of the next) waits for it on its thread,
   and takes the shared chunk from the reader's boundary cache;
@@ -86,8 +87,8 @@ class _Window:
                         break
                     tag, requests = job
                     following = _Batch(tag, requests, _requested(requests), [b""] * len(requests))
-                if queued and held + following.nbytes > budget:
-                    break
+                if len(queued) >= 2 and held + following.nbytes > budget:
+                    break  # the next batch and one more are queued, as a read-ahead would
                 self._submit(following)
                 held += following.nbytes
                 queued.append(following)
