@@ -6,7 +6,9 @@ Everything runs in this process (no process launches): a reshard and a consolida
 give the bytes of the same work on a local disk, with some of the reshard's bytes copied by the
 server; a copy the server refuses (its source replaced since it was read) falls back to
 uploading the checked bytes; a part that fails in the middle of an upload, or a part's thread
-that dies, ends in an error with nothing committed and the multipart upload aborted.
+that dies, ends in an error with nothing committed and the multipart upload aborted. Reshard
+streams the next target file while one completes its upload, and a failure of either (a part
+that fails, a writer's thread that dies) commits nothing and leaves no upload open.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import s3fs
 
 from shardckpt.checkpoint.verify import verify
 from shardckpt.errors import StorageError
@@ -162,3 +166,76 @@ def test_a_part_thread_that_dies_is_an_error_not_a_hang(
     fs.invalidate_cache()
     assert not fs.exists(f"{b.name}/out.bin")
     assert _open_uploads(fs, b.name) == []
+
+
+# ------------------------------------------------------- reshard: files written while one completes
+
+WAIT_S = 60  # only ends a hold that nothing releases (files written one after the other)
+
+
+def _hold_first_completion(monkeypatch: pytest.MonkeyPatch, die: bool = False) -> list[bool]:
+    """Hold target file 0's completing request (its CompleteMultipartUpload, or its PUT) until a
+    request for target file 1 has been made; the result: whether one was. With ``die``, file
+    1's first request raises instead (its writer's thread dies). Uploads call s3fs's
+    ``call_s3`` on the writing thread: holding it holds that thread only."""
+    real = s3fs.S3FileSystem.call_s3
+    other = threading.Event()
+    held: list[bool] = []
+
+    def call(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        key = kwargs.get("Key", "")
+        if "shard-00001-of-00002" in key:
+            other.set()
+            if die:
+                raise RuntimeError("a writer thread died")
+        if ("shard-00000-of-00002" in key and method in ("complete_multipart_upload", "put_object")
+                and not held):
+            held.append(other.wait(WAIT_S))
+        return real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", call)
+    return held
+
+
+def test_reshard_streams_the_next_file_while_one_completes_bit_exact(
+        moto_server: Any, s3_bucket: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    b = s3_bucket(moto_server)
+    so, fs = b.storage_options, b.filesystem()
+    synthesize(f"{b.url}/src", 1_600_000, ranks=4, units=1, storage_options=so)  # 10 MB targets
+    synthesize(str(tmp_path / "src"), 1_600_000, ranks=4, units=1)
+    reshard(str(tmp_path / "src"), str(tmp_path / "rs"), to=2)
+    held = _hold_first_completion(monkeypatch)
+    reshard(f"{b.url}/src", f"{b.url}/rs", to=2, storage_options=so, dst_storage_options=so)
+    monkeypatch.undo()
+    assert held == [True], "file 1 was not written while file 0 completed"
+
+    def read(location: str, rel: str) -> bytes:
+        if location.startswith("s3://"):
+            return fs.cat_file(f"{location[5:]}/{rel}")
+        return (Path(location) / rel).read_bytes()
+
+    assert _data(f"{b.url}/rs", read) == _data(str(tmp_path / "rs"), read)
+    assert _open_uploads(fs, b.name) == []
+
+
+@pytest.mark.parametrize("fault", ["a part fails", "a writer thread dies"])
+def test_a_file_that_fails_while_another_completes_commits_nothing(
+        moto_server: Any, s3_bucket: Any, fault_proxy: Any, monkeypatch: pytest.MonkeyPatch,
+        fault: str) -> None:
+    proxy = fault_proxy(moto_server)
+    b = s3_bucket(moto_server, via=proxy)
+    so = {**b.storage_options, "shardckpt_deadline_s": 2}
+    direct = moto_server.filesystem()
+    synthesize(f"{b.url}/src", 1_600_000, ranks=4, units=1, storage_options=b.storage_options)
+    if fault == "a part fails":
+        proxy.add_rule("internal_error", method="PUT", path=r"shard-00001-of-00002")
+    held = _hold_first_completion(monkeypatch, die=fault == "a writer thread dies")
+    with pytest.raises((StorageError, RuntimeError)) as got:
+        reshard(f"{b.url}/src", f"{b.url}/rs", to=2, storage_options=so, dst_storage_options=so)
+    monkeypatch.undo()
+    assert held == [True]  # the failure came while file 0 was completing
+    assert ("died" in str(got.value)) == (fault == "a writer thread dies"), got.value
+    direct.invalidate_cache()
+    assert not direct.exists(f"{b.name}/rs/manifest.json")
+    assert [k for k in direct.find(f"{b.name}/rs") if "shard-" in k] == []
+    assert _open_uploads(direct, b.name) == []

@@ -19,7 +19,7 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import ConfigError, ManifestError
 from shardckpt.format.dtypes import NUMPY, itemsize
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import DEFAULT_BUFFER, RangeReader, read_ahead
+from shardckpt.storage import DEFAULT_BUFFER, RangeReader, Request, read_ahead, windowed_reads
 
 
 # ----------------------------------------------------------------------------- dtype casts (pure)
@@ -119,14 +119,17 @@ def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int) -> 
 
 #: Most bytes of boundary chunks a PieceReader keeps per checkpoint (see ``_cache_capacity``).
 MAX_CACHE_BYTES = 256 << 20
+#: Batches an object-store PieceReader holds at once: the one in use and up to two read ahead
+#: (its reads in flight across batch boundaries: :func:`~shardckpt.storage.windowed_reads`).
+WINDOW_BATCHES = 3
 
 
 def _cache_capacity(reader: CheckpointReader, batch_bytes: int) -> int:
     """Chunks to cache: one partly consumed chunk per shard file (consecutive pieces of a tensor
     run through every shard, and each file is read front to back, so every file has a chunk whose
-    rest the next batch takes), plus a batch's worth; at most :data:`MAX_CACHE_BYTES`."""
+    rest the next batch takes), plus the batches' worth held at once; at most :data:`MAX_CACHE_BYTES`."""
     cs = reader.manifest.chunk_size
-    want = max(2, batch_bytes // cs) + len(reader.manifest.files) + 2
+    want = max(2, WINDOW_BATCHES * batch_bytes // cs) + len(reader.manifest.files) + 2
     return max(2, min(want, MAX_CACHE_BYTES // cs))
 
 
@@ -143,7 +146,8 @@ class PieceReader:
     ``pieces(items)`` yields, for item ``i = (numel, sources)`` with one source per reader, the
     pieces ``[a, b)`` that tile ``[0, numel)`` in order, with the same boundaries on every reader.
     A batch holds at most ``buffer_bytes / 4`` source bytes; one batch is read ahead while the
-    caller consumes the previous one, and boundary chunks shared by consecutive ranges are cached
+    caller consumes the previous one (one object-store reader: up to two, their reads in flight
+    across batches, :data:`WINDOW_BATCHES`), and boundary chunks shared by consecutive ranges are cached
     (one per source file, up to :data:`MAX_CACHE_BYTES`), so memory is about ``buffer_bytes`` plus
     a chunk per source file, whatever the tensor sizes.
     """
@@ -179,22 +183,53 @@ class PieceReader:
         if batch:
             yield batch
 
+    def _requests(self, items: Sequence[tuple[int, Sequence[Source]]], batch: list[tuple[int, int, int]],
+                  side: int) -> tuple[list[Request], list[int]]:
+        """The byte ranges of ``batch`` on reader ``side``, and the batch entry each belongs to."""
+        requests, owner = [], []
+        for k, (i, a, b) in enumerate(batch):
+            for r in byte_ranges(self.readers[side], items[i][1][side], a, b):
+                requests.append(r)
+                owner.append(k)
+        return requests, owner
+
+    @staticmethod
+    def _joined(n: int, owner: list[int], got: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+        parts: list[list[bytes | memoryview]] = [[] for _ in range(n)]
+        for k, data in zip(owner, got, strict=True):
+            parts[k].append(data)
+        return [p[0] if len(p) == 1 else b"".join(p) for p in parts]
+
     def _read(self, items: Sequence[tuple[int, Sequence[Source]]], batch: list[tuple[int, int, int]]) -> list[Piece]:
         sides = []
-        for side, (reader, ranges) in enumerate(zip(self.readers, self.ranges, strict=True)):
-            requests, owner = [], []
-            for k, (i, a, b) in enumerate(batch):
-                for r in byte_ranges(reader, items[i][1][side], a, b):
-                    requests.append(r)
-                    owner.append(k)
-            parts: list[list[bytes | memoryview]] = [[] for _ in batch]
+        for side, ranges in enumerate(self.ranges):
+            requests, owner = self._requests(items, batch, side)
             got = ranges.fetch(requests, self.workers)  # mapped where the storage maps files
-            for k, data in zip(owner, got, strict=True):
-                parts[k].append(data)
-            sides.append([p[0] if len(p) == 1 else b"".join(p) for p in parts])
+            sides.append(self._joined(len(batch), owner, got))
         return [Piece(i, a, b, tuple(s[k] for s in sides)) for k, (i, a, b) in enumerate(batch)]
 
+    def _windowed(self, items: Sequence[tuple[int, Sequence[Source]]]) -> Iterator[Piece]:
+        """One object-store reader: the batches' reads through one sliding window of
+        :data:`WINDOW_BATCHES` batches (:func:`~shardckpt.storage.windowed_reads`), no barrier
+        between batches."""
+        def jobs() -> Iterator[tuple[tuple[list[tuple[int, int, int]], list[int]], list[Request]]]:
+            for batch in self._batches(items):
+                requests, owner = self._requests(items, batch, 0)
+                yield (batch, owner), requests
+
+        stream = windowed_reads(self.ranges[0], jobs(), WINDOW_BATCHES * self.batch_bytes, self.workers)
+        try:
+            for (batch, owner), got in stream:
+                data = self._joined(len(batch), owner, got)
+                yield from (Piece(i, a, b, (data[k],)) for k, (i, a, b) in enumerate(batch))
+                del got, data  # before the next batch is waited for
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+
     def pieces(self, items: Sequence[tuple[int, Sequence[Source]]]) -> Iterator[Piece]:
+        if len(self.ranges) == 1 and not self.ranges[0].maps:
+            yield from self._windowed(items)
+            return
         batches = read_ahead(self._batches(items), lambda batch: self._read(items, batch))
         try:
             for _, got in batches:

@@ -17,7 +17,8 @@ Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
 * **Reads** are ranged GETs of whole checksum chunks only; a range larger than ``range_piece`` is
   split into pieces fetched concurrently, and each failed piece is retried alone. A stream's batch
   (reshard, consolidate) has all its reads in flight at once, up to :data:`REMOTE_READS_IN_FLIGHT`,
-  whichever files they are of. A chunk whose CRC32C fails is read once more before the read is
+  whichever files they are of; consolidate's are kept in flight across batches
+  (:func:`windowed_reads`). A chunk whose CRC32C fails is read once more before the read is
   declared corrupt (a bad transfer is not a bad object). Nothing is staged on local disk.
 * **Writes** stream as multipart uploads that shardckpt drives itself (not ``fs.open("wb")``,
   whose ``__exit__`` on an exception completes the partial object): parts of ``part_size`` bytes
@@ -43,7 +44,7 @@ generic fsspec backend every other one extends), :mod:`.local` (the local disk),
 :mod:`.s3upload` (its multipart uploads, open uploads), :mod:`.s3copy` (server-side copies of
 checked ranges), :mod:`.writer` (streaming, checksummed
 writes), :mod:`.checked` and :mod:`.reads` (the checked read path: one range, many ranges,
-read-ahead), :mod:`.retry` (deadline, the shared error vocabulary, error mapping),
+read-ahead), :mod:`.read_window` (a stream's reads kept in flight across batches), :mod:`.retry` (deadline, the shared error vocabulary, error mapping),
 :mod:`.options` (``storage_options``), :mod:`.places` (comparable locations, free space),
 :mod:`.confined` (local removals that never follow a symbolic link out of the directory they were
 asked for).
@@ -80,6 +81,7 @@ from shardckpt.storage.checked import ChunkCheck, read_checked, spans
 from shardckpt.storage.links import check_inside, resolve_inside
 from shardckpt.storage.places import contains
 from shardckpt.storage.reads import Request
+from shardckpt.storage.read_window import windowed_reads
 from shardckpt.storage.local import LocalBackend, local_path, open_regular, read_local_into
 from shardckpt.storage.private_dir import private_storage
 from shardckpt.storage.pipeline import (
@@ -111,5 +113,5 @@ __all__ = [
     "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",
     "pipelined_reads", "private_storage", "read_ahead", "read_checked", "read_local_into",
     "resolve_inside", "sourced", "spans", "split_options", "storage_options_from_env", "whoami",
-    "windows", "write_positioned",
+    "windowed_reads", "windows", "write_positioned",
 ]

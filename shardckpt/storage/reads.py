@@ -18,7 +18,9 @@ A checked read fetches whole checksum chunks and verifies each against the manif
   sorted per file, those whose chunks overlap or touch coalesced, spans read concurrently.
 
 :func:`read_ahead` is the batch loop of a stream: it fetches batch ``k + 1`` on one background
-thread while the caller uses batch ``k``.
+thread while the caller uses batch ``k``. Consolidate from an object store reads its batches'
+chains through :func:`~shardckpt.storage.read_window.windowed_reads` instead: in flight across
+batch boundaries, no batch waiting for the previous one's slowest read.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ from shardckpt.storage.s3copy import MIN_COPY, copy_source_for, sourced
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
 Request = tuple[FileEntry, int, int]  # a file and an absolute byte range [start, end) of it
+#: Runs of one file read one after the other: (entry, lo, hi, indices of the requests in [lo, hi)).
+Chain = list[tuple[FileEntry, int, int, list[int]]]
 
 #: Default ``buffer_bytes`` of the tools that read pieces of tensors (consolidate, diff): a
-#: quarter of it per batch, so that it bounds the batch in use, the one read ahead and the cache.
+#: quarter of it per batch, so that it bounds the batch in use, those read ahead (one; two from an
+#: object store, :mod:`.read_window`) and the cache.
 DEFAULT_BUFFER = 64 << 20
 #: Default ``buffer_bytes`` of reshard and the importers: the bytes of one read batch (two are held
 #: at once).
@@ -251,25 +256,31 @@ class RangeReader:
         reads of one file that share a boundary chunk go one after the other on one thread
         (:meth:`_chains`), so that the chunk is fetched and checked once."""
         out: list[bytes | memoryview] = [b""] * len(requests)
-
-        def run(chain: list[tuple[FileEntry, int, int, list[int]]]) -> None:
-            for entry, lo, hi, members in chain:  # in order: a shared chunk is fetched once
-                view = memoryview(self.read(entry, lo, hi))
-                for i in members:
-                    _, a, b = requests[i]
-                    out[i] = view[a - lo:b - lo]
-
-        chains = [c for file_runs in self._runs(requests) for c in self._chains(file_runs)]
-        pool_map(run, chains, REMOTE_READS_IN_FLIGHT if workers is None else workers)
+        pool_map(lambda chain: self.read_chain(requests, chain, out), self.chains(requests),
+                 REMOTE_READS_IN_FLIGHT if workers is None else workers)
         return out
 
-    def _chains(self, runs: list[tuple[FileEntry, int, int, list[int]]]
-                ) -> list[list[tuple[FileEntry, int, int, list[int]]]]:
+    def chains(self, requests: Sequence[Request]) -> list[Chain]:
+        """The reads of :meth:`read_many`: per file, runs of requests that meet, grouped into
+        chains of runs that share a checksum chunk (read in order, on one thread)."""
+        return [c for file_runs in self._runs(requests) for c in self._chains(file_runs)]
+
+    def read_chain(self, requests: Sequence[Request], chain: Chain,
+                   out: list[bytes | memoryview]) -> None:
+        """Read ``chain`` (of :meth:`chains`), its runs in order (a shared chunk is fetched once),
+        each request's bytes into ``out`` at its index."""
+        for entry, lo, hi, members in chain:
+            view = memoryview(self.read(entry, lo, hi))
+            for i in members:
+                _, a, b = requests[i]
+                out[i] = view[a - lo:b - lo]
+
+    def _chains(self, runs: list[tuple[FileEntry, int, int, list[int]]]) -> list[Chain]:
         """One file's runs, cut where two neighbours share no checksum chunk: the runs of a chain
         are read in order (the boundary chunk they share is fetched once and kept for the next),
         the chains at once."""
         cs = self.chunk_size
-        chains: list[list[tuple[FileEntry, int, int, list[int]]]] = []
+        chains: list[Chain] = []
         for run in runs:
             if chains and run[1] // cs <= (chains[-1][-1][2] - 1) // cs:
                 chains[-1].append(run)

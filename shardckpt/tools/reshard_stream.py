@@ -9,16 +9,19 @@ assembles a box. Does not import torch.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.checkpoint.writer import CheckpointWriter, Producer
+from shardckpt.errors import ShardckptError
 from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import FileEntry, TensorSlot
 from shardckpt.format.reshard_plan import Copy, ReshardPlan
 from shardckpt.storage import RangeReader, read_ahead, Request
+from shardckpt.tools.reshard_overlap import write_overlapped
 
 #: A piece of a slot's bytes: that many zero bytes, a checked source range, or a function that
 #: returns the bytes (called on the read-ahead thread).
@@ -95,7 +98,7 @@ def plan_batches(reader: CheckpointReader, plans: Mapping[str, ReshardPlan], sha
 
 class ShardStream:
     """The bytes of target files, slot by slot: :meth:`for_shard` gives the slot producer of a
-    file; the files are written in the order of ``batches`` (from a :class:`Batcher`).
+    file; the files' bytes come in the order of ``batches`` (from a :class:`Batcher`).
 
     The batches are read through one :func:`~shardckpt.storage.read_ahead` loop: the next batch
     is read while the current one is written, so at most two batches are held at once; within a
@@ -104,6 +107,11 @@ class ShardStream:
     Where the storage maps files (local), a range is not copied: it is a view of the mapped source
     file, its chunks CRC-checked once, written straight from the page cache; a batch's mappings
     go when the batch has been written.
+
+    Producers of several files may run on several threads (:func:`stream_files`): a file's
+    producer takes its batches only once every batch of the files before it has been taken, so
+    the file after one that is completing its upload (or its fsync) streams meanwhile. After
+    :meth:`fail`, a producer that waits or takes a batch raises.
     """
 
     def __init__(self, ranges: RangeReader, batches: Sequence[tuple[int, Batch]],
@@ -112,10 +120,15 @@ class ShardStream:
         self.batches = [(t, b) for t, b in batches if b]
         self.zeros = bytes(max((p for _, b in self.batches for _, p in b if isinstance(p, int)),
                                default=0))
+        self.first: dict[int, int] = {}  # file: the index of its first batch
+        self.count: dict[int, int] = {}  # file: its number of batches
+        for k, (t, _) in enumerate(self.batches):
+            self.first.setdefault(t, k)
+            self.count[t] = self.count.get(t, 0) + 1
         self.stream = read_ahead(self.batches, self._fetch)
         self.taken = 0  # batches taken from the stream
-        self.current: list[tuple[int, Any]] = []  # fetched: (slot index, its bytes)
-        self.pos = 0
+        self.turn = threading.Condition()
+        self.failed: BaseException | None = None
 
     def _fetch(self, item: tuple[int, Batch]) -> list[tuple[int, Any]]:
         _, batch = item
@@ -125,29 +138,57 @@ class ShardStream:
         return [(si, zview[:p] if isinstance(p, int) else self.ranges.sourced(p, next(data))
                  if isinstance(p, tuple) else p()) for si, p in batch]
 
-    def _advance(self, shard: int) -> bool:
-        """Make the file's next batch current (the read of the one after, maybe of the next
-        file, starts); False at the end of the file's batches."""
-        if self.taken == len(self.batches) or self.batches[self.taken][0] != shard:
-            return False
-        self.current, self.pos = [], 0  # written: let it go before the next is waited for
-        _, self.current = next(self.stream)
-        self.taken += 1
-        return True
+    def fail(self, error: BaseException) -> None:
+        """Stop every producer: a file's write failed (the first error is kept)."""
+        with self.turn:
+            if self.failed is None:
+                self.failed = error
+            self.turn.notify_all()
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise _Stopped("stopped: the write of another target file failed") from self.failed
+
+    def _take(self, shard: int, j: int) -> list[tuple[int, Any]] | None:
+        """Batch ``j`` of file ``shard`` once the batches before it are taken; None past its last."""
+        if j >= self.count.get(shard, 0):
+            return None
+        k = self.first[shard] + j
+        with self.turn:
+            while self.taken != k:
+                self._check()
+                self.turn.wait()
+            self._check()
+        try:
+            _, data = next(self.stream)  # this file's turn: no other thread takes meanwhile
+        except BaseException as e:
+            self.fail(e)
+            raise
+        with self.turn:
+            self.taken += 1
+            self.turn.notify_all()
+        return data
 
     def for_shard(self, shard: int, slots: Sequence[TensorSlot]) -> Producer:
         """The producer of file ``shard``'s bytes, its ``slots`` (the batches' slot indices)."""
         index = {s.name: i for i, s in enumerate(slots)}
+        current: list[tuple[int, Any]] = []  # this file's batch being written: (slot index, bytes)
+        at = [0, 0]  # position in it, batches of this file taken
 
         def produce(slot: TensorSlot) -> Iterator[Any]:
+            nonlocal current
             si = index[slot.name]
             while True:
-                if self.pos == len(self.current) and not self._advance(shard):
-                    return
-                owner, piece = self.current[self.pos]
+                if at[0] == len(current):
+                    current = []  # written: let it go before the next is waited for
+                    got = self._take(shard, at[1])
+                    if got is None:
+                        return
+                    current, at[0], at[1] = got, 0, at[1] + 1
+                owner, piece = current[at[0]]
                 if owner != si:  # the next slot's bytes: leave them for its call
                     return
-                self.pos += 1
+                at[0] += 1
                 if self.on_bytes:
                     self.on_bytes(len(piece))
                 yield piece
@@ -155,7 +196,12 @@ class ShardStream:
         return produce
 
     def close(self) -> None:
+        """End the read-ahead; once no producer runs any more."""
         self.stream.close()  # type: ignore[attr-defined]
+
+
+class _Stopped(ShardckptError):
+    """A producer stopped because another file's write failed (that error is the one raised)."""
 
 
 def write_shards(reader: CheckpointReader, plans: Mapping[str, ReshardPlan],
@@ -175,12 +221,14 @@ def stream_files(reader: CheckpointReader, batches: Sequence[tuple[int, Batch]],
                  files: Sequence[int], write: Callable[[int, Producer], FileEntry],
                  slots_of: Callable[[int], Sequence[TensorSlot]],
                  on_bytes: Callable[[int], None] | None = None) -> Written:
-    """Write each of ``files`` in turn (``write(file, producer)``), its bytes streamed from
-    ``batches`` through one :class:`ShardStream`; ``slots_of(file)``: the file's slots."""
+    """Write each of ``files`` (``write(file, producer)``), its bytes streamed from ``batches``
+    through one :class:`ShardStream`, up to :data:`FILES_IN_FLIGHT` (:mod:`.reshard_overlap`) files at once
+    (:func:`~shardckpt.tools.reshard_overlap.write_overlapped`); ``slots_of(file)``: the file's
+    slots."""
     ranges = RangeReader(reader.files, reader.manifest.chunk_size)
     stream = ShardStream(ranges, batches, on_bytes)
     try:
-        entries = tuple(write(t, stream.for_shard(t, slots_of(t))) for t in files)
+        entries = write_overlapped(stream, files, lambda t: write(t, stream.for_shard(t, slots_of(t))))
     finally:
         stream.close()
     return Written(entries, ranges.bytes_read)
