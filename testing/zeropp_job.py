@@ -16,7 +16,16 @@ TINY = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_l
 
 
 def node_mesh():
+    """The job's mesh. Its ranks quantize with the eager reference: the fused kernels write the
+    reference's bytes (``tests/test_zeropp_single.py``, one process, every shape class, and the
+    engine's qwZ gather through them there), and compiling them on four ranks sharing two cores
+    would cost this launch more than all its cases; the collectives carry the same bytes either way."""
+    import os
+
     from shardckpt.runtime import init_distributed
+    from shardckpt.runtime.zeropp.quant import KERNEL_ENV
+
+    os.environ[KERNEL_ENV] = "eager"
 
     pm = init_distributed(ranks_per_node=K)  # the job is up: builds the mesh on its group
     assert (pm.node_size, pm.world_spans_nodes) == (K, True), pm.describe()
