@@ -170,10 +170,12 @@ def test_clean_during_a_paused_reshard_deletes_nothing_of_it(tmp_path, monkeypat
     real = CheckpointWriter.write_shard
 
     def write_shard(self, shard, produce):
-        entry = real(self, shard, produce)
-        if shard == 0:
-            paused.set()
+        if shard != 0:  # the files written beside it (several at once) wait before writing
             assert resume.wait(120)
+            return real(self, shard, produce)
+        entry = real(self, shard, produce)
+        paused.set()
+        assert resume.wait(120)
         return entry
     monkeypatch.setattr(CheckpointWriter, "write_shard", write_shard)
     out: dict = {}
