@@ -4,6 +4,7 @@
   configuration; :func:`tiny_engine` and :func:`tiny_step` for suites that drive it step by step.
 - :func:`llama_engine`, :func:`llama_batches`, :func:`train_llama`: the small Llama (``LLAMA``)
   with AdamW that the save/load, checkpointer and crash-safety jobs save and load.
+- :func:`assert_same_state`: two engines' states equal, tensor by tensor (the offload suites).
 """
 
 from __future__ import annotations
@@ -112,3 +113,13 @@ def shard_state(engine: Any) -> dict[tuple[str, str], Any]:
                 t = host
             out[g, k] = t.clone()
     return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two engines' states (name -> tensor) hold the same keys and equal tensors; the keys that
+    differ are named."""
+    import torch
+
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"differ: {bad}"

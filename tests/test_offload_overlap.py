@@ -19,7 +19,7 @@ from shardckpt.runtime.models.llama import LLAMA_POLICY, LlamaConfig, LlamaForCa
 from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.offload import OffloadConfig
 from shardckpt.runtime.precision import MixedPrecisionPolicy
-from testing.engines import shard_state
+from testing.engines import assert_same_state, shard_state
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -60,13 +60,6 @@ def _train(engine: ZeroEngine, opt, steps: range, micro: int = 1, clip: float | 
         opt.zero_grad()
 
 
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"differ: {bad}"
-
-
 @functools.cache
 def _resident(stage: int) -> dict[tuple[str, str], torch.Tensor]:
     """The resident run's state after three steps of two micro-batches (one per stage)."""
@@ -81,7 +74,7 @@ def test_the_step_overlapping_backward_is_bit_exact(tmp_path, stage, mode):
     """Two micro-batches per step (no_sync for the first), three steps."""
     engine = _engine(stage, mode, tmp_path, offload_overlap_step=True)
     _train(engine, _adamw(engine), range(3), micro=2)
-    _assert_same(_resident(stage), shard_state(engine))
+    assert_same_state(_resident(stage), shard_state(engine))
     engine.close()
 
 
@@ -95,7 +88,7 @@ def test_the_overlapping_step_with_bf16_compute_keeps_bf16_alone_on_the_device(t
     _train(base, _adamw(base), range(3), micro=2)
     engine = _engine(stage, mode, tmp_path, offload_overlap_step=True, **bf16)
     _train(engine, _adamw(engine), range(3), micro=2)
-    _assert_same(shard_state(base), shard_state(engine))
+    assert_same_state(shard_state(base), shard_state(engine))
     assert all(g.master is None and g.shard.dtype == torch.bfloat16
                for g in engine.groups.values())
     engine.close()
@@ -108,7 +101,7 @@ def test_clipping_scales_the_host_copies_made_in_backward_bit_exact(tmp_path, mo
     engine = _engine(2, mode, tmp_path)
     opt = _adamw(engine)
     _train(engine, opt, range(3), clip=0.05)
-    _assert_same(shard_state(base), shard_state(engine))
+    assert_same_state(shard_state(base), shard_state(engine))
     engine.close()
 
 
@@ -134,7 +127,7 @@ def test_gradients_reach_the_host_in_backward_and_the_step_waits_for_step(tmp_pa
     opt.step()
     two_opt.step()
     assert len(calls) == len(trained) and "shardckpt-offload" not in calls[0]
-    _assert_same(shard_state(two), shard_state(engine))
+    assert_same_state(shard_state(two), shard_state(engine))
     engine.close()
 
 

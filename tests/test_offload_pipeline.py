@@ -21,7 +21,7 @@ from shardckpt.runtime.offload import OffloadConfig
 from shardckpt.runtime.offload.host_step import slice_items
 from shardckpt.runtime.precision import MixedPrecisionPolicy
 from shardckpt.training.save_load import save
-from testing.engines import shard_state
+from testing.engines import assert_same_state, shard_state
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -56,12 +56,6 @@ def _train(engine: ZeroEngine, opt, steps: range) -> None:
         _backward(engine, s)
         opt.step()
         opt.zero_grad()
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"differ: {bad}"
 
 
 @functools.cache
@@ -101,7 +95,7 @@ def test_the_pipelined_step_on_three_threads_is_bit_exact(tmp_path, stage, bf16,
     threads, sizes = set(), []
     _threaded(engine, opt, threads, sizes)
     _train(engine, opt, range(3))
-    _assert_same(_resident(stage, bf16), shard_state(engine))
+    assert_same_state(_resident(stage, bf16), shard_state(engine))
     largest = max(g.shard_numel for g in engine.groups.values())
     assert max(sizes) <= 96 < largest
     assert len(threads) > 1 and all(t.startswith("shardckpt-offload-step") for t in threads)
@@ -113,7 +107,7 @@ def test_the_unpipelined_step_stays_selectable_and_bit_exact(tmp_path, mode):
     engine = _engine(3, _config(mode, tmp_path, pipeline=False))
     opt = _adamw(engine)
     _train(engine, opt, range(3))
-    _assert_same(_resident(3, False), shard_state(engine))
+    assert_same_state(_resident(3, False), shard_state(engine))
     assert opt._offload._pipeline is None and "unpipelined" in engine.offload.describe()
     engine.close()
 

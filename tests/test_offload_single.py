@@ -21,7 +21,7 @@ from shardckpt.runtime.mesh import ProcessMesh
 from shardckpt.runtime.precision import MixedPrecisionPolicy
 from shardckpt.runtime.zeropp import ZeroPP
 from shardckpt.training.save_load import load, save
-from testing.engines import shard_state
+from testing.engines import assert_same_state, shard_state
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1)
@@ -52,13 +52,6 @@ def _train(engine: ZeroEngine, opt: torch.optim.Optimizer, steps: range) -> list
         opt.step()
         opt.zero_grad()
     return losses
-
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    bad = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not bad, f"differ: {bad}"
 
 
 # --------------------------------------------------------------------------- configuration
@@ -126,7 +119,7 @@ def test_offloaded_step_is_bit_exact_against_the_resident_one(tmp_path, stage, m
     engine = _engine(stage, offload_optimizer=mode, **kwargs)
     opt = _adamw(engine)
     _train(engine, opt, range(3))
-    _assert_same(shard_state(base), shard_state(engine))
+    assert_same_state(shard_state(base), shard_state(engine))
     # the host path ran: the store's masters are tensors of their own, not the device shards
     store = opt._offload
     assert store is not None and store.config.mode == mode
@@ -142,7 +135,7 @@ def test_sgd_with_momentum_offloaded_is_bit_exact(tmp_path):
     _train(base, ShardedSGD(base, lr=1e-2, momentum=0.9), range(3))
     engine = _engine(2, offload_optimizer="nvme", offload_dir=tmp_path)
     _train(engine, ShardedSGD(engine, lr=1e-2, momentum=0.9), range(3))
-    _assert_same(shard_state(base), shard_state(engine))
+    assert_same_state(shard_state(base), shard_state(engine))
     engine.close()
 
 
@@ -157,7 +150,7 @@ def test_masters_written_between_steps_reach_the_offloaded_step(tmp_path):
             kinds["master"].mul_(0.5)
         e.refresh_params()
         _train(e, o, range(1, 2))
-    _assert_same(shard_state(base), shard_state(engine))
+    assert_same_state(shard_state(base), shard_state(engine))
     engine.close()
 
 
@@ -192,10 +185,10 @@ def test_checkpoints_load_with_offload_on_or_off_bit_for_bit(tmp_path, src, dst)
     save(saver, str(tmp_path / "ck"))
     loader, opt2 = build(dst, "b")
     load(loader, str(tmp_path / "ck"))
-    _assert_same(shard_state(saver), shard_state(loader))
+    assert_same_state(shard_state(saver), shard_state(loader))
     _train(saver, opt, range(2, 4))
     _train(loader, opt2, range(2, 4))
-    _assert_same(shard_state(saver), shard_state(loader))
+    assert_same_state(shard_state(saver), shard_state(loader))
     saver.close()
     loader.close()
 
@@ -217,7 +210,7 @@ def test_async_checkpointer_stages_from_the_offload_store(tmp_path, mixed, src, 
     ckpt.close()
     other, _ = build(dst, "b")
     assert Checkpointer(str(tmp_path / "run"), other).resume() == 1
-    _assert_same(want, shard_state(other))
+    assert_same_state(want, shard_state(other))
     engine.close()
     other.close()
 
@@ -278,7 +271,7 @@ def test_bf16_compute_offloaded_keeps_only_bf16_on_the_device_bit_exact(tmp_path
     base, base_opt = _offloaded(tmp_path, None, stage)
     engine, opt = _offloaded(tmp_path, mode, stage)
     assert _train(base, base_opt, range(3)) == _train(engine, opt, range(3))
-    _assert_same(shard_state(base), shard_state(engine))
+    assert_same_state(shard_state(base), shard_state(engine))
     for name, g in engine.groups.items():  # no fp32 copy of the weights on the device
         assert g.master is None and g.shard.dtype == torch.bfloat16
         assert torch.equal(g.shard, base.groups[name].master.to(torch.bfloat16))
@@ -296,9 +289,9 @@ def test_bf16_compute_checkpoints_round_trip_with_offload_on_or_off(tmp_path, sr
     save(saver, str(tmp_path / "ck"))
     loader, opt2 = _offloaded(tmp_path, dst, where="b")
     load(loader, str(tmp_path / "ck"))
-    _assert_same(shard_state(saver), shard_state(loader))
+    assert_same_state(shard_state(saver), shard_state(loader))
     assert _train(saver, opt, range(2, 4)) == _train(loader, opt2, range(2, 4))
-    _assert_same(shard_state(saver), shard_state(loader))
+    assert_same_state(shard_state(saver), shard_state(loader))
     saver.close()
     loader.close()
 
@@ -316,8 +309,8 @@ def test_bf16_compute_offloaded_summon_and_full_state_dict_write_the_store(tmp_p
         e.load_full_state_dict({k: v * 2 for k, v in full.items()})
         _train(e, o, range(2, 3))
     (base, _), (engine, _) = engines
-    _assert_same(shard_state(base), shard_state(engine))
-    _assert_same(base.full_state_dict(), engine.full_state_dict())
+    assert_same_state(shard_state(base), shard_state(engine))
+    assert_same_state(base.full_state_dict(), engine.full_state_dict())
     engine.close()
 
 
