@@ -31,7 +31,10 @@ writable (``cold_cache`` says whether it was); tmpfs is memory and is not droppe
 
 Prints one JSON line: ``local_save_over_durable_save``, ``local_recovery_over_durable``,
 ``peer_recovery_over_durable``, ``secret_over_plain``, ``frozen_bytes_over_full`` (from ``bench/_frozen_bytes.py``,
-null where it is absent), with ``--json`` every figure besides. Nothing here asserts.
+null where it is absent), ``over_floor`` (the local save, local and peer recovery over the least
+this machine allows for each, measured in the same launch by ``bench/_tmpfs_floor.py``) and
+``floor_over_durable`` (those limits over the durable tier's times: the best ratio to the durable
+tier any implementation could show here), with ``--json`` every figure besides. Nothing here asserts.
 """
 
 from __future__ import annotations
@@ -158,7 +161,22 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
                 shutil.rmtree(lost)
                 os.rename(kept, lost)
             dist.barrier()
+    out["floor"] = machine_floor(local_root, newest, rank, reps)
     return out
+
+
+def machine_floor(local_root: str, step_name: str, rank: int, reps: int) -> dict[str, list[float]]:
+    """The least the local save and resumes do on this machine (:mod:`_tmpfs_floor`), from this
+    rank's shard file of the newest local step."""
+    from _tmpfs_floor import floors  # type: ignore[import-not-found]
+
+    from shardckpt.checkpoint.reader import read_manifest
+    from shardckpt.storage import Storage
+
+    node_dir = os.path.join(local_root, f"node{rank // 2}")
+    here = Storage(os.path.join(node_dir, step_name))
+    entry = next(e for e in read_manifest(here).files if e.role == "shard" and e.index == rank)
+    return floors(here.full(entry.path), node_dir, rank, 2, reps)
 
 
 @contextmanager
@@ -240,6 +258,7 @@ def main() -> None:
                 for k in ("local", "peers", "durable", "peers_secret")})
     sec.update({f"resume_only_{k}": _median(_slowest(results, "resume_only", k))
                 for k in ("local", "peers", "durable", "peers_secret")})
+    sec.update({f"floor_{k}": _median(_slowest(results, "floor", k)) for k in ("write", "read", "peer")})
     line = {
         "local_save_over_durable_save": round(sec["save_local"] / sec["save_durable"], 3),
         "local_recovery_over_durable": round(sec["resume_only_local"] / sec["resume_only_durable"], 3),
@@ -248,6 +267,14 @@ def main() -> None:
             "local_save_background": round(sec["save_local_total_secret"] / sec["save_local_total"], 3),
             "peer_recovery": round(sec["resume_only_peers_secret"] / sec["resume_only_peers"], 3)},
         "frozen_bytes_over_full": frozen_ratio(),
+        # how far each is from what this machine allows (:mod:`_tmpfs_floor`), and how far the
+        # machine's limit itself is from the durable tier's time
+        "over_floor": {"local_save": round(sec["save_local"] / sec["floor_write"], 3),
+                       "local_recovery": round(sec["resume_only_local"] / sec["floor_read"], 3),
+                       "peer_recovery": round(sec["resume_only_peers"] / sec["floor_peer"], 3)},
+        "floor_over_durable": {"save": round(sec["floor_write"] / sec["save_durable"], 3),
+                               "local_recovery": round(sec["floor_read"] / sec["resume_only_durable"], 3),
+                               "peer_recovery": round(sec["floor_peer"] / sec["resume_only_durable"], 3)},
     }
     if args.json:
         r0 = results[0]

@@ -17,7 +17,8 @@ from shardckpt.errors import ConfigError, IncompleteCheckpointError, Insufficien
 
 def test_config_is_checked_field_by_field():
     for kwargs, field in (({"every": 0}, "every"), ({"keep": 0}, "keep"), ({"peers": -1}, "peers"),
-                          ({"ranks_per_node": 0}, "ranks_per_node"), ({"quota_bytes": -1}, "quota_bytes")):
+                          ({"ranks_per_node": 0}, "ranks_per_node"), ({"quota_bytes": -1}, "quota_bytes"),
+                          ({"preallocate": 1}, "preallocate")):
         with pytest.raises(ConfigError, match=f"LocalTier.{field}"):
             LocalTier(path="/dev/shm/run", **{"every": 2, **kwargs})
     with pytest.raises(ConfigError, match="LocalTier.path"):

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Room left for safetensors headers when a save's size is estimated from its tensors.
 HEADER_ALLOWANCE = 1 << 16
+#: The spare file of each rank's next save, in its node's directory (``LocalTier.preallocate``).
+SPARE_NAME = ".spare-rank-{rank:05d}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,6 +61,11 @@ class LocalTier:
     default ``LOCAL_WORLD_SIZE`` (torchrun sets it), else the whole world is one node.
     ``quota_bytes``: the most a node's directory may hold; a save that would pass it (or a disk
     that is full) turns the tier off with one warning, and saves go to the durable tier alone.
+    ``preallocate``: after each save, each rank allocates its next shard file (the size of the
+    one it wrote) in the background, ``.spare-rank-NNNNN`` in its node's directory, and its next save
+    writes over those pages instead of new ones (on tmpfs that save's write takes about 0.6 of
+    the time; the room is the room the next save takes anyway, held between saves). Counted in
+    ``quota_bytes``; given back when the tier turns off and at ``Checkpointer.close()``.
     """
 
     path: str
@@ -67,6 +74,7 @@ class LocalTier:
     peers: int = 1
     ranks_per_node: int | None = None
     quota_bytes: int | None = None
+    preallocate: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path or local_path(self.path) is None:
@@ -79,6 +87,8 @@ class LocalTier:
         rpn = self.ranks_per_node
         if rpn is not None and (not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1):
             raise ConfigError(f"LocalTier.ranks_per_node: {rpn!r}; expected an integer >= 1")
+        if not isinstance(self.preallocate, bool):
+            raise ConfigError(f"LocalTier.preallocate: {self.preallocate!r}; expected True or False")
         q = self.quota_bytes
         if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 0):
             raise ConfigError(f"LocalTier.quota_bytes: {q!r}; expected an integer >= 0")

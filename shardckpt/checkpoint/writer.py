@@ -119,6 +119,8 @@ class CheckpointWriter:
         self.slots = shard_slots(spec.components, spec.mesh, frozen=frozen)
         self.frozen_slots = frozen_slots(spec.components, spec.mesh) if frozen else []
         self.buffer_slots = buffer_slots(spec.components)
+        #: a :class:`~shardckpt.storage.spare.Spare` the shard file's positioned write takes over
+        self.spare: Any = None
 
     def _stream(self, rel: str, role: str, index: int | None, slots: list[TensorSlot],
                 produce: Producer, meta: dict[str, str], header: bytes | None = None) -> FileEntry:
@@ -126,7 +128,8 @@ class CheckpointWriter:
             header = build_header(slots, {"format": "shardckpt", "version": file_version(role),
                                           "save_id": self.save_id, **meta})
         positioned = getattr(produce, "write_positioned", None)  # parallel, on a local disk
-        opener = self.storage.write_opener(rel) if positioned is not None else None
+        spare = self.spare if role == "shard" else None
+        opener = self.storage.write_opener(rel, spare) if positioned is not None else None
         if positioned is not None and opener is not None:
             alg = self.spec.digest_algorithm
             hasher = ChunkHasher(self.spec.chunk_size, alg) if alg is not None else None

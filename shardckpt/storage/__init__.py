@@ -88,6 +88,7 @@ from shardckpt.storage.pipeline import (
     FileReads, IOConfig, Reader, Ring, Slot, check_chunks, local_reader, pipelined_reads, windows,
 )
 from shardckpt.storage.pwrite import Staged, write_positioned
+from shardckpt.storage.spare import Spare
 # After core and retry: these two import Storage and NotFoundError from this package.
 from shardckpt.storage.lease import DEFAULT_TTL_S, LEASE_PREFIX, Lease, live_until, whoami
 from shardckpt.storage import commit
@@ -107,7 +108,7 @@ __all__ = [
     "DeadlineExceededError", "FileReads", "IOConfig", "LEASE_PREFIX", "Lease", "LocalBackend",
     "MIN_COPY", "MiB", "NotFoundError", "OpenUpload", "REMOTE_READS_IN_FLIGHT", "RangeReader",
     "Reader", "Request", "RetryPolicy", "Ring", "S3FS_RETRIES", "S3Upload", "S3_CONFIG_DEFAULTS",
-    "Slot", "Staged", "Storage", "StorageBackend", "StreamWriter", "Tuning", "abort_upload",
+    "Slot", "Spare", "Staged", "Storage", "StorageBackend", "StreamWriter", "Tuning", "abort_upload",
     "backend_class", "check_chunks", "check_inside", "commit", "contains", "copy_source_for", "crc32c",
     "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until",
     "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",

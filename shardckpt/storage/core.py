@@ -14,6 +14,7 @@ from shardckpt.storage.backend import StorageBackend, parse_for
 from shardckpt.storage.checked import read_checked
 from shardckpt.storage.options import Tuning
 from shardckpt.storage.retry import RetryPolicy
+from shardckpt.storage.prealloc import preallocated
 from shardckpt.storage.writer import StreamWriter
 
 T = TypeVar("T")
@@ -82,16 +83,31 @@ class Storage:
         """
         return self.backend.call(what, self.url_of(rel), fn, deadline)
 
-    def write_opener(self, rel: str) -> Callable[[], int] | None:
+    def write_opener(self, rel: str, spare: Any = None) -> Callable[[], int] | None:
         """Where the backend is a local file system: a function that opens ``rel`` for writing
         (created or truncated, its directories made, as the backend's own writes are: a private
         directory's ``0600``, no link followed) and returns the descriptor, for a parallel
-        positioned write. None elsewhere."""
+        positioned write. ``spare``: a :class:`~shardckpt.storage.spare.Spare` on the same file
+        system, taken over (renamed to ``rel``, not truncated: the writer cuts it to size) where
+        one is ready when the function is called. None elsewhere."""
         opener = getattr(self.backend, "open_for_write", None)
         if opener is None:
             return None
         path, url = self.full(rel), self.url_of(rel)
-        return lambda: int(self.backend.call("open", url, lambda: opener(path, url)))
+
+        def open_fd() -> int:
+            taken = spare.claim() if spare is not None else None
+            return int(self.backend.call("open", url, lambda: opener(path, url, taken)))
+        return open_fd
+
+    def preallocate(self, rel: str, nbytes: int) -> None:
+        """Local: make ``rel`` a file of ``nbytes`` allocated bytes (``posix_fallocate``), as the
+        backend creates files; :class:`StorageError` elsewhere, or where there is no room."""
+        opener = getattr(self.backend, "open_for_write", None)
+        url = self.url_of(rel)
+        if opener is None:
+            raise StorageError(f"{url}: preallocation needs a local file system")
+        self.backend.call("preallocate", url, lambda: preallocated(opener, self.full(rel), url, nbytes))
 
     def location(self, rel: str = "") -> tuple[str, str]:
         """(protocol, normalized path), equal for two handles on the same place: local paths

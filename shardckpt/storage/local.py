@@ -200,10 +200,18 @@ class LocalBackend(Backend):
     def sink(self, path: str, url: str) -> Sink:
         return LocalSink(self, path, url)
 
-    def open_for_write(self, path: str, url: str) -> int:
+    def open_for_write(self, path: str, url: str, spare: str | None = None) -> int:
         """``path`` opened for writing, created or truncated (``0644`` less the umask), with its
-        missing directories: what :class:`LocalSink` opens, as a descriptor."""
+        missing directories: what :class:`LocalSink` opens, as a descriptor. ``spare``: a file
+        renamed to ``path`` first and opened as it is (a new file where it is gone)."""
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if spare is not None:
+            try:
+                os.rename(spare, path)
+            except FileNotFoundError:
+                pass
+            else:
+                return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
     def create_only(self, path: str, url: str, data: bytes) -> None:

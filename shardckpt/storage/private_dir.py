@@ -140,13 +140,44 @@ def open_private(root: str, path: str, root_url: str) -> int:
     dirs, name = _split(root, path, root_url)
     fd = _open_dir(root, dirs, root_url, create=True)
     try:
-        return os.open(name, _FILE_FLAGS, FILE_MODE, dir_fd=fd)
+        return _open_file(fd, name, _FILE_FLAGS, root_url, dirs)
+    finally:
+        os.close(fd)
+
+
+def _open_file(fd: int, name: str, flags: int, root_url: str, dirs: list[str]) -> int:
+    """File ``name`` of the open directory ``fd`` (``root/dirs``) opened with ``flags`` (which
+    hold ``O_NOFOLLOW``; a new file is ``0600``): a link there is refused."""
+    try:
+        return os.open(name, flags, FILE_MODE, dir_fd=fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _link(root_url, [*dirs, name]) from None
         raise
+
+
+def take_private(root: str, spare: str, path: str, root_url: str) -> int | None:
+    """Rename ``spare`` to ``path`` (both below ``root``, directories walked as
+    :func:`open_private` walks them) and open it for writing, not truncated; None where the spare
+    is gone. A link at ``path`` after the rename (the spare was one) is refused."""
+    dirs, name = _split(root, path, root_url)
+    sdirs, sname = _split(root, spare, root_url)
+    try:
+        sfd = _open_dir(root, sdirs, root_url, create=False)
+    except FileNotFoundError:
+        return None
+    try:
+        fd = _open_dir(root, dirs, root_url, create=True)
+        try:
+            try:
+                os.rename(sname, name, src_dir_fd=sfd, dst_dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            return _open_file(fd, name, _FILE_FLAGS & ~(os.O_CREAT | os.O_TRUNC), root_url, dirs)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(sfd)
 
 
 class PrivateSink(LocalSink):
@@ -169,8 +200,13 @@ class PrivateBackend(LocalBackend):
     def sink(self, path: str, url: str) -> Sink:
         return PrivateSink(self, path, url)
 
-    def open_for_write(self, path: str, url: str) -> int:
-        """:func:`open_private`: ``0600``, no link followed, directories ``0700``."""
+    def open_for_write(self, path: str, url: str, spare: str | None = None) -> int:
+        """:func:`open_private`: ``0600``, no link followed, directories ``0700``; ``spare``
+        (below the same root) renamed to ``path`` first where it is there (:func:`take_private`)."""
+        if spare is not None:
+            fd = take_private(self.private_root, spare, path, self.private_url)
+            if fd is not None:
+                return fd
         return open_private(self.private_root, path, self.private_url)
 
     def _write(self, path: str, url: str, data: bytes, install: Callable[[int, str, str], None]) -> None:

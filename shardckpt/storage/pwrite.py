@@ -116,7 +116,8 @@ def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int
                      config: IOConfig, ring: Ring | None = None,
                      open_fd: Callable[[], int] | None = None,
                      hasher: ChunkHasher | None = None) -> tuple[int, int, tuple[int, ...]]:
-    """Write ``parts`` (in order) to ``path`` (created or truncated) in parallel; fsync it.
+    """Write ``parts`` (in order) to ``path`` (created or truncated, or a file ``open_fd`` took
+    over, cut to the written size) in parallel; fsync it.
     Returns (size, CRC32C, per-chunk CRC32Cs). ``ring`` stages :class:`Staged` parts (required
     where there are any). ``open_fd`` opens ``path`` as its storage does
     (:meth:`~shardckpt.storage.Storage.write_opener`: a private directory's mode, no link
@@ -163,6 +164,8 @@ def write_positioned(path: str, url: str, parts: Sequence[Part], chunk_size: int
     try:
         with mapped_errors("write", url):
             run_workers(windows, one, min(config.threads, max(1, len(windows))), "write")
+            if os.fstat(fds.all[0]).st_size != size:  # a spare taken over was longer
+                os.ftruncate(fds.all[0], size)
             os.fsync(fds.all[0])
     except BaseException:
         fds.close()

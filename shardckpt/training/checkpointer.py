@@ -206,6 +206,8 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            for tier in self.tiers:
+                tier.close()
             for handle in self._hooks:
                 handle.remove()
             self._hooks, self._hooked, self._engine_hooked = [], set(), False

@@ -123,6 +123,9 @@ class DurableTier:
                             needs_optimizer=self.state.needs_optimizer,
                             load=partial(self._load, strict), settle=True)
 
+    def close(self) -> None:
+        """Nothing held for later saves."""
+
     def _load(self, strict: bool, c: Candidate) -> Outcome:
         try:
             self.state.load(c.url, strict=strict)

@@ -15,6 +15,8 @@ Checkpointer to a tier to what the tier was built with (the run's
   durable tier from the node directories).
 * ``resume()``: each tier's ``source(full_verify, strict)`` goes to
   :func:`~shardckpt.checkpoint.resume_policy.resume_newest`, the one resume policy.
+* ``close()``: after the last save is done; a tier gives back what it holds for later saves
+  (the node tier's spare file).
 """
 
 from __future__ import annotations
@@ -39,3 +41,5 @@ class Tier(Protocol):
     def save(self, step: int, ext: Mapping[str, Any]) -> Pending | None: ...
 
     def source(self, full_verify: bool, strict: bool) -> ResumeSource: ...
+
+    def close(self) -> None: ...
