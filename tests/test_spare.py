@@ -110,26 +110,40 @@ def test_no_spare_without_preallocate_or_past_the_quota(tmp_path):
     ckpt.close()
 
 
-def test_a_spare_left_by_an_earlier_process_is_removed_and_one_that_cannot_be_made_is_none(
+def test_the_first_save_of_a_process_takes_the_spare_made_at_start(tmp_path):
+    ckpt = _ckpt(tmp_path, _engine())
+    assert ckpt.tier is not None and ckpt.tier.spare is not None
+    ckpt.tier.spare.settle()
+    spare = tmp_path / "shm" / SPARE
+    inode = os.stat(spare).st_ino
+    ckpt.save(1)
+    ckpt.wait()
+    assert os.stat(_shard_file(tmp_path, 1)).st_ino == inode
+    ckpt.close()
+
+
+def test_a_spare_left_by_an_earlier_process_is_replaced_and_one_that_cannot_be_made_is_none(
         tmp_path, monkeypatch):
     (tmp_path / "shm").mkdir(mode=0o700)
     (tmp_path / "shm" / SPARE).write_bytes(b"x" * 4096)
-    ckpt = _ckpt(tmp_path, _engine())
-    assert not os.path.exists(tmp_path / "shm" / SPARE)
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "posix_fallocate", full)
+    ckpt = _ckpt(tmp_path, _engine())
+    assert ckpt.tier is not None and ckpt.tier.spare is not None
+    ckpt.tier.spare.settle()
+    assert not os.path.exists(tmp_path / "shm" / SPARE)  # the old one removed, no new one
     ckpt.save(1)
-    ckpt.wait()  # the save commits; the spare is not made, and nothing of it is left
-    assert ckpt.tier is not None and ckpt.tier.enabled and ckpt.tier.spare is not None
-    assert ckpt.tier.spare.nbytes == 0
+    ckpt.wait()  # the save commits; no spare is made, and nothing of one is left
+    assert ckpt.tier.enabled and ckpt.tier.spare.nbytes == 0
     assert not os.path.exists(tmp_path / "shm" / SPARE)
     monkeypatch.undo()
     ckpt.save(2)
     ckpt.wait()
-    assert os.path.exists(tmp_path / "shm" / SPARE)
+    assert os.path.getsize(tmp_path / "shm" / SPARE) == os.path.getsize(_shard_file(tmp_path, 2))
     ckpt.close()
+    assert not os.path.exists(tmp_path / "shm" / SPARE)
 
 
 def _write(storage: Storage, rel: str, data: bytes, spare: Spare | None) -> tuple[int, int, tuple[int, ...]]:

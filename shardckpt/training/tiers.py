@@ -45,17 +45,17 @@ from shardckpt.checkpoint.reader import as_storage
 from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.run_dir import step_dir
 from shardckpt.checkpoint.tiers import (
-    HEADER_ALLOWANCE, SPARE_NAME, LocalTier, Transfer, as_full, commit_node, durable_references,
-    ensure_room, used_bytes,
+    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references, ensure_room,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import (
     CollectiveError, InsufficientSpaceError, IntegrityError, ReplicaMismatchError, ShardckptError,
 )
 from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, frozen_file_name
-from shardckpt.storage import Spare, iter_file_chunks
+from shardckpt.storage import iter_file_chunks
 from shardckpt.training.durable_tier import DurableTier
 from shardckpt.training.node_resume import LocalSource
+from shardckpt.training.node_spare import NodeSpare
 from shardckpt.training.peer_checks import report_entries
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.run_state import RunState
@@ -96,9 +96,7 @@ class NodeTier:
         self.node = self.nodes.node_of(rank)
         self.storage = private_node(tier, self.node, group)
         self.enabled = True
-        self.spare = Spare(self.storage, SPARE_NAME.format(rank=rank)) if tier.preallocate else None
-        if self.spare is not None:
-            self.spare.discard()  # one an earlier process of this rank left
+        self.spare = NodeSpare(tier, self.storage, rank, state.engine) if tier.preallocate else None
         if tier.peers and self.nodes.count < 2 and rank == 0:
             log.warning("local tier: one node (%d ranks per node); no peer copies, so a node lost "
                         "is recovered from the durable tier only", self.nodes.ranks_per_node)
@@ -115,19 +113,7 @@ class NodeTier:
     def close(self) -> None:
         """Give back the spare file, if any."""
         if self.spare is not None:
-            self.spare.discard()
-
-    def prepare_spare(self, written: LocalSave) -> None:
-        """Allocate this rank's next shard file (the size of the one in ``written``) for the next
-        save to write over, within the quota (:class:`~shardckpt.checkpoint.tiers.LocalTier`'s
-        ``preallocate``)."""
-        n = sum(e.size for e in written.by_rank.get(self.rank, []) if e.role == "shard")
-        if self.spare is None or not self.enabled or not n:
-            return
-        q = self.tier.quota_bytes
-        if q is not None and used_bytes(self.storage) + n > q:
-            return
-        self.spare.prepare(n)
+            self.spare.close()
 
     # ------------------------------------------------------------------------------ save
 
@@ -167,8 +153,9 @@ class NodeTier:
             durable.committed(step)
         elif local is None:
             self.discard(written.step)
-        if local is not None:
-            self.prepare_spare(written)
+        if local is not None and self.spare is not None and self.enabled:
+            self.spare.after_save(sum(e.size for e in written.by_rank.get(self.rank, [])
+                                      if e.role == "shard"))
         return m if m is not None else written.writer.manifest(written.entries)
 
     def source(self, full_verify: bool, strict: bool) -> LocalSource:
@@ -198,7 +185,7 @@ class NodeTier:
             # committed on every node: its frozen files are where this save's would go
             job.previous = self.url_for(newest[0])
         writer = CheckpointWriter(self.storage.child(step_dir(step)), job.spec, save_id)
-        writer.spare = self.spare
+        writer.spare = self.spare.spare if self.spare is not None else None
 
         def write() -> list[dict[str, Any]]:
             try:
@@ -208,7 +195,7 @@ class NodeTier:
                     job.replicas.take(save_id)
                 files = job.write_files(writer)
                 if self.spare is not None and self.spare.nbytes:  # not taken: its room back
-                    self.spare.discard()
+                    self.spare.spare.discard()
                 return files
             except ShardckptError as e:
                 full = as_full(e, job.url)
