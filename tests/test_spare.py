@@ -110,15 +110,18 @@ def test_no_spare_without_preallocate_or_past_the_quota(tmp_path):
     ckpt.close()
 
 
-def test_the_first_save_of_a_process_takes_the_spare_made_at_start(tmp_path):
-    ckpt = _ckpt(tmp_path, _engine())
+def test_the_first_spare_is_started_by_a_save_call_that_saves_nothing_and_taken_by_the_next(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "run"), _engine(), durable_every=100,
+                        local=LocalTier(path=str(tmp_path / "shm"), every=2, peers=0))
     assert ckpt.tier is not None and ckpt.tier.spare is not None
+    assert ckpt.resume() == 0
+    assert not (tmp_path / "shm" / SPARE).exists()  # nothing made while a resume reads
+    ckpt.save(1)  # not due: nothing saved, the first spare started
     ckpt.tier.spare.settle()
-    spare = tmp_path / "shm" / SPARE
-    inode = os.stat(spare).st_ino
-    ckpt.save(1)
+    inode = os.stat(tmp_path / "shm" / SPARE).st_ino
+    ckpt.save(2)
     ckpt.wait()
-    assert os.stat(_shard_file(tmp_path, 1)).st_ino == inode
+    assert os.stat(_shard_file(tmp_path, 2)).st_ino == inode
     ckpt.close()
 
 

@@ -61,12 +61,12 @@ class LocalTier:
     default ``LOCAL_WORLD_SIZE`` (torchrun sets it), else the whole world is one node.
     ``quota_bytes``: the most a node's directory may hold; a save that would pass it (or a disk
     that is full) turns the tier off with one warning, and saves go to the durable tier alone.
-    ``preallocate``: as the tier starts and after each save, each rank allocates its next shard
-    file (the size of the one it wrote) in the background, ``.spare-rank-NNNNN`` in its node's
-    directory, and its next save writes over those pages instead of new ones (on tmpfs that
-    save's write takes about 0.6 of the time; the room is the room the next save takes anyway,
-    held between saves). Counted in ``quota_bytes``; given back when the tier turns off and at
-    ``Checkpointer.close()``.
+    ``preallocate``: once the run trains (a ``save`` call that saves nothing) and after each
+    save, each rank allocates its next shard file (the size of the one it wrote) in the
+    background, ``.spare-rank-NNNNN`` in its node's directory, and its next save writes over
+    those pages instead of new ones (on tmpfs that save's write takes about 0.6 of the time; the
+    room is the room the next save takes anyway, held between saves). Counted in
+    ``quota_bytes``; given back when the tier turns off and at ``Checkpointer.close()``.
     """
 
     path: str

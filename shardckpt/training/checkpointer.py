@@ -171,6 +171,8 @@ class Checkpointer:
         tiers, to the tiers due at ``step`` (none: nothing is done)."""
         self.wait()  # at most one in flight; raises the previous save's error here
         if not any(t.due(step) for t in self.tiers):
+            for t in self.tiers:  # a step that saves nothing: the tiers may prepare meanwhile
+                t.under_way()
             return
         where = self.manager.url_for(step)
         tier_extras = {k: v for t in self.tiers for k, v in t.extras().items()}

@@ -123,6 +123,9 @@ class DurableTier:
                             needs_optimizer=self.state.needs_optimizer,
                             load=partial(self._load, strict), settle=True)
 
+    def under_way(self) -> None:
+        """Nothing to prepare."""
+
     def close(self) -> None:
         """Nothing held for later saves."""
 

@@ -1,7 +1,9 @@
 """A rank's spare shard file on its node (``LocalTier.preallocate``, :mod:`shardckpt.storage.spare`):
-the first is made in a background thread as the tier starts (sized from the engine's shards, so
-that the first save of a process writes over allocated pages too), each next one after a save
-(the size of the shard file just written), within the tier's quota."""
+the first is made in a background thread once the run is training (at a ``save()`` call that
+saves nothing: sized from the engine's shards, so that the first local save of a process writes
+over allocated pages too; never while a resume reads or a save writes), each
+next one after a save (the size of the shard file just written, unless a spare as large is
+ready), within the tier's quota."""
 
 from __future__ import annotations
 
@@ -31,11 +33,20 @@ class NodeSpare:
         self.tier, self.storage = tier, storage
         self.spare = Spare(storage, SPARE_NAME.format(rank=rank))
         self.spare.discard()  # one an earlier process of this rank left
-        n = shard_bytes(engine)
+        self.engine, self.rank = engine, rank
         self.first: threading.Thread | None = None
+        self.started = False
+
+    def start(self) -> None:
+        """Make the first spare in a background thread (once; nothing where the engine's
+        shards are not in memory)."""
+        if self.started:
+            return
+        self.started = True
+        n = shard_bytes(self.engine)
         if n:
             self.first = threading.Thread(target=self._prepare, args=(n,), daemon=True,
-                                          name=f"shardckpt-spare-{rank}")
+                                          name=f"shardckpt-spare-{self.rank}")
             self.first.start()
 
     @property
@@ -49,7 +60,7 @@ class NodeSpare:
             self.spare.prepare(n)
 
     def settle(self) -> None:
-        """Wait until the first spare's thread is done (it was started by ``__init__``)."""
+        """Wait until the first spare's thread, if one was started, is done."""
         if self.first is not None:
             self.first.join()
             self.first = None
@@ -57,7 +68,8 @@ class NodeSpare:
     def after_save(self, n: int) -> None:
         """Allocate the next spare: ``n`` bytes, the size of the shard file just written."""
         self.settle()
-        if n:
+        self.started = True
+        if n and self.spare.nbytes < n:  # one as large (the first, made from the shards) is cut at use
             self._prepare(n)
 
     def close(self) -> None:

@@ -15,6 +15,9 @@ Checkpointer to a tier to what the tier was built with (the run's
   durable tier from the node directories).
 * ``resume()``: each tier's ``source(full_verify, strict)`` goes to
   :func:`~shardckpt.checkpoint.resume_policy.resume_newest`, the one resume policy.
+* ``under_way()``: at a ``save(step)`` that saves nothing: the run is training, and a tier may
+  prepare for its saves in the background (the node tier's first spare file; not earlier, so
+  that nothing competes with a resume, nor with a save's own write).
 * ``close()``: after the last save is done; a tier gives back what it holds for later saves
   (the node tier's spare file).
 """
@@ -41,5 +44,7 @@ class Tier(Protocol):
     def save(self, step: int, ext: Mapping[str, Any]) -> Pending | None: ...
 
     def source(self, full_verify: bool, strict: bool) -> ResumeSource: ...
+
+    def under_way(self) -> None: ...
 
     def close(self) -> None: ...

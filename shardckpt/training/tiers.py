@@ -110,6 +110,11 @@ class NodeTier:
         self.enabled = False
         self.close()
 
+    def under_way(self) -> None:
+        """Start the first spare file, if it is not (the run has resumed, or saves)."""
+        if self.spare is not None and self.enabled:
+            self.spare.start()
+
     def close(self) -> None:
         """Give back the spare file, if any."""
         if self.spare is not None:
