@@ -263,3 +263,37 @@ def test_unreachable_manifest_costs_one_deadline(monkeypatch: pytest.MonkeyPatch
     result = verify("memory://unreachable/ck", {"shardckpt_deadline_s": 0.01})
     assert not result and len(result.problems) == 1 and "manifest.json" in result.problems[0]
     assert calls == ["read"]
+
+
+def test_from_an_object_store_every_header_is_checked_once_before_any_state_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked one by one as consolidate planned its batches, a 64-rank checkpoint's headers were
+    64 GETs in a row; now they are read at once, up front, each once."""
+    import uuid
+
+    from shardckpt.checkpoint import reader as reader_module
+    from shardckpt.storage.reads import RangeReader
+    from shardckpt.tools.synth import synthesize
+    from testing.ckpts import TINY_PARAMS
+
+    url = f"memory://headers-{uuid.uuid4().hex[:8]}/ckpt"
+    m = synthesize(url, TINY_PARAMS, 4, seed=1, chunk_size=4096)
+    events: list[str] = []
+    real_check, real_read = reader_module.check_header, RangeReader.read
+
+    def check(url: str, entry: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append(f"header {entry.path}")
+        return real_check(url, entry, *args, **kwargs)
+
+    def read(self: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append("state")
+        return real_read(self, entry, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "check_header", check)
+    monkeypatch.setattr(RangeReader, "read", read)
+    # batches of a few KB: the first touches the first shard file alone
+    consolidate(url, str(tmp_path / "hf"), dtype="fp32", buffer_bytes=8192)
+    shards = sorted(f"header {e.path}" for e in m.files if e.role == "shard")
+    first = events.index("state")
+    assert sorted(events[:first]) == shards, events  # every shard file's, before any state
+    assert sorted(e for e in events if e.startswith("header")) == shards  # and each once

@@ -19,7 +19,9 @@ from shardckpt.checkpoint.reader import CheckpointReader
 from shardckpt.errors import ConfigError, ManifestError
 from shardckpt.format.dtypes import NUMPY, itemsize
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import DEFAULT_BUFFER, RangeReader, Request, read_ahead, windowed_reads
+from shardckpt.storage import (
+    DEFAULT_BUFFER, REMOTE_READS_IN_FLIGHT, RangeReader, Request, read_ahead, windowed_reads,
+)
 
 
 # ----------------------------------------------------------------------------- dtype casts (pure)
@@ -96,14 +98,18 @@ class Source:
     fqn: str
 
 
-def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int) -> list[tuple[FileEntry, int, int]]:
-    """Absolute byte ranges (one per shard file touched) of elements ``[start, end)`` of ``src``."""
+def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int,
+                check: bool = True) -> list[tuple[FileEntry, int, int]]:
+    """Absolute byte ranges (one per shard file touched) of elements ``[start, end)`` of ``src``;
+    each file's header checked first (:meth:`~CheckpointReader.check_file`) unless ``check`` is
+    false (the caller checks them)."""
     if src.group is None:
         entry = reader.manifest.buffers_file()
         slot = reader.buffer_slots.get(src.fqn)
         if entry is None or slot is None:
             raise ManifestError(f"{reader.url}: no buffer {src.fqn!r}")
-        reader.check_file(entry)
+        if check:
+            reader.check_file(entry)
         n, base = itemsize(src.dtype), entry.data_start + slot.begin
         return [(entry, base + start * n, base + end * n)]
     s = reader.slot(src.group, src.kind).shape[0]
@@ -112,7 +118,7 @@ def byte_ranges(reader: CheckpointReader, src: Source, start: int, end: int) -> 
     while x < stop:
         shard = x // s
         hi = min(stop, (shard + 1) * s)
-        out.append(reader.state_range(shard, src.group, src.kind, x - shard * s, hi - shard * s))
+        out.append(reader.state_range(shard, src.group, src.kind, x - shard * s, hi - shard * s, check))
         x = hi
     return out
 
@@ -184,11 +190,11 @@ class PieceReader:
             yield batch
 
     def _requests(self, items: Sequence[tuple[int, Sequence[Source]]], batch: list[tuple[int, int, int]],
-                  side: int) -> tuple[list[Request], list[int]]:
+                  side: int, check: bool = True) -> tuple[list[Request], list[int]]:
         """The byte ranges of ``batch`` on reader ``side``, and the batch entry each belongs to."""
         requests, owner = [], []
         for k, (i, a, b) in enumerate(batch):
-            for r in byte_ranges(self.readers[side], items[i][1][side], a, b):
+            for r in byte_ranges(self.readers[side], items[i][1][side], a, b, check):
                 requests.append(r)
                 owner.append(k)
         return requests, owner
@@ -216,6 +222,12 @@ class PieceReader:
             for batch in self._batches(items):
                 requests, owner = self._requests(items, batch, 0)
                 yield (batch, owner), requests
+
+        # every file's header at once: checked one by one as the batches are planned, a 64-rank
+        # checkpoint's headers were 64 GETs in a row before the first byte of state was read
+        self.readers[0].check_files((r[0] for batch in self._batches(items)
+                                     for r in self._requests(items, batch, 0, check=False)[0]),
+                                    self.workers or REMOTE_READS_IN_FLIGHT)
 
         stream = windowed_reads(self.ranges[0], jobs(), WINDOW_BATCHES * self.batch_bytes, self.workers)
         try:

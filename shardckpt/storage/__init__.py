@@ -69,7 +69,7 @@ from shardckpt.storage.options import (
     DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE, BackendOptions, MiB, Tuning,
 )
 from shardckpt.storage.reads import (
-    DEFAULT_BATCH, DEFAULT_BUFFER, REMOTE_READS_IN_FLIGHT, RangeReader, read_ahead,
+    DEFAULT_BATCH, DEFAULT_BUFFER, REMOTE_READS_IN_FLIGHT, RangeReader, pool_map, read_ahead,
 )
 from shardckpt.storage.s3copy import MIN_COPY, CopySource, copy_source_for, sourced
 from shardckpt.storage.retry import (
@@ -112,7 +112,7 @@ __all__ = [
     "backend_class", "check_chunks", "check_inside", "commit", "contains", "copy_source_for", "crc32c",
     "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until",
     "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",
-    "pipelined_reads", "private_storage", "read_ahead", "read_checked", "read_local_into",
+    "pipelined_reads", "pool_map", "private_storage", "read_ahead", "read_checked", "read_local_into",
     "resolve_inside", "sourced", "spans", "split_options", "storage_options_from_env", "whoami",
     "windowed_reads", "windows", "write_positioned",
 ]
