@@ -265,10 +265,12 @@ def test_unreachable_manifest_costs_one_deadline(monkeypatch: pytest.MonkeyPatch
     assert calls == ["read"]
 
 
+@pytest.mark.parametrize("tool", ["consolidate", "reshard"])
 def test_from_an_object_store_every_header_is_checked_once_before_any_state_is_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checked one by one as consolidate planned its batches, a 64-rank checkpoint's headers were
-    64 GETs in a row; now they are read at once, up front, each once."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tool: str) -> None:
+    """Checked one by one as consolidate and reshard planned their batches, a 64-rank
+    checkpoint's headers were 64 GETs in a row; now they are read at once, up front, each once."""
+    import threading
     import uuid
 
     from shardckpt.checkpoint import reader as reader_module
@@ -281,8 +283,12 @@ def test_from_an_object_store_every_header_is_checked_once_before_any_state_is_r
     events: list[str] = []
     real_check, real_read = reader_module.check_header, RangeReader.read
 
+    planner, checkers = threading.get_ident(), set()
+
     def check(url: str, entry: Any, *args: Any, **kwargs: Any) -> Any:
-        events.append(f"header {entry.path}")
+        if entry.role == "shard":
+            events.append(f"header {entry.path}")
+            checkers.add(threading.get_ident())
         return real_check(url, entry, *args, **kwargs)
 
     def read(self: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
@@ -292,8 +298,12 @@ def test_from_an_object_store_every_header_is_checked_once_before_any_state_is_r
     monkeypatch.setattr(reader_module, "check_header", check)
     monkeypatch.setattr(RangeReader, "read", read)
     # batches of a few KB: the first touches the first shard file alone
-    consolidate(url, str(tmp_path / "hf"), dtype="fp32", buffer_bytes=8192)
+    if tool == "consolidate":
+        consolidate(url, str(tmp_path / "hf"), dtype="fp32", buffer_bytes=8192)
+    else:
+        reshard(url, f"{url}-to-2", 2, buffer_bytes=65536)
     shards = sorted(f"header {e.path}" for e in m.files if e.role == "shard")
     first = events.index("state")
-    assert sorted(events[:first]) == shards, events  # every shard file's, before any state
+    assert sorted(events[:first]) == shards, events  # every shard file's header before any state
     assert sorted(e for e in events if e.startswith("header")) == shards  # and each once
+    assert planner not in checkers  # on the read threads, at once, not in the planning thread
