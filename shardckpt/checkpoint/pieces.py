@@ -218,18 +218,13 @@ class PieceReader:
         """One object-store reader: the batches' reads through one sliding window of
         :data:`WINDOW_BATCHES` batches (:func:`~shardckpt.storage.windowed_reads`), no barrier
         between batches."""
-        def jobs() -> Iterator[tuple[tuple[list[tuple[int, int, int]], list[int]], list[Request]]]:
-            for batch in self._batches(items):
-                requests, owner = self._requests(items, batch, 0)
-                yield (batch, owner), requests
-
-        # every file's header at once: checked one by one as the batches are planned, a 64-rank
-        # checkpoint's headers were 64 GETs in a row before the first byte of state was read
-        self.readers[0].check_files((r[0] for batch in self._batches(items)
-                                     for r in self._requests(items, batch, 0, check=False)[0]),
+        planned = [((batch, owner), requests) for batch in self._batches(items)
+                   for requests, owner in [self._requests(items, batch, 0, check=False)]]
+        # every file's header at once, before the first batch: checked one by one as the batches
+        # were planned, a 64-rank checkpoint's headers were 64 GETs in a row
+        self.readers[0].check_files((r[0] for _, requests in planned for r in requests),
                                     self.workers or REMOTE_READS_IN_FLIGHT)
-
-        stream = windowed_reads(self.ranges[0], jobs(), WINDOW_BATCHES * self.batch_bytes, self.workers)
+        stream = windowed_reads(self.ranges[0], planned, WINDOW_BATCHES * self.batch_bytes, self.workers)
         try:
             for (batch, owner), got in stream:
                 data = self._joined(len(batch), owner, got)

@@ -102,12 +102,17 @@ class Storage:
 
     def preallocate(self, rel: str, nbytes: int) -> None:
         """Local: make ``rel`` a file of ``nbytes`` allocated bytes (``posix_fallocate``), as the
-        backend creates files; :class:`StorageError` elsewhere, or where there is no room."""
+        backend creates files; :class:`StorageError` elsewhere, or where there is no room (the
+        file then removed, as every removal here: :meth:`remove_inside`)."""
         opener = getattr(self.backend, "open_for_write", None)
         url = self.url_of(rel)
         if opener is None:
             raise StorageError(f"{url}: preallocation needs a local file system")
-        self.backend.call("preallocate", url, lambda: preallocated(opener, self.full(rel), url, nbytes))
+        try:
+            self.backend.call("preallocate", url, lambda: preallocated(opener, self.full(rel), url, nbytes))
+        except StorageError:
+            self.remove_inside(rel)
+            raise
 
     def location(self, rel: str = "") -> tuple[str, str]:
         """(protocol, normalized path), equal for two handles on the same place: local paths

@@ -26,12 +26,12 @@ def fill(fd: int, nbytes: int) -> None:
 
 def preallocated(open_fd: Callable[[str, str], int], path: str, url: str, nbytes: int) -> None:
     """``path`` opened by ``open_fd`` (created or truncated, as its backend creates files) and
-    filled (:func:`fill`) with ``nbytes``; removed again where the file system has no room."""
+    filled (:func:`fill`) with ``nbytes``; the error mapped where the file system has no room
+    (the caller removes the file)."""
     fd = open_fd(path, url)
     try:
         fill(fd, nbytes)
     except OSError as e:
-        os.close(fd)
-        os.unlink(path)
         raise map_error(e, "preallocate", url) from e
-    os.close(fd)
+    finally:
+        os.close(fd)

@@ -72,6 +72,11 @@ class NodeSpare:
         if n and self.spare.nbytes < n:  # one as large (the first, made from the shards) is cut at use
             self._prepare(n)
 
+    def drop_unused(self) -> None:
+        """Remove a spare a save did not take (an offloaded shard streams instead): its room back."""
+        if self.spare.nbytes:
+            self.spare.discard()
+
     def close(self) -> None:
         """Give the spare back (the first one's thread done first: none is made after this)."""
         self.settle()

@@ -199,8 +199,8 @@ class NodeTier:
                 if job.replicas is not None:  # HSDP: a replica that writes nothing takes its CRCs
                     job.replicas.take(save_id)
                 files = job.write_files(writer)
-                if self.spare is not None and self.spare.nbytes:  # not taken: its room back
-                    self.spare.spare.discard()
+                if self.spare is not None:
+                    self.spare.drop_unused()
                 return files
             except ShardckptError as e:
                 full = as_full(e, job.url)
