@@ -11,6 +11,7 @@ Pure; no I/O.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, TypeVar
@@ -166,6 +167,31 @@ def json_depth(text: str) -> int:
         depth += 1 if ch in "[{" else -1
         deepest = max(deepest, depth)
     return deepest
+
+
+def json_object(data: bytes, max_bytes: int, max_depth: int, what: str) -> dict[str, Any]:
+    """A small JSON object read strictly: at most ``max_bytes``, UTF-8, nested at most
+    ``max_depth`` deep (counted before parsing), no duplicate keys, no ``NaN`` or infinities.
+    Raises :class:`ValueError` with one line naming what is wrong (``what``: "a lease", for
+    the messages); the caller wraps it in its own error."""
+    if len(data) > max_bytes:
+        raise ValueError(f"{len(data)} bytes, more than the {max_bytes} {what} may have")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+    deepest = json_depth(text)
+    if deepest > max_depth:
+        raise ValueError(f"nested {deepest} deep, more than the {max_depth} {what} may be")
+    try:
+        doc = json.loads(text, parse_constant=reject_constant, object_pairs_hook=no_duplicate_keys)
+    except RecursionError:  # unreachable after the depth check
+        raise ValueError("nested too deep") from None
+    except ValueError as e:
+        raise ValueError(f"not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+    return doc
 
 
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import uuid
 from typing import Any, TypeGuard
 
 from shardckpt.errors import ShardckptError
-from shardckpt.format.parse_context import json_depth, no_duplicate_keys, reject_constant
+from shardckpt.format.parse_context import json_object
 from shardckpt.storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -133,21 +133,10 @@ def live_until(storage: Storage, save_dir: str, now: float | None = None) -> flo
 def parse_lease(data: bytes) -> dict[str, Any]:
     """A lease document, checked (see the module doc); :class:`LeaseError` (one line) if
     ``data`` is not one. Fields other than those named there are kept unchecked."""
-    if len(data) > MAX_LEASE_BYTES:
-        raise LeaseError(f"{len(data)} bytes, more than the {MAX_LEASE_BYTES} a lease may have")
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LeaseError(f"not UTF-8 text (byte {e.start})") from None
-    deepest = json_depth(text)
-    if deepest > MAX_LEASE_DEPTH:
-        raise LeaseError(f"nested {deepest} deep; a lease is one flat JSON object")
-    try:
-        doc = json.loads(text, parse_constant=reject_constant, object_pairs_hook=no_duplicate_keys)
-    except (ValueError, RecursionError) as e:  # RecursionError: unreachable after the depth check
-        raise LeaseError(f"not valid JSON: {_short(e)}") from None
-    if not isinstance(doc, dict):
-        raise LeaseError(f"a JSON {type(doc).__name__}, not an object")
+        doc = json_object(data, MAX_LEASE_BYTES, MAX_LEASE_DEPTH, "a lease")
+    except ValueError as e:
+        raise LeaseError(str(e)) from None
     if "expires" not in doc:
         raise LeaseError("no 'expires'")
     expires = doc["expires"]

@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 from shardckpt.checkpoint.run_names import STEP, checkpoint_name
 from shardckpt.errors import CommitConflictError, ShardckptError
-from shardckpt.format.parse_context import json_depth, no_duplicate_keys, reject_constant
+from shardckpt.format.parse_context import json_object
 from shardckpt.storage import LEASE_PREFIX, Lease, whoami, live_until, NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -162,23 +162,10 @@ def parse_record(data: bytes, state: str, checkpoint: str | None = None,
     """The body of a ``state`` (``done`` or ``dead``) record, checked; :class:`RecordError` (one
     line, without the record's location) if it is not one. With ``checkpoint`` and ``key``,
     the record must also name that checkpoint and that step (``<index>-<kind>``)."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordError(f"{len(data)} bytes, more than the {MAX_RECORD_BYTES} a record may have")
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecordError(f"not UTF-8 text (byte {e.start})") from None
-    deep = json_depth(text)
-    if deep > MAX_RECORD_DEPTH:
-        raise RecordError(f"nested {deep} deep, more than the {MAX_RECORD_DEPTH} a record may be")
-    try:
-        doc = json.loads(text, parse_constant=reject_constant, object_pairs_hook=no_duplicate_keys)
-    except RecursionError:  # the depth check should make this unreachable
-        raise RecordError("nested too deep") from None
+        doc = json_object(data, MAX_RECORD_BYTES, MAX_RECORD_DEPTH, "a record")
     except ValueError as e:
-        raise RecordError(f"not valid JSON: {printable(e, 200)}") from None
-    if not isinstance(doc, dict):
-        raise RecordError(f"a JSON {type(doc).__name__}, not an object")
+        raise RecordError(str(e)) from None
     for name in _REQUIRED[state]:
         if name not in doc:
             raise RecordError(f"no {name!r}: a {state} record names it")
