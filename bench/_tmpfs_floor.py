@@ -7,9 +7,11 @@ itself runs):
   calls, taking each piece's CRC32C: what a local save must do at the least;
 * ``read``: each rank reads its newest local shard file into memory it holds already, in 8 MiB
   ``preadv`` calls, taking each piece's CRC32C: what a resume from the local tier must do;
-* ``peer``: the ranks of node 0 read their files as ``read`` does and send their bytes to the
-  same local rank of node 1 over the process group (one ``send``/``recv`` of the whole), which
-  CRC32Cs them: what a resume from peers, node 1 having lost its copy, must do at the least.
+* ``peer``: each rank of node 0 reads its own file as ``read`` does (its own resume) and, at the
+  same time in a second thread, reads its node's copy of the file of the same local rank of node 1
+  and sends it there over the process group (one ``send``/``recv`` of the whole), which CRC32Cs
+  it: what a resume from peers, node 1 having lost its copy, must do at the least (node 0 holds
+  its own state in memory, not node 1's: the bytes it sends must be read).
 
 Each is the slowest rank's time, median of ``reps``. The tier's own figures over these are how
 far it is from the machine's limit, whatever the durable tier's speed.
@@ -63,8 +65,11 @@ def _read(path: str, into: memoryview) -> None:
 
 
 def floors(shard_file: str, scratch_dir: str, rank: int, ranks_per_node: int,
-           reps: int) -> dict[str, list[float]]:
-    """Seconds of each floor per rep, this rank's view (the caller takes the slowest rank's)."""
+           reps: int, peer_file: str | None = None) -> dict[str, list[float]]:
+    """Seconds of each floor per rep, this rank's view (the caller takes the slowest rank's);
+    ``peer_file``: on node 0, its copy of the file it would send to node 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -81,6 +86,8 @@ def floors(shard_file: str, scratch_dir: str, rank: int, ranks_per_node: int,
     sizes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(sizes, n)
     got = torch.empty(sizes[local] if node == 1 else 0, dtype=torch.uint8)
+    send = torch.empty(os.path.getsize(peer_file) if node == 0 and peer_file else 0, dtype=torch.uint8)
+    pool = ThreadPoolExecutor(1)
     try:
         for _ in range(reps):
             out["write"].append(_timed(lambda: _write(scratch, memoryview(src))))
@@ -88,12 +95,16 @@ def floors(shard_file: str, scratch_dir: str, rank: int, ranks_per_node: int,
 
             def peer() -> None:
                 if node == 0:
-                    _read(shard_file, memoryview(buf.numpy()))
-                    dist.send(buf, dst=ranks_per_node + local)
+                    own = pool.submit(_read, shard_file, memoryview(buf.numpy()))
+                    if peer_file:
+                        _read(peer_file, memoryview(send.numpy()))
+                    dist.send(send if peer_file else buf, dst=ranks_per_node + local)
+                    own.result()
                 elif node == 1:
                     dist.recv(got, src=local)
                     _crc(memoryview(got.numpy()))
             out["peer"].append(_timed(peer))
     finally:
+        pool.shutdown()
         os.unlink(scratch)
     return out

@@ -175,8 +175,11 @@ def machine_floor(local_root: str, step_name: str, rank: int, reps: int) -> dict
 
     node_dir = os.path.join(local_root, f"node{rank // 2}")
     here = Storage(os.path.join(node_dir, step_name))
-    entry = next(e for e in read_manifest(here).files if e.role == "shard" and e.index == rank)
-    return floors(here.full(entry.path), node_dir, rank, 2, reps)
+    files = [e for e in read_manifest(here).files if e.role == "shard"]
+    entry = next(e for e in files if e.index == rank)
+    sent = next((e for e in files if e.index == rank + 2), None) if rank < 2 else None
+    return floors(here.full(entry.path), node_dir, rank, 2, reps,
+                  here.full(sent.path) if sent is not None else None)
 
 
 @contextmanager
