@@ -46,6 +46,21 @@ def test_dry_run_honours_only_and_small():
     assert res.returncode == 2 and "sections are a, b, b2, c, d, e, f" in res.stderr
 
 
+def test_a_default_run_reaches_parity_and_the_runtime_sections_within_the_budget():
+    """Sections run in RUN_ORDER whatever order --only names them in, and by the script's own
+    estimates a default run (--budget-s 420, one GPU) reaches parity, compile, offload and the
+    ZeRO++ kernels before the budget could skip anything."""
+    gc = load_script()
+    assert sorted(gc.RUN_ORDER) == sorted(gc.SECTIONS)
+    assert gc.parse_args(["--only", "c,e,a,b2"]).only == ["a", "b2", "e", "c"]
+    budget = gc.parse_args([]).budget_s
+    spent = 0
+    for sid in gc.parse_args([]).only:
+        spent += gc.ESTIMATE_S[sid][0]
+        if sid in ("a", "b2", "d", "e"):
+            assert spent <= budget, (sid, spent, budget)
+
+
 def test_without_cuda_it_refuses_in_one_line():
     import torch
 
