@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shardckpt.checkpoint.collective import agree, rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
@@ -61,7 +61,8 @@ def direct_ready(model: Sharded, m: Manifest) -> bool:
 
 
 def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[Transfer] = (),
-                flag_key: str | None = None, manifest: Manifest | None = None) -> LoadResult:
+                flag_key: str | None = None, manifest: Manifest | None = None,
+                then: Callable[[CheckpointReader], None] | None = None) -> LoadResult:
     """:func:`~shardckpt.training.save_load.load` of the local checkpoint ``url`` into ``model``
     on every rank, reading straight into its shards where it can (see the module docstring).
     ``peers``: shard files sent from one rank's ``url`` to another's memory on the way (the same
@@ -70,7 +71,9 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
     transfers fails every survivor at once. ``manifest``: the one the ranks agreed on (this
     node's own copy is not read again). A shard file of this node that fails its checksums is
     moved aside and the load fails with :class:`DamagedCopyError` (the caller may load again
-    with the copy from another node)."""
+    with the copy from another node). ``then(reader)``: this rank's further reads (its per-rank
+    state), inside the same agreement: a failure there fails every rank with the load, and no
+    round of its own is spent."""
     rank, _ = rank_and_world()
     reader = CheckpointReader(url, {}, manifest=manifest)
     m = reader.manifest
@@ -125,6 +128,8 @@ def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[T
         assert m.optimizer is not None
         load_optimizer_info(model, m.optimizer, strict)
         model.refresh_params()
+        if then is not None:
+            then(reader)
         return {"missing": list(plan.missing), "unexpected": list(plan.unexpected),
                 "mismatched": list(plan.mismatched)}
 

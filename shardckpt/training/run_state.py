@@ -90,9 +90,24 @@ class RunState:
         ``manifest``: the one the ranks agreed on, not read again; ``trust``: public keys that
         must have signed it, as :func:`load`'s, never ``direct``)."""
         options = self.storage_options if storage_options is None else storage_options
+        held: list[tuple[dict[str, Any] | None]] = []
+
+        def rank_state(reader: Any, m: Manifest) -> tuple[dict[str, Any] | None]:
+            # a tuple: not sent to the peers
+            if not per_rank_state(m, url).restorable_on(self.world_size):
+                return (None,)
+            try:
+                return (read_rank_state(reader, self.rank),)
+            except IntegrityError as e:
+                if not direct:
+                    raise
+                raise_damaged_role(reader.files, m, "rank", self.rank, e)
+
         if direct and not weights_only and trust is None:
+            # every rank reads its own per-rank file inside the load's agreement
             res = load_direct(self.engine, url, strict=strict, peers=peers, flag_key=flag_key,
-                              manifest=manifest)
+                              manifest=manifest,
+                              then=lambda reader: held.append(rank_state(reader, reader.manifest)))
         else:
             res = load(self.engine, url, strict=strict, weights_only=weights_only,
                        storage_options=options, trust=trust)
@@ -102,23 +117,14 @@ class RunState:
         if absent and strict:
             raise ShardckptError(f"{url}: no application state {absent} in the checkpoint; "
                                  "load with strict=False to keep the current state of those")
-        per_rank = per_rank_state(res.manifest, url)
-        same_world = per_rank.restorable_on(self.world_size)
-
-        def rank_state() -> tuple[dict[str, Any] | None]:  # a tuple: not sent to the peers
-            if not same_world:
-                return (None,)
+        if not held:
             assert res.reader is not None  # the load's reader, flat groups and chunks alike
-            try:
-                return (read_rank_state(res.reader, self.rank),)
-            except IntegrityError as e:
-                if not direct:
-                    raise
-                raise_damaged_role(res.reader.files, res.manifest, "rank", self.rank, e)
-
-        # every rank reads its own file: agree, so that a damaged one fails all ranks alike
-        held, _ = agree(rank_state, f"load of per-rank state from {url}")
-        state = held[0] if held else None
+            reader = res.reader
+            # every rank reads its own file: agree, so that a damaged one fails all ranks alike
+            got, _ = agree(lambda: rank_state(reader, res.manifest),
+                           f"load of per-rank state from {url}")
+            held.append(got or (None,))
+        state = held[0][0]
         for name, obj in self.app_state.items():
             if name not in absent:
                 obj.load_state_dict(app[name])
@@ -131,5 +137,6 @@ class RunState:
             torch.manual_seed(seed + self.rank)
             if self.rank == 0:
                 log.info("per-rank state not restorable (world %s -> %s); RNG re-seeded with "
-                         "%d + rank", per_rank.world_size, self.world_size, seed)
+                         "%d + rank", per_rank_state(res.manifest, url).world_size,
+                         self.world_size, seed)
         return res
