@@ -7,10 +7,12 @@ milliseconds before the interpreter shuts down. Measured before the fix on this 
 with this job (2 ranks, 2 steps, one save): 1 abort in 20 launches; the issue saw 2 in 21.
 
 :data:`LAUNCHES` launches under ``torchrun`` (a normal interpreter exit: ``testing.ranks``
-children end with ``os._exit``, which would hide it), 2 side by side. A fault that hits 1
-launch in 10 goes unseen by all of them with probability 0.9 ** 30 = 4.2 %. The cause is checked
-on every launch too: each rank's first atexit hook (run last) records whether a process group is
-still alive when teardown begins; it must not be (on the old code it always was).
+children end with ``os._exit``, which would hide it), 2 side by side. The claim rests on the
+cause, checked on every launch: each rank's first atexit hook (run last) records whether a
+process group is still alive when teardown begins; it must not be. On the old code it was alive
+in every launch, so any one launch fails if it comes back. The symptom is watched too: an abort
+that hits 1 launch in 10 shows in at least one of them with probability 1 - 0.9 ** 12 = 72 %
+(30 launches, 96 %, took a fifth of the suite's time on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from testing.torchrun import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-LAUNCHES = 30
-MISS_CHANCE = 0.9 ** LAUNCHES  # a 1-in-10 fault unseen by every launch
+LAUNCHES = 12
+MISS_CHANCE = 0.9 ** LAUNCHES  # a 1-in-10 abort unseen by every launch (the cause: seen by any)
 TIMEOUT_S = 300
 
 
@@ -53,7 +55,7 @@ def _launch(root: Path, i: int) -> tuple[int, str]:
 
 
 def test_a_run_that_succeeded_never_aborts_at_exit(tmp_path: Path) -> None:
-    assert MISS_CHANCE < 0.05
+    assert MISS_CHANCE < 0.3
     with ThreadPoolExecutor(2) as pool:  # two launches at a time: 4 ranks on the machine
         results = list(pool.map(lambda i: _launch(tmp_path, i), range(LAUNCHES)))
     failed = [(i, code, err) for i, (code, err) in enumerate(results) if code != 0]

@@ -83,8 +83,9 @@ def test_nothing_usable_is_a_fresh_start_and_the_rest_is_put_aside() -> None:
 
 def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeypatch) -> None:
     """Every agreement is a round of every rank on the way back to training: the survey of both
-    tiers is one, the put-aside one, the manifest goes out in the round that reads it, and an
-    intact node fetches nothing (no round for it)."""
+    tiers is one, the put-aside one, the manifest goes out in the round that reads it, an
+    intact node fetches nothing (no round for it), and each rank's per-rank state is read in the
+    load's round."""
     import torch
 
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
@@ -110,4 +111,4 @@ def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeyp
     assert ckpt.resume() == 3 and ckpt.last_resume["tier"] == "local"
     ckpt.close()
     kinds = [w.split(" of ")[0].split(" from ")[0] for w in rounds]
-    assert kinds == ["survey", "read", "files needed", "load", "load", "putting aside the steps newer than 3"], rounds
+    assert kinds == ["survey", "read", "files needed", "load", "putting aside the steps newer than 3"], rounds
