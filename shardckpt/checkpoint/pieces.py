@@ -218,8 +218,10 @@ class PieceReader:
         """One object-store reader: the batches' reads through one sliding window of
         :data:`WINDOW_BATCHES` batches (:func:`~shardckpt.storage.windowed_reads`), no barrier
         between batches."""
-        planned = [((batch, owner), requests) for batch in self._batches(items)
-                   for requests, owner in [self._requests(items, batch, 0, check=False)]]
+        planned = []
+        for batch in self._batches(items):
+            requests, owner = self._requests(items, batch, 0, check=False)
+            planned.append(((batch, owner), requests))
         # every file's header at once, before the first batch: checked one by one as the batches
         # were planned, a 64-rank checkpoint's headers were 64 GETs in a row
         self.readers[0].check_files((r[0] for _, requests in planned for r in requests),

@@ -90,14 +90,13 @@ class RunState:
         ``manifest``: the one the ranks agreed on, not read again; ``trust``: public keys that
         must have signed it, as :func:`load`'s, never ``direct``)."""
         options = self.storage_options if storage_options is None else storage_options
-        held: list[tuple[dict[str, Any] | None]] = []
+        held: list[dict[str, Any] | None] = []  # this rank's per-rank state, once read
 
-        def rank_state(reader: Any, m: Manifest) -> tuple[dict[str, Any] | None]:
-            # a tuple: not sent to the peers
+        def rank_state(reader: Any, m: Manifest) -> dict[str, Any] | None:
             if not per_rank_state(m, url).restorable_on(self.world_size):
-                return (None,)
+                return None
             try:
-                return (read_rank_state(reader, self.rank),)
+                return read_rank_state(reader, self.rank)
             except IntegrityError as e:
                 if not direct:
                     raise
@@ -118,13 +117,14 @@ class RunState:
             raise ShardckptError(f"{url}: no application state {absent} in the checkpoint; "
                                  "load with strict=False to keep the current state of those")
         if not held:
-            assert res.reader is not None  # the load's reader, flat groups and chunks alike
             reader = res.reader
+            assert reader is not None  # the load's reader, flat groups and chunks alike
             # every rank reads its own file: agree, so that a damaged one fails all ranks alike
-            got, _ = agree(lambda: rank_state(reader, res.manifest),
+            # (in a tuple: not sent to the peers)
+            got, _ = agree(lambda: (rank_state(reader, res.manifest),),
                            f"load of per-rank state from {url}")
-            held.append(got or (None,))
-        state = held[0][0]
+            held.append(got[0] if got else None)
+        state = held[0]
         for name, obj in self.app_state.items():
             if name not in absent:
                 obj.load_state_dict(app[name])
