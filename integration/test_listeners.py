@@ -50,7 +50,10 @@ def test_stores_and_gloo_listen_on_master_addr_only():
 
 _WORKER = """
 import os, sys, time
-open(os.path.join(sys.argv[1], f"pid-{os.environ['RANK']}"), "w").write(str(os.getpid()))
+path = os.path.join(sys.argv[1], f"pid-{os.environ['RANK']}")
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(path + ".tmp", path)  # whole or absent: the test never reads a half-written pid
 end = time.monotonic() + 120
 while not os.path.exists(os.path.join(sys.argv[1], "go")) and time.monotonic() < end:
     time.sleep(0.05)
@@ -77,14 +80,19 @@ def test_the_watch_jobs_torchrun_store_listens_on_localhost_only(tmp_path):
     try:
         seen: dict = {}
         end = time.monotonic() + 120
-        while time.monotonic() < end and not (tmp_path / "pid-1").exists():
+        files = [tmp_path / f"pid-{r}" for r in range(2)]
+        # the workers start in any order: wait for both, and stop waiting if the launcher died
+        while time.monotonic() < end and proc.poll() is None and not all(f.exists() for f in files):
             time.sleep(0.05)
-        pids = [proc.pid] + [int((tmp_path / f"pid-{r}").read_text()) for r in range(2)]
-        seen = {pid: listening(pid) for pid in pids}
+        started = all(f.exists() for f in files)
+        if started:
+            pids = [proc.pid] + [int(f.read_text()) for f in files]
+            seen = {pid: listening(pid) for pid in pids}
     finally:
         (tmp_path / "go").write_text("")
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()[-2000:]
+    assert started, ("the workers did not start within 120 s", err.decode()[-2000:])
     assert seen[proc.pid], seen  # the launcher hosts the store
     every = [a for addrs in seen.values() for a in addrs]
     assert all(a.startswith(("127.0.0.1:", "::1:")) for a in every), seen
