@@ -63,7 +63,6 @@ while not os.path.exists(os.path.join(sys.argv[1], "go")) and time.monotonic() <
 def test_the_watch_jobs_torchrun_store_listens_on_localhost_only(tmp_path):
     """The ``watch`` job's launcher (``job_argv``'s), running a job of 2 workers: every socket
     the launcher and its workers listen on is on the loopback address."""
-    import os
     import subprocess
     import sys
     import time
