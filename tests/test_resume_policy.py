@@ -41,6 +41,9 @@ class Scripted:
         status = self.outcomes[(candidate.step, last_resort)]
         return Outcome(status, "" if status == LOADED else f"{status} at {candidate.step}")
 
+    def newer_than(self, above: int) -> bool:
+        return any(s > above for s, _ in self.outcomes)
+
     def put_aside(self, above: int, why: Mapping[int, str]) -> None:
         self.aside.append((above, dict(why)))
 
@@ -81,11 +84,30 @@ def test_nothing_usable_is_a_fresh_start_and_the_rest_is_put_aside() -> None:
     assert durable.aside == [(0, {2: "passed at 2"})]
 
 
+def test_the_newest_loading_puts_nothing_aside_in_no_round(monkeypatch) -> None:
+    """Where no tier's survey saw a step newer than the one loaded, there is no put-aside round;
+    where one tier did, every tier puts aside in that one round."""
+    rounds: list[str] = []
+    real = collective._agree
+    monkeypatch.setattr(collective, "_agree",
+                        lambda fn, what, *a: rounds.append(what) or real(fn, what, *a))
+    local = Scripted("local", {(4, False): LOADED}, [])
+    durable = Scripted("durable", {(3, False): LOADED}, [])
+    assert resume_newest([local, durable]).step == 4
+    assert local.aside == durable.aside == [] and rounds == ["survey of the local tier and the durable tier"]
+    rounds.clear()
+    durable = Scripted("durable", {(5, False): PASSED}, [])
+    assert resume_newest([local, durable]).step == 4
+    assert local.aside == [(4, {})] and durable.aside == [(4, {5: "passed at 5"})]
+    assert [w.split(" of ")[0] for w in rounds] == ["survey", "putting aside the steps newer than 4"]
+
+
 def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeypatch) -> None:
     """Every agreement is a round of every rank on the way back to training: the survey of both
-    tiers is one, the put-aside one, the manifest goes out in the round that reads it, an
-    intact node fetches nothing (no round for it), and each rank's per-rank state is read in the
-    load's round."""
+    tiers is one; the manifest goes out in the round that reads it, with what each rank's model
+    loads directly, so what each rank reads follows with no round; an intact node fetches
+    nothing (no round for it); each rank's per-rank state is read in the load's round; and
+    with nothing newer than the step loaded, nothing is put aside (no round)."""
     import torch
 
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
@@ -111,4 +133,4 @@ def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeyp
     assert ckpt.resume() == 3 and ckpt.last_resume["tier"] == "local"
     ckpt.close()
     kinds = [w.split(" of ")[0].split(" from ")[0] for w in rounds]
-    assert kinds == ["survey", "read", "files needed", "load", "putting aside the steps newer than 3"], rounds
+    assert kinds == ["survey", "read", "load"], rounds

@@ -63,6 +63,19 @@ def test_resume_skips_the_local_steps_of_another_run(tmp_path, caplog):
     assert _ckpt(str(tmp_path / "run-b"), tier).resume() == 5
 
 
+def test_a_newer_local_step_whose_manifest_does_not_parse_is_put_aside(tmp_path):
+    """The resume's put-aside round is left out only where the survey saw nothing newer than
+    the step loaded: a manifest that does not parse counts as seen."""
+    tier = str(tmp_path / "shm")
+    _save(_ckpt(str(tmp_path / "run"), tier), 5, 6)
+    with open(os.path.join(tier, "step-00000006", "manifest.json"), "wb") as f:
+        f.write(b"{not json")
+    assert _ckpt(str(tmp_path / "run"), tier).resume() == 5
+    aside = os.listdir(os.path.join(tier, "passed-over"))
+    assert len(aside) == 1 and aside[0].startswith("step-00000006."), aside
+    assert sorted(n for n in os.listdir(tier) if n.startswith("step-")) == ["step-00000005"]
+
+
 def test_tier_files_are_0600_and_directories_0700(tmp_path):
     tier = tmp_path / "shm" / "tier"
     _save(_ckpt(str(tmp_path / "run"), str(tier)), 1)

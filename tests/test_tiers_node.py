@@ -9,7 +9,7 @@ import pytest
 
 from shardckpt.checkpoint.tiers import (
     LocalTier, Nodes, commit_node, committed_steps, durable_references, ensure_room, fetch_plan,
-    holdings, is_full, node_storage,
+    files_needed, holdings, is_full, node_storage,
 )
 from shardckpt.checkpoint.node_files import prune
 from shardckpt.errors import ConfigError, IncompleteCheckpointError, InsufficientSpaceError
@@ -90,8 +90,33 @@ def test_node_commit_needs_the_files_the_node_holds_and_is_create_only(tmp_path)
     commit_node(here, m, m.files)  # the same bytes again: a retried commit
     held = holdings(node)
     assert held["4"]["manifest"] == m.save_id and set(held["4"]["files"]) == {f.path for f in m.files}
+    assert held["4"]["committed"]
     assert committed_steps([held, {}]) == [(4, m.save_id)]
     assert committed_steps([held, {"4": {"manifest": "other", "files": {}}}]) == []
+
+
+@pytest.mark.parametrize("saved,loaded", [(4, 4), (4, 2), (2, 4), (3, 2)])
+def test_files_needed_names_each_ranks_reads_for_the_whole_job(saved, loaded):
+    """What every rank of a job of ``loaded`` ranks reads of a checkpoint of ``saved`` (one
+    call, the same on every rank): the source shards its reshard plan names, the buffers, and
+    its own rank file only on the same world size; never another rank's."""
+    from shardckpt.format.reshard_plan import plan_reshard
+    from shardckpt.tools.synth import synth_spec
+    from testing.ckpts import TINY_PARAMS, manifest_from_spec
+
+    m = manifest_from_spec(synth_spec(TINY_PARAMS, saved), rank_files=saved)
+    layout = synth_spec(TINY_PARAMS, loaded).components["model"].layout
+    plan = plan_reshard(m.components["model"].layout, layout, strict=False)
+    shards = {f.index: f.path for f in m.files if f.role == "shard"}
+    got = files_needed(m, layout, loaded)
+    assert sorted(got) == list(range(loaded))
+    for r, paths in got.items():
+        want = {shards[i] for i in plan.src_shards_for(layout.mesh.shard_rank(r))}
+        want |= {f.path for f in m.files if f.role == "buffers"}
+        if saved == loaded:
+            want.add(f"{m.save_id}/rank-{r:05d}.safetensors")
+        assert paths == sorted(want), (r, paths)
+    assert set().union(*got.values()) >= set(shards.values())  # every source shard is read
 
 
 def test_prune_keeps_the_newest_and_never_a_newer_uncommitted_step(tmp_path):

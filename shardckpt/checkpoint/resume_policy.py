@@ -24,7 +24,9 @@ Call order (collective: every rank makes each call, in the same order):
    newer than the one loaded (0 where none did), each with why it was passed over
    (:mod:`.set_aside`), so that the run can save those steps again. No rank goes on (to a save
    that may write one of those steps again) before every rank is done. Sources that never put
-   aside do nothing here.
+   aside do nothing here. Where no source's survey saw a step newer than the one loaded
+   (``source.newer_than(above)``, the same on every rank), there is nothing to put aside and
+   no round: the common case, the newest step loading.
 
 One agreement each for the survey and the put-aside, whatever the number of tiers: each is a
 round of every rank, and a resume is on the path back to training.
@@ -86,6 +88,8 @@ class ResumeSource(Protocol):
     def candidates(self, surveyed: list[Any]) -> list[Candidate]: ...
 
     def attempt(self, candidate: Candidate, last_resort: bool) -> Outcome: ...
+
+    def newer_than(self, above: int) -> bool: ...
 
     def put_aside(self, above: int, why: Mapping[int, str]) -> None: ...
 
@@ -167,6 +171,9 @@ def _settle(sources: Sequence[ResumeSource], out: Resumed, c: Candidate | None,
         for s in sources:
             s.put_aside(out.step, {step: w for (t, step), w in out.why.items() if t == s.name})
 
+    if not any(s.newer_than(out.step) for s in sources):
+        return out  # the survey, the same on every rank, saw nothing to put aside: no round
+
     agree(put_aside, f"putting aside the steps newer than {out.step} of "
           + " and ".join(s.where for s in sources))
     return out
@@ -191,6 +198,7 @@ class RunDirSource:
                  settle: bool = False) -> None:
         self.manager, self.full_verify, self.needs_optimizer = manager, full_verify, needs_optimizer
         self.load, self.settle = load, settle
+        self.committed: list[int] = []  # the survey's (rank 0's listing, on every rank)
 
     @property
     def where(self) -> str:
@@ -201,7 +209,11 @@ class RunDirSource:
         return [f.step for f in self.manager.committed()] if rank_and_world()[0] == 0 else None
 
     def candidates(self, surveyed: list[Any]) -> list[Candidate]:
-        return [Candidate(s, self.name, self.manager.url_for(s)) for s in reversed(surveyed[0] or [])]
+        self.committed = list(surveyed[0] or [])
+        return [Candidate(s, self.name, self.manager.url_for(s)) for s in reversed(self.committed)]
+
+    def newer_than(self, above: int) -> bool:
+        return self.settle and any(s > above for s in self.committed)
 
     def attempt(self, candidate: Candidate, last_resort: bool) -> Outcome:
         m, step = self.manager, candidate.step

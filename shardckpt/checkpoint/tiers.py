@@ -149,7 +149,8 @@ def node_storage(tier: LocalTier, node: int) -> Storage:
 
 def holdings(storage: Storage) -> dict[str, Any]:
     """What a node's directory holds, as JSON: step -> ``{"manifest": save id or None,
-    "files": {path: size}}`` for every step directory, committed or not."""
+    "files": {path: size}, "committed": whether a manifest file is there}`` for every step
+    directory, committed or not (a manifest that does not parse: committed, save id None)."""
     out: dict[str, Any] = {}
     for name in storage.ls(""):
         m = STEP_DIR.match(name)
@@ -161,13 +162,14 @@ def holdings(storage: Storage) -> dict[str, Any]:
             if step.isdir(sub):
                 files.update({f"{sub}/{f}": size for f, size in step.list_sizes(sub).items()})
         save_id = None
-        if step.exists(MANIFEST_NAME):
+        committed = step.exists(MANIFEST_NAME)
+        if committed:
             try:
                 save_id = parsed(step.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES),
                                  step.url_of(MANIFEST_NAME)).save_id
             except ShardckptError as e:
                 log.warning("local tier: ignoring %s: %s", step.url, e)
-        out[str(int(m.group(1)))] = {"manifest": save_id, "files": files}
+        out[str(int(m.group(1)))] = {"manifest": save_id, "files": files, "committed": committed}
     return out
 
 
@@ -189,20 +191,35 @@ def committed_steps(held: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:
     return out
 
 
-def files_needed(m: Manifest, layout: Layout | None, shard: int, rank: int, world_size: int) -> list[FileEntry]:
-    """The files a load of ``m`` by ``rank`` reads (shard ``shard`` of ``layout``): the source
-    shards the reshard plan names, the buffers, and the rank's own state where it is
-    restorable; every file where the manifest is not one of flat groups."""
+def files_needed(m: Manifest, layout: Layout | None, world_size: int) -> dict[int, list[str]]:
+    """The files a load of ``m`` by each rank of a job of ``layout`` reads (rank -> paths,
+    sorted): the source shards the reshard plan names for the rank's shard, the buffers, and
+    the rank's own state where it is restorable; every file where the manifest is not one of
+    flat groups. The same on every rank (no agreement needed); the plan is made once."""
     if "model" not in m.components or layout is None:
-        return list(m.files)
+        every = sorted(f.path for f in m.files)
+        return {r: every for r in range(world_size)}
     plan = plan_reshard(m.components["model"].layout, layout, strict=False)
-    shards = plan.src_shards_for(shard)
     same_world = per_rank_state(m).restorable_on(world_size)
-    out = []
+    by_shard: dict[int, list[str]] = {}
+    common: list[str] = []
+    own: dict[int, str] = {}
     for f in m.files:
-        if (f.role in ("shard", "frozen") and f.index in shards or f.role == "buffers"
-                or f.role == "rank" and same_world and f.index == rank):
-            out.append(f)
+        if f.role == "buffers":
+            common.append(f.path)
+        elif f.index is None:
+            continue
+        elif f.role in ("shard", "frozen"):
+            by_shard.setdefault(f.index, []).append(f.path)
+        elif f.role == "rank" and same_world:
+            own[f.index] = f.path
+    sources: dict[int, list[str]] = {}  # shard -> the source files its load reads
+    out = {}
+    for r in range(world_size):
+        shard = layout.mesh.shard_rank(r)
+        if shard not in sources:
+            sources[shard] = [p for i in plan.src_shards_for(shard) for p in by_shard.get(i, ())]
+        out[r] = sorted(sources[shard] + common + ([own[r]] if r in own else []))
     return out
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from shardckpt.checkpoint.collective import agree, rank_and_world
 from shardckpt.checkpoint.reader import CheckpointReader
@@ -44,20 +44,37 @@ from shardckpt.training.save_load import LoadResult, Sharded, load
 log = logging.getLogger(__name__)
 
 
+def direct_kinds(model: Sharded) -> dict[str, list[str]] | None:
+    """What :func:`direct_ready` asks of ``model``, as JSON (an agreement can carry it): the
+    state kinds of each flat group it holds, where it has an optimizer and every shard takes
+    bytes into its own memory; None where not."""
+    shards = model.local_shards()
+    if not (getattr(model, "optimizer", None) is not None
+            and all(loadable(t) for kinds in shards.values() for t in kinds.values())
+            and not any(hasattr(t, "write_bytes") for kinds in shards.values() for t in kinds.values())):
+        return None
+    groups = {gr.name for gr in model.layout.groups}
+    return {g: sorted(kinds) for g, kinds in shards.items() if g in groups}
+
+
+def direct_fits(kinds: Mapping[str, Iterable[str]] | None, m: Manifest) -> bool:
+    """Whether a model of :func:`direct_kinds` ``kinds`` loads ``m`` directly: ``m`` holds
+    optimizer state and every kind of every group. ``kinds`` may come from another rank's
+    report: anything but a mapping of names to lists of names is a model that does not."""
+    if not (isinstance(kinds, Mapping) and "model" in m.components and m.optimizer is not None
+            and all(isinstance(g, str) and isinstance(k, list) and all(isinstance(x, str) for x in k)
+                    for g, k in kinds.items())):
+        return False
+    src = m.components["model"]
+    src_kinds = {g: {k for k, _ in held} for g, held in src.states.items()}
+    return all(set(k) <= src_kinds.get(g, set()) for g, k in kinds.items())
+
+
 def direct_ready(model: Sharded, m: Manifest) -> bool:
     """Whether :func:`load_direct` reads ``m`` straight into ``model``'s shards (flat groups
     with optimizer state into shards of their own memory on any device, every kind the model
     holds saved)."""
-    shards = model.local_shards()
-    if not ("model" in m.components and m.optimizer is not None
-            and getattr(model, "optimizer", None) is not None
-            and all(loadable(t) for kinds in shards.values() for t in kinds.values())
-            and not any(hasattr(t, "write_bytes") for kinds in shards.values() for t in kinds.values())):
-        return False
-    src = m.components["model"]
-    src_kinds = {g: {k for k, _ in kinds} for g, kinds in src.states.items()}
-    return all(set(kinds) <= src_kinds.get(g, set()) for g, kinds in shards.items()
-               if g in {gr.name for gr in model.layout.groups})
+    return direct_fits(direct_kinds(model), m)
 
 
 def load_direct(model: Sharded, url: str, strict: bool = True, peers: Sequence[Transfer] = (),

@@ -16,12 +16,13 @@ each node's leader puts aside the steps newer than the one loaded that have a ma
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from shardckpt.checkpoint.collective import agree, failed_with
 from shardckpt.checkpoint.manifest_memo import parsed
@@ -36,7 +37,7 @@ from shardckpt.errors import CollectiveError, IntegrityError, ShardckptError
 from shardckpt.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from shardckpt.storage import Storage
 from shardckpt.checkpoint.loss_flag import LossFlag, lost_contact
-from shardckpt.training.direct_load import direct_ready
+from shardckpt.training.direct_load import direct_fits, direct_kinds
 from shardckpt.training.peer_copy import run_transfers
 from shardckpt.training.run_state import RunState
 from shardckpt.training.tier_guard import foreign_reason, own_holdings
@@ -93,13 +94,19 @@ class LocalSource:
     def __init__(self, node: NodeTier, state: RunState, strict: bool) -> None:
         self.node, self.state, self.strict = node, state, strict
         self.held: list[Any] = []
+        self.newest = 0  # the newest step with a manifest file on any node (the survey's)
 
     def survey(self) -> dict[str, Any]:
-        return held_here(self.node)
+        """This rank's node holdings, and the newest step there with a manifest file (any:
+        another run's, one that does not parse), which :meth:`put_aside` would look at."""
+        raw = holdings(self.node.storage)
+        newest = max((int(k) for k, info in raw.items() if info["committed"]), default=0)
+        return {"held": own_holdings(self.node.storage, raw, self.node.run), "newest": newest}
 
     def candidates(self, surveyed: list[Any]) -> list[Candidate]:
         node = self.node
-        self.held = surveyed
+        self.held = [s["held"] for s in surveyed]
+        self.newest = max(s["newest"] for s in surveyed)
         per_node = [self.held[node.nodes.leader(n)] for n in range(node.nodes.count)]
         return [Candidate(s, self.name, node.url_for(s), sid) for s, sid in committed_steps(per_node)]
 
@@ -109,7 +116,7 @@ class LocalSource:
         or ``("damaged", error)`` (a checksum failed: pass it over)."""
         engine = self.state.engine
         got = assemble(self.node, c.step, c.key, self.held, engine.layout, self.state.world_size,
-                       direct=lambda m: direct_ready(engine, m))
+                       kinds=direct_kinds(engine))
         if isinstance(got, str):
             return "passed", got
         try:
@@ -145,6 +152,9 @@ class LocalSource:
         return Outcome(LOADED, value=fetched, note=(f"the local tier, {fetched} file(s) from peers"
                                                     if fetched else "the local tier, each rank's own node"))
 
+    def newer_than(self, above: int) -> bool:
+        return self.newest > above
+
     def put_aside(self, above: int, why: Mapping[int, str]) -> None:
         """After a resume at ``above`` (inside the policy's agreement): each node's leader puts
         aside the steps newer than it that have a manifest there."""
@@ -165,38 +175,40 @@ class LocalSource:
 
 
 def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: Any, world_size: int,
-             direct: Callable[[Manifest], bool] = lambda m: False) -> Assembled | str:
+             kinds: Any = None) -> Assembled | str:
     """Make local ``step`` loadable from every rank's node directory (collective): the
     manifest and the files each rank's load reads, fetched from other nodes where missing.
-    Where ``direct(manifest)`` holds on every rank (the load reads straight into the
-    engine's shards), a missing shard file that one rank of its node alone reads is not
-    fetched here: the load takes it from the peer into memory (:attr:`Assembled.peers`).
-    Returns what was done, or why it cannot be done."""
+    Where every rank's model loads the manifest straight into its shards (:func:`direct_fits`
+    of the rank's ``kinds``, :func:`direct_kinds`), a missing shard file that one rank of its
+    node alone reads is not fetched here: the load takes it from the peer into memory
+    (:attr:`Assembled.peers`). One agreement gives every rank the manifest, every rank's
+    ``kinds`` and the digest of each node's copy of the manifest; what each rank reads follows
+    from the manifest, alike on every rank. Returns what was done, or why it cannot be done."""
     nodes = node.nodes
     holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
     here = node.storage.child(step_dir(step))
+    leader = node.rank == nodes.leader(node.node)
 
-    def read_manifest() -> str | None:  # inside the agreement: a read that fails fails everywhere
-        if node.rank != holder:
-            return None
-        data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-        parsed(data, here.url_of(MANIFEST_NAME))
-        return base64.b64encode(data).decode("ascii")  # to every rank in the same round
+    def read_manifest() -> dict[str, Any]:  # inside the agreement: a read that fails fails everywhere
+        out: dict[str, Any] = {"kinds": kinds, "copy": None, "manifest": None}
+        if node.rank == holder:
+            data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+            parsed(data, here.url_of(MANIFEST_NAME))
+            out["manifest"] = base64.b64encode(data).decode("ascii")  # to every rank in one round
+            out["copy"] = _digest(data)
+        elif leader:
+            out["copy"] = _copy_digest(here)
+        return out
     try:
-        _, reports = agree(read_manifest, f"read of local step {step}'s manifest")
+        _, got = agree(read_manifest, f"read of local step {step}'s manifest")
     except CollectiveError as e:
         if lost_contact(e):
             raise
         return f"its manifest on rank {holder}'s node cannot be read: {e}"
-    data = base64.b64decode(reports[holder]["payload"])
+    reports = [r["payload"] for r in got]
+    data = base64.b64decode(reports[holder]["manifest"])
     m = parsed(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
-    shard = layout.mesh.shard_rank(node.rank)
-    mine = sorted(f.path for f in files_needed(m, layout, shard, node.rank, world_size))
-    leader = node.rank == nodes.leader(node.node)
-    _, reports = agree(lambda: {"needs": mine, "direct": bool(direct(m)),
-                                "has_manifest": leader and _holds(here, data)},
-                       f"files needed from local step {step}")
-    needs = {r: rep["payload"]["needs"] for r, rep in enumerate(reports)}
+    needs = files_needed(m, layout, world_size)
     by_node = {nodes.node_of(r): held_whole(held[r], step, m) for r in range(world_size)}
     plan, lost = fetch_plan(nodes, needs, by_node)
     if lost:
@@ -204,7 +216,7 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     entries = {f.path: f for f in m.files}
     readers = Counter((nodes.node_of(r), p) for r, paths in needs.items() for p in paths)
     peers: list[Transfer] = []
-    if all(rep["payload"]["direct"] for rep in reports):
+    if all(direct_fits(rep["kinds"], m) for rep in reports):
         peers = [t for t in plan if entries[t.path].role in ("shard", "frozen")
                  and not entries[t.path].is_reference and readers[(nodes.node_of(t.dst), t.path)] == 1]
     files = [t for t in plan if t not in peers and not entries[t.path].is_reference]
@@ -219,7 +231,7 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
             put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
         return n
 
-    if not files and not refs and all(reports[nodes.leader(n)]["payload"]["has_manifest"]
+    if not files and not refs and all(reports[nodes.leader(n)]["copy"] == _digest(data)
                                       for n in range(nodes.count)):
         # nothing to fetch or put: every node holds what its ranks read (one round saved)
         return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
@@ -233,9 +245,13 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
 
 
-def _holds(here: Storage, data: bytes) -> bool:
-    """Whether this node's copy of the step's manifest is the agreed one, byte for byte."""
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _copy_digest(here: Storage) -> str | None:
+    """The digest of this node's copy of the step's manifest (None: it has none that reads)."""
     try:
-        return here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES) == data
+        return _digest(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
     except ShardckptError:
-        return False
+        return None
