@@ -439,6 +439,22 @@ def test_strict_error_message_names_each_kind() -> None:
     assert (ei.value.missing, ei.value.unexpected, ei.value.mismatched) == (("new",), ("old",), ("w",))
 
 
+def test_a_plan_is_made_once_for_equal_layouts_and_strict_still_checks() -> None:
+    """A resume asks which files each rank reads, then loads: both plan the same layouts, and
+    the second gets the first's plan. A plan kept from a lenient call never lets a strict one
+    through."""
+    infos = [ParamInfo("keep", (4,), "float32"), ParamInfo("w", (4, 4), "float32")]
+    first = plan_reshard(build_layout(infos, Mesh.for_world(2)), build_layout(infos, Mesh.for_world(3)))
+    again = plan_reshard(build_layout(infos, Mesh.for_world(2)), build_layout(infos, Mesh.for_world(3)),
+                         strict=False)
+    assert again is first
+    other = build_layout(infos[:1] + [ParamInfo("w", (4, 5), "float32")], Mesh.for_world(3))
+    src = build_layout(infos, Mesh.for_world(2))
+    assert plan_reshard(src, other, strict=False).mismatched == ("w",)
+    with pytest.raises(IncompatibleLayoutError, match="different shape or dtype: w"):
+        plan_reshard(src, other)
+
+
 # ---------------------------------------------------------------------------------- 70B scale
 
 
