@@ -104,10 +104,53 @@ def test_the_newest_loading_puts_nothing_aside_in_no_round(monkeypatch) -> None:
 
 def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeypatch) -> None:
     """Every agreement is a round of every rank on the way back to training: the survey of both
-    tiers is one; the manifest goes out in the round that reads it, with what each rank's model
-    loads directly, so what each rank reads follows with no round; an intact node fetches
-    nothing (no round for it); each rank's per-rank state is read in the load's round; and
-    with nothing newer than the step loaded, nothing is put aside (no round)."""
+    tiers is one; the manifest's round gives what each rank's model loads directly, so what
+    each rank reads follows with no round; an intact node fetches nothing (no round for it);
+    each rank's per-rank state is read in the load's round; and with nothing newer than the
+    step loaded, nothing is put aside (no round). The manifest itself goes to each rank once
+    (a broadcast), never in the agreement's reports, which an all-gather pads to the longest:
+    at 1024 ranks a 7 MB manifest would be 7 GB on every rank."""
+    import os
+
+    from shardckpt.training.checkpointer import Checkpointer
+
+    run, tier, engine = _saved_local_step(tmp_path)
+    ckpt = Checkpointer(run, engine, local=tier, durable_every=10 ** 9)
+    rounds: list[list] = []
+    real, exchange, broadcast = collective._agree, collective._exchange, collective.broadcast_bytes
+    monkeypatch.setattr(collective, "_agree",
+                        lambda fn, what, *a: rounds.append([what]) or real(fn, what, *a))
+    monkeypatch.setattr(collective, "_exchange",
+                        lambda report, group: rounds[-1].append(len(report)) or exchange(report, group))
+    sent: list[int] = []
+    monkeypatch.setattr(collective, "broadcast_bytes",
+                        lambda data, src=0, group=None: sent.append(len(data or b"")) or broadcast(data, src, group))
+    assert ckpt.resume() == 3 and ckpt.last_resume["tier"] == "local"
+    ckpt.close()
+    kinds = [w.split(" of ")[0].split(" from ")[0] for w, _ in rounds]
+    assert kinds == ["survey", "read", "load"], rounds
+    manifest = os.path.getsize(tmp_path / "node0" / "step-00000003" / "manifest.json")
+    assert sent == [manifest], (sent, manifest)
+    assert rounds[1][1] < manifest / 4, (rounds, manifest)  # the manifest's round: no manifest in it
+
+
+def test_a_manifest_broadcast_that_differs_from_the_reported_digest_is_refused(tmp_path, monkeypatch) -> None:
+    """The broadcast is not signed; the digest the holder reported in the agreement (signed
+    under a job secret) is what the bytes received must match."""
+    from shardckpt.training.checkpointer import Checkpointer
+
+    run, tier, engine = _saved_local_step(tmp_path)
+    ckpt = Checkpointer(run, engine, local=tier, durable_every=10 ** 9)
+    monkeypatch.setattr(collective, "broadcast_bytes",
+                        lambda data, src=0, group=None: data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(IntegrityError, match=r"manifest.json \(from rank 0\): the bytes received do not "
+                                             "match the digest rank 0 reported"):
+        ckpt.resume()
+    ckpt.close()
+
+
+def _saved_local_step(tmp_path):
+    """A one-process run with local step 3 saved: (run directory, tier, engine)."""
     import torch
 
     from shardckpt.runtime import ShardedAdamW, ZeroEngine, decay_param_groups
@@ -125,12 +168,4 @@ def test_a_resume_from_the_local_tier_takes_one_round_per_need(tmp_path, monkeyp
     saver = Checkpointer(run, engine, local=tier, durable_every=10 ** 9)
     saver.save(3)
     saver.close()
-    ckpt = Checkpointer(run, engine, local=tier, durable_every=10 ** 9)
-    rounds: list[str] = []
-    real = collective._agree
-    monkeypatch.setattr(collective, "_agree",
-                        lambda fn, what, *a: rounds.append(what) or real(fn, what, *a))
-    assert ckpt.resume() == 3 and ckpt.last_resume["tier"] == "local"
-    ckpt.close()
-    kinds = [w.split(" of ")[0].split(" from ")[0] for w in rounds]
-    assert kinds == ["survey", "read", "load"], rounds
+    return run, tier, engine

@@ -106,6 +106,21 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> byte
     return bytes(buf.cpu().numpy().tobytes())
 
 
+def broadcast_from(data: bytes | None, src: int, what: str, group: Any = None) -> bytes:
+    """:func:`broadcast_bytes` of ``data`` from ``src`` after an agreement that said it is
+    there: one copy to each rank, where an all-gather pads every rank's report to the longest.
+    A lost rank is a :class:`CollectiveError` naming ``what``, as in :func:`agree`. The bytes
+    are not signed: a caller under a job secret checks them against a digest that ``src``
+    reported in the agreement."""
+    try:
+        return broadcast_bytes(data, src, group)
+    except CollectiveError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a peer died or timed out
+        said = str(e).splitlines()[0] if str(e) else ""
+        raise CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: {said})") from e
+
+
 def agree(fn: Callable[[], T], what: str, group: Any = None,
           after_loss: Callable[[], str] | None = None,
           flag: LossFlag | None = None) -> tuple[T | None, list[dict[str, Any]]]:

@@ -15,7 +15,6 @@ each node's leader puts aside the steps newer than the one loaded that have a ma
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import itertools
 import logging
@@ -24,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from collections.abc import Mapping
 
-from shardckpt.checkpoint.collective import agree, failed_with
+from shardckpt.checkpoint.collective import agree, broadcast_from, failed_with
 from shardckpt.checkpoint.manifest_memo import parsed
 from shardckpt.checkpoint.node_files import below_node, held_whole
 from shardckpt.checkpoint.resume_policy import LOADED, PASSED, Candidate, Outcome, damaged
@@ -181,33 +180,43 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     Where every rank's model loads the manifest straight into its shards (:func:`direct_fits`
     of the rank's ``kinds``, :func:`direct_kinds`), a missing shard file that one rank of its
     node alone reads is not fetched here: the load takes it from the peer into memory
-    (:attr:`Assembled.peers`). One agreement gives every rank the manifest, every rank's
-    ``kinds`` and the digest of each node's copy of the manifest; what each rank reads follows
-    from the manifest, alike on every rank. Returns what was done, or why it cannot be done."""
+    (:attr:`Assembled.peers`). One agreement gives every rank every rank's ``kinds`` and the
+    digest of the manifest and of each node's copy; then the holder broadcasts the manifest,
+    one copy to each rank. What each rank reads follows from the manifest, alike on every rank.
+    Returns what was done, or why it cannot be done."""
     nodes = node.nodes
     holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
     here = node.storage.child(step_dir(step))
     leader = node.rank == nodes.leader(node.node)
 
+    read: list[bytes] = []
+    what = f"read of local step {step}'s manifest"
+
     def read_manifest() -> dict[str, Any]:  # inside the agreement: a read that fails fails everywhere
-        out: dict[str, Any] = {"kinds": kinds, "copy": None, "manifest": None}
+        out: dict[str, Any] = {"kinds": kinds, "copy": None}
         if node.rank == holder:
-            data = here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-            parsed(data, here.url_of(MANIFEST_NAME))
-            out["manifest"] = base64.b64encode(data).decode("ascii")  # to every rank in one round
-            out["copy"] = _digest(data)
+            read.append(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
+            parsed(read[0], here.url_of(MANIFEST_NAME))
+            out["copy"] = _digest(read[0])
         elif leader:
             out["copy"] = _copy_digest(here)
         return out
     try:
-        _, got = agree(read_manifest, f"read of local step {step}'s manifest")
+        _, got = agree(read_manifest, what)
     except CollectiveError as e:
         if lost_contact(e):
             raise
         return f"its manifest on rank {holder}'s node cannot be read: {e}"
     reports = [r["payload"] for r in got]
-    data = base64.b64decode(reports[holder]["manifest"])
-    m = parsed(data, f"{here.url_of(MANIFEST_NAME)} (from rank {holder})")
+    # the manifest itself goes out once, not padded into every rank's report (an all-gather of
+    # a 7 MB manifest at 1024 ranks would be 7 GB on every rank); checked against the digest
+    # the holder reported in the agreement (signed under a job secret)
+    data = broadcast_from(read[0] if read else None, holder, what)
+    url = f"{here.url_of(MANIFEST_NAME)} (from rank {holder})"
+    if _digest(data) != reports[holder]["copy"]:
+        raise IntegrityError(f"{url}: the bytes received do not match the digest rank {holder} "
+                             "reported for them")
+    m = parsed(data, url)
     needs = files_needed(m, layout, world_size)
     by_node = {nodes.node_of(r): held_whole(held[r], step, m) for r in range(world_size)}
     plan, lost = fetch_plan(nodes, needs, by_node)
