@@ -117,8 +117,15 @@ def broadcast_from(data: bytes | None, src: int, what: str, group: Any = None) -
     except CollectiveError:
         raise
     except Exception as e:  # noqa: BLE001 - a peer died or timed out
-        said = str(e).splitlines()[0] if str(e) else ""
-        raise CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: {said})") from e
+        raise _lost(what, e, None) from e
+
+
+def _lost(what: str, e: BaseException, after_loss: Callable[[], str] | None) -> CollectiveError:
+    """The error of a collective that lost contact with another rank (``e``: what the
+    exchange raised), naming ``what`` and what ``after_loss()`` says it left behind."""
+    said = str(e).splitlines()[0] if str(e) else ""
+    return CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: {said})"
+                           f"{left_behind(after_loss)}")
 
 
 def agree(fn: Callable[[], T], what: str, group: Any = None,
@@ -162,9 +169,7 @@ def _agree(fn: Callable[[], T], what: str, group: Any,
     except CollectiveError:
         raise
     except Exception as e:  # noqa: BLE001 - a peer died or timed out
-        raise CollectiveError(f"{what}: lost contact with another rank ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})"
-                              f"{left_behind(after_loss)}") from (local or e)
+        raise _lost(what, e, after_loss) from (local or e)
     failures = {r: rep["error"] for r, rep in enumerate(reports) if not rep["ok"]}
     if failures:
         first = min(failures)

@@ -12,6 +12,7 @@ every caller of ``parse`` does.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 
@@ -45,3 +46,8 @@ def forget() -> None:
     """Drop every remembered manifest (a resume starts from what the nodes hold now)."""
     with _lock:
         _memo.clear()
+
+
+def manifest_digest(data: bytes) -> str:
+    """SHA-256 of a manifest's bytes: two nodes' copies are the same save's when these match."""
+    return hashlib.sha256(data).hexdigest()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
 
-from shardckpt.checkpoint.manifest_memo import parsed
+from shardckpt.checkpoint.manifest_memo import manifest_digest, parsed
 from shardckpt.checkpoint.reader import read_manifest
 from shardckpt.checkpoint.references import RunFiles, frozen_stand_ins, parent_of
 from shardckpt.checkpoint.run_dir import STEP_DIR, CheckpointManager, step_dir
@@ -149,8 +149,9 @@ def node_storage(tier: LocalTier, node: int) -> Storage:
 
 def holdings(storage: Storage) -> dict[str, Any]:
     """What a node's directory holds, as JSON: step -> ``{"manifest": save id or None,
-    "files": {path: size}, "committed": whether a manifest file is there}`` for every step
-    directory, committed or not (a manifest that does not parse: committed, save id None)."""
+    "digest": :func:`manifest_digest` of its manifest or None, "files": {path: size},
+    "committed": whether a manifest file is there}`` for every step directory, committed or
+    not (a manifest that does not parse: committed, save id and digest None)."""
     out: dict[str, Any] = {}
     for name in storage.ls(""):
         m = STEP_DIR.match(name)
@@ -161,15 +162,17 @@ def holdings(storage: Storage) -> dict[str, Any]:
         for sub in step.ls(""):
             if step.isdir(sub):
                 files.update({f"{sub}/{f}": size for f, size in step.list_sizes(sub).items()})
-        save_id = None
+        save_id = digest = None
         committed = step.exists(MANIFEST_NAME)
         if committed:
             try:
-                save_id = parsed(step.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES),
-                                 step.url_of(MANIFEST_NAME)).save_id
+                data = step.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+                save_id = parsed(data, step.url_of(MANIFEST_NAME)).save_id
+                digest = manifest_digest(data)
             except ShardckptError as e:
                 log.warning("local tier: ignoring %s: %s", step.url, e)
-        out[str(int(m.group(1)))] = {"manifest": save_id, "files": files, "committed": committed}
+        out[str(int(m.group(1)))] = {"manifest": save_id, "digest": digest, "files": files,
+                                     "committed": committed}
     return out
 
 

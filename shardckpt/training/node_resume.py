@@ -15,7 +15,6 @@ each node's leader puts aside the steps newer than the one loaded that have a ma
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from collections import Counter
@@ -24,7 +23,7 @@ from typing import Any, Protocol
 from collections.abc import Mapping
 
 from shardckpt.checkpoint.collective import agree, broadcast_from, failed_with
-from shardckpt.checkpoint.manifest_memo import parsed
+from shardckpt.checkpoint.manifest_memo import manifest_digest, parsed
 from shardckpt.checkpoint.node_files import below_node, held_whole
 from shardckpt.checkpoint.resume_policy import LOADED, PASSED, Candidate, Outcome, damaged
 from shardckpt.checkpoint.run_dir import STEP_DIR, step_dir
@@ -181,9 +180,10 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     of the rank's ``kinds``, :func:`direct_kinds`), a missing shard file that one rank of its
     node alone reads is not fetched here: the load takes it from the peer into memory
     (:attr:`Assembled.peers`). One agreement gives every rank every rank's ``kinds`` and the
-    digest of the manifest and of each node's copy; then the holder broadcasts the manifest,
-    one copy to each rank. What each rank reads follows from the manifest, alike on every rank.
-    Returns what was done, or why it cannot be done."""
+    digest of the manifest; then the holder broadcasts the manifest, one copy to each rank.
+    Whether each node holds the same copy is in the survey (``held``); what each rank reads
+    follows from the manifest, alike on every rank. Returns what was done, or why it cannot
+    be done."""
     nodes = node.nodes
     holder = min(r for r in range(world_size) if held[r].get(str(step), {}).get("manifest") == save_id)
     here = node.storage.child(step_dir(step))
@@ -193,13 +193,11 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     what = f"read of local step {step}'s manifest"
 
     def read_manifest() -> dict[str, Any]:  # inside the agreement: a read that fails fails everywhere
-        out: dict[str, Any] = {"kinds": kinds, "copy": None}
+        out: dict[str, Any] = {"kinds": kinds, "digest": None}
         if node.rank == holder:
             read.append(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
             parsed(read[0], here.url_of(MANIFEST_NAME))
-            out["copy"] = _digest(read[0])
-        elif leader:
-            out["copy"] = _copy_digest(here)
+            out["digest"] = manifest_digest(read[0])
         return out
     try:
         _, got = agree(read_manifest, what)
@@ -213,7 +211,8 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
     # the holder reported in the agreement (signed under a job secret)
     data = broadcast_from(read[0] if read else None, holder, what)
     url = f"{here.url_of(MANIFEST_NAME)} (from rank {holder})"
-    if _digest(data) != reports[holder]["copy"]:
+    digest = reports[holder]["digest"]
+    if manifest_digest(data) != digest:
         raise IntegrityError(f"{url}: the bytes received do not match the digest rank {holder} "
                              "reported for them")
     m = parsed(data, url)
@@ -240,7 +239,7 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
             put_manifest(here, data)  # the agreed copy, where this node's is gone or damaged
         return n
 
-    if not files and not refs and all(reports[nodes.leader(n)]["copy"] == _digest(data)
+    if not files and not refs and all(held[nodes.leader(n)].get(str(step), {}).get("digest") == digest
                                       for n in range(nodes.count)):
         # nothing to fetch or put: every node holds what its ranks read (one round saved)
         return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
@@ -252,15 +251,3 @@ def assemble(node: NodeTier, step: int, save_id: str, held: list[Any], layout: A
             raise
         return f"fetching from peers failed: {e}"
     return Assembled(here.url, len(plan), peers, f"direct/{save_id}/{next(FETCHES)}", m)
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _copy_digest(here: Storage) -> str | None:
-    """The digest of this node's copy of the step's manifest (None: it has none that reads)."""
-    try:
-        return _digest(here.read_limited(MANIFEST_NAME, MAX_MANIFEST_BYTES))
-    except ShardckptError:
-        return None
