@@ -166,7 +166,7 @@ def test_damaged_header_reported_as_damage(ckpt: tuple[Path, Manifest]) -> None:
     data[at] = ord("d")  # the file's own header damaged: its chunk checksum catches it
     path.write_bytes(bytes(data))
     reader = CheckpointReader(str(root))
-    with pytest.raises(IntegrityError, match=f"{e.path}: bytes \\[0, .*CRC32C"):
+    with pytest.raises(IntegrityError, match=f"{e.path}: chunk 0: bytes \\[0, .*CRC32C"):
         reader.check_file(e)
 
 

@@ -1,5 +1,5 @@
-"""The pipelined load (shardckpt.storage.pipeline, shardckpt.training.device_load) on CPU: the
-same code as on a GPU with pinned memory off. Bit-exact round trips whatever the ring, spans that
+"""The pipelined load (shardckpt.storage.pipeline, shardckpt.training.device_load) on CPU
+(``SHARDCKPT_IO_PIPELINE=1``): the same code as on a GPU with pinned memory off. Bit-exact round trips whatever the ring, spans that
 straddle buffers, a flipped bit named by file and chunk, a dying reader that ends in an error."""
 
 from __future__ import annotations
@@ -51,12 +51,43 @@ def shards(engine):
     return {(g, k): t.clone() for g, kinds in engine.local_shards().items() for k, t in kinds.items()}
 
 
+@pytest.fixture(autouse=True)
+def through_the_ring(monkeypatch):
+    """CPU shards take the ring here, as shards on a device do (their plain path, straight into
+    their memory, is tests/test_plain_load.py's)."""
+    monkeypatch.setenv(pipeline.ENV_PIPELINE, "1")
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipe")
     engine = engine_for(0)
     save(engine, str(root / "ck"), chunk_size=CHUNK)
     return str(root / "ck"), shards(engine)
+
+
+def rings_made(monkeypatch) -> list[Ring]:
+    """The rings made from now on in this test."""
+    made: list[Ring] = []
+    real = Ring.__init__
+
+    def spy(self, n, nbytes, alloc):
+        real(self, n, nbytes, alloc)
+        made.append(self)
+
+    monkeypatch.setattr(Ring, "__init__", spy)
+    return made
+
+
+def loads_bit_exact(url: str, want: dict) -> None:
+    """A fresh engine of another seed loads ``url`` into shards equal to ``want``, bit for bit."""
+    other = engine_for(1)
+    assert any(not torch.equal(t, want[key]) for key, t in shards(other).items())
+    res = load(other, url)
+    assert shards(other).keys() == want.keys()
+    for key, t in shards(other).items():
+        assert torch.equal(t, want[key]), key
+    assert 0 < res.bytes_read <= sum(t.numel() * t.element_size() for t in want.values())
 
 
 def set_ring(monkeypatch, buffers: int, size: str, threads: int) -> None:
@@ -70,21 +101,8 @@ def set_ring(monkeypatch, buffers: int, size: str, threads: int) -> None:
 def test_round_trip_is_bit_exact_whatever_the_ring(saved, monkeypatch, buffers, size, threads):
     url, want = saved
     set_ring(monkeypatch, buffers, size, threads)
-    made = []
-    real = Ring.__init__
-
-    def spy(self, n, nbytes, alloc):
-        real(self, n, nbytes, alloc)
-        made.append(self)
-
-    monkeypatch.setattr(Ring, "__init__", spy)
-    other = engine_for(1)
-    assert any(not torch.equal(t, want[key]) for key, t in shards(other).items())
-    res = load(other, url)
-    assert shards(other).keys() == want.keys()
-    for key, t in shards(other).items():
-        assert torch.equal(t, want[key]), key
-    assert 0 < res.bytes_read <= sum(t.numel() * t.element_size() for t in want.values())
+    made = rings_made(monkeypatch)
+    loads_bit_exact(url, want)
     # the host memory of the load is the ring, never the state's size
     ring = made[-1]
     assert ring.made <= buffers and ring.nbytes == IOConfig.from_env().slot_bytes(CHUNK)

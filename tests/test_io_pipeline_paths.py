@@ -20,26 +20,13 @@ from shardckpt.checkpoint.set_aside import DamagedCopyError
 from shardckpt.errors import CollectiveError
 from shardckpt.interop.dcp.storage import ShardckptReader, ShardckptWriter
 from shardckpt.storage import pipeline
-from shardckpt.storage.pipeline import Ring
 from shardckpt.training.direct_load import load_direct
 from shardckpt.training.save_load import save
 from testing.ckpt_runs import flip_bit
 
-from test_io_pipeline import CHUNK, engine_for, set_ring, shards
+from test_io_pipeline import CHUNK, engine_for, rings_made, set_ring, shards
 
 RINGS = [(1, "4K", 1), (2, "8K", 3), (16, "4K", 8)]
-
-
-def rings_made(monkeypatch) -> list[Ring]:
-    made: list[Ring] = []
-    real = Ring.__init__
-
-    def spy(self, n, nbytes, alloc):
-        real(self, n, nbytes, alloc)
-        made.append(self)
-
-    monkeypatch.setattr(Ring, "__init__", spy)
-    return made
 
 
 @pytest.fixture(scope="module")

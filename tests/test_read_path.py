@@ -141,7 +141,7 @@ def test_a_corrupted_chunk_names_the_file_and_the_bytes(storage: Storage) -> Non
     bad = bytearray(data)
     bad[2 * CHUNK + 5] ^= 1
     storage.put("c.bin", bytes(bad))
-    want = rf"c\.bin: bytes \[{2 * CHUNK}, {3 * CHUNK}\) fail their CRC32C check"
+    want = rf"c\.bin: chunk 2: bytes \[{2 * CHUNK}, {3 * CHUNK}\) fail their CRC32C check"
     reader = RangeReader(storage, CHUNK)
     assert bytes(reader.fetch([(e, 0, 2 * CHUNK)])[0]) == data[:2 * CHUNK]  # intact chunks read
     for read in (lambda: reader.fetch([(e, CHUNK, 3 * CHUNK)]),

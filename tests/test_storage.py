@@ -237,7 +237,7 @@ def test_gather_coalesces_and_checks(storage: Storage) -> None:
     # sequential path gives the same answer
     assert [bytes(x) for x in RangeReader(storage, CHUNK).gather(reqs, workers=1)] == [bytes(x) for x in out]
     corrupt(storage, "a.bin", 5 * CHUNK + 3000)
-    with pytest.raises(IntegrityError, match=r"a\.bin: bytes \[20480, 24576\)"):
+    with pytest.raises(IntegrityError, match=r"a\.bin: chunk 5: bytes \[20480, 24576\)"):
         RangeReader(storage, CHUNK).gather(reqs, workers=4)
 
 
@@ -455,5 +455,5 @@ def test_map_many_refuses_truncated_and_corrupted(tmp_path: Path) -> None:
     path.write_bytes(bytes(bad))
     reader = RangeReader(storage, CHUNK)
     assert bytes(reader.map_many([(e, 0, CHUNK)])[0]) == data[:CHUNK]  # chunk 0 is fine
-    with pytest.raises(IntegrityError, match=rf"t\.bin: bytes \[{CHUNK}, {2 * CHUNK}\) fail their CRC32C"):
+    with pytest.raises(IntegrityError, match=rf"t\.bin: chunk 1: bytes \[{CHUNK}, {2 * CHUNK}\) fail their CRC32C"):
         reader.map_many([(e, CHUNK - 2, CHUNK + 2)])

@@ -215,38 +215,6 @@ def test_direct_read_fills_each_target_and_checks_every_chunk_it_touches(tmp_pat
         read_into(str(path), "f", entry, cs, [(3, 10, memoryview(bytearray(7)))])
 
 
-def test_a_direct_read_in_windows_on_threads_fills_every_target_and_checks_every_chunk(
-        tmp_path, monkeypatch):
-    """The local tier's load reads a shard file in windows of whole chunks on several threads:
-    pieces cut at window edges land whole, and a damaged chunk in any window fails the read."""
-    import random
-
-    from shardckpt.errors import IntegrityError
-    from shardckpt.format.integrity import crc32c
-    from shardckpt.format.manifest import FileEntry
-    from shardckpt.training import direct_pipe
-
-    cs, size = 64, 64 * 40 + 5
-    monkeypatch.setattr(direct_pipe, "WINDOW_BYTES", 3 * cs)  # 14 windows, pieces across edges
-    data = bytes(random.Random(1).randrange(256) for _ in range(size))
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    chunks = tuple(crc32c(data[i:i + cs]) for i in range(0, size, cs))
-    entry = FileEntry("f", "shard", size, 0, crc32c(data), chunks, 0)
-    ranges = [(0, 100), (100, 1000), (1000, 1001), (1200, size)]
-    targets = [bytearray(b - a) for a, b in ranges]
-    pieces = [(a, b, memoryview(t)) for (a, b), t in zip(ranges, targets, strict=True)]
-    direct_pipe.read_windows(str(path), "f", entry, cs, pieces, threads=4)
-    assert [bytes(t) for t in targets] == [data[a:b] for a, b in ranges]
-    bad = bytearray(data)
-    bad[64 * 31 + 3] ^= 1  # chunk 31 (window 10), in bytes that no piece wants
-    path.write_bytes(bytes(bad))
-    with pytest.raises(IntegrityError, match=r"bytes \[1984, 2048\) fail their CRC32C"):
-        direct_pipe.read_windows(str(path), "f", entry, cs,
-                                 [(0, 1900, memoryview(bytearray(1900))), (2000, size, memoryview(bytearray(size - 2000)))],
-                                 threads=4)
-
-
 def test_a_local_manifest_is_parsed_once_per_bytes_and_a_bad_one_every_time(tmp_path):
     """The local tier's manifests are validated once per distinct bytes (a resume reads each
     several times), until :func:`forget`; a manifest that fails is refused on every read."""

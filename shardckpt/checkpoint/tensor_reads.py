@@ -5,6 +5,10 @@ copy into each destination (``copy_`` on CPU; on CUDA ``non_blocking`` on a side
 with the next reads: a buffer is refilled only once its copy is done). Nothing holds a full-size
 host copy of what is read, and the destinations are never copied to the host.
 
+Where every destination is in CPU memory and a file is on a local disk, :func:`fill_tensors`
+reads it straight into the tensors instead (:func:`~shardckpt.storage.read_windows`), unless
+``SHARDCKPT_IO_PIPELINE=1`` (or ``IOConfig.every_device``) asks for the ring.
+
 Used by the load of a running job (:mod:`shardckpt.training.device_load`), the peer stream into
 device shards (:mod:`shardckpt.training.peer_pipe`) and DCP's storage reader into tensors
 (:mod:`shardckpt.interop.dcp.tensor_boxes`). Torch is imported inside functions only.
@@ -22,10 +26,12 @@ from shardckpt.format.dtypes import itemsize
 from shardckpt.format.manifest import FileEntry
 from shardckpt.storage import (
     FileReads, IOConfig, Reader, Ring, Slot, local_path, local_reader, pipelined_reads,
+    read_windows,
 )
 
 Request = tuple[FileEntry, int, int]      # file, absolute byte range
 Target = tuple[Any, int, int]             # tensor, first element, elements
+Piece = tuple[int, int, Any, int]         # absolute byte range, its tensor, byte offset in it
 
 
 def host_ring(config: IOConfig, nbytes: int, pinned: bool) -> Ring:
@@ -133,32 +139,74 @@ def reader_of(reader: CheckpointReader, entry: FileEntry,
 def fill_tensors(reader: CheckpointReader, requests: Sequence[Request], targets: Sequence[Target],
                  config: IOConfig | None = None) -> int:
     """Read every request ``(file, start, end)`` into its target ``(tensor, first element,
-    elements)`` (each tensor contiguous, of any device); returns the bytes the requests name."""
+    elements)`` (each tensor contiguous, of any device); returns the bytes the requests name.
+
+    Where every target is in CPU memory, the files on a local disk are read straight into the
+    tensors (:func:`~shardckpt.storage.read_windows`: no ring, no copy); a file elsewhere, a
+    target on a device, or every file with ``SHARDCKPT_IO_PIPELINE=1`` goes through the
+    pipeline."""
     if not requests:
         return 0
     cfg = config or IOConfig.from_env()
     cs = reader.manifest.chunk_size
-    files: dict[str, FileReads] = {}
+    by_file: dict[str, tuple[FileEntry, list[Piece]]] = {}
+    for (entry, a, b), (tensor, off, _) in zip(requests, targets, strict=True):
+        by_file.setdefault(entry.path, (entry, []))[1].append(
+            (a, b, tensor, off * tensor_itemsize(tensor)))
+    cpu = {id(t): v for t, _, _ in targets if (v := cpu_bytes(t)) is not None}
+    plain = not cfg.every_device and len(cpu) == len({id(t) for t, _, _ in targets})
+    direct: list[tuple[str, str, FileEntry, list[tuple[int, int, memoryview]]]] = []
+    piped: list[tuple[FileEntry, list[Piece]]] = []
+    for entry, pieces in by_file.values():
+        holder, rel = reader.files.locate(entry.path)
+        if not (plain and local_path(holder.url) is not None):
+            piped.append((entry, pieces))
+            continue
+        direct.append((holder.full(rel), holder.url_of(rel), entry,
+                       [(a, b, _cut(cpu[id(t)], at, b - a)) for a, b, t, at in pieces]))
+    read_windows(direct, cs, cfg.threads)
+    if piped:
+        _fill_piped(reader, piped, cfg)
+    return sum(b - a for _, a, b in requests)
+
+
+def _cut(view: memoryview, at: int, n: int) -> memoryview:
+    if at < 0 or at + n > len(view):
+        raise ShardckptError(f"bytes [{at}, {at + n}) of a tensor to load into lie outside its "
+                             f"{len(view)} bytes")
+    return view[at:at + n]
+
+
+def _fill_piped(reader: CheckpointReader, by_file: Sequence[tuple[FileEntry, list[Piece]]],
+                cfg: IOConfig) -> None:
+    """The pieces ``(start, end, tensor, byte offset)`` of each file through the read pipeline."""
+    files: list[FileReads] = []
     closers: list[Callable[[], None]] = []
     views: dict[int, Any] = {}
     copier = Copier()
     try:
-        for (entry, a, b), (tensor, off, _) in zip(requests, targets, strict=True):
-            f = files.get(entry.path)
-            if f is None:
-                url, read = reader_of(reader, entry, closers)
-                f = files[entry.path] = FileReads(entry, url, read)
-            dst = views.setdefault(id(tensor), byte_view(tensor))
-            f.pieces.append((a, b, (dst, off * tensor_itemsize(tensor))))
-        ring = host_ring(cfg, cfg.slot_bytes(cs), pinnable([t for t, _, _ in targets]))
+        for entry, pieces in by_file:
+            url, read = reader_of(reader, entry, closers)
+            files.append(FileReads(entry, url, read, [
+                (a, b, (views.setdefault(id(t), byte_view(t)), at)) for a, b, t, at in pieces]))
+        tensors = [t for _, pieces in by_file for _, _, t, _ in pieces]
+        ring = host_ring(cfg, cfg.slot_bytes(reader.manifest.chunk_size), pinnable(tensors))
         try:
-            pipelined_reads(list(files.values()), cs, ring, copier.put, cfg.threads)
+            pipelined_reads(files, reader.manifest.chunk_size, ring, copier.put, cfg.threads)
         finally:
             copier.finish()
     finally:
         for close in closers:
             close()
-    return sum(b - a for _, a, b in requests)
+
+
+def cpu_bytes(t: Any) -> memoryview | None:
+    """A writable byte view of CPU tensor ``t``'s own memory, or None where there is none."""
+    import torch
+
+    if getattr(t, "device", None) is None or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def tensor_itemsize(t: Any) -> int:

@@ -39,7 +39,8 @@ Object stores (``s3://``; see :data:`S3_CONFIG_DEFAULTS`):
 
 Modules: :mod:`.core` (the :class:`Storage` handle), :mod:`.backend` (the backend interface and
 the table that picks a backend class by URL scheme: :data:`BACKENDS`), :mod:`.backends` (the
-generic fsspec backend every other one extends), :mod:`.local` (the local disk), :mod:`.memory`
+generic fsspec backend every other one extends), :mod:`.local` (the local disk) and
+:mod:`.local_windows` (its reads straight into memory, on several threads), :mod:`.memory`
 (``memory://``), :mod:`.s3` (S3: options, error codes, the conditional writes) and
 :mod:`.s3upload` (its multipart uploads, open uploads), :mod:`.s3copy` (server-side copies of
 checked ranges), :mod:`.writer` (streaming, checksummed
@@ -83,6 +84,7 @@ from shardckpt.storage.places import contains
 from shardckpt.storage.reads import Request
 from shardckpt.storage.read_window import windowed_reads
 from shardckpt.storage.local import LocalBackend, local_path, open_regular, read_local_into
+from shardckpt.storage.local_windows import read_windows
 from shardckpt.storage.private_dir import private_storage
 from shardckpt.storage.pipeline import (
     FileReads, IOConfig, Reader, Ring, Slot, check_chunks, local_reader, pipelined_reads, windows,
@@ -113,6 +115,7 @@ __all__ = [
     "crc32c_combine", "hash_chunks", "iter_file_chunks", "list_open_uploads", "live_until",
     "local_path", "local_reader", "mapped_errors", "open_regular", "open_storage",
     "pipelined_reads", "pool_map", "private_storage", "read_ahead", "read_checked", "read_local_into",
-    "resolve_inside", "sourced", "spans", "split_options", "storage_options_from_env", "whoami",
+    "read_windows", "resolve_inside", "sourced", "spans", "split_options",
+    "storage_options_from_env", "whoami",
     "windowed_reads", "windows", "write_positioned",
 ]

@@ -62,7 +62,8 @@ def read_chunks(storage: Files, entry: FileEntry, chunk_size: int, c0: int, c1: 
     if again is not None:
         j, got = again
         raise IntegrityError(
-            f"{storage.url_of(rel)}: bytes [{j * chunk_size}, {min(entry.size, (j + 1) * chunk_size)}) "
+            f"{storage.url_of(rel)}: chunk {j}: "
+            f"bytes [{j * chunk_size}, {min(entry.size, (j + 1) * chunk_size)}) "
             f"fail their CRC32C check (recorded {entry.chunk_crc32c[j]:08x}, read {got:08x}, "
             "read twice); the file is corrupted")
     joined = bytearray(view[:i * chunk_size - a])
@@ -191,7 +192,7 @@ class ChunkCheck:
                 i = self.chunk
                 if self.crc != self.entry.chunk_crc32c[i]:
                     raise IntegrityError(
-                        f"{self.url}: bytes [{i * cs}, {min(size, (i + 1) * cs)}) fail their "
-                        f"CRC32C check (recorded {self.entry.chunk_crc32c[i]:08x}, read "
+                        f"{self.url}: chunk {i}: bytes [{i * cs}, {min(size, (i + 1) * cs)}) "
+                        f"fail their CRC32C check (recorded {self.entry.chunk_crc32c[i]:08x}, read "
                         f"{self.crc:08x}); the file is corrupted")
                 self.chunk, self.crc = i + 1, 0

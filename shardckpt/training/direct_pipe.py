@@ -2,8 +2,8 @@
 engine's shards, on any device.
 
 CPU shards of their own memory take the plain direct path: each span read with ``readinto``
-into the shard (:func:`~shardckpt.storage.read_local_into`), a file in windows of whole chunks
-on several threads (:func:`read_windows`), a peer's file received into it.
+into the shard, a file in windows of whole chunks on several threads
+(:func:`~shardckpt.storage.read_windows`), a peer's file received into it.
 Shards on a device (or any shards, with ``SHARDCKPT_IO_PIPELINE=1``) go through the read
 pipeline (:mod:`shardckpt.checkpoint.tensor_reads`): this node's files read into the ring,
 checked in worker threads and copied into the shards (``non_blocking`` on a side stream on CUDA),
@@ -13,29 +13,18 @@ of a CPU shard, or ``(bytes of the shard as a uint8 tensor, byte offset)``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from shardckpt.checkpoint.reader import CheckpointReader
-from shardckpt.checkpoint.tensor_reads import Copier, byte_view, host_ring, pinnable, reader_of
+from shardckpt.checkpoint.tensor_reads import (
+    Copier, byte_view, cpu_bytes, host_ring, pinnable, reader_of,
+)
 from shardckpt.errors import IntegrityError
 from shardckpt.format.manifest import FileEntry
-from shardckpt.storage import FileReads, IOConfig, Storage, pipelined_reads, read_local_into
+from shardckpt.storage import FileReads, IOConfig, Storage, pipelined_reads, read_windows
 
 ByFile = Mapping[str, tuple[FileEntry, list[tuple[int, int, Any]]]]
-
-#: Bytes of a shard file that one thread reads and checks at a time (rounded to whole chunks).
-WINDOW_BYTES = 16 << 20
-
-
-def cpu_bytes(t: Any) -> memoryview | None:
-    """A writable byte view of CPU tensor ``t``'s own memory, or None where there is none."""
-    import torch
-
-    if getattr(t, "device", None) is None or t.device.type != "cpu" or not t.is_contiguous():
-        return None
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def loadable(t: Any) -> bool:
@@ -88,7 +77,8 @@ def read_local(reader: CheckpointReader, by_file: ByFile, skip: set[str], throug
             try:
                 reader.check_file(entry)
                 if ring is None:
-                    read_windows(holder.full(rel), holder.url_of(rel), entry, cs, pieces)
+                    read_windows([(holder.full(rel), holder.url_of(rel), entry, pieces)], cs,
+                                 cfg.threads)
                     continue
                 url, read = reader_of(reader, entry, closers)
                 pipelined_reads([FileReads(entry, url, read, list(pieces))], cs, ring, copier.put,
@@ -101,30 +91,3 @@ def read_local(reader: CheckpointReader, by_file: ByFile, skip: set[str], throug
     finally:
         copier.finish()
     return damaged
-
-
-def read_windows(path: str, url: str, entry: FileEntry, chunk_size: int,
-                 pieces: Sequence[tuple[int, int, memoryview]], threads: int | None = None) -> None:
-    """:func:`~shardckpt.storage.read_local_into` of ``pieces``, the file cut into windows of
-    whole chunks that ``threads`` threads (``IOConfig.threads``) read and check at once: a
-    window's reads and CRC32Cs release the GIL, so one rank's load is not one core's copy and
-    checksum in series. Every chunk lies in one window, so each is read and checked once."""
-    step = max(1, WINDOW_BYTES // chunk_size) * chunk_size
-    windows: dict[int, list[tuple[int, int, memoryview]]] = {}
-    for a, b, view in pieces:
-        at = a
-        while at < b:
-            end = min(b, (at // step + 1) * step)
-            windows.setdefault(at // step, []).append((at, end, view[at - a:end - a]))
-            at = end
-    n = IOConfig.from_env().threads if threads is None else threads
-    if len(windows) < 2 or n < 2:
-        read_local_into(path, url, entry, chunk_size, pieces)
-        return
-    pool = ThreadPoolExecutor(min(n, len(windows)), thread_name_prefix="shardckpt-direct-load")
-    try:
-        for done in [pool.submit(read_local_into, path, url, entry, chunk_size, windows[w])
-                     for w in sorted(windows)]:
-            done.result()  # the first failure is raised; the windows not started are cancelled
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)

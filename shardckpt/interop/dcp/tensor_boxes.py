@@ -13,6 +13,7 @@ in one batch and copied from a strided view of it (:func:`~shardckpt.interop.dcp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,7 +58,8 @@ def apply_boxes_pipelined(r: CheckpointReader, batch: list, planner: LoadPlanner
         for entry in {req[0].path: req[0] for _, req, _ in piped}.values():
             r.check_file(entry)
         fill_tensors(r, [req for _, req, _ in piped],
-                     [(target, 0, target.numel()) for _, _, target in piped], cfg)
+                     [(target, 0, target.numel()) for _, _, target in piped],
+                     replace(cfg, every_device=True) if pipeline else cfg)
         for item, _, target in piped:
             planner.commit_tensor(item, target)
     if rest:
