@@ -8,6 +8,7 @@ the ring is tested with real ranks in ``integration/test_peer_transfer.py``."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import pytest
@@ -155,27 +156,61 @@ def test_shardckpt_reader_through_the_pipeline_is_bit_exact_whatever_the_ring(
     assert len(made) == 1 and 0 < made[0].made <= buffers  # bounded: the ring, not the state
 
 
-def test_shardckpt_reader_keeps_cpu_tensors_batched_unless_asked(dcp_saved, monkeypatch):
-    made = rings_made(monkeypatch)
-    got = _state(1)
-    dcp.load(got, storage_reader=ShardckptReader(dcp_saved))
-    assert made == [] and all(torch.equal(t, _state(0)[k]) for k, t in got.items())
-    monkeypatch.setenv(pipeline.ENV_PIPELINE, "1")  # the knob: CPU tensors too
-    got = _state(1)
-    dcp.load(got, storage_reader=ShardckptReader(dcp_saved))
-    assert len(made) == 1 and all(torch.equal(t, _state(0)[k]) for k, t in got.items())
+def _plain_reads(monkeypatch) -> list[int]:
+    """How many pieces each call of the plain path (straight into CPU memory) was given."""
+    import shardckpt.checkpoint.tensor_reads as tensor_reads
+
+    calls: list[int] = []
+    real = tensor_reads.read_windows
+
+    def spy(files, cs, threads):
+        calls.append(sum(len(p) for *_, p in files))
+        real(files, cs, threads)
+
+    monkeypatch.setattr(tensor_reads, "read_windows", spy)
+    return calls
 
 
-def test_shardckpt_reader_through_the_pipeline_names_the_damaged_file_and_chunk(tmp_path, monkeypatch):
+def test_shardckpt_reader_reads_cpu_tensors_straight_into_them_unless_asked(dcp_saved, monkeypatch):
+    """From a local disk, a CPU tensor's box is read straight into its memory (no ring);
+    ``pipeline=False`` reads it in batches; ``SHARDCKPT_IO_PIPELINE=1`` sends it through the ring."""
+    made, plain = rings_made(monkeypatch), _plain_reads(monkeypatch)
+    got = _state(1)
+    dcp.load(got, storage_reader=ShardckptReader(dcp_saved))
+    assert made == [] and sum(plain) == 4  # a box each: emb, w, b and step
+    assert all(torch.equal(t, _state(0)[k]) for k, t in got.items())
+    plain.clear()
+    got = _state(1)
+    dcp.load(got, storage_reader=ShardckptReader(dcp_saved, pipeline=False))
+    assert made == [] and sum(plain) == 0 and all(torch.equal(t, _state(0)[k]) for k, t in got.items())
+    monkeypatch.setenv(pipeline.ENV_PIPELINE, "1")  # the knob: CPU tensors through the ring
+    got = _state(1)
+    dcp.load(got, storage_reader=ShardckptReader(dcp_saved))
+    assert len(made) == 1 and sum(plain) == 0
+    assert all(torch.equal(t, _state(0)[k]) for k, t in got.items())
+
+
+def test_shardckpt_reader_reads_cpu_tensors_from_an_object_store_in_batches(monkeypatch):
+    url = "memory://dcp-plain/ck"
+    dcp.save(_state(0), storage_writer=ShardckptWriter(url, chunk_size=CHUNK))
+    made, plain = rings_made(monkeypatch), _plain_reads(monkeypatch)
+    got = _state(1)
+    dcp.load(got, storage_reader=ShardckptReader(url))
+    assert made == [] and sum(plain) == 0
+    assert all(torch.equal(t, _state(0)[k]) for k, t in got.items())
+
+
+@pytest.mark.parametrize("through", [True, None])  # the ring; straight into the CPU tensors
+def test_shardckpt_reader_names_the_damaged_file_and_chunk(tmp_path, monkeypatch, through):
     url = str(tmp_path / "ck")
     dcp.save(_state(0), storage_writer=ShardckptWriter(url, chunk_size=CHUNK))
     path = flip_bit(url, "chunks-", back=5000)
     chunk = (os.path.getsize(path) - 5000) // CHUNK
     set_ring(monkeypatch, 2, "8K", 3)
     with pytest.raises(CheckpointException) as err:  # DCP's wrapper of every rank's failure
-        dcp.load(_state(1), storage_reader=ShardckptReader(url, pipeline=True))
+        dcp.load(_state(1), storage_reader=ShardckptReader(url, pipeline=through))
     msg = "".join(str(e) for e, _ in err.value.failures.values())
-    assert os.path.basename(path) in msg and f"chunk {chunk} " in msg and "CRC32C" in msg, msg
+    assert os.path.basename(path) in msg and re.search(f"chunk {chunk}[ :]", msg) and "CRC32C" in msg, msg
 
 
 def test_a_reader_that_dies_ends_the_dcp_load_in_an_error(dcp_saved, monkeypatch):

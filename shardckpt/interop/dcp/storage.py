@@ -245,10 +245,11 @@ class ShardckptReader(StorageReader):
 
     Each rank reads only the byte ranges its load plan names (the smallest span of each stored
     chunk that holds the requested box), in batches of at most ``read_batch_bytes``, with every
-    CRC32C chunk it touches checked. Boxes for tensors on a device (for every tensor with
-    ``pipeline=True``, for none with ``False``) go through the read pipeline: a bounded ring of
-    host buffers, checks in worker threads, copies overlapped with the next reads
-    (:mod:`shardckpt.interop.dcp.tensor_boxes`). A checkpoint of flat groups (``ZeroEngine``) is presented
+    CRC32C chunk it touches checked. A box into a CPU tensor from a local disk is read straight
+    into the tensor's memory; one into a tensor on a device (into every tensor with
+    ``pipeline=True``) goes through the read pipeline: a bounded ring of host buffers, checks in
+    worker threads, copies overlapped with the next reads. ``pipeline=False``: every box is read
+    in batches and copied (:mod:`shardckpt.interop.dcp.tensor_boxes`). A checkpoint of flat groups (``ZeroEngine``) is presented
     as the state dict ``get_state_dict(model, optimizer)`` gives, under
     ``{model_key: ..., optim_key: ...}`` (:class:`shardckpt.interop.dcp.flat_view.FlatView`).
 
