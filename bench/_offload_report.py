@@ -50,8 +50,8 @@ def print_offload(rows: list[dict], args: argparse.Namespace) -> None:
     host gradient copies), and the step time overhead against the bytes moved (nvme: the state
     read and written once each) and the disk's bandwidth."""
     disk = disk_bandwidth(args.offload_dir) if args.offload == "nvme" else None
-    for off, res in zip(rows[::2], rows[1::2]):
-        saved = [b - a for a, b in zip(off["peak_rss_mb"], res["peak_rss_mb"])]
+    for off, res in zip(rows[::2], rows[1::2], strict=False):
+        saved = [b - a for a, b in zip(off["peak_rss_mb"], res["peak_rss_mb"], strict=False)]
         state = max(off["offloaded_bytes"]) / 1e6
         window = (3 if off["side"] == "nvme" else 0) * 12 * off["largest_shard"] / 1e6
         grads = (off["grad_copy_bytes"] or 4 * off["largest_shard"]) / 1e6

@@ -35,7 +35,8 @@ import hashlib
 import os
 import shutil
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 SAVE_VARIANTS = ("shardckpt", "dcp", "raw", "sync", "async", "dcp_sc", "dcp_async", "dcp_sc_async",
                  "digests", "signed")
@@ -303,7 +304,7 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
                     nbytes["dcp_sc"] = _dir_bytes(dcp_sc)
             elif v in ("dcp_async", "dcp_sc_async"):
                 target = dcp_as if v == "dcp_async" else dcp_sc_as
-                cold &= _prepare(rank, lambda: _remove(target), settle_s)
+                cold &= _prepare(rank, lambda t=target: _remove(t), settle_s)
                 writer = FileSystemWriter(target) if v == "dcp_async" else ShardckptWriter(target)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -317,7 +318,7 @@ def save_job(cfg_doc: dict[str, Any], work: str, reps: int, settle_s: float,
                 nbytes["raw"] = n  # this rank's; the parent sums
             elif v == "sync":
                 cold &= _prepare(rank, lambda: _remove(os.path.join(run_sync, "step-*")), settle_s)
-                dt, _ = _timed(lambda: ck_sync.save(step))
+                dt, _ = _timed(lambda s=step: ck_sync.save(s))
             else:
                 cold &= _prepare(rank, lambda: _remove(os.path.join(run_async, "step-*")), settle_s)
                 dist.barrier()

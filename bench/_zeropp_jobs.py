@@ -41,7 +41,7 @@ class NodeWire:
         self.bytes = {"cross": 0, "in": 0}
         self.real = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
 
-    def __enter__(self) -> "NodeWire":
+    def __enter__(self) -> NodeWire:
         for name, fn in self.real.items():
             setattr(self.dist, name, self._wrap(name, fn))
         return self
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             ranks.append(res)
     rows = []
     for v in VARIANTS:
-        per_step = [max(ts) for ts in zip(*(r["times"][v] for r in ranks))]
+        per_step = [max(ts) for ts in zip(*(r["times"][v] for r in ranks), strict=False)]
         rows.append({"variant": v, "precision": args.precision,
                      "median_s": statistics.median(per_step), "steps_s": per_step,
                      "cross_node_bytes": ranks[0][v]["bytes"]["cross"],

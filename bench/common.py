@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import psutil
 

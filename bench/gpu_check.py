@@ -49,7 +49,8 @@ import tempfile
 import time
 import traceback
 import types
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 SCHEMA = "shardckpt-gpu-check/1"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -701,7 +702,7 @@ def section_b(ctx: Ctx, rec: dict[str, Any]) -> None:
         rec["ratio_step_time_shardckpt_over_fsdp2"] = ratio(res["shardckpt"]["median_step_s"],
                                                             res["fsdp2"]["median_step_s"])
         rec["paired_ratio"] = round(statistics.median(
-            a / b for a, b in zip(times["shardckpt"], times["fsdp2"])), 4)
+            a / b for a, b in zip(times["shardckpt"], times["fsdp2"], strict=False)), 4)
         rec["last_loss_abs_diff"] = abs(losses["shardckpt"][-1] - losses["fsdp2"][-1])
     engine.close()
 

@@ -231,7 +231,7 @@ def main() -> None:
         if row["ok"]:
             row["peak_vs_full_copy"] = round(max(row["peak_rss_mb"]) * 1e6 / file_bytes, 2)
             row["load_mb_vs_full_copy"] = round(max(p - b for p, b in zip(
-                row["peak_rss_mb"], row["baseline_rss_mb"])) * 1e6 / file_bytes, 2)
+                row["peak_rss_mb"], row["baseline_rss_mb"], strict=False)) * 1e6 / file_bytes, 2)
             if base:
                 row["time_vs_from_pretrained"] = round(row["seconds"] / base["seconds"], 2)
     if args.json:

@@ -99,7 +99,7 @@ def engine_steps(cfg: LlamaConfig, device: torch.device, runs: dict[str, Offload
     built = {name: build(cfg, device, off) for name, off in runs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for rep in range(reps + 1):
-        for name, (engine, opt) in built.items():
+        for name, (_engine, opt) in built.items():
             _sync(device)
             t0 = time.perf_counter()
             opt.step()

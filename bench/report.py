@@ -103,7 +103,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                     "beside": beside, "why": "" if met else why})
 
     sizes = res.get("plan", {}).get("sizes") or []
-    for requested, row in zip(sizes, res.get("reshard", {}).get("rows", [])):
+    for requested, row in zip(sizes, res.get("reshard", {}).get("rows", []), strict=False):
         if float(requested) not in RESHARD_TARGET_SIZES:
             continue
         startup = row["reshard_s"] - row["reshard_in_process_s"]
@@ -113,7 +113,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             why += f"; the reshard alone ({row['ratio_in_process']:.3f}) is also under the target here"
         add(f"reshard {requested:g} GB vs cp -r + sync (speed)", row["ratio"], ">=", 0.9, why,
             beside=f"in-process {row['ratio_in_process']:.3f}")
-    for requested, row in zip(sizes, res.get("consolidate", {}).get("rows", [])):
+    for requested, row in zip(sizes, res.get("consolidate", {}).get("rows", []), strict=False):
         why = (f"the call takes {row['shardckpt_call_s']:.3f} s against DCP's {row['dcp_call_s']:.3f} s "
                f"at this size")
         beside = f"whole command {row['ratio']:.3f}"
@@ -181,7 +181,7 @@ def plot_tables(res: dict[str, Any]) -> dict[str, str]:
         md_table(["size GB (asked)", "checkpoint GB", "reshard GB/s", "cp -r + sync GB/s", "ratio",
                   "in-process ratio"],
                  [[s, r["size_gb"], r["reshard_gbps"], r["copy_gbps"], r["ratio"], r["ratio_in_process"]]
-                  for s, r in zip(sizes, rs)])
+                  for s, r in zip(sizes, rs, strict=False)])
         + "\n\n" +
         md_table(["fp32 weights GB", "shardckpt GB/s", "DCP GB/s", "ratio (command)",
                   "shardckpt call s", "DCP call s", "ratio (library call)"],

@@ -10,7 +10,8 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 HERE = Path(__file__).resolve().parent
 

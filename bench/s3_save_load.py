@@ -45,7 +45,7 @@ def _shard_data(src: str, rank: int) -> dict[str, bytes]:
     names = list(reader.slots)
     parts = reader.read_ranges([reader.state_range(rank, *n.rsplit(".", 1), 0,
                                                    reader.slots[n].shape[0]) for n in names])
-    data = {n: bytes(p) for n, p in zip(names, parts)}
+    data = {n: bytes(p) for n, p in zip(names, parts, strict=False)}
     if rank == 0:
         data.update({f"buffer:{k}": bytes(reader.read_buffer(k)[1]) for k in reader.buffer_slots})
     return data

@@ -151,7 +151,7 @@ class Wire:
         self.dist, self.bytes = dist, {}
         self.real = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
-    def __enter__(self) -> "Wire":
+    def __enter__(self) -> Wire:
         for name, fn in self.real.items():
             setattr(self.dist, name, self._wrap(name, fn))
         return self
@@ -278,7 +278,7 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
     compute = 2 if args.precision == "bf16" else 4
     for side in sides(args):
         ranks = results[side]
-        per_step = [max(ts) for ts in zip(*(r["times"] for r in ranks))]
+        per_step = [max(ts) for ts in zip(*(r["times"] for r in ranks), strict=False)]
         wire = ranks[0]["wire"]
         elements = sum(b // (compute if op == "all_gather" else 4) for op, b in wire.items())
         psi = ranks[0]["psi"]
@@ -297,7 +297,7 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
         # Interleaved steps pair up (same batch, back to back): the median of their ratios
         # is robust to a noisy neighbour slowing a stretch of steps of both sides.
         row["paired_ratio"] = statistics.median(
-            a / b for a, b in zip(row["steps_s"], base["steps_s"]))
+            a / b for a, b in zip(row["steps_s"], base["steps_s"], strict=False))
     return rows
 
 
