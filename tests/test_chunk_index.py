@@ -18,6 +18,7 @@ from shardckpt.format import chunk_index, chunked
 from shardckpt.format.chunk_index import row_bands
 from shardckpt.format.chunk_tiling import overlap
 from shardckpt.format.chunked import ChunkRecord, ChunkedTensor
+from testing.tilings import split_tiling
 
 #: 25k chunks: a scan per band is 6e8 steps here; the bounds are per chunk and per band
 N = 25_000
@@ -148,20 +149,6 @@ def test_reading_every_band_walks_the_chunk_list_once(layout: str) -> None:
 # ---------------------------------------------------- the same answers as the full scan
 
 
-def _split(lo: tuple[int, ...], hi: tuple[int, ...], cuts: list[int]) -> list[Any]:
-    """Boxes tiling [lo, hi): split recursively at the dims and points ``cuts`` gives."""
-    dims = [d for d in range(len(lo)) if hi[d] - lo[d] > 1]
-    if not cuts or not dims:
-        return [(lo, tuple(h - l for l, h in zip(lo, hi)))]
-    c, rest = cuts[0], cuts[1:]
-    d = dims[c % len(dims)]
-    at = lo[d] + 1 + (c // len(dims)) % (hi[d] - lo[d] - 1)
-    left_hi, right_lo = list(hi), list(lo)
-    left_hi[d], right_lo[d] = at, at
-    half = len(rest) // 2
-    return _split(lo, tuple(left_hi), rest[:half]) + _split(tuple(right_lo), hi, rest[half:])
-
-
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
@@ -188,7 +175,7 @@ def test_index_returns_what_the_full_scan_returns(shape: list[int], cuts: list[i
         o = tuple(min(x, d) for x, d in zip(o[:nd], shape_))
         return o, tuple(min(y, d - x + 1) for x, y, d in zip(o, s[:nd], shape_))
 
-    boxes = _split((0,) * nd, shape_, cuts) + [clip(o, s) for o, s in extra]
+    boxes = split_tiling((0,) * nd, shape_, cuts) + [clip(o, s) for o, s in extra]
     order.shuffle(boxes)
     t = _tensor(shape_, boxes)
     asked = list(_bands(shape_, budget)) + [clip(o, s) for o, s in queries]

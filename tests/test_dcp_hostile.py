@@ -22,6 +22,7 @@ from shardckpt.format.manifest import MANIFEST_NAME
 from shardckpt.format.parse_context import MAX_LISTED
 
 from testing.cli import cli, ok, one_line_error
+from testing.tilings import split_tiling
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.checkpoint")
@@ -364,20 +365,6 @@ def _check_like_brute_force(t: ChunkedTensor) -> None:
             assert len(problems) == MAX_LISTED + 1 and boxes(found) <= boxes(pairs)
 
 
-def _split(lo: tuple[int, ...], hi: tuple[int, ...], cuts: list[int]) -> list[Any]:
-    """Boxes tiling [lo, hi): split recursively at the dims and points ``cuts`` gives."""
-    dims = [d for d in range(len(lo)) if hi[d] - lo[d] > 1]
-    if not cuts or not dims:
-        return [(lo, tuple(h - l for l, h in zip(lo, hi)))]
-    c, rest = cuts[0], cuts[1:]
-    d = dims[c % len(dims)]
-    at = lo[d] + 1 + (c // len(dims)) % (hi[d] - lo[d] - 1)
-    left_hi, right_lo = list(hi), list(lo)
-    left_hi[d], right_lo[d] = at, at
-    half = len(rest) // 2
-    return _split(lo, tuple(left_hi), rest[:half]) + _split(tuple(right_lo), hi, rest[half:])
-
-
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
@@ -393,7 +380,7 @@ def test_tiling_check_agrees_with_comparing_every_pair(shape: list[int], cuts: l
                                                        perturb: list[Any], drop: list[int],
                                                        empties: int) -> None:
     shape_ = tuple(shape)
-    boxes = [list(map(list, b)) for b in _split((0,) * len(shape_), shape_, cuts)]
+    boxes = [list(map(list, b)) for b in split_tiling((0,) * len(shape_), shape_, cuts)]
     for i, d, delta, size in perturb:
         if shape_:
             box = boxes[i % len(boxes)]

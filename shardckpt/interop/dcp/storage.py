@@ -249,9 +249,10 @@ class ShardckptReader(StorageReader):
     into the tensor's memory; one into a tensor on a device (into every tensor with
     ``pipeline=True``) goes through the read pipeline: a bounded ring of host buffers, checks in
     worker threads, copies overlapped with the next reads. ``pipeline=False``: every box is read
-    in batches and copied (:mod:`shardckpt.interop.dcp.tensor_boxes`). A checkpoint of flat groups (``ZeroEngine``) is presented
-    as the state dict ``get_state_dict(model, optimizer)`` gives, under
-    ``{model_key: ..., optim_key: ...}`` (:class:`shardckpt.interop.dcp.flat_view.FlatView`).
+    in batches and copied (:mod:`shardckpt.interop.dcp.tensor_boxes`). A checkpoint of flat
+    groups (``ZeroEngine``) is presented as the state dict ``get_state_dict(model, optimizer)``
+    gives, under ``{model_key: ..., optim_key: ...}``
+    (:class:`shardckpt.interop.dcp.flat_view.FlatView`).
 
     Values that are not tensors (``torch.save`` bytes, which DCP's default load planner decodes
     by calling ``torch.load`` with ``weights_only=False``) are handed to the planner only if
