@@ -153,8 +153,9 @@ def fill_tensors(reader: CheckpointReader, requests: Sequence[Request], targets:
     for (entry, a, b), (tensor, off, _) in zip(requests, targets, strict=True):
         by_file.setdefault(entry.path, (entry, []))[1].append(
             (a, b, tensor, off * tensor_itemsize(tensor)))
-    cpu = {id(t): v for t, _, _ in targets if (v := cpu_bytes(t)) is not None}
-    plain = not cfg.every_device and len(cpu) == len({id(t) for t, _, _ in targets})
+    cpu = {} if cfg.every_device else {
+        id(t): v for t, _, _ in targets if (v := cpu_bytes(t)) is not None}
+    plain = bool(cpu) and len(cpu) == len({id(t) for t, _, _ in targets})
     direct: list[tuple[str, str, FileEntry, list[tuple[int, int, memoryview]]]] = []
     piped: list[tuple[FileEntry, list[Piece]]] = []
     for entry, pieces in by_file.values():

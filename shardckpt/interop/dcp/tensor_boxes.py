@@ -53,10 +53,13 @@ def apply_boxes_pipelined(r: CheckpointReader, batch: list, planner: LoadPlanner
     cfg = IOConfig.from_env()
     piped: list[tuple[Any, tuple[Any, int, int], Any]] = []
     rest: list[tuple[Any, tuple[Any, int, int], Any, Any]] = []
+    local: dict[str, bool] = {}  # per file, not per box
     for item, req, (t, chunk) in batch:
         target = planner.resolve_tensor(item)
-        local = local_path(r.files.locate(req[0].path)[0].url) is not None
-        if through_pipeline(target, t.dtype, req[2] - req[1], pipeline, cfg, local):
+        path = req[0].path
+        if path not in local:
+            local[path] = local_path(r.files.locate(path)[0].url) is not None
+        if through_pipeline(target, t.dtype, req[2] - req[1], pipeline, cfg, local[path]):
             piped.append((item, req, target))
         else:
             rest.append((item, req, (t, chunk), target))
