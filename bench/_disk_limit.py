@@ -95,12 +95,36 @@ def _advise_dontneed(path: str) -> bool:
     return True
 
 
-def streams(folder: str, nbytes: int, n: int) -> dict[str, object]:
+def drop_page_cache() -> bool:
+    """Write back and drop the page cache; False where this process may not (not root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _settle(settle_s: float) -> bool:
+    """What the benchmarks do before each timed save and load of a tool: write back, pause
+    ``settle_s``, drop the page cache (False where it cannot be dropped)."""
+    os.sync()
+    time.sleep(settle_s)
+    return drop_page_cache()
+
+
+def streams(folder: str, nbytes: int, n: int, settle_s: float | None = None) -> dict[str, object]:
     """The disk's limit with ``n`` parallel streams: ``n`` threads each write ``nbytes / n`` to a
     file of their own in 16 MiB ``os.write`` calls (which release the GIL) and fsync it; then,
     after ``POSIX_FADV_DONTNEED`` on every file, each thread reads its file back in 16 MiB
     ``readinto`` calls. Seconds and GB/s of each phase (the read may include page-cache hits
-    where the kernel keeps pages despite the advice). The files are removed."""
+    where the kernel keeps pages despite the advice). The files are removed.
+
+    ``settle_s``: measured as the benchmarks measure the tools themselves (``_save_load_jobs``):
+    before the write and again before the read, everything is written back, the disk is left
+    ``settle_s`` seconds and the page cache is dropped where this process may (``cold`` says
+    whether it was both times), so the read comes from the disk."""
     from concurrent.futures import ThreadPoolExecutor
 
     os.makedirs(folder, exist_ok=True)
@@ -125,12 +149,17 @@ def streams(folder: str, nbytes: int, n: int) -> dict[str, object]:
                 got += k
         return got
 
+    cold = settle_s is not None
     try:
         with ThreadPoolExecutor(n) as pool:
+            if settle_s is not None:
+                cold &= _settle(settle_s)
             t0 = time.perf_counter()
             list(pool.map(write, range(n)))
             write_s = time.perf_counter() - t0
             advised = all([_advise_dontneed(p) for p in paths])
+            if settle_s is not None:
+                cold &= _settle(settle_s)
             t0 = time.perf_counter()
             got = sum(pool.map(read, range(n)))
             read_s = time.perf_counter() - t0
@@ -142,7 +171,7 @@ def streams(folder: str, nbytes: int, n: int) -> dict[str, object]:
         raise RuntimeError(f"{folder}: read {got} of {nbytes} bytes back")
     return {"streams": n, "bytes": nbytes, "write_fsync_s": write_s, "read_s": read_s,
             "write_gbs": nbytes / write_s / 1e9, "read_gbs": nbytes / read_s / 1e9,
-            "fadvise_dontneed": advised}
+            "fadvise_dontneed": advised, "cold": cold}
 
 
 def main() -> None:

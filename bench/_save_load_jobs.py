@@ -38,6 +38,8 @@ import time
 from typing import Any
 from collections.abc import Callable
 
+from _disk_limit import drop_page_cache as drop_caches  # noqa: F401 (recovery.py imports it from here)
+
 SAVE_VARIANTS = ("shardckpt", "dcp", "raw", "sync", "async", "dcp_sc", "dcp_async", "dcp_sc_async",
                  "digests", "signed")
 LOAD_VARIANTS = ("shardckpt", "dcp", "dcp_sc")
@@ -54,17 +56,6 @@ def _rotated(variants: tuple[str, ...], rep: int) -> list[str]:
     order = list(variants)
     random.Random(rep).shuffle(order)
     return order
-
-
-def drop_caches() -> bool:
-    """Write back and drop the page cache; False where this process may not (not root)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _remove(*patterns: str) -> None:
