@@ -34,7 +34,7 @@ if a checksum fails while loading it (on any rank), every rank falls back to the
 
 Tiers: with ``local=LocalTier(path=..., every=K, keep=2, peers=1)`` and ``durable_every=M``,
 ``save(step)`` writes to each node's directory every K steps (peer copies and commit in the
-background), and commits the same checkpoint at ``run_url`` every M steps, copied from the node
+background; with ``async_save`` the write too, the next update waiting for it), and commits the same checkpoint at ``run_url`` every M steps, copied from the node
 directories in the background; ``resume`` takes the newest checkpoint it can assemble from the
 local tier (own copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`,
 :mod:`shardckpt.checkpoint.resume_policy`); the newer checkpoints it passed over are put aside.
@@ -132,7 +132,8 @@ class Checkpointer:
         #: node-local first: at each save, the first tier that takes it
         self.tiers: list[Tier] = [self.durable]
         if local is not None:
-            self.tiers.insert(0, NodeTier(local, self.state, self._group, run_url, self.durable))
+            self.tiers.insert(0, NodeTier(local, self.state, self._group, run_url, self.durable,
+                                          background=async_save))
         self._executor = SaveExecutor()
         self._staged = self._executor.staged
         # the staging copy runs in the background: the next update waits until it is done
@@ -181,7 +182,7 @@ class Checkpointer:
                                   **dict(extras or {}), "step": step, "seed": self.state.seed,
                                   "app": self.state.app_json(), **tier_extras}, "extras", f"save of {where}").to_doc()
         for tier in self.tiers:
-            if tier is self.durable and self.async_save and tier.due(step):
+            if self.async_save and tier.due(step):
                 self._hook_optimizer()
             pending = tier.save(step, ext)
             if pending is not None:

@@ -22,7 +22,7 @@ class Pending:
     ``staged`` once the shards may change again, where ``stages``), run ``background`` or in
     the caller's thread; ``name`` names its thread."""
 
-    work: Callable[[threading.Event], Manifest]
+    work: Callable[[threading.Event], Manifest | None]  # None: nothing was saved after all
     name: str
     background: bool = True
     stages: bool = False
@@ -34,7 +34,7 @@ class SaveExecutor:
     def __init__(self) -> None:
         self.staged = threading.Event()
         self.staged.set()
-        self._pending: Future[Manifest] | None = None
+        self._pending: Future[Manifest | None] | None = None
         self._thread: threading.Thread | None = None
 
     def run(self, pending: Pending) -> None:
@@ -43,7 +43,7 @@ class SaveExecutor:
         if not pending.background:
             pending.work(self.staged)
             return
-        fut: Future[Manifest] = Future()
+        fut: Future[Manifest | None] = Future()
         if pending.stages:
             self.staged.clear()
 

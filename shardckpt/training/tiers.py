@@ -8,7 +8,11 @@ Save (every ``LocalTier.every`` steps), on every rank:
    straight from the live tensors into its node's directory, and the ranks exchange the file
    entries (size, CRC32C per chunk); with HSDP, the replicas that write nothing compare their
    chunk CRCs with the writers' (:mod:`shardckpt.checkpoint.replica_check`: a mismatch fails
-   the save on every rank, and no node commits it); then training may go on;
+   the save on every rank, and no node commits it); then training may go on. With
+   ``async_save`` this step runs in the background thread too: ``save()`` returns once the
+   small state is snapshotted (buffers, per-rank state), the next forward and backward overlap
+   the write, and the optimizer's next update waits until the files are written (the node's
+   file is the staging copy: no staging buffer is taken for it);
 2. in the background, over the checkpointer's own process group: each rank sends its files to
    its peers (:mod:`.peer_copy`, checked on receipt); once every rank reports its files and their
    copies durable, each node's lowest rank creates the manifest there (create-only) and prunes
@@ -22,7 +26,8 @@ Save (every ``LocalTier.every`` steps), on every rank:
 
 A node out of room (``quota_bytes``, or ENOSPC) turns the tier off with one warning; saves then
 go to the durable tier alone, and a durable save due at that step still happens (from memory
-where the local write failed, from the node directories where only the peer copy did).
+where the local write failed, from the node directories where only the peer copy did; with
+``async_save``, from the live shards before the next update, which waits for it).
 
 Resume: :class:`~shardckpt.training.node_resume.LocalSource`, this tier's candidates for the one
 resume policy (:mod:`shardckpt.checkpoint.resume_policy`).
@@ -31,29 +36,27 @@ resume policy (:mod:`shardckpt.checkpoint.resume_policy`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import replace
 from typing import Any
 from collections.abc import Mapping
 
-from shardckpt.checkpoint.attempt import Attempt, Steps
 from shardckpt.checkpoint.collective import agree, failed_with
 from shardckpt.checkpoint import manifest_memo
-from shardckpt.checkpoint.job import Job
 from shardckpt.checkpoint.loss_flag import LossFlag
 from shardckpt.checkpoint.node_files import newest_committed, prune
 from shardckpt.checkpoint.reader import as_storage
-from shardckpt.checkpoint.references import RunFiles
 from shardckpt.checkpoint.run_dir import step_dir
 from shardckpt.checkpoint.tiers import (
-    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, durable_references, ensure_room,
+    HEADER_ALLOWANCE, LocalTier, Transfer, as_full, commit_node, ensure_room,
 )
 from shardckpt.checkpoint.writer import CheckpointWriter, new_save_id
 from shardckpt.errors import (
-    CollectiveError, InsufficientSpaceError, IntegrityError, ReplicaMismatchError, ShardckptError,
+    CollectiveError, InsufficientSpaceError, ReplicaMismatchError, ShardckptError,
 )
-from shardckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest, frozen_file_name
-from shardckpt.storage import iter_file_chunks
+from shardckpt.format.manifest import MANIFEST_NAME, Manifest
 from shardckpt.training.durable_tier import DurableTier
+from shardckpt.training.node_durable import LocalSave, copy_to_durable
 from shardckpt.training.node_resume import LocalSource
 from shardckpt.training.node_spare import NodeSpare
 from shardckpt.training.peer_checks import report_entries
@@ -65,20 +68,6 @@ from shardckpt.training.tier_guard import foreign_steps, private_node, run_ident
 
 log = logging.getLogger(__name__)
 
-COPY_PIECE = 8 << 20
-
-@dataclass
-class LocalSave:
-    """A save written to the node directories, not yet copied to peers or committed."""
-
-    step: int
-    writer: CheckpointWriter
-    by_rank: dict[int, list[FileEntry]]  # the files each rank wrote
-
-    @property
-    def entries(self) -> list[FileEntry]:
-        return [e for r in sorted(self.by_rank) for e in self.by_rank[r]]
-
 
 class NodeTier:
     """This rank's view of the local tier: its node, its peers, its node's directory; a
@@ -88,9 +77,10 @@ class NodeTier:
     name = "local"
 
     def __init__(self, tier: LocalTier, state: RunState, group: Any, run_url: str,
-                 durable: DurableTier | None = None) -> None:
+                 durable: DurableTier | None = None, background: bool = False) -> None:
         rank = state.rank
         self.tier, self.rank, self.group, self.state, self.durable = tier, rank, group, state, durable
+        self.background = background  # async: the files are written in the background too
         self.run = run_identity(run_url)
         self.nodes = tier.topology(state.world_size)
         self.node = self.nodes.node_of(rank)
@@ -135,11 +125,34 @@ class NodeTier:
         is full (the tier is then off, and the durable save, if due, is the next tier's)."""
         if not self.due(step):
             return None
-        written = self.write(self.state.begin(self.url_for(step), ext, None, self.group), step)
-        if written is None:
-            return None
+        job = self.state.begin(self.url_for(step), ext, None, self.group)
         durable = self.durable if self.durable is not None and self.durable.due(step) else None
-        return Pending(lambda staged: self._finish(written, durable), f"shardckpt-tiers-{step}")
+        name = f"shardckpt-tiers-{step}"
+        if not self.background:
+            written = self.write(job, step)
+            if written is None:
+                return None
+            return Pending(lambda staged: self._finish(written, durable), name)
+
+        def work(staged: threading.Event) -> Manifest | None:  # the next update waits for the files
+            try:
+                written = self.write(job, step)
+                if written is None:  # the node is full (the tier is off): the durable save, if due
+                    return self._from_memory(job, step, durable) if durable is not None else None
+            finally:
+                staged.set()
+            return self._finish(written, durable)
+
+        return Pending(work, name, stages=True)
+
+    def _from_memory(self, job: SaveJob, step: int, durable: DurableTier) -> Manifest:
+        """The durable save of ``step`` from the live shards, where the node had no room for it
+        (before the next update: it waits), with the snapshot ``job`` took at the save's call
+        (buffers, per-rank state)."""
+        url = durable.manager.url_for(step)
+        again = replace(job, storage=as_storage(url, self.state.storage_options),
+                        previous=durable.manager.latest_url())
+        return durable.finish(again, step)
 
     def _finish(self, written: LocalSave, durable: DurableTier | None) -> Manifest:
         local = self.commit(written)
@@ -296,53 +309,9 @@ class NodeTier:
 
     def copy_to_durable(self, save: LocalSave, url: str,
                         storage_options: Mapping[str, Any] | None) -> Manifest:
-        """Commit ``save`` at ``url`` from the node directories: an
-        :class:`~shardckpt.checkpoint.attempt.Attempt` over the tier's group under the save's id,
-        whose every agreement is watched (a rank lost on the way fails every survivor at once).
-        Its guard, on rank 0: a frozen file whose entry equals the frozen file of the run's latest
-        committed durable checkpoint is not copied; the durable manifest references that file
-        (decided from the manifests and the referenced files' sizes, reading none of their
-        bytes). Its share: each rank streams the files it wrote, checked against what it wrote.
-        Rank 0 commits."""
-        dst = as_storage(url, storage_options)
-        here = self.storage.child(step_dir(save.step))
-        chunk = save.writer.spec.chunk_size
-        save_id = save.writer.save_id
-        # a frozen file the node references in an earlier local step is the durable copy's own
-        S, files = save.writer.spec.mesh.shard_degree, RunFiles(here)
-        own = {e.path: replace(e, path=frozen_file_name(save_id, e.index or 0, S))
-               if e.is_reference else e for e in save.entries}
+        """Commit ``save`` at ``url`` from the node directories (:func:`.node_durable.copy_to_durable`)."""
+        return copy_to_durable(self.storage, self.group, self.rank, save, url, storage_options)
 
-        def refs() -> dict[str, str]:  # the guard's plan, on every rank once open
-            return attempt.guarded or {}
-
-        def copy(_: CheckpointWriter) -> None:
-            for e in save.by_rank.get(self.rank, []):
-                d = own[e.path]
-                if d.path in refs():
-                    continue  # referenced in the previous durable checkpoint: not a byte read
-                with dst.writer(d.path, chunk) as w:
-                    for piece in iter_file_chunks(*files.locate(e.path), COPY_PIECE):
-                        w.write(piece)
-                    got = w.close()
-                if (got[0], got[1], tuple(got[2])) != (e.size, e.crc32c, tuple(e.chunk_crc32c)):
-                    raise IntegrityError(f"{files.url_of(e.path)} no longer holds what was written "
-                                         f"(size or CRC32C differ); {dst.url} is not committed")
-
-        def entries() -> list[FileEntry]:
-            return [replace(e, path=refs()[e.path]) if e.path in refs() else e for e in own.values()]
-
-        job = Job.of_group(self.group, LossFlag.for_group(self.group, f"durable/{save_id}"))
-        attempt = Attempt(job, url, Steps(f"durable copy plan of {url}", f"save to {url}",
-                                          f"commit of {url}"),
-                          lambda sid: CheckpointWriter(dst, save.writer.spec, sid), save_id=save_id,
-                          guard=lambda: durable_references(dst, save.writer.manifest(own.values())),
-                          tell_guard=True, discard=False)
-        m = attempt.run(copy, lambda w, _: w.commit(entries()))
-        if self.rank == 0 and refs():
-            log.info("durable copy of step %d: %d frozen file(s) referenced in the previous "
-                     "checkpoint, not copied", save.step, len(refs()))
-        return m or save.writer.manifest(entries())
 
 def planned_bytes(job: SaveJob) -> int:
     """About the bytes ``job`` writes on this rank (headers aside: an allowance for them)."""
