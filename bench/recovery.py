@@ -9,6 +9,9 @@ median of ``--reps``:
   rank's files are on its node; the peer copies and the node commits go on in the background,
   their total is reported too) against ``Checkpointer(durable).save(step)`` (sync: written,
   fsynced and committed);
+* the same local save from a ``Checkpointer(async_save=True)``: the time ``save()`` blocks (the
+  node files are written in the background) and, until ``wait_staged()`` returns, the most the
+  optimizer's next update waits for that write (with no forward and backward to overlap it here);
 * recovery, from a fresh ``Checkpointer`` (its process group made beforehand) until the first
   training step can start: ``resume()`` from the local tier with every node intact ("local"),
   with node 1's copy of the newest step gone so that its ranks fetch their files from node 0
@@ -29,7 +32,8 @@ writable (``cold_cache`` says whether it was); tmpfs is memory and is not droppe
 
     python bench/recovery.py [--params 100M] [--reps 3] [--durable dir|s3] [--workdir DIR] [--json]
 
-Prints one JSON line: ``local_save_over_durable_save``, ``local_recovery_over_durable``,
+Prints one JSON line: ``local_save_over_durable_save``, ``local_async_save_over_durable_save``,
+``local_recovery_over_durable``,
 ``peer_recovery_over_durable``, ``secret_over_plain``, ``frozen_bytes_over_full`` (from ``bench/_frozen_bytes.py``,
 null where it is absent), ``over_floor`` (the local save, local and peer recovery over the least
 this machine allows for each, measured in the same launch by ``bench/_tmpfs_floor.py``) and
@@ -101,7 +105,8 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
     setup_s = time.perf_counter() - t0
     out: dict[str, Any] = {"state_bytes": state, "setup_s": setup_s, "cold": True,
                            "save": {"durable": [], "local": [], "local_total": [],
-                                    "local_total_secret": []},
+                                    "local_total_secret": [], "local_async": [],
+                                    "local_async_written": []},
                            "recovery": {"local": [], "peers": [], "durable": [], "peers_secret": []},
                            "resume_only": {"local": [], "peers": [], "durable": [], "peers_secret": []},
                            "step_s": [], "fetched": [], "tiers": [], "exact": True}
@@ -114,6 +119,13 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
     plain = Checkpointer(durable, engine, keep_last=2, storage_options=storage_options)
     tiered = Checkpointer(durable, engine, keep_last=2, storage_options=storage_options,
                           local=tier, durable_every=10 ** 9)
+    # async: the node files written in the background (a tier of its own; no durable save is
+    # due in it, so no staging buffer is allocated for one)
+    tier_async = LocalTier(path=os.path.join(local_root, "async", "node{node}"), every=1, keep=2,
+                           peers=1, ranks_per_node=2)
+    background = Checkpointer(durable, engine, keep_last=2, storage_options=storage_options,
+                              local=tier_async, durable_every=10 ** 9, async_save=True,
+                              max_staging_bytes=0)
     step = 10
     for _ in range(reps):
         step += 1
@@ -124,6 +136,11 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
         out["save"]["local"].append(dt)
         dt2, _ = _barrier_timed(tiered.wait)
         out["save"]["local_total"].append(dt + dt2)
+        dt, _ = _barrier_timed(lambda s=step: background.save(s))
+        out["save"]["local_async"].append(dt)
+        dt2, _ = _barrier_timed(background.wait_staged)  # what the next update waits at most
+        out["save"]["local_async_written"].append(dt + dt2)
+        background.wait()
         step += 1
         plain.save(step)  # the durable tier holds the newest step too (not timed)
         with job_secret():
@@ -132,6 +149,7 @@ def job(cfg_doc: dict[str, Any], local_root: str, durable: str, storage_options:
         out["save"]["local_total_secret"].append(dt + dt2)
     saved = _digest(engine)
     tiered.close()
+    background.close()
     plain.close()
     newest = f"step-{step:08d}"
     modes = ["local", "peers", "durable", "peers_secret"]
@@ -256,7 +274,8 @@ def main() -> None:
         if server is not None:
             server.stop()
     sec = {f"save_{k}": _median(_slowest(results, "save", k))
-           for k in ("durable", "local", "local_total", "local_total_secret")}
+           for k in ("durable", "local", "local_total", "local_total_secret", "local_async",
+                     "local_async_written")}
     sec.update({f"recovery_{k}": _median(_slowest(results, "recovery", k))
                 for k in ("local", "peers", "durable", "peers_secret")})
     sec.update({f"resume_only_{k}": _median(_slowest(results, "resume_only", k))
@@ -264,6 +283,7 @@ def main() -> None:
     sec.update({f"floor_{k}": _median(_slowest(results, "floor", k)) for k in ("write", "read", "peer")})
     line = {
         "local_save_over_durable_save": round(sec["save_local"] / sec["save_durable"], 3),
+        "local_async_save_over_durable_save": round(sec["save_local_async"] / sec["save_durable"], 4),
         "local_recovery_over_durable": round(sec["resume_only_local"] / sec["resume_only_durable"], 3),
         "peer_recovery_over_durable": round(sec["resume_only_peers"] / sec["resume_only_durable"], 3),
         "secret_over_plain": {
@@ -292,7 +312,8 @@ def main() -> None:
             "peer_recovery_over_durable_with_first_step":
                 round(sec["recovery_peers"] / sec["recovery_durable"], 3),
             "per_rep_s": {k: [round(x, 3) for x in _slowest(results, *k.split("."))]
-                          for k in ("save.durable", "save.local", "resume_only.local",
+                          for k in ("save.durable", "save.local", "save.local_async",
+                                    "save.local_async_written", "resume_only.local",
                                     "resume_only.peers", "resume_only.durable", "save.local_total",
                                     "save.local_total_secret", "resume_only.peers_secret")},
             "setup_s": round(max(r["setup_s"] for r in results), 1), "wall_s": round(wall, 1),
