@@ -11,7 +11,10 @@ launch shared by every test here (module-scoped). Each rank:
 3. with a full node (a 1-byte quota) and the local and durable tiers due at the same step (4):
    the node's write fails in the background, the tier turns off, and the durable save of step 4
    is written from the live shards before the next update (it waits); a fresh engine resumes
-   that durable step 4 bit-exact.
+   that durable step 4 bit-exact;
+4. rank 1's write of a local step 4 fails (an OSError) after step 2 was committed: ``save(4)``
+   returns on both ranks, the next update does not hang, ``wait()`` raises the failure on both,
+   no node commits step 4, and a fresh engine resumes step 2 bit-exact.
 """
 
 from __future__ import annotations
@@ -126,6 +129,46 @@ def job(rank: int, world: int, root: str) -> dict:
     out["full_start"], out["full_resume"] = again.resume(), again.last_resume
     out["full_resumed"] = _digest(fresh)
     again.close()
+    out.update(_failing_write(pm, root))
+    return out
+
+
+def _failing_write(pm, root: str) -> dict:
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.training import save_load
+    from shardckpt.training.checkpointer import Checkpointer
+
+    write_files = save_load.SaveJob.write_files
+
+    def fails(job, *args, **kwargs):
+        if pm.rank == 1 and "/failing/node" in job.url and job.url.endswith("step-00000004"):
+            raise OSError(5, "injected: input/output error")
+        return write_files(job, *args, **kwargs)
+
+    save_load.SaveJob.write_files = fails
+    tier = LocalTier(path=f"{root}/failing/node{{node}}", every=2, keep=3, peers=1, ranks_per_node=1)
+    engine, opt = tiny_engine(pm)
+    ckpt = Checkpointer(f"{root}/failing-durable", engine, local=tier, durable_every=100, async_save=True)
+    out: dict = {}
+    for i in range(1, 5):
+        tiny_step(engine, opt, i, pm.rank)
+        ckpt.save(i)
+        if i == 2:
+            ckpt.wait()
+            out["failing_saved"] = _digest(engine)
+    tiny_step(engine, opt, 5, pm.rank)  # the failed write let the update go
+    try:
+        ckpt.wait()
+        out["failing_error"] = None
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        out["failing_error"] = f"{type(e).__name__}: {e}"
+    ckpt.close()
+    save_load.SaveJob.write_files = write_files
+    fresh, _ = tiny_engine(pm)
+    again = Checkpointer(f"{root}/failing-durable", fresh, local=tier, async_save=True)
+    out["failing_start"], out["failing_resume"] = again.resume(), again.last_resume
+    out["failing_resumed"] = _digest(fresh)
+    again.close()
     return out
 
 
@@ -164,3 +207,16 @@ def test_full_node_in_an_async_save_writes_the_durable_step_from_memory(run):
     assert [f.step for f in mgr.committed()] == [4]
     assert mgr.check(mgr.committed()[0], full=True) == []
     assert not os.path.exists(os.path.join(run["root"], "full", "node0", "step-00000004", "manifest.json"))
+
+
+def test_failed_background_write_surfaces_at_wait_and_keeps_the_previous_step(run):
+    for r in run["ranks"]:
+        v = r.value
+        assert v["failing_error"] is not None and "local save" in v["failing_error"], v["failing_error"]
+        assert "injected" in v["failing_error"], v["failing_error"]
+        assert v["failing_start"] == 2 and v["failing_resume"]["tier"] == "local", v["failing_resume"]
+        assert v["failing_resumed"] == v["failing_saved"]
+    for node in ("node0", "node1"):
+        here = os.path.join(run["root"], "failing", node)
+        assert os.path.exists(os.path.join(here, "step-00000002", "manifest.json"))
+        assert not os.path.exists(os.path.join(here, "step-00000004", "manifest.json"))
