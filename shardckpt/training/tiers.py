@@ -122,7 +122,9 @@ class NodeTier:
     def save(self, step: int, ext: Mapping[str, Any]) -> Pending | None:
         """Write ``step`` to the node directories; what is pending: the peer copies, the commit
         and (where the durable tier is due too) the durable copy. None where not due, or a node
-        is full (the tier is then off, and the durable save, if due, is the next tier's)."""
+        is full (the tier is then off, and the durable save, if due, is the next tier's).
+        ``background`` (async): the write is pending too, and stages (a full node found there
+        is handled there, :meth:`_from_memory`)."""
         if not self.due(step):
             return None
         job = self.state.begin(self.url_for(step), ext, None, self.group)
