@@ -23,7 +23,10 @@ median of ``--reps`` runs; every rate is state bytes / seconds, so they compare 
   ``ShardckptReader``;
 * ``disk_1`` / ``disk_8``: the plain disk with 1 and 8 streams (16 MiB writes + fsync; reads after
   ``POSIX_FADV_DONTNEED``, which the kernel may ignore: read rates may include page-cache hits);
-* ``pinned_copy``: a plain device-to-pinned-host copy of the state's byte count (the staging limit).
+* ``pinned_copy``: a plain device-to-pinned-host copy of the state's byte count (the staging limit);
+* ``ours_local_async``: the node-local tier of a ``Checkpointer(async_save=True)`` (in
+  ``/dev/shm`` where it has room): what ``save()`` blocks and when its files, written from the
+  device shards in the background, are (``local_async_blocked_s`` at the top level).
 
 Every part is guarded: an error is recorded under ``errors`` and the next part runs; a part whose
 estimate no longer fits ``--budget-s`` is recorded as skipped. The table goes to stdout (the JSON
@@ -39,6 +42,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +59,8 @@ SIZES = {"full": dict(model=chk.LLAMA_300M, seq=256, batch=1),
 #: Rough seconds of each part per repetition on one H200 at the full size (budget check).
 ESTIMATE_S = {"pinned_copy": 3, "disk_1": 6, "disk_8": 4, "ours_sync_save": 5, "ours_load": 8,
               "ours_async_save": 5, "dcp_save_t1": 6, "dcp_save_t8": 5, "dcp_load": 4,
-              "dcp_async_save": 7, "dcp_async_pinned": 7, "dcp_sc_save": 5, "dcp_sc_load": 5}
+              "dcp_async_save": 7, "dcp_async_pinned": 7, "dcp_sc_save": 5, "dcp_sc_load": 5,
+              "ours_local_async": 5}
 
 
 class Bench:
@@ -291,6 +296,53 @@ def ours_async_save(b: Bench) -> dict[str, Any]:
             "staging_bytes": staging_bytes}
 
 
+def _local_root(b: Bench) -> str:
+    """Where the node-local tier goes: ``/dev/shm`` where it has room for three copies of the
+    state (two kept steps and a spare), else the work directory."""
+    shm = "/dev/shm"
+    try:
+        st = os.statvfs(shm)
+        if os.path.isdir(shm) and st.f_bavail * st.f_frsize > 3 * b.nbytes:
+            return tempfile.mkdtemp(prefix="gpu-io-local-", dir=shm)
+    except OSError:
+        pass
+    return tempfile.mkdtemp(prefix="gpu-io-local-", dir=b.root)
+
+
+def ours_local_async(b: Bench) -> dict[str, Any]:
+    """``reps + 1`` saves to the node-local tier of an async Checkpointer (its files written from
+    the device shards in the background): the time ``save()`` blocks, and when the files are
+    written (``wait_staged``: what the next update waits for at most); the first apart."""
+    from shardckpt.checkpoint.tiers import LocalTier
+    from shardckpt.training.checkpointer import Checkpointer
+
+    root = _local_root(b)
+    ck = Checkpointer(b.dir("ours-local-async"), b.engine, async_save=True, keep_last=None,
+                      local=LocalTier(path=root, every=1, keep=2, peers=0, ranks_per_node=1),
+                      durable_every=10 ** 9, max_staging_bytes=0)
+    saves = []
+    try:
+        for step in range(1, b.args.reps + 2):
+            b.ctx.sync()
+            t0 = time.perf_counter()
+            ck.save(step)
+            blocked = time.perf_counter() - t0
+            ck.wait_staged()
+            written = time.perf_counter() - t0
+            ck.wait()
+            saves.append({"step": step, "blocked_s": round(blocked, 5),
+                          "written_after_s": round(written, 4),
+                          "committed_after_s": round(time.perf_counter() - t0, 4)})
+    finally:
+        ck.close()
+        shutil.rmtree(root, ignore_errors=True)
+    later = saves[1:]
+    written = chk.median([s["written_after_s"] for s in later])
+    return {"saves": saves, "where": os.path.dirname(root), "first_blocked_s": saves[0]["blocked_s"],
+            "later_blocked_s": chk.median([s["blocked_s"] for s in later]),
+            "written_median_s": written, "written_gbs": chk.rate(b.nbytes, written)}
+
+
 def dcp_save(b: Bench, threads: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -409,7 +461,8 @@ PARTS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "pinned_copy": pinned_copy, "disk_8": lambda b: disk(b, 8),
     "dcp_save_t1": lambda b: dcp_save(b, 1), "dcp_save_t8": lambda b: dcp_save(b, 8),
     "dcp_load": dcp_load, "dcp_async_save": dcp_async_save, "dcp_async_pinned": dcp_async_pinned,
-    "dcp_sc_save": dcp_sc_save, "dcp_sc_load": dcp_sc_load, "disk_1": lambda b: disk(b, 1)}
+    "dcp_sc_save": dcp_sc_save, "dcp_sc_load": dcp_sc_load, "disk_1": lambda b: disk(b, 1),
+    "ours_local_async": ours_local_async}
 
 # ======================================================================= the summary
 
@@ -442,6 +495,7 @@ def summarize(rec: dict[str, Any]) -> None:
         "pinned_copy_gbs": g("pinned_copy"),
         "staging_vs_pinned_copy": chk.ratio(g("ours_async_save", "staging_gbs"), g("pinned_copy")),
         "staging_bytes": g("ours_async_save", "staging_bytes"),
+        "local_async_blocked_s": g("ours_local_async", "later_blocked_s"),
         "peak_pinned_host_bytes": max([p.get("pinned_host_peak_bytes") or 0
                                        for p in rec["parts"].values()], default=0) or None,
         "loads_bit_equal": {k: p["bit_equal_after"] for k, p in rec["parts"].items()
@@ -471,7 +525,9 @@ def print_table(rec: dict[str, Any]) -> None:
             ("async shardckpt: later save() blocked", "ours_async_save", "later_blocked_s", None),
             ("async shardckpt: staging", "ours_async_save", None, "staging_gbs"),
             ("async dcp.async_save blocked", "dcp_async_save", "blocked_median_s", None),
-            ("async dcp.async_save + pinned stager blocked", "dcp_async_pinned", "blocked_median_s", None)]
+            ("async dcp.async_save + pinned stager blocked", "dcp_async_pinned", "blocked_median_s", None),
+            ("async local tier: later save() blocked", "ours_local_async", "later_blocked_s", None),
+            ("async local tier: files written", "ours_local_async", "written_median_s", "written_gbs")]
     for label, part, sk, gk in rows:
         why = "error" if part in rec["errors"] else "skipped" if part in rec["skipped"] else "-"
         sec = _get(rec, part, sk) if sk else None

@@ -24,7 +24,7 @@ def test_small_cpu_run_measures_every_part_and_writes_the_ratios(tmp_path):
     assert doc["errors"] == {} and doc["skipped"] == {}
     parts = {"ours_async_save", "ours_sync_save", "ours_load", "pinned_copy", "disk_8", "disk_1",
              "dcp_save_t1", "dcp_save_t8", "dcp_load", "dcp_async_save", "dcp_async_pinned",
-             "dcp_sc_save", "dcp_sc_load"}
+             "dcp_sc_save", "dcp_sc_load", "ours_local_async"}
     assert set(doc["parts"]) == parts
     for key in TOP:
         assert isinstance(doc[key], float) and doc[key] > 0, key
@@ -34,6 +34,9 @@ def test_small_cpu_run_measures_every_part_and_writes_the_ratios(tmp_path):
     assert doc["parts"]["disk_8"]["streams"] == 8 and doc["parts"]["dcp_save_t8"]["thread_count"] == 8
     assert len(doc["parts"]["ours_async_save"]["saves"]) == 4  # the first, then the median of 3
     assert doc["staging_bytes"] == doc["settings"]["state_bytes"]
+    local = doc["parts"]["ours_local_async"]
+    assert len(local["saves"]) == 4 and isinstance(doc["local_async_blocked_s"], float)
+    assert all(s["blocked_s"] <= s["written_after_s"] <= s["committed_after_s"] for s in local["saves"])
     # the pinned stager: either measured, or every refusal recorded as the result
     pinned = doc["parts"]["dcp_async_pinned"]
     assert pinned.get("blocked_median_s") is not None or pinned["refused"]

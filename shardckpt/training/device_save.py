@@ -5,7 +5,7 @@
 gets for shard and frozen files. Written in parallel, CPU shards go to the disk straight from
 their own memory; CUDA shards are copied window by window into a small ring of pinned buffers on
 a side stream per worker (each copy waits for the work queued on the device when the save
-began), so device-to-host copies overlap the checksums and writes of other windows, and no
+began: :func:`device_events`), so device-to-host copies overlap the checksums and writes of other windows, and no
 full-size host copy of the state is made. Streamed (object stores), device shards go to the host
 in pieces of at most :data:`PIECE_BYTES`. State in offload files streams from its file.
 """
@@ -58,12 +58,29 @@ class DeviceBytes(Staged):
         s.synchronize()
 
 
+def device_events(shards: Mapping[str, Mapping[str, Any]]) -> dict[Any, Any]:
+    """An event on each CUDA device that ``shards`` live on, recorded now on its current
+    stream: what the save's device-to-host copies wait for, however much later they run (an
+    async save's write in the background, while the next forward is queued). Empty on CPU."""
+    out: dict[Any, Any] = {}
+    for kinds in shards.values():
+        for t in kinds.values():
+            dev = getattr(t, "device", None)
+            if getattr(dev, "type", None) == "cuda" and dev not in out:
+                import torch
+
+                out[dev] = torch.cuda.current_stream(dev).record_event()
+    return out
+
+
 class ShardBytes:
     """``produce(slot)`` of a shard's tensors (group -> kind -> tensor), and their parallel
-    positioned write (:meth:`write_positioned`)."""
+    positioned write (:meth:`write_positioned`). ``ready``: :func:`device_events` taken when the
+    save began (else each device's current stream when the write starts)."""
 
-    def __init__(self, shards: Mapping[str, Mapping[str, Any]], config: IOConfig | None = None) -> None:
-        self.shards, self.config = shards, config
+    def __init__(self, shards: Mapping[str, Mapping[str, Any]], config: IOConfig | None = None,
+                 ready: Mapping[Any, Any] | None = None) -> None:
+        self.shards, self.config, self.ready = shards, config, dict(ready or {})
 
     def tensor(self, slot: TensorSlot) -> Any:
         gname, kind = slot.name.rsplit(".", 1)
@@ -95,7 +112,7 @@ class ShardBytes:
             return None
         cfg = self.config or IOConfig.from_env()
         parts: list[Any] = [header]
-        ready: dict[Any, Any] = {}
+        ready: dict[Any, Any] = dict(self.ready)
         for slot, t in zip(slots, tensors, strict=True):
             u8 = byte_view(t)
             if int(u8.numel()) != slot.end - slot.begin:

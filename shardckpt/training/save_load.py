@@ -31,7 +31,7 @@ from shardckpt.format.manifest import (
 from shardckpt.format.records import PerRankState
 from shardckpt.training.device_load import fill_shards
 from shardckpt.storage import Storage
-from shardckpt.training.device_save import ShardBytes
+from shardckpt.training.device_save import ShardBytes, device_events
 from shardckpt.training.frozen_reuse import write_frozen
 from shardckpt.training.optim_info import fresh_optimizer_state, load_optimizer_info, optimizer_info
 
@@ -110,6 +110,7 @@ class SaveJob:
     failure: BaseException | None = None    # of stage(); raised by run() on every rank
     previous: str | None = None             # rank 0's: the run's previous committed checkpoint
     replicas: ReplicaCheck | None = None    # HSDP: replicas compare chunk CRCs before the commit
+    ready: Mapping[Any, Any] | None = None  # CUDA shards: an event per device, at begin_save
 
     @property
     def url(self) -> str:
@@ -150,7 +151,7 @@ class SaveJob:
         if self.failure is not None:
             raise self.failure
         if self.shard is not None:
-            produce = ShardBytes(self.shards)  # written in parallel where the disk is local
+            produce = ShardBytes(self.shards, ready=self.ready)  # in parallel on a local disk
             entries.append(w.write_shard(self.shard, produce))
             if w.frozen_slots:
                 entries.append(write_frozen(w, self.shard, produce, self.previous))
@@ -249,7 +250,8 @@ def begin_save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None
     state = {k: v.detach().clone() for k, v in (rank_state or {}).items()}
     check = ReplicaCheck.of(spec, rank, writes, lambda: ShardBytes(model.local_shards()), check_replicas)
     return SaveJob(as_storage(url, storage_options), spec, rank, shard if writes else None, shards,
-                   buffers, state, staging, group, snapshot=snapshot, previous=previous, replicas=check)
+                   buffers, state, staging, group, snapshot=snapshot, previous=previous, replicas=check,
+                   ready=device_events(shards))
 
 
 def save(model: Sharded, url: str, extras: Mapping[str, Any] | None = None,
