@@ -261,6 +261,26 @@ def _staging_bytes(ck: Any) -> int | None:
                for t in kinds.values() if t is not None)
 
 
+def _async_saves(b: Bench, ck: Any, after: Callable[[int], None] = lambda step: None
+                 ) -> list[dict[str, Any]]:
+    """``reps + 1`` timed saves of the async ``ck`` (the first apart: it may allocate): how long
+    ``save()`` blocks, when the shards may change again (``staged_after_s``, noted by a thread
+    of its own) and when the save is committed; ``after(step)`` once each is."""
+    saves = []
+    for step in range(1, b.args.reps + 2):
+        b.ctx.sync()
+        t0 = time.perf_counter()
+        ck.save(step)
+        blocked = time.perf_counter() - t0
+        staged = chk._staged_watch(ck)() - t0
+        ck.wait()
+        saves.append({"step": step, "blocked_s": round(blocked, 5), "staged_after_s": round(staged, 4),
+                      "staging_gbs": chk.rate(b.nbytes, max(staged - blocked, 1e-9)),
+                      "committed_after_s": round(time.perf_counter() - t0, 4)})
+        after(step)
+    return saves
+
+
 def ours_async_save(b: Bench) -> dict[str, Any]:
     """``reps + 1`` async saves with one Checkpointer: the first apart (it may allocate)."""
     from shardckpt.training.checkpointer import Checkpointer
@@ -268,22 +288,9 @@ def ours_async_save(b: Bench) -> dict[str, Any]:
     folder = b.dir("ours-async")
     shutil.rmtree(folder, ignore_errors=True)
     ck = Checkpointer(folder, b.engine, async_save=True, keep_last=None)
-    saves = []
     try:
-        for step in range(1, b.args.reps + 2):
-            b.ctx.sync()
-            t0 = time.perf_counter()
-            ck.save(step)
-            blocked = time.perf_counter() - t0
-            watch = chk._staged_watch(ck)
-            staged = watch() - t0
-            ck.wait()
-            done = time.perf_counter() - t0
-            saves.append({"step": step, "blocked_s": round(blocked, 5),
-                          "staged_after_s": round(staged, 4),
-                          "staging_gbs": chk.rate(b.nbytes, max(staged - blocked, 1e-9)),
-                          "committed_after_s": round(done, 4)})
-            shutil.rmtree(os.path.join(folder, f"step-{step - 1:08d}"), ignore_errors=True)
+        saves = _async_saves(b, ck, lambda step: shutil.rmtree(
+            os.path.join(folder, f"step-{step - 1:08d}"), ignore_errors=True))
         staging_bytes = _staging_bytes(ck)
     finally:
         ck.close()
@@ -312,7 +319,7 @@ def _local_root(b: Bench) -> str:
 def ours_local_async(b: Bench) -> dict[str, Any]:
     """``reps + 1`` saves to the node-local tier of an async Checkpointer (its files written from
     the device shards in the background): the time ``save()`` blocks, and when the files are
-    written (``wait_staged``: what the next update waits for at most); the first apart."""
+    written (``staged_after_s``: what the next update waits for at most); the first apart."""
     from shardckpt.checkpoint.tiers import LocalTier
     from shardckpt.training.checkpointer import Checkpointer
 
@@ -320,24 +327,13 @@ def ours_local_async(b: Bench) -> dict[str, Any]:
     ck = Checkpointer(b.dir("ours-local-async"), b.engine, async_save=True, keep_last=None,
                       local=LocalTier(path=root, every=1, keep=2, peers=0, ranks_per_node=1),
                       durable_every=10 ** 9, max_staging_bytes=0)
-    saves = []
     try:
-        for step in range(1, b.args.reps + 2):
-            b.ctx.sync()
-            t0 = time.perf_counter()
-            ck.save(step)
-            blocked = time.perf_counter() - t0
-            ck.wait_staged()
-            written = time.perf_counter() - t0
-            ck.wait()
-            saves.append({"step": step, "blocked_s": round(blocked, 5),
-                          "written_after_s": round(written, 4),
-                          "committed_after_s": round(time.perf_counter() - t0, 4)})
+        saves = _async_saves(b, ck)
     finally:
         ck.close()
         shutil.rmtree(root, ignore_errors=True)
     later = saves[1:]
-    written = chk.median([s["written_after_s"] for s in later])
+    written = chk.median([s["staged_after_s"] for s in later])
     return {"saves": saves, "where": os.path.dirname(root), "first_blocked_s": saves[0]["blocked_s"],
             "later_blocked_s": chk.median([s["blocked_s"] for s in later]),
             "written_median_s": written, "written_gbs": chk.rate(b.nbytes, written)}
