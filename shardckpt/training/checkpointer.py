@@ -34,9 +34,10 @@ if a checksum fails while loading it (on any rank), every rank falls back to the
 
 Tiers: with ``local=LocalTier(path=..., every=K, keep=2, peers=1)`` and ``durable_every=M``,
 ``save(step)`` writes to each node's directory every K steps (peer copies and commit in the
-background; with ``async_save`` the write too, the next update waiting for it), and commits the same checkpoint at ``run_url`` every M steps, copied from the node
-directories in the background; ``resume`` takes the newest checkpoint it can assemble from the
-local tier (own copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`,
+background; with ``async_save`` the write too, the next update waiting for it), and commits the
+same checkpoint at ``run_url`` every M steps, copied from the node directories in the
+background; ``resume`` takes the newest checkpoint it can assemble from the local tier (own
+copies, then peers') or the durable one (:mod:`shardckpt.training.tiers`,
 :mod:`shardckpt.checkpoint.resume_policy`); the newer checkpoints it passed over are put aside.
 Each tier is a :class:`~shardckpt.training.tier.Tier` (call order there).
 Without ``local``, every ``save`` goes to ``run_url`` (or every M-th step with ``durable_every``).

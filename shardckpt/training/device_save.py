@@ -5,8 +5,8 @@
 gets for shard and frozen files. Written in parallel, CPU shards go to the disk straight from
 their own memory; CUDA shards are copied window by window into a small ring of pinned buffers on
 a side stream per worker (each copy waits for the work queued on the device when the save
-began: :func:`device_events`), so device-to-host copies overlap the checksums and writes of other windows, and no
-full-size host copy of the state is made. Streamed (object stores), device shards go to the host
+began: :func:`device_events`), so device-to-host copies overlap the checksums and writes of
+other windows, and no full-size host copy of the state is made. Streamed (object stores), device shards go to the host
 in pieces of at most :data:`PIECE_BYTES`. State in offload files streams from its file.
 """
 
