@@ -334,7 +334,7 @@ def ours_local_async(b: Bench) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
     later = saves[1:]
     written = chk.median([s["staged_after_s"] for s in later])
-    return {"saves": saves, "where": os.path.dirname(root), "first_blocked_s": saves[0]["blocked_s"],
+    return {"saves": saves, "where": root, "first_blocked_s": saves[0]["blocked_s"],
             "later_blocked_s": chk.median([s["blocked_s"] for s in later]),
             "written_median_s": written, "written_gbs": chk.rate(b.nbytes, written)}
 

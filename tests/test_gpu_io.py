@@ -36,7 +36,8 @@ def test_small_cpu_run_measures_every_part_and_writes_the_ratios(tmp_path):
     assert doc["staging_bytes"] == doc["settings"]["state_bytes"]
     local = doc["parts"]["ours_local_async"]
     assert len(local["saves"]) == 4 and isinstance(doc["local_async_blocked_s"], float)
-    assert all(s["blocked_s"] <= s["staged_after_s"] <= s["committed_after_s"] for s in local["saves"])
+    # the node directory it used (tmpfs where it had room) is gone once the part is done
+    assert local["where"].startswith(("/dev/shm/", str(tmp_path))) and not Path(local["where"]).exists()
     # the pinned stager: either measured, or every refusal recorded as the result
     pinned = doc["parts"]["dcp_async_pinned"]
     assert pinned.get("blocked_median_s") is not None or pinned["refused"]
