@@ -18,7 +18,7 @@ import torch
 from testing.ckpt_runs import coordinator, flip_bit, new_world
 from testing.engines import llama_batches, llama_engine, train_llama
 from testing.fsspec_probes import SlowFS, register_all
-from testing.ranks import run_distributed
+from testing.ranks import gloo_threads, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,7 @@ def _async(pm, root: str) -> dict:
     out: dict = {}
     # 1. snapshot isolation and overlap: writes are slowed down, training goes on meanwhile
     os.environ["SHARDCKPT_TEST_WRITE_DELAY"] = "0.05"
+    threads_before = gloo_threads()
     ckpt = Checkpointer(f"slowfile://{root}/run", engine, async_save=True)
     train_llama(engine, opt, data, range(1))
     snapshot = {g: {k: t.clone() for k, t in kinds.items()} for g, kinds in engine.local_shards().items()}
@@ -70,8 +71,12 @@ def _async(pm, root: str) -> dict:
     mgr = CheckpointManager(f"{root}/run")
     out["latest"] = mgr.read_latest()
     out["resume_step"] = mgr.resume_point(full_verify=True).step
+    out["threads_open"] = gloo_threads()
     fail.close()
     ckpt.close()
+    # close() destroyed each Checkpointer's own gloo group: its threads are joined now, not
+    # left to the interpreter's exit (where a gloo thread can abort the process)
+    out["gloo_threads"] = [threads_before, out.pop("threads_open"), gloo_threads()]
     return out
 
 
@@ -206,6 +211,8 @@ def test_async_save(run):
         assert o["step_done"] < o["write_done"]
         assert o["error"] and "ENOSPC" in o["error"] or "No space left" in (o["error"] or ""), o["error"]
         assert o["latest"] == step_dir(1) and o["resume_step"] == 1
+        before, open_, after = o["gloo_threads"]
+        assert open_ == before + 4 and after == before, o["gloo_threads"]  # two groups, 2 threads each
     assert not os.path.exists(os.path.join(run["root"], "async", "run", step_dir(2), "manifest.json"))
 
 

@@ -26,7 +26,7 @@ import threading
 import pytest
 
 from testing.engines import tiny_engine, tiny_step
-from testing.ranks import run_ranks
+from testing.ranks import gloo_threads, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -91,9 +91,9 @@ def job(rank: int, world: int, root: str) -> dict:
     engine, opt = tiny_engine(pm)
     engine.register_update_pre_hook(order.before)
     tier = LocalTier(path=f"{root}/local/node{{node}}", every=2, keep=2, peers=1, ranks_per_node=1)
+    out: dict = {"gloo_threads": [gloo_threads()]}
     ckpt = Checkpointer(f"{root}/durable", engine, local=tier, durable_every=4, async_save=True)
     engine.register_update_pre_hook(order.after)
-    out: dict = {}
     for i in range(1, 7):
         tiny_step(engine, opt, i, pm.rank)
         order.returned.clear()
@@ -105,6 +105,7 @@ def job(rank: int, world: int, root: str) -> dict:
             out["saved"] = _digest(engine)
     tiny_step(engine, opt, 7, pm.rank)  # the update waits for the step-6 files
     ckpt.close()
+    out["gloo_threads"].append(gloo_threads())
     out["order"] = order.log
     fresh, _ = tiny_engine(pm)
     again = Checkpointer(f"{root}/durable", fresh, local=tier, async_save=True)
@@ -129,7 +130,9 @@ def job(rank: int, world: int, root: str) -> dict:
     out["full_start"], out["full_resume"] = again.resume(), again.last_resume
     out["full_resumed"] = _digest(fresh)
     again.close()
+    out["gloo_threads"].append(gloo_threads())
     out.update(_failing_write(pm, root))
+    out["gloo_threads"].append(gloo_threads())
     return out
 
 
@@ -186,6 +189,15 @@ def test_async_local_save_returns_before_the_node_write_and_the_update_waits_for
         # local saves at 2, 4 (durable too: copied from the node) and 6
         assert log == ["write starts, save() returned: True", "update reached first: True",
                        "update runs, files written: True"] * 3, log
+
+
+def test_close_destroys_the_checkpointers_group(run):
+    # after each close() (of a run that saved, one whose node was full, one whose write
+    # failed), the Checkpointer's own gloo group is destroyed: its threads are joined there,
+    # not left to the interpreter's exit, where a gloo thread can abort the process
+    for r in run["ranks"]:
+        counts = r.value["gloo_threads"]
+        assert len(counts) == 4 and len(set(counts)) == 1 and counts[0] > 0, counts
 
 
 def test_async_local_save_resumes_bit_exact(run):

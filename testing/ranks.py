@@ -309,3 +309,17 @@ def run_cases(cases: dict[str, Callable[..., Any]], names: Sequence[str],
 
     pm = init_distributed(timeout_s=timeout_s)
     return {name: cases[name](pm) for name in names}
+
+
+def gloo_threads() -> int:
+    """How many gloo worker threads this process runs now (``pt_gloo_runloop``, two per live
+    gloo group), as Linux names them in ``/proc/self/task``: a group whose threads are gone has
+    been destroyed, not merely removed from ``torch.distributed``'s tables."""
+    task = Path("/proc/self/task")
+    names = []
+    for tid in os.listdir(task):
+        try:
+            names.append((task / tid / "comm").read_text().strip())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return names.count("pt_gloo_runloop")

@@ -83,8 +83,8 @@ class Attempt(Generic[W]):
     for the call order. ``open_writer(save_id)`` opens a writer (``None``: under a new save id).
 
     ``save_id``: the attempt's (None: rank 0 picks one). ``guard()``: rank 0's checks before
-    anything is written. ``room(writer)``: rank 0's check of the space. ``after_loss(committing)``:
-    what a lost process left behind (asked then). ``verify_before_commit(writer, reports)``: see
+    anything is written. ``room(writer)``: rank 0's check of the space. ``after_loss(committing,
+    writer)``: what a lost process left behind (asked then; ``writer``: this process's, if open). ``verify_before_commit(writer, reports)``: see
     step 3.
     """
 
@@ -92,7 +92,7 @@ class Attempt(Generic[W]):
                  save_id: str | None = None, guard: Callable[[], Any] | None = None,
                  tell_guard: bool = False, room: Callable[[W], None] | None = None,
                  discard: bool = True, lease_ttl_s: float = DEFAULT_TTL_S,
-                 after_loss: Callable[[bool], str] | None = None,
+                 after_loss: Callable[[bool, W | None], str] | None = None,
                  verify_before_commit: Callable[[W, list[Any]], None] | None = None,
                  check_written: Callable[[W, list[Any]], None] | None = None) -> None:
         self.job, self.where, self.steps, self.open_writer = job, where, steps, open_writer
@@ -192,7 +192,7 @@ class Attempt(Generic[W]):
 
     def _lost(self, committing: bool) -> Callable[[], str] | None:
         after = self.after_loss
-        return None if after is None else (lambda: after(committing))
+        return None if after is None else (lambda: after(committing, self.writer))
 
 
 class ForeignFiles:

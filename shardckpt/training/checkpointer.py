@@ -206,7 +206,8 @@ class Checkpointer:
         return self._executor.in_flight
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error), then release the private group."""
+        """Wait for the save in flight (raising its error), then destroy the private group (its
+        threads are joined before this returns)."""
         try:
             self.wait()
         finally:
@@ -215,12 +216,21 @@ class Checkpointer:
             for handle in self._hooks:
                 handle.remove()
             self._hooks, self._hooked, self._engine_hooked = [], set(), False
-            if self._group is not None:
-                import torch.distributed as dist
+            self._release_group()
 
-                if dist.is_initialized():
-                    dist.destroy_process_group(self._group)
-                self._group = None
+    def _release_group(self) -> None:
+        """Destroy the private group, and drop every reference to it, so that its gloo
+        threads are joined now: a group left to the interpreter's exit can abort the process
+        there (a gloo thread that needs the interpreter after it has begun to finalize)."""
+        if self._group is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+        for tier in self.tiers:
+            tier.group = None
 
     # ---------------------------------------------------------------------------- resume
 

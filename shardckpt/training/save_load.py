@@ -190,7 +190,7 @@ class SaveJob:
                                 f"commit of {self.url}"),
                           lambda save_id: CheckpointWriter(self.storage, self.spec, save_id),
                           guard=previous, tell_guard=True, discard=False,
-                          after_loss=lambda committing: self.commit_status(committing, attempt.writer),
+                          after_loss=self.commit_status,
                           check_written=replicas_agree)
 
         def write(writer: CheckpointWriter) -> list[dict[str, Any]]:

@@ -36,6 +36,8 @@ class Tier(Protocol):
     candidates for resume (module docstring)."""
 
     name: str
+    #: the Checkpointer's own process group (None: one process, or the Checkpointer is closed)
+    group: Any
 
     def due(self, step: int) -> bool: ...
 
