@@ -134,7 +134,7 @@ def test_a_training_job_raises_the_exchange_error_and_keeps_the_files(tmp_path: 
         _blob(w)
         raise IntegrityError("broken")
 
-    attempt = _attempt(storage, job, discard=False, after_loss=lambda committing: "unused")
+    attempt = _attempt(storage, job, discard=False, after_loss=lambda committing, writer: "unused")
     with pytest.raises(CollectiveError, match=r"test: writing the files failed on rank\(s\) \[0\]"):
         attempt.run(share, lambda w, _: w.commit([]))
     assert attempt.writer is not None and storage.exists(f"{attempt.writer.save_id}/part")
