@@ -67,7 +67,7 @@ def main() -> None:
             logging.info("step %d loss %.4f", step, loss.item())
         if (step + 1) % args.save_every == 0:
             ckpt.save(step + 1)                             # returns once shards are staged
-    ckpt.close()                                            # waits for the last save
+    ckpt.close()                                            # waits for the last save; ends its gloo group
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
