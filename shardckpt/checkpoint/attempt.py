@@ -84,8 +84,8 @@ class Attempt(Generic[W]):
 
     ``save_id``: the attempt's (None: rank 0 picks one). ``guard()``: rank 0's checks before
     anything is written. ``room(writer)``: rank 0's check of the space. ``after_loss(committing,
-    writer)``: what a lost process left behind (asked then; ``writer``: this process's, if open). ``verify_before_commit(writer, reports)``: see
-    step 3.
+    writer)``: what a lost process left behind (asked then; ``writer``: this process's, or None
+    if not open yet). ``verify_before_commit(writer, reports)``: see step 3.
     """
 
     def __init__(self, job: Job, where: str, steps: Steps, open_writer: Callable[[str | None], W], *,
