@@ -71,12 +71,12 @@ def _async(pm, root: str) -> dict:
     mgr = CheckpointManager(f"{root}/run")
     out["latest"] = mgr.read_latest()
     out["resume_step"] = mgr.resume_point(full_verify=True).step
-    out["threads_open"] = gloo_threads()
+    threads_open = gloo_threads()
     fail.close()
     ckpt.close()
     # close() destroyed each Checkpointer's own gloo group: its threads are joined now, not
     # left to the interpreter's exit (where a gloo thread can abort the process)
-    out["gloo_threads"] = [threads_before, out.pop("threads_open"), gloo_threads()]
+    out["gloo_threads"] = [threads_before, threads_open, gloo_threads()]
     return out
 
 
